@@ -1,0 +1,1 @@
+"""zbuf: ZeRO-3 training for torch.compile."""
