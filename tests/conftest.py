@@ -1,0 +1,23 @@
+"""Suite-wide settings.
+
+Multi-process tests start several torch processes on a 2-core machine: one intra-op thread per
+process keeps them from oversubscribing the cores (and keeps CPU numerics deterministic).
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
