@@ -1,0 +1,119 @@
+"""Typed, validated options of the zbuf compile backend.
+
+Every field is rank-invariant by construction (plain numbers and flags that each rank passes
+identically), because every input to the scheduler must be the same on all ranks: see
+[Note: rank-invariant schedule] in schedule.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+__all__ = ["CompileOptions"]
+
+Inner = Literal["inductor", "aot_eager"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of ``torch.compile(m, backend="zbuf", options={...})`` and ``zbuf.compile``."""
+
+    budget_bytes: int | None = None
+    """Cap on live gathered bytes at every node of every graph. ``None``: derived from the
+    rank-agreed free memory (see budget.py). Raised to the smallest feasible value (the bytes a
+    single node needs at once) when set lower, and reported as such."""
+
+    prefetch: bool = True
+    """Start gathers early so that communication overlaps compute, within the budget."""
+
+    persist: bool = True
+    """Keep some gathered weights resident from forward to backward when the budget leaves room
+    (ranked by communication time saved per byte) instead of re-gathering them in backward."""
+
+    persist_fraction: float = 0.5
+    """Share of the budget that selective persistence may use; the rest stays for prefetch."""
+
+    coalesce: bool = True
+    """Issue one collective for adjacent small gathers of the same block."""
+
+    coalesce_max_bytes: int = 64 << 20
+    """Largest total gathered bytes of one coalesced collective."""
+
+    coalesce_min_bytes: int = 32 << 20
+    """Gathers at or above this size are never coalesced (they already saturate the link)."""
+
+    inner: Inner = "inductor"
+    """What compiles the rewritten graphs: Inductor, or ``aot_eager`` (runs the FX graphs as they
+    are; fast to compile, for debugging and CPU tests)."""
+
+    check_fingerprint: bool = True
+    """Check on the first run of every compiled graph that all ranks planned the same collective
+    order; a mismatch raises ``ScheduleMismatchError`` on every rank."""
+
+    margin_fraction: float = 0.1
+    """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
+
+    link_bytes_per_second: float = 100e9
+    """Per-rank all-gather bandwidth of the cost model (bytes received per second)."""
+
+    collective_latency_seconds: float = 30e-6
+    """Fixed cost of one collective in the cost model."""
+
+    flops_per_second: float = 400e12
+    """Matmul throughput of the cost model."""
+
+    memory_bytes_per_second: float = 3e12
+    """Memory bandwidth of the cost model (elementwise and data-movement nodes)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"zbuf compile option {msg}")
+
+        if self.budget_bytes is not None:
+            need(
+                isinstance(self.budget_bytes, int) and not isinstance(self.budget_bytes, bool)
+                and self.budget_bytes > 0,
+                f"budget_bytes={self.budget_bytes!r} must be a positive int (bytes) or None "
+                "to derive it from the rank-agreed free memory",
+            )
+        for name in ("prefetch", "persist", "coalesce", "check_fingerprint"):
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
+        need(0.0 <= self.persist_fraction <= 1.0,
+             f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")
+        need(0.0 <= self.margin_fraction < 1.0,
+             f"margin_fraction={self.margin_fraction!r} must lie in [0, 1)")
+        for name in ("coalesce_max_bytes", "coalesce_min_bytes"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 0, f"{name}={v!r} must be a non-negative int (bytes)")
+        need(self.inner in ("inductor", "aot_eager"),
+             f"inner={self.inner!r} must be 'inductor' or 'aot_eager'")
+        for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
+        need(self.collective_latency_seconds >= 0,
+             f"collective_latency_seconds={self.collective_latency_seconds!r} must be >= 0")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
+        """Build from ``torch.compile(..., options=...)``; unknown keys are an error."""
+        if options is None:
+            return cls()
+        if isinstance(options, CompileOptions):
+            return options
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown zbuf compile option(s) {unknown}; valid options: {sorted(known)}"
+            )
+        return cls(**dict(options))
+
+    def digest(self) -> str:
+        """Stable hash of every field, part of the passes' cache uuid."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,220 @@
+"""The gather planner: where each all-gather starts, waits and is released.
+
+A pure function over ``GraphSummary`` (graph_model.py): no FX, no torch, so it is tested on
+random DAGs and timed on synthetic 14B-sized graphs.
+
+[Note: rank-invariant schedule]
+Collectives must be issued in the same order on every rank. The planner is deterministic (every
+sort has a total key, no set or id ordering, no clocks) and its inputs (graph order, sizes from
+``meta["val"]``, the cost model constants, the agreed budget) are the same on every rank, so
+every rank computes the same schedule. fingerprint.py checks that this held at run time.
+
+[Note: live gathered bytes]
+A gathered buffer is taken from the pool at its fetch's start slot and returned right after the
+last use of its segment (or never, inside this graph, when it escapes as a saved tensor). So a
+member is live at nodes ``start .. last_use`` inclusive, and the profile is the sum of those
+intervals. The planner keeps ``profile[i] <= budget`` at every node by construction and builds the
+profile in four steps, each only adding bytes where the budget allows:
+1. minimum: every gather live only at the nodes that read it (re-gather between uses);
+2. merge: keep a gather alive across a gap between two uses instead of re-gathering (short
+   gaps first), which saves a collective;
+3. coalesce: one collective for adjacent small segments of the same block, members live from
+   the group's first use;
+4. prefetch: move each fetch's start earlier until the compute before its first use covers the
+   estimated communication time; starts keep the order of first uses, so the issue order is the
+   order of waits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from .graph_model import GraphSummary
+from .options import CompileOptions
+
+__all__ = ["Segment", "Fetch", "Schedule", "plan_schedule", "live_gathered_bytes"]
+
+
+class Segment(NamedTuple):
+    """A run of uses of one gather served by one gathered buffer."""
+
+    gather: int
+    """Index into ``GraphSummary.gathers``."""
+    uses: tuple[int, ...]
+    release_after: int | None
+    """Position of the last use; the release goes right after it. ``None``: escapes the graph."""
+
+
+class Fetch(NamedTuple):
+    """One collective: a single gather, or several coalesced ones of the same block."""
+
+    members: tuple[Segment, ...]
+    start: int
+    """Slot of the collective's start (before node ``start``)."""
+    wait: int
+    """Slot of the wait: the first use of any member."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    fetches: tuple[Fetch, ...]
+    """In issue order (non-decreasing ``start``; ties keep first-use order)."""
+    requested_budget_bytes: int
+    budget_bytes: int
+    """The budget planned against: the request, raised to ``floor_bytes`` if it was below."""
+    floor_bytes: int
+    """Smallest feasible budget: the most gathered bytes any single node needs at once."""
+    peak_live_bytes: int
+    planning_seconds: float
+    profile: np.ndarray = field(repr=False, compare=False)
+    """Live gathered bytes at each node (int64, length ``num_nodes``)."""
+
+    @property
+    def prefetched(self) -> int:
+        return sum(1 for f in self.fetches if f.start < f.wait)
+
+    @property
+    def coalesced_groups(self) -> int:
+        return sum(1 for f in self.fetches if len(f.members) > 1)
+
+    @property
+    def regathers(self) -> int:
+        """Segments beyond the first of each gather (extra collectives to save memory)."""
+        seen: set[int] = set()
+        extra = 0
+        for f in self.fetches:
+            for m in f.members:
+                extra += m.gather in seen
+                seen.add(m.gather)
+        return extra
+
+
+def _comm_seconds(nbytes: int, options: CompileOptions) -> float:
+    return options.collective_latency_seconds + nbytes / options.link_bytes_per_second
+
+
+def plan_schedule(
+    summary: GraphSummary, budget_bytes: int, options: CompileOptions | None = None
+) -> Schedule:
+    """Plan every gather of ``summary`` so live gathered bytes never exceed the budget.
+
+    See [Note: live gathered bytes] for the four steps. Raises ``ValueError`` for a non-positive
+    budget; a budget below the feasible floor is raised to it (``Schedule.budget_bytes``).
+    """
+    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    options = options or CompileOptions()
+    t0 = time.perf_counter()
+    n = summary.num_nodes
+    gathers = summary.gathers
+    profile = np.zeros(n, dtype=np.int64)
+
+    # Step 1: the minimum profile.
+    for g in gathers:
+        if g.escapes:
+            profile[g.uses[0] :] += g.nbytes
+        else:
+            profile[list(g.uses)] += g.nbytes
+    floor = int(profile.max()) if n else 0
+    budget = max(int(budget_bytes), floor)
+
+    # Step 2: merge gaps between consecutive uses, shortest gaps first.
+    merged: list[list[bool]] = [[g.escapes] * max(len(g.uses) - 1, 0) for g in gathers]
+    gaps = [
+        (g.uses[j + 1] - g.uses[j] - 1, g.nbytes, gi, j)
+        for gi, g in enumerate(gathers)
+        if not g.escapes
+        for j in range(len(g.uses) - 1)
+    ]
+    gaps.sort()
+    for length, nbytes, gi, j in gaps:
+        a, b = gathers[gi].uses[j] + 1, gathers[gi].uses[j + 1]
+        if length == 0 or int(profile[a:b].max()) + nbytes <= budget:
+            profile[a:b] += nbytes
+            merged[gi][j] = True
+
+    segments: list[Segment] = []
+    for gi, g in enumerate(gathers):
+        run = [g.uses[0]]
+        for j in range(1, len(g.uses)):
+            if merged[gi][j - 1]:
+                run.append(g.uses[j])
+            else:
+                segments.append(Segment(gi, tuple(run), run[-1]))
+                run = [g.uses[j]]
+        segments.append(Segment(gi, tuple(run), None if g.escapes else run[-1]))
+    segments.sort(key=lambda s: (s.uses[0], s.gather, s.uses))
+
+    # Step 3: coalesce adjacent small segments of one block.
+    groups: list[list[Segment]] = []
+    group_bytes = 0
+    for seg in segments:
+        g = gathers[seg.gather]
+        small = g.nbytes < options.coalesce_min_bytes
+        if options.coalesce and groups and small and g.block:
+            head = groups[-1][0]
+            hg = gathers[head.gather]
+            a_g, a_i = head.uses[0], seg.uses[0]
+            if (
+                hg.block == g.block
+                and all(gathers[m.gather].nbytes < options.coalesce_min_bytes for m in groups[-1])
+                and all(m.gather != seg.gather for m in groups[-1])
+                and group_bytes + g.nbytes <= options.coalesce_max_bytes
+                and g.earliest <= a_g
+                and (a_i == a_g or int(profile[a_g:a_i].max()) + g.nbytes <= budget)
+            ):
+                profile[a_g:a_i] += g.nbytes
+                groups[-1].append(seg)
+                group_bytes += g.nbytes
+                continue
+        groups.append([seg])
+        group_bytes = g.nbytes
+
+    # Step 4: prefetch within the budget, starts in first-use order.
+    elapsed = np.concatenate(([0.0], np.cumsum(np.asarray(summary.compute_seconds, dtype=np.float64))))
+    fetches: list[Fetch] = []
+    prev_start = 0
+    for members in groups:
+        wait = members[0].uses[0]
+        nbytes = sum(gathers[m.gather].nbytes for m in members)
+        lo = max(prev_start, max(gathers[m.gather].earliest for m in members))
+        start = wait
+        if options.prefetch and lo < wait:
+            need = _comm_seconds(nbytes, options)
+            # Largest slot s with elapsed[wait] - elapsed[s] >= need, i.e. enough compute between.
+            s = int(np.searchsorted(elapsed, elapsed[wait] - need, side="right")) - 1
+            s = min(max(s, lo), wait)
+            window = profile[s:wait] + nbytes > budget
+            if window.any():
+                s += int(np.flatnonzero(window)[-1]) + 1
+            profile[s:wait] += nbytes
+            start = s
+        fetches.append(Fetch(tuple(members), start, wait, nbytes))
+        prev_start = start
+
+    peak = int(profile.max()) if n else 0
+    assert peak <= budget, f"zbuf planner bug: peak {peak} > budget {budget}"
+    return Schedule(
+        fetches=tuple(fetches),
+        requested_budget_bytes=int(budget_bytes),
+        budget_bytes=budget,
+        floor_bytes=floor,
+        peak_live_bytes=peak,
+        planning_seconds=time.perf_counter() - t0,
+        profile=profile,
+    )
+
+
+def live_gathered_bytes(summary: GraphSummary, schedule: Schedule) -> np.ndarray:
+    """Recompute the live-bytes profile from the fetches alone (an independent check)."""
+    profile = np.zeros(summary.num_nodes, dtype=np.int64)
+    for f in schedule.fetches:
+        for m in f.members:
+            end = summary.num_nodes - 1 if m.release_after is None else m.release_after
+            profile[f.start : end + 1] += summary.gathers[m.gather].nbytes
+    return profile
