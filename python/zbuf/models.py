@@ -1,0 +1,374 @@
+"""The built-in decoder: a Qwen3-shaped transformer for demos, tests and benchmarks.
+
+Architecture (as in the public Qwen3 dense models): token embedding, ``num_layers`` pre-norm
+blocks of GQA attention (per-head RMSNorm on q and k, rotary position embedding, causal
+``F.scaled_dot_product_attention``) and a SwiGLU MLP, a final RMSNorm and an output projection
+that is optionally tied to the embedding. No biases anywhere.
+
+Choices that matter to the rest of zbuf:
+
+- Rotary tables are computed in ``forward`` from the sequence length, not stored as buffers, so a
+  model built on the meta device needs nothing but its parameters materialised, and every engine
+  (DDP, FSDP2, ``zbuf.shard``) sees the same parameter-only module.
+- A tied output head reuses ``embed_tokens.weight`` through ``F.linear``: there is one parameter,
+  one state-dict key and nothing for a wrapper to de-duplicate.
+- Activation checkpointing lives inside ``Block.forward`` (non-reentrant
+  ``torch.utils.checkpoint``), so a per-block ``torch.compile`` captures it and the state-dict keys
+  do not change (no wrapper module).
+- Every module's ``reset_parameters()`` produces the intended initialisation, so materialising a
+  meta model module by module (``to_empty`` then ``reset_parameters``) equals building it eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "ModelConfig",
+    "PRESETS",
+    "RMSNorm",
+    "Attention",
+    "MLP",
+    "Block",
+    "Decoder",
+    "build_model",
+    "resolve_config",
+    "apply_activation_checkpointing",
+    "loss",
+    "count_params",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3-style decoder. Validated on construction."""
+
+    vocab_size: int
+    """Number of token ids; the embedding has this many rows."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of transformer blocks."""
+    num_heads: int
+    """Query heads per attention layer."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    head_dim: int
+    """Width of one attention head (Qwen3 decouples it from ``hidden_size // num_heads``); even,
+    because rotary embedding rotates pairs of channels."""
+    ffn_hidden_size: int
+    """Inner width of the SwiGLU MLP (``intermediate_size`` in Hugging Face configs)."""
+    tie_embeddings: bool = False
+    """Use the embedding matrix as the output projection (no separate ``lm_head``)."""
+    rope_theta: float = 1_000_000.0
+    """Rotary embedding base frequency."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    max_seq_len: int = 40_960
+    """Longest sequence the model accepts (Qwen3's ``max_position_embeddings``)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of embeddings and linear weights."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "ffn_hidden_size", "max_seq_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embedding, got "
+                             f"{self.head_dim}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got "
+                             f"{self.tie_embeddings!r}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Exact parameter count of the model this config builds."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + 2 * self.head_dim  # q/k/v/o + q_norm + k_norm
+        mlp = 3 * h * self.ffn_hidden_size
+        block = attn + mlp + 2 * h  # two pre-norms
+        embed = self.vocab_size * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return embed + self.num_layers * block + h + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (forward + backward), the MFU numerator.
+
+        ``6 * N`` for the matmuls, where N excludes the embedding lookup but includes the output
+        projection, plus ``12 * layers * heads * head_dim * seq_len`` for attention scores and
+        values (the PaLM / torchtitan convention: the causal mask and activation-checkpointing
+        recompute are not counted).
+        """
+        dense = self.num_params() - self.vocab_size * self.hidden_size
+        if self.tie_embeddings:
+            dense += self.vocab_size * self.hidden_size  # the head still multiplies
+        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6.0 * dense + attn
+
+
+def _qwen3(hidden: int, layers: int, heads: int, ffn: int, tie: bool) -> ModelConfig:
+    # Shared by every public Qwen3 dense config: head_dim 128, 8 KV heads, vocab 151936,
+    # rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960.
+    return ModelConfig(vocab_size=151_936, hidden_size=hidden, num_layers=layers,
+                       num_heads=heads, num_kv_heads=8, head_dim=128, ffn_hidden_size=ffn,
+                       tie_embeddings=tie)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU-friendly (2.4 M parameters): tied, so tests exercise the tied head; GQA 4:2; a byte
+    # vocabulary, so the synthetic tasks need no tokenizer.
+    "tiny": ModelConfig(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4,
+                        num_kv_heads=2, head_dim=64, ffn_hidden_size=512, tie_embeddings=True,
+                        rope_theta=10_000.0, max_seq_len=2048),
+    # Hugging Face Qwen/Qwen3-*/config.json (hidden, layers, heads, intermediate, tied).
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, tie=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, tie=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, tie=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288, tie=False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408, tie=False),
+}
+
+
+def resolve_config(preset_or_config: Union[str, ModelConfig]) -> ModelConfig:
+    """A ``ModelConfig`` from a preset name or a config (returned as is)."""
+    if isinstance(preset_or_config, ModelConfig):
+        return preset_or_config
+    if isinstance(preset_or_config, str):
+        try:
+            return PRESETS[preset_or_config]
+        except KeyError:
+            raise ValueError(f"unknown model preset {preset_or_config!r}; choose one of "
+                             f"{', '.join(PRESETS)} or pass a ModelConfig") from None
+    raise TypeError(f"expected a preset name or a ModelConfig, got "
+                    f"{type(preset_or_config).__name__}")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back (as Qwen3 does under bf16)."""
+
+    def __init__(self, dim: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` without bias, initialised N(0, std) instead of Kaiming-uniform."""
+
+    def __init__(self, in_features: int, out_features: int, std: float, *, device=None,
+                 dtype=None) -> None:
+        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+class _Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised N(0, std): N(0, 1) would give a tied head huge logits."""
+
+    def __init__(self, num: int, dim: int, std: float, *, device=None, dtype=None) -> None:
+        self.std = std
+        super().__init__(num, dim, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim), half-split layout (Hugging Face ``rotate_half``)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
+                                             dtype=torch.float32) / head_dim))
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm and rotary embedding."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.init_std, **kw)
+        self.k_proj = _Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.init_std, **kw)
+        self.v_proj = _Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.init_std, **kw)
+        self.o_proj = _Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.init_std, **kw)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, **kw)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            # Expand K/V to the query heads. SDPA's enable_gqa would avoid the copy, but not every
+            # fused kernel accepts it; an expand+reshape takes the flash/cuDNN paths everywhere.
+            k = k[:, :, None].expand(b, self.num_kv_heads, groups, t, self.head_dim).reshape(
+                b, self.num_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.num_kv_heads, groups, t, self.head_dim).reshape(
+                b, self.num_heads, t, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.gate_proj = _Linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, **kw)
+        self.up_proj = _Linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, **kw)
+        self.down_proj = _Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.init_std, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; optionally checkpointed (recomputed in backward)."""
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+        self.self_attn = Attention(cfg, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.activation_checkpointing = False
+
+    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+        return self._body(x, cos, sin)
+
+
+class Decoder(nn.Module):
+    """Qwen3-shaped causal language model: ``forward(tokens [B, T] int64) -> logits [B, T, V]``.
+
+    Logits come out in the compute dtype; ``loss`` upcasts them to fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.config = cfg
+        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, **kw)
+        self.layers = nn.ModuleList(Block(cfg, **kw) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
+        self.lm_head: Optional[_Linear] = (
+            None if cfg.tie_embeddings
+            else _Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, **kw))
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter in place (after ``to_empty`` on a meta model).
+
+        Seed the generator first for a reproducible model: the modules are visited in
+        registration order, so the same seed gives the same weights as an eager build.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"Decoder expects tokens of shape [batch, seq], got "
+                             f"{tuple(tokens.shape)}")
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len "
+                             f"{self.config.max_seq_len}")
+        h = self.embed_tokens(tokens)
+        cos, sin = rotary_tables(t, self.config.head_dim, self.config.rope_theta, h.device, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+
+def build_model(preset_or_config: Union[str, ModelConfig], *, device=None,
+                dtype: Optional[torch.dtype] = None) -> Decoder:
+    """Build the decoder for a preset name (see ``PRESETS``) or a ``ModelConfig``.
+
+    ``device="meta"`` allocates nothing (count parameters, or materialise later with
+    ``model.to_empty(device=...)`` and ``model.reset_parameters()``). The caller seeds the RNG.
+    """
+    cfg = resolve_config(preset_or_config)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"build_model dtype must be a floating-point dtype, got {dtype}")
+    return Decoder(cfg, device=device, dtype=dtype)
+
+
+def apply_activation_checkpointing(model: Decoder, enabled: bool = True) -> Decoder:
+    """Checkpoint every block (non-reentrant): keep only block inputs, recompute in backward.
+
+    Call before ``torch.compile`` (the flag is read while tracing). Returns the model.
+    """
+    if not isinstance(model, Decoder):
+        raise TypeError(f"apply_activation_checkpointing expects a zbuf.models.Decoder, got "
+                        f"{type(model).__name__}")
+    for layer in model.layers:
+        layer.activation_checkpointing = enabled
+    return model
+
+
+def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+         ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; ``targets`` equal to ``ignore_index`` count not."""
+    logits = model(tokens)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           ignore_index=ignore_index)
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameter elements (meta tensors count too)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
