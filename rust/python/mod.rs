@@ -1,6 +1,17 @@
+//! PyO3 bindings: the `zbuf._core` extension module.
+
+mod dlpack;
+mod errors;
+mod pool;
+mod shared;
+
 use pyo3::prelude::*;
 
 #[pymodule]
-fn _core(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::PoolCore>()?;
+    m.add("DLPACK_VERSION", (dlpack::DLPACK_MAJOR, dlpack::DLPACK_MINOR))?;
+    m.add("DEFAULT_BUDGET_DIVISOR", pool::DEFAULT_BUDGET_DIVISOR)?;
+    m.add("DEFAULT_HARD_CAP_DIVISOR", pool::DEFAULT_HARD_CAP_DIVISOR)?;
     Ok(())
 }

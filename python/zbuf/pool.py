@@ -1,0 +1,341 @@
+"""Torch-facing gather-buffer pool.
+
+`GatherBufferPool` hands out torch tensors that are zero-copy views of byte blocks owned by the
+Rust pool (`zbuf._core.PoolCore`, see rust/pool/mod.rs for the policy notes). It adds what only
+Python knows: torch dtypes and devices, the current CUDA stream, and the caching allocator's
+telemetry.
+
+[Note: release contract]
+A tensor from `acquire` goes back to the pool exactly once, whichever comes first:
+* `pool.release(t)`: the block is reusable at once (stream-ordered: the next user on another
+  stream waits for this release on the device), even though `t` still exists. Compiled graphs
+  rely on this. `t` (and its views) must not be used afterwards: its memory belongs to the next
+  acquirer.
+* the last reference to `t`'s storage dying (the DLPack deleter), for tensors never released.
+Releasing twice raises `DoubleReleaseError`, releasing a tensor from elsewhere
+`ForeignBufferError`; both leave the pool unchanged. `release` takes the tensor `acquire`
+returned or a view of it that starts at the same address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from zbuf import _core
+from zbuf.errors import InvalidDeviceError, InvalidRequestError, UnsupportedDtypeError
+
+__all__ = ["GatherBufferPool", "PoolStats", "default_pool"]
+
+# Index into the dtype table in rust/python/dlpack.rs (keep in sync).
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int8: 4,
+    torch.uint8: 5,
+    torch.int16: 6,
+    torch.int32: 7,
+    torch.int64: 8,
+    torch.bool: 9,
+    torch.complex64: 10,
+    torch.complex128: 11,
+    torch.uint16: 12,
+    torch.uint32: 13,
+    torch.uint64: 14,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's accounting.
+
+    A *pool block* is memory the pool owns and caches (charged to the budget); an *outside*
+    allocation serves a request the budget cannot hold and is freed on release.
+    """
+
+    budget_bytes: int
+    """Bytes the pool may keep in its own blocks (after pressure shrinks and `set_budget`)."""
+    hard_cap_bytes: int
+    """The budget never exceeds this."""
+    charged_bytes: int
+    """Bytes of pool blocks, idle + checked out."""
+    idle_bytes: int
+    """Bytes of idle pool blocks, cached for reuse."""
+    checked_out_bytes: int
+    """Bytes of checked-out pool blocks."""
+    outside_bytes: int
+    """Bytes of checked-out outside allocations."""
+    pending_free_bytes: int
+    """Bytes freed by the pool that wait for their release event before going back to the device."""
+    high_water_bytes: int
+    """Highest `charged_bytes` so far."""
+    high_water_total_bytes: int
+    """Highest `charged_bytes + outside_bytes` so far."""
+    entries: int
+    """Number of pool blocks (idle + checked out)."""
+    checked_out: int
+    """Number of live leases (pool blocks and outside allocations)."""
+    hits: int
+    """Acquires served by an idle block."""
+    misses: int
+    """Acquires served by a new allocation (pool block or outside)."""
+    evictions: int
+    """Pool blocks freed: LRU eviction, budget shrink, `trim`, retired blocks returning."""
+    allocations: int
+    """Successful device allocations (pool blocks + outside)."""
+    outside_allocations: int
+    """The subset of `allocations` made outside the pool."""
+    releases: int
+    """Leases returned (explicitly or by a tensor's deleter)."""
+    alloc_failures: int
+    """Allocations the device refused (each acquire retries once after freeing idle blocks)."""
+    pressure_events: int
+    """Pressure observations that saw the allocator's retry counter rise."""
+    recovering: bool
+    """The one-shot recovery is draining the blocks checked out when it started."""
+    recovered: bool
+    """The recovery has finished; only the recorded hot set is admitted to the pool."""
+
+
+def _parse_device(device: Any) -> tuple[str, int]:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidDeviceError(
+            f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'"
+        ) from e
+    if dev.type == "cpu":
+        return "cpu", 0
+    if dev.type == "cuda":
+        if dev.index is not None:
+            return "cuda", dev.index
+        return "cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0
+    raise InvalidDeviceError(
+        f"device {device!r} is not supported by the gather-buffer pool: use 'cpu', 'cuda' or 'cuda:N'"
+    )
+
+
+def _check_size(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int number of bytes or None, got {value!r}")
+    if value < 0:
+        raise InvalidRequestError(f"{name} must be >= 0 bytes, got {value}")
+    return value
+
+
+class GatherBufferPool:
+    """A per-device pool of gather buffers (see the module notes).
+
+    Args:
+        device: "cpu" (host backend), "cuda" (the current CUDA device) or "cuda:N".
+        budget_bytes: bytes the pool may keep in its own blocks. None: total device memory / 32
+            (host RAM / 32 on "cpu"), clamped to the hard cap. The scheduler usually resets it
+            from its plan with `set_budget`.
+        hard_cap_bytes: upper bound of the budget. None: total device memory / 4 (host RAM / 4).
+        event_log_capacity: telemetry events kept (oldest dropped first); 0 disables the log.
+        recovery_retry_threshold: allocator retries (seen by `observe_*`) that start the one-shot
+            recovery.
+    """
+
+    __slots__ = ("_core", "device", "_stream_index", "_is_cuda", "_acquire_core", "_release_core")
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        budget_bytes: int | None = None,
+        hard_cap_bytes: int | None = None,
+        *,
+        event_log_capacity: int = 4096,
+        recovery_retry_threshold: int = 3,
+    ) -> None:
+        kind, index = _parse_device(device)
+        budget_bytes = _check_size("budget_bytes", budget_bytes)
+        hard_cap_bytes = _check_size("hard_cap_bytes", hard_cap_bytes)
+        if hard_cap_bytes == 0:
+            raise InvalidRequestError("hard_cap_bytes must be positive (or None for the default)")
+        if event_log_capacity < 0:
+            raise InvalidRequestError(f"event_log_capacity must be >= 0, got {event_log_capacity}")
+        if recovery_retry_threshold < 1:
+            raise InvalidRequestError(
+                f"recovery_retry_threshold must be >= 1, got {recovery_retry_threshold}"
+            )
+        self._core = _core.PoolCore(
+            kind, index, budget_bytes, hard_cap_bytes, event_log_capacity, recovery_retry_threshold
+        )
+        self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+        self._is_cuda = kind == "cuda"
+        self._stream_index = index
+        self._acquire_core = self._core.acquire
+        self._release_core = self._core.release
+
+    def __repr__(self) -> str:
+        s = self._core.stats()
+        return (
+            f"GatherBufferPool(device={str(self.device)!r}, budget_bytes={s['budget_bytes']}, "
+            f"charged_bytes={s['charged_bytes']}, checked_out={s['checked_out']})"
+        )
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def _stream_handle(self, stream: Any) -> int:
+        """Raw stream handle (`cudaStream_t` as int) for `stream`; 0 on the host."""
+        if not self._is_cuda:
+            return 0
+        if stream is None:
+            return torch._C._cuda_getCurrentRawStream(self._stream_index)
+        if isinstance(stream, int):
+            return stream
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:
+            raise InvalidRequestError(
+                f"stream {stream!r} is not a torch.cuda.Stream or a raw stream handle (int)"
+            )
+        return handle
+
+    # -- the hot path -----------------------------------------------------------------------
+
+    def acquire(
+        self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None
+    ) -> torch.Tensor:
+        """Checks out a contiguous tensor of `shape` and `dtype` backed by a pool block.
+
+        Zero copy, fresh lease, contents undefined. `stream` (default: the current stream) is
+        where the tensor will be used first; if the block was last released on another stream,
+        that stream has been made to wait for the release on the device (no host sync).
+        """
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            raise UnsupportedDtypeError(
+                f"dtype {dtype!r} cannot be exported by the pool: use one of "
+                f"{sorted(str(d) for d in _DTYPE_CODES)}"
+            )
+        if isinstance(shape, int):
+            shape = (shape,)
+        s = 0 if not self._is_cuda and stream is None else self._stream_handle(stream)
+        try:
+            return self._acquire_core(shape, code, s)
+        except TypeError as e:
+            raise InvalidRequestError(
+                f"shape {shape!r} must be an int or a sequence of ints ({e})"
+            ) from e
+
+    def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
+        """Returns `tensor`'s block to the pool now (see [Note: release contract]).
+
+        `stream` is the last stream that used the tensor (default: the current stream on CUDA).
+        Raises ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequestError(f"release() takes a torch.Tensor, got {type(tensor).__name__}")
+        self._release_core(tensor, self._stream_handle(stream) if self._is_cuda else None)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a buffer currently checked out from this pool."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
+            return False
+        return self._core.owns(tensor)
+
+    # -- sizing -----------------------------------------------------------------------------
+
+    def set_budget(self, nbytes: int) -> int:
+        """Sets the byte budget, clamped to the hard cap; evicts idle blocks (LRU) to fit.
+
+        Returns the effective budget. A budget below the checked-out bytes takes effect as those
+        blocks come back (they are freed instead of cached).
+        """
+        nbytes = _check_size("nbytes", nbytes)
+        if nbytes is None:
+            raise InvalidRequestError("set_budget() needs a number of bytes, got None")
+        return self._core.set_budget(nbytes)
+
+    def trim(self) -> int:
+        """Frees every idle block (waiting for their release events); returns the bytes freed."""
+        return self._core.trim()
+
+    # -- allocator pressure -----------------------------------------------------------------
+
+    def observe_pressure(self, num_alloc_retries: int, free_bytes: int, total_bytes: int) -> str:
+        """Feeds the caching allocator's cumulative retry counter and the device's free/total bytes.
+
+        The first call sets the baseline. A rising counter shrinks the budget to
+        min(budget, max(free / 4, checked-out bytes)); once 3 retries (the configured threshold)
+        have been seen, the one-shot recovery starts (rust/pool/mod.rs, [Note: one-shot
+        recovery]). Returns "none", "shrink" or "recover".
+        """
+        for name, v in (("num_alloc_retries", num_alloc_retries), ("free_bytes", free_bytes),
+                        ("total_bytes", total_bytes)):
+            _check_size(name, v)
+        if free_bytes > total_bytes:
+            raise InvalidRequestError(
+                f"free_bytes={free_bytes} exceeds total_bytes={total_bytes}: pass the device's values"
+            )
+        action, _budget = self._core.observe_pressure(num_alloc_retries, free_bytes)
+        return action
+
+    def observe_torch_allocator(self) -> str:
+        """Reads `torch.cuda.memory_stats` and `torch.cuda.mem_get_info` and feeds them to
+        `observe_pressure`. When the recovery starts it also empties torch's cache, so the memory
+        the pool drained goes back to the device. On the host backend (no caching allocator) it
+        only reports "none"."""
+        if not self._is_cuda:
+            return "none"
+        stats = torch.cuda.memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        action = self.observe_pressure(int(stats.get("num_alloc_retries", 0)), free, total)
+        if action == "recover":
+            torch.cuda.empty_cache()
+        return action
+
+    # -- telemetry --------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        """A snapshot of the counters and byte totals."""
+        return PoolStats(**self._core.stats())
+
+    def events(self) -> list[dict[str, Any]]:
+        """The retained telemetry events, oldest first: dicts with seq, kind ("hit",
+        "allocate", "allocate_outside", "release", "evict", "out_of_memory", "pressure",
+        "recovery_start", "recovery_end", "set_budget"), nbytes, ptr, stream, charged_bytes."""
+        return self._core.events()
+
+    def hot_set(self) -> dict[int, int]:
+        """{block capacity: count} recorded when the recovery started (empty before)."""
+        return dict(self._core.hot_set())
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free_bytes, total_bytes) of the device as the backend sees it (None if unknown)."""
+        return self._core.memory_info()
+
+    def capacity_for(self, nbytes: int) -> int:
+        """Block capacity that serves a request of `nbytes` (rounded up to the alignment)."""
+        return self._core.capacity_for(nbytes)
+
+    def _inject_oom(self, count: int) -> bool:
+        """Testing hook: the next `count` device allocations fail with out-of-memory (host
+        backend only; returns False on CUDA)."""
+        return self._core._inject_oom(count)
+
+
+_default_pools: dict[torch.device, GatherBufferPool] = {}
+_default_lock = threading.Lock()
+
+
+def default_pool(device: str | torch.device = "cpu") -> GatherBufferPool:
+    """The process-wide pool of `device`, created on first use with the default sizes."""
+    kind, index = _parse_device(device)
+    key = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+    pool = _default_pools.get(key)
+    if pool is not None:
+        return pool
+    with _default_lock:
+        pool = _default_pools.get(key)
+        if pool is None:
+            pool = _default_pools[key] = GatherBufferPool(key)
+        return pool

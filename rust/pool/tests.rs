@@ -1,0 +1,128 @@
+//! Deterministic unit tests of the pool policy (the property-based model test is in
+//! `model_tests.rs`).
+
+use super::*;
+use crate::backend::host::HostBackend;
+
+fn pool(budget: u64) -> GatherPool<HostBackend> {
+    let cfg = PoolConfig { budget_bytes: budget, hard_cap_bytes: 1 << 30, event_log_capacity: 64, recovery_retry_threshold: 3 };
+    GatherPool::new(HostBackend::new(), cfg).unwrap()
+}
+
+#[test]
+fn hit_reuses_same_block() {
+    let mut p = pool(1 << 20);
+    let a = p.acquire(1000, 0).unwrap();
+    assert_eq!(a.capacity, 1024);
+    p.release(a.id, None).unwrap();
+    let b = p.acquire(900, 0).unwrap();
+    assert!(b.hit);
+    assert_eq!(a.ptr, b.ptr);
+    assert_ne!(a.id, b.id);
+    assert_eq!(p.release(a.id, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    let s = p.stats();
+    assert_eq!((s.hits, s.misses, s.allocations, s.checked_out), (1, 1, 1, 1));
+}
+
+#[test]
+fn over_budget_goes_outside_and_is_freed_on_release() {
+    let mut p = pool(4096);
+    let a = p.acquire(4096, 0).unwrap();
+    let b = p.acquire(256, 0).unwrap();
+    assert!(!a.outside && b.outside);
+    assert_eq!(p.stats().outside_bytes, 256);
+    p.release(b.id, None).unwrap();
+    assert_eq!(p.backend().live_bytes(), 4096);
+    assert_eq!(p.stats().entries, 1);
+}
+
+#[test]
+fn foreign_and_stale_pointers_are_rejected() {
+    let mut p = pool(1 << 20);
+    assert_eq!(p.release_ptr(0x1234, 0, None), Err(PoolError::ForeignBuffer { ptr: 0x1234 }));
+    let a = p.acquire(10, 0).unwrap();
+    p.set_owner_key(a.id, 77);
+    p.release_ptr(a.ptr, 77, None).unwrap();
+    assert_eq!(p.release_ptr(a.ptr, 77, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    let b = p.acquire(10, 0).unwrap();
+    p.set_owner_key(b.id, 88);
+    // The stale holder (key 77) cannot release the new lease.
+    assert_eq!(p.release_ptr(a.ptr, 77, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    assert!(p.owns_ptr(b.ptr, 88) && !p.owns_ptr(b.ptr, 77));
+    assert_eq!(p.release_if_current(a.id), Ok(false));
+    assert_eq!(p.release_if_current(b.id), Ok(true));
+    assert_eq!(p.release_if_current(b.id), Ok(false));
+}
+
+#[test]
+fn cross_stream_reuse_waits_on_release_event() {
+    let mut p = pool(1 << 20);
+    p.backend_mut().enable_trace();
+    let a = p.acquire(256, 1).unwrap();
+    p.release(a.id, Some(1)).unwrap();
+    let b = p.acquire(256, 1).unwrap();
+    p.release(b.id, Some(1)).unwrap();
+    let c = p.acquire(256, 2).unwrap();
+    let trace = p.backend_mut().take_trace();
+    let waits: Vec<_> = trace.iter().filter(|op| matches!(op, crate::backend::host::HostOp::Wait { .. })).collect();
+    assert_eq!(waits.len(), 1, "{trace:?}");
+    assert!(matches!(waits[0], crate::backend::host::HostOp::Wait { stream: 2, .. }));
+    p.release(c.id, None).unwrap();
+}
+
+#[test]
+fn oom_retry_frees_idle_blocks() {
+    let mut p = pool(1 << 20);
+    p.backend_mut().set_limit_bytes(Some(2048));
+    let a = p.acquire(1024, 0).unwrap();
+    p.release(a.id, None).unwrap();
+    let b = p.acquire(2048, 0).unwrap();
+    assert_eq!(p.stats().alloc_failures, 1);
+    assert_eq!(p.stats().evictions, 1);
+    let err = p.acquire(256, 0).unwrap_err();
+    assert!(matches!(err, PoolError::OutOfMemory { .. }));
+    p.release(b.id, None).unwrap();
+    assert_eq!(p.stats().checked_out, 0);
+}
+
+#[test]
+fn pending_frees_wait_for_events() {
+    let mut p = pool(1024);
+    p.backend_mut().set_defer_events(true);
+    let a = p.acquire(1024, 0).unwrap();
+    let b = p.acquire(512, 0).unwrap();
+    p.release(b.id, None).unwrap();
+    assert_eq!(p.stats().pending_free_bytes, 512);
+    assert_eq!(p.backend().live_bytes(), 1536);
+    p.backend_mut().complete_all_events();
+    p.release(a.id, None).unwrap();
+    assert_eq!(p.stats().pending_free_bytes, 0);
+    assert_eq!(p.trim(), 1024);
+    assert_eq!(p.backend().live_bytes(), 0);
+}
+
+#[test]
+fn recovery_is_one_shot_and_readmits_hot_set() {
+    let mut p = pool(1 << 20);
+    let a = p.acquire(1024, 0).unwrap();
+    let cold = p.acquire(4096, 0).unwrap();
+    p.release(cold.id, None).unwrap();
+    assert_eq!(p.observe_pressure(0, 1 << 30), PressureAction::None);
+    assert!(matches!(p.observe_pressure(3, 1 << 30), PressureAction::ShrinkAndRecover { .. }));
+    let s = p.stats();
+    assert!(s.recovering && s.idle_bytes == 0);
+    let during = p.acquire(1024, 0).unwrap();
+    assert!(during.outside);
+    p.release(during.id, None).unwrap();
+    p.release(a.id, None).unwrap();
+    let s = p.stats();
+    assert!(!s.recovering && s.recovered && s.entries == 0);
+    assert_eq!(p.hot_set().iter().map(|(c, n)| (*c, *n)).collect::<Vec<_>>(), vec![(1024, 1)]);
+    let hot = p.acquire(1024, 0).unwrap();
+    assert!(!hot.outside);
+    let hot2 = p.acquire(1024, 0).unwrap();
+    assert!(hot2.outside, "only one 1024-byte block is in the hot set");
+    assert!(p.acquire(4096, 0).unwrap().outside);
+    assert!(matches!(p.observe_pressure(100, 1 << 30), PressureAction::Shrink { .. }));
+    assert!(!p.stats().recovering);
+}

@@ -1,0 +1,266 @@
+//! `zbuf._core.PoolCore`: the Python face of one pool. Thin: argument checks, locking, DLPack
+//! export. Policy lives in `crate::pool`; the torch-facing API in python/zbuf/pool.py.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::dlpack::{self, DLDevice, ExportRequest, Layout};
+use super::errors::{raise, to_py};
+use super::shared::Shared;
+use crate::backend::host::HostBackend;
+use crate::backend::{Backend, Device, DeviceKind};
+use crate::budget::PressureAction;
+use crate::pool::{GatherPool, PoolConfig, PoolError};
+
+/// Default budget: device (or host RAM) total / 32, the reference system's pool size.
+pub const DEFAULT_BUDGET_DIVISOR: u64 = 32;
+/// Default hard cap: total / 4, room for the scheduler to size the pool from its plan.
+pub const DEFAULT_HARD_CAP_DIVISOR: u64 = 4;
+/// Host total assumed when /proc/meminfo is unreadable.
+const FALLBACK_HOST_TOTAL: u64 = 16 << 30;
+
+fn open_backend(device: Device) -> Result<Box<dyn Backend>, PoolError> {
+    match device.kind {
+        DeviceKind::Host => Ok(Box::new(HostBackend::new())),
+        DeviceKind::Cuda => crate::backend::cuda::open(device.index),
+    }
+}
+
+/// One gather-buffer pool (see python/zbuf/pool.py for the documented API).
+#[pyclass(frozen, module = "zbuf._core")]
+pub struct PoolCore {
+    shared: Arc<Shared>,
+    device: Device,
+    dl_device: DLDevice,
+    /// `torch._C._from_dlpack`, cached: turns a capsule into a tensor.
+    from_dlpack: Py<PyAny>,
+    /// `torch._C._storage_address`, cached: identity of a tensor's StorageImpl (shared by
+    /// views, unique among live storages) used as the lease's owner key.
+    storage_address: Py<PyAny>,
+}
+
+impl PoolCore {
+    fn layout(&self, py: Python<'_>, shape: &[i64], dtype_code: u32) -> PyResult<(dlpack::DLDataType, Layout)> {
+        let (dt, itemsize) = dlpack::dtype(dtype_code)
+            .ok_or_else(|| raise(py, "UnsupportedDtypeError", format!("unknown dtype code {dtype_code}")))?;
+        let layout = Layout::contiguous(shape, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
+        Ok((dt, layout))
+    }
+
+    fn export<'py>(&self, py: Python<'py>, shape: &[i64], dtype_code: u32, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, crate::pool::LeaseId)> {
+        let (dtype, layout) = self.layout(py, shape, dtype_code)?;
+        let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
+        let req = ExportRequest {
+            shared: Arc::clone(&self.shared),
+            lease: lease.id,
+            ptr: lease.ptr,
+            device: self.dl_device,
+            dtype,
+            dims: layout.dims,
+        };
+        Ok((dlpack::export_capsule(py, req, versioned)?, lease.id))
+    }
+}
+
+#[pymethods]
+impl PoolCore {
+    /// Creates a pool. `device_type` is "cpu" or "cuda"; `None` sizes mean the defaults
+    /// (budget = total / 32, hard cap = total / 4 of the device's memory, host RAM for "cpu").
+    #[new]
+    #[pyo3(signature = (device_type, index=0, budget_bytes=None, hard_cap_bytes=None, event_log_capacity=4096, recovery_retry_threshold=3))]
+    fn new(
+        py: Python<'_>,
+        device_type: &str,
+        index: u32,
+        budget_bytes: Option<u64>,
+        hard_cap_bytes: Option<u64>,
+        event_log_capacity: usize,
+        recovery_retry_threshold: u64,
+    ) -> PyResult<Self> {
+        let kind = match device_type {
+            "cpu" => DeviceKind::Host,
+            "cuda" => DeviceKind::Cuda,
+            other => {
+                return Err(raise(py, "InvalidDeviceError", format!("unknown device type {other:?}: use \"cpu\" or \"cuda\"")));
+            }
+        };
+        if kind == DeviceKind::Host && index != 0 {
+            return Err(raise(py, "InvalidDeviceError", format!("the host has one device, not cpu:{index}: use \"cpu\"")));
+        }
+        let device = Device { kind, index };
+        let mut backend = open_backend(device).map_err(to_py)?;
+        let total = backend.memory_info().map(|(_, t)| t).unwrap_or(FALLBACK_HOST_TOTAL);
+        let hard_cap = hard_cap_bytes.unwrap_or(total / DEFAULT_HARD_CAP_DIVISOR);
+        let budget = budget_bytes.unwrap_or((total / DEFAULT_BUDGET_DIVISOR).min(hard_cap));
+        if let Some(b) = budget_bytes {
+            if b > hard_cap {
+                return Err(raise(
+                    py,
+                    "InvalidRequestError",
+                    format!("budget_bytes={b} exceeds hard_cap_bytes={hard_cap}: lower the budget or raise the hard cap"),
+                ));
+            }
+        }
+        let config = PoolConfig {
+            budget_bytes: budget,
+            hard_cap_bytes: hard_cap,
+            event_log_capacity,
+            recovery_retry_threshold,
+        };
+        let pool = GatherPool::new(backend, config).map_err(to_py)?;
+        let torch_c = py.import("torch._C")?;
+        Ok(PoolCore {
+            shared: Shared::new(pool),
+            device,
+            dl_device: DLDevice::of(device),
+            from_dlpack: torch_c.getattr("_from_dlpack")?.unbind(),
+            storage_address: torch_c.getattr("_storage_address")?.unbind(),
+        })
+    }
+
+    /// `(device_type, index)`.
+    #[getter]
+    fn device(&self) -> (&'static str, u32) {
+        match self.device.kind {
+            DeviceKind::Host => ("cpu", 0),
+            DeviceKind::Cuda => ("cuda", self.device.index),
+        }
+    }
+
+    /// Checks out a block and returns it as a torch tensor (zero copy, contents undefined).
+    /// The hot path: capsule built here, handed to `torch._C._from_dlpack`, lease bound to the
+    /// tensor's storage.
+    fn acquire<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64) -> PyResult<Bound<'py, PyAny>> {
+        let (capsule, lease) = self.export(py, &shape, dtype_code, stream, true)?;
+        // On failure the unconsumed capsule's destructor returns the lease.
+        let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+        let key: u64 = self.storage_address.bind(py).call1((&tensor,))?.extract()?;
+        self.shared.lock().set_owner_key(lease, key);
+        Ok(tensor)
+    }
+
+    /// Checks out a block as a raw DLPack capsule ("dltensor_versioned", or the legacy
+    /// "dltensor" with `versioned=False`). The lease comes back when the consumer frees the
+    /// tensor, or when the capsule dies unconsumed.
+    #[pyo3(signature = (shape, dtype_code, stream, versioned=true))]
+    fn acquire_capsule<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+        Ok(self.export(py, &shape, dtype_code, stream, versioned)?.0)
+    }
+
+    /// Binds the lease starting at `ptr` to `owner_key` (after importing a capsule).
+    fn bind_owner(&self, ptr: u64, owner_key: u64) -> bool {
+        let mut pool = self.shared.lock();
+        let Some(id) = pool.leases().into_iter().find(|l| l.ptr == ptr).map(|l| l.id) else { return false };
+        pool.set_owner_key(id, owner_key);
+        true
+    }
+
+    /// Returns `tensor`'s block. `stream`: the last stream that used it (None: the acquire
+    /// stream).
+    #[pyo3(signature = (tensor, stream=None))]
+    fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<()> {
+        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
+        let result = self.shared.lock().release_ptr(ptr, key, stream);
+        result.map(|_| ()).map_err(to_py)
+    }
+
+    /// Whether `tensor` is a buffer currently checked out from this pool.
+    fn owns(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
+        Ok(self.shared.lock().owns_ptr(ptr, key))
+    }
+
+    /// Sets the budget (clamped to the hard cap); returns the effective value.
+    fn set_budget(&self, nbytes: u64) -> u64 {
+        self.shared.lock().set_budget(nbytes)
+    }
+
+    /// Frees every idle block (waiting for their release events); returns the bytes freed.
+    fn trim(&self, py: Python<'_>) -> u64 {
+        let shared = Arc::clone(&self.shared);
+        py.detach(move || shared.lock().trim())
+    }
+
+    /// Feeds allocator telemetry; returns "none", "shrink" or "recover".
+    fn observe_pressure(&self, num_alloc_retries: u64, free_bytes: u64) -> (&'static str, u64) {
+        let mut pool = self.shared.lock();
+        let action = pool.observe_pressure(num_alloc_retries, free_bytes);
+        let budget = pool.stats().budget_bytes;
+        let name = match action {
+            PressureAction::None => "none",
+            PressureAction::Shrink { .. } => "shrink",
+            PressureAction::ShrinkAndRecover { .. } => "recover",
+        };
+        (name, budget)
+    }
+
+    /// Counters and byte totals as a dict (zbuf.pool.PoolStats wraps it).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.shared.lock().stats();
+        let d = PyDict::new(py);
+        d.set_item("budget_bytes", s.budget_bytes)?;
+        d.set_item("hard_cap_bytes", s.hard_cap_bytes)?;
+        d.set_item("charged_bytes", s.charged_bytes)?;
+        d.set_item("idle_bytes", s.idle_bytes)?;
+        d.set_item("checked_out_bytes", s.checked_out_bytes)?;
+        d.set_item("outside_bytes", s.outside_bytes)?;
+        d.set_item("pending_free_bytes", s.pending_free_bytes)?;
+        d.set_item("high_water_bytes", s.high_water_bytes)?;
+        d.set_item("high_water_total_bytes", s.high_water_total_bytes)?;
+        d.set_item("entries", s.entries)?;
+        d.set_item("checked_out", s.checked_out)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("allocations", s.allocations)?;
+        d.set_item("outside_allocations", s.outside_allocations)?;
+        d.set_item("releases", s.releases)?;
+        d.set_item("alloc_failures", s.alloc_failures)?;
+        d.set_item("pressure_events", s.pressure_events)?;
+        d.set_item("recovering", s.recovering)?;
+        d.set_item("recovered", s.recovered)?;
+        Ok(d)
+    }
+
+    /// The retained telemetry events, oldest first, as dicts.
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events: Vec<_> = self.shared.lock().events().cloned().collect();
+        let out = PyList::empty(py);
+        for e in events {
+            let d = PyDict::new(py);
+            d.set_item("seq", e.seq)?;
+            d.set_item("kind", e.kind.name())?;
+            d.set_item("nbytes", e.nbytes)?;
+            d.set_item("ptr", e.ptr)?;
+            d.set_item("stream", e.stream)?;
+            d.set_item("charged_bytes", e.charged_bytes)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// The hot set recorded by the recovery: {capacity: count}.
+    fn hot_set(&self) -> Vec<(u64, u64)> {
+        self.shared.lock().hot_set().iter().map(|(c, n)| (*c, *n)).collect()
+    }
+
+    /// `(free_bytes, total_bytes)` of the device, or None.
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        self.shared.lock().backend_mut().memory_info()
+    }
+
+    /// Block capacity that serves a request of `nbytes` (alignment rounding).
+    fn capacity_for(&self, nbytes: u64) -> PyResult<u64> {
+        self.shared.lock().capacity_for(nbytes).map_err(to_py)
+    }
+
+    /// Testing hook: the next `count` device allocations fail with out-of-memory. Returns False
+    /// if the backend cannot inject faults (CUDA).
+    fn _inject_oom(&self, count: u64) -> bool {
+        self.shared.lock().backend_mut().inject_oom(count)
+    }
+}
