@@ -1,0 +1,222 @@
+"""The custom ops that move ZeRO-3 parameters and gradients, as ``torch.ops.zbuf.*``.
+
+The op set is deliberately small; the compile pass (``zbuf.compile``) schedules these and may add
+its own start/wait split on top. Every op is registered with ``torch.library.custom_op`` and has a
+fake implementation that needs nothing but its arguments (no registry lookup: see TORCH-NOTES), so
+Dynamo and AOTAutograd trace them without running a collective.
+
+``zbuf::all_gather(Tensor shard, int param_id, SymInt[] shape, str group_name,
+                   ScalarType? param_dtype, ScalarType? reduce_dtype) -> Tensor``
+    The full parameter, fresh memory from the gather-buffer pool (never a view of ``shard``),
+    contiguous, dtype ``param_dtype`` (or the shard's). The shard is cast to ``param_dtype`` before
+    the collective, so low-precision bytes travel. Synchronous: when it returns the data is there.
+    Autograd: backward is ``zbuf::reduce_scatter`` of the output's gradient into a gradient for the
+    shard (which autograd's AccumulateGrad adds to ``shard.grad``, so micro-batches accumulate).
+    ``reduce_dtype`` is only carried for that backward. ``group_name`` is
+    ``ProcessGroup.group_name`` (ops cannot take a ProcessGroup).
+
+``zbuf::reduce_scatter(Tensor grad, int param_id, SymInt shard_numel, str group_name,
+                       ScalarType? reduce_dtype, ScalarType out_dtype) -> Tensor``
+    ``grad`` (any shape; ``numel`` elements) flattened, cast to ``reduce_dtype``, zero-padded to
+    ``world * shard_numel``, summed across ranks and divided by the world size (an average), this
+    rank's ``shard_numel`` slice returned as a fresh 1-D ``out_dtype`` tensor. Not differentiable.
+
+``zbuf::release(Tensor(a!) t) -> ()``
+    Hands a gathered buffer back to its pool now, before the tensor object dies. ``t`` must not be
+    read afterwards. Declared as mutating ``t`` so that Inductor keeps it (an op that mutates
+    nothing and returns nothing is dead code to Inductor). Without an explicit release a gathered
+    buffer returns to the pool when its last reference dies, which is what eager mode relies on.
+
+[Note: collectives on gloo]
+torch 2.11's gloo backend implements ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on
+CPU tensors (checked), so CPU runs take the same code path as NCCL. gloo has no ``ReduceOp.AVG``,
+so the average is a ``SUM`` followed by a division by the world size, on every backend alike: the
+result is the same sum-then-divide an unsharded reference computes for a mean over equal batch
+slices (to float rounding). For reduce dtypes narrower than fp32 the division happens *before*
+the sum, so the sum cannot overflow.
+
+[Note: tied parameters]
+A parameter reachable under several names (tied embeddings) is one shard ``nn.Parameter``. Each
+access gathers (so the full tensor lives only as long as that use site needs it) and each gather's
+backward reduce-scatters its own gradient contribution; autograd sums the shard-sized results at
+the shard's AccumulateGrad, so ``shard.grad`` receives the gradient exactly once per backward. This
+costs one reduce-scatter per use site instead of one for the summed full gradient; the alternative,
+keeping a full-size gradient accumulator alive from the first use's backward to the last, costs a
+full parameter of memory for the whole backward, which is the wrong trade for the vocab-sized
+matrices that are tied in practice. The compile pass sees both reduce-scatters of the same
+``param_id`` in one backward graph and may sum before reducing when the two are adjacent.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .param import unpad_full
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "release",
+    "counters",
+    "register_pool",
+    "pool_for",
+]
+
+counters: collections.Counter = collections.Counter()
+"""Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
+and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
+bytes of the padded reduce input). Tests and reports read it; nothing else depends on it."""
+
+# param_id -> the pool its gathers draw from. Only the real implementations consult it, at run
+# time; fake implementations never do (see the module docstring).
+_POOL_BY_PARAM: dict[int, object] = {}
+# Every pool any registered parameter uses, so release() can find a buffer's owner.
+_KNOWN_POOLS: list[object] = []
+
+
+def register_pool(param_id: int, pool) -> None:
+    """Route ``param_id``'s gathers to ``pool`` (``zbuf.shard`` calls this for every parameter)."""
+    _POOL_BY_PARAM[param_id] = pool
+    if not any(p is pool for p in _KNOWN_POOLS):
+        _KNOWN_POOLS.append(pool)
+
+
+def pool_for(param_id: int, device: torch.device):
+    pool = _POOL_BY_PARAM.get(param_id)
+    if pool is None:
+        from .pool import default_pool
+
+        pool = default_pool(device)
+        register_pool(param_id, pool)
+    return pool
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("zbuf::all_gather", mutates_args=())
+def all_gather(
+    shard: torch.Tensor,
+    param_id: int,
+    shape: Sequence[int],
+    group_name: str,
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+) -> torch.Tensor:
+    with record_function("zbuf::all_gather"):
+        pg = _group(group_name)
+        world = pg.size()
+        dtype = param_dtype if param_dtype is not None else shard.dtype
+        padded = world * shard.numel()
+        if math.prod(shape) > padded:
+            raise ValueError(
+                f"zbuf::all_gather: shape {list(shape)} has more elements than {world} shards of "
+                f"{shard.numel()}; the shape does not belong to this shard (param_id {param_id})"
+            )
+        buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
+        # [Note: collectives on gloo]: same call on every backend. Cast first: bf16 on the wire.
+        src = shard.to(dtype).contiguous()
+        if world == 1:
+            buf.copy_(src)
+        else:
+            dist.all_gather_into_tensor(buf, src, group=pg)
+        counters["all_gather"] += 1
+        counters["all_gather_bytes"] += buf.numel() * buf.element_size()
+        return unpad_full(buf, shape)
+
+
+@all_gather.register_fake
+def _all_gather_fake(shard, param_id, shape, group_name, param_dtype, reduce_dtype):
+    return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
+
+
+def _all_gather_setup_context(ctx, inputs, output):
+    shard, param_id, _shape, group_name, _param_dtype, reduce_dtype = inputs
+    ctx.param_id = param_id
+    ctx.shard_numel = shard.numel()
+    ctx.shard_dtype = shard.dtype
+    ctx.group_name = group_name
+    ctx.reduce_dtype = reduce_dtype
+
+
+def _all_gather_backward(ctx, grad):
+    grad_shard = torch.ops.zbuf.reduce_scatter(
+        grad, ctx.param_id, ctx.shard_numel, ctx.group_name, ctx.reduce_dtype, ctx.shard_dtype
+    )
+    return grad_shard, None, None, None, None, None
+
+
+all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup_context)
+
+
+@torch.library.custom_op("zbuf::reduce_scatter", mutates_args=())
+def reduce_scatter(
+    grad: torch.Tensor,
+    param_id: int,
+    shard_numel: int,
+    group_name: str,
+    reduce_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    with record_function("zbuf::reduce_scatter"):
+        pg = _group(group_name)
+        world = pg.size()
+        rdtype = reduce_dtype if reduce_dtype is not None else grad.dtype
+        flat = grad.reshape(-1).to(rdtype)
+        padded = world * shard_numel
+        if flat.numel() > padded:
+            raise ValueError(
+                f"zbuf::reduce_scatter: gradient of {flat.numel()} elements does not fit {world} "
+                f"shards of {shard_numel} (param_id {param_id})"
+            )
+        if flat.numel() < padded:
+            inp = flat.new_zeros(padded)
+            inp[: flat.numel()].copy_(flat)
+        else:
+            inp = flat.contiguous()
+        # [Note: collectives on gloo]: divide before a narrow sum, after a wide one.
+        pre_divide = world > 1 and rdtype.itemsize < 4
+        if pre_divide:
+            inp = inp / world
+        out = inp.new_empty(shard_numel)
+        if world == 1:
+            out.copy_(inp)
+        else:
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=pg)
+            if not pre_divide:
+                out.div_(world)
+        counters["reduce_scatter"] += 1
+        counters["reduce_scatter_bytes"] += inp.numel() * inp.element_size()
+        return out.to(out_dtype)
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype):
+    return grad.new_empty((shard_numel,), dtype=out_dtype)
+
+
+@torch.library.custom_op("zbuf::release", mutates_args=("t",))
+def release(t: torch.Tensor) -> None:
+    with record_function("zbuf::release"):
+        for pool in _KNOWN_POOLS:
+            if pool.owns(t):
+                pool.release(t)
+                counters["release"] += 1
+                return
+        raise ValueError(
+            "zbuf::release: this tensor is not a live buffer of any zbuf pool; only the output of "
+            "zbuf::all_gather can be released, and only once"
+        )
+
+
+@release.register_fake
+def _release_fake(t):
+    return None

@@ -1,0 +1,99 @@
+"""Eager mode: gathered weights that autograd saves are re-gathered in backward instead of kept.
+
+[Note: eager re-gather]
+In eager mode a gathered weight would otherwise stay alive from its forward use until its
+backward (``F.linear`` saves the weight, as a transposed view, for the input gradient), so the
+whole model's full weights would be resident at the end of the forward. While the root sharded
+module's forward runs, ``saved_tensors_hooks`` intercept every tensor autograd saves: if it is a
+live gathered weight, or a view of one (checked by storage, which covers ``_base`` chains), the
+pack hook stores a recipe instead (the shard and its spec plus the view's size, stride and offset)
+and the gathered buffer returns to the pool as soon as the forward drops it. The unpack hook, run
+by backward, gathers again (under ``no_grad``: the re-gather must not reduce-scatter) and rebuilds
+the same view. So the forward holds about one layer's gathered weights at a time and the backward
+too (an unpacked weight lives until its backward node finishes).
+
+Only tensors registered by ``track`` (the eager parameter accessor) are replaced; a cast copy of a
+gathered weight is a different storage and is saved as usual. Non-reentrant activation
+checkpointing installs its own hooks inside checkpointed regions (the innermost hooks win): there
+nothing is saved and the recompute gathers again, which composes. Under ``torch.compile`` the
+hooks are not installed (the compile pass decides what backward re-gathers).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .param import ShardSpec
+
+__all__ = ["track", "regather_hooks", "live_tracked"]
+
+
+class _Live(NamedTuple):
+    tensor_ref: weakref.ref
+    shard: torch.nn.Parameter
+    spec: ShardSpec
+
+
+class _Recipe(NamedTuple):
+    shard: torch.nn.Parameter
+    spec: ShardSpec
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the gathered tensor's own
+
+
+# storage data pointer -> the live gathered tensor on that storage. A storage pointer cannot be
+# shared by two live gathers; the entry is dropped when the gathered tensor object dies.
+_LIVE: dict[int, _Live] = {}
+
+
+def live_tracked() -> int:
+    """Gathered tensors currently registered (tests check that this drains)."""
+    return len(_LIVE)
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _LIVE.get(key)
+    if entry is not None and entry.tensor_ref is ref:
+        del _LIVE[key]
+
+
+def track(gathered: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec) -> None:
+    """Register an eagerly gathered tensor so saving it for backward stores a recipe instead."""
+    if gathered.numel() == 0:
+        return
+    key = gathered.untyped_storage().data_ptr()
+    ref = weakref.ref(gathered, lambda r, key=key: _forget(key, r))
+    _LIVE[key] = _Live(ref, shard, spec)
+
+
+def _pack(t: torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        return t
+    entry = _LIVE.get(t.untyped_storage().data_ptr())
+    if entry is None:
+        return t
+    gathered = entry.tensor_ref()
+    if gathered is None or gathered.dtype != t.dtype:
+        return t
+    return _Recipe(
+        entry.shard, entry.spec, t.size(), t.stride(), t.storage_offset() - gathered.storage_offset()
+    )
+
+
+def _unpack(saved):
+    if not isinstance(saved, _Recipe):
+        return saved
+    from .shard import gather_param  # shard.py imports this module
+
+    with torch.no_grad():
+        full = gather_param(saved.shard, saved.spec, track_for_backward=False)
+    return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+
+
+def regather_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """A fresh context manager installing the pack/unpack pair of [Note: eager re-gather]."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

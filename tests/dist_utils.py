@@ -1,0 +1,131 @@
+"""Run a function in N gloo worker processes (CPU) and collect what each returns.
+
+    from dist_utils import run_distributed
+
+    def _check(rank, world_size, n):          # module level: it is pickled by name
+        ...                                   # torch.distributed is initialised (gloo)
+        return {"loss": 1.0}                  # anything picklable
+
+    def test_something():
+        results = run_distributed(_check, 2, 10)   # [rank0 result, rank1 result]
+
+Workers are spawned (not forked: forking a process that has started torch's thread pools is
+unsafe), rendezvous through a TCPStore that the parent opens on a free port (no port race), run
+with one intra-op thread each (CI has two cores), and tear the process group down on exit. The
+first worker failure is re-raised in the parent with the worker's traceback, and the other
+workers are terminated (a failed rank would leave its peers blocked in a collective). A worker
+that has not finished within ``timeout`` seconds fails the call the same way, naming the ranks
+still running: the usual cause is a collective that not every rank issued.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["run_distributed", "WorkerFailed"]
+
+_HOST = "127.0.0.1"
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised, died or timed out; the message holds its traceback."""
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env):
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    timeout: float = 240.0,
+    threads: int = 1,
+    env: dict[str, str] | None = None,
+    **kwargs,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns the per-rank return values, indexed by rank. ``fn`` must be importable by name (a
+    module-level function of a test module or package). ``env`` is added to each worker's
+    environment before torch is imported there.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    # The parent hosts the store, so port 0 picks a free port with no race between probing and use.
+    store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, store.port, args, kwargs, results, threads, dict(env or {})),
+            name=f"zbuf-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    # A result may still be in flight from a rank that exited cleanly.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise WorkerFailed(f"{fn.__name__}: rank(s) {dead} died without a result (exit codes {codes})") from None
+                elif time.monotonic() > deadline:
+                    running = [r for r in range(world_size) if r not in out]
+                    raise WorkerFailed(
+                        f"{fn.__name__}: rank(s) {running} still running after {timeout:.0f}s "
+                        f"(a collective not issued by every rank hangs like this)"
+                    )
+                else:
+                    continue
+            if not ok:
+                raise WorkerFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive() and len(out) < world_size:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        del store
+    return [out[r] for r in range(world_size)]
