@@ -1,8 +1,244 @@
-//! CUDA backend (milestone 2: not built yet; every CUDA pool request raises NoCudaDriverError).
+//! CUDA backend: raw device allocations, events and memory info through the driver API
+//! (cudarc's `sys` bindings, `dynamic-loading`: libcuda is dlopen-ed on first use).
+//!
+//! [Note: CUDA context]
+//! The backend retains the device's *primary* context, the one the CUDA runtime (and so torch)
+//! uses, so pointers, streams and events are interchangeable with torch's. Every driver call
+//! runs with that context current: if the calling thread has another context current (or none,
+//! e.g. a DLPack deleter on a foreign thread), it is pushed for the call and popped after.
+//!
+//! [Note: driver probe]
+//! cudarc panics when libcuda or one of its symbols is missing. `open` first probes for the
+//! library (`is_culib_present`, which only tries to dlopen), and runs the remaining set-up under
+//! `catch_unwind`, so a machine without a driver gets `PoolError::NoCudaDriver`, never a panic
+//! or an abort.
 
-use super::Backend;
+use std::ffi::CStr;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use cudarc::driver::sys as cu;
+
+use super::{Backend, BackendError, Device, DeviceKind, EventHandle, StreamHandle};
 use crate::pool::PoolError;
 
+/// Capacity granularity: cuMemAlloc returns 512-byte aligned ranges; rounding capacities to it
+/// lets blocks of neighbouring request sizes serve each other.
+pub const CUDA_ALIGNMENT: u64 = 512;
+
+/// Whether libcuda can be loaded (never panics).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen candidate library names.
+    catch_unwind(|| unsafe { cu::is_culib_present() }).unwrap_or(false)
+}
+
+/// Opens a backend for `cuda:index`.
 pub fn open(index: u32) -> Result<Box<dyn Backend>, PoolError> {
-    Err(PoolError::NoCudaDriver { detail: format!("the CUDA backend is not built yet (asked for cuda:{index})") })
+    if !driver_present() {
+        return Err(PoolError::NoCudaDriver {
+            detail: "libcuda.so (the NVIDIA driver library) was not found on this machine".into(),
+        });
+    }
+    match catch_unwind(AssertUnwindSafe(|| CudaBackend::new(index))) {
+        Ok(r) => r.map(|b| Box::new(b) as Box<dyn Backend>).map_err(PoolError::from),
+        Err(_) => Err(PoolError::NoCudaDriver {
+            detail: "the NVIDIA driver library lacks a required entry point (driver too old?)".into(),
+        }),
+    }
+}
+
+fn error_name(code: cu::CUresult) -> String {
+    let mut s: *const std::ffi::c_char = ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
+    let r = unsafe { cu::cuGetErrorName(code, &mut s) };
+    if r == cu::CUresult::CUDA_SUCCESS && !s.is_null() {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+    } else {
+        format!("{code:?}")
+    }
+}
+
+fn check(code: cu::CUresult, op: &'static str) -> Result<(), BackendError> {
+    if code == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(BackendError::Driver { op, detail: error_name(code) })
+    }
+}
+
+/// One device's primary context.
+pub struct CudaBackend {
+    index: u32,
+    device: cu::CUdevice,
+    ctx: cu::CUcontext,
+}
+
+// SAFETY: CUDA contexts and the handles made in them may be used from any thread; the pool
+// serialises calls through its mutex.
+unsafe impl Send for CudaBackend {}
+
+/// Makes the backend's context current for the guard's lifetime (see [Note: CUDA context]).
+struct CurrentContext {
+    pushed: bool,
+}
+
+impl CurrentContext {
+    fn enter(ctx: cu::CUcontext) -> Result<Self, BackendError> {
+        let mut current: cu::CUcontext = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuCtxGetCurrent(&mut current) }, "cuCtxGetCurrent")?;
+        if current == ctx {
+            return Ok(CurrentContext { pushed: false });
+        }
+        // SAFETY: `ctx` is a retained primary context.
+        check(unsafe { cu::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
+        Ok(CurrentContext { pushed: true })
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut popped: cu::CUcontext = ptr::null_mut();
+            // SAFETY: pops the context pushed by `enter` on this thread.
+            unsafe { cu::cuCtxPopCurrent_v2(&mut popped) };
+        }
+    }
+}
+
+impl CudaBackend {
+    fn new(index: u32) -> Result<Self, BackendError> {
+        // SAFETY: plain driver calls with out-pointers to locals.
+        unsafe {
+            let r = cu::cuInit(0);
+            if r != cu::CUresult::CUDA_SUCCESS {
+                return Err(BackendError::NoDriver(format!("cuInit failed with {}", error_name(r))));
+            }
+            let mut count = 0;
+            check(cu::cuDeviceGetCount(&mut count), "cuDeviceGetCount")?;
+            if index as i64 >= count as i64 {
+                return Err(BackendError::InvalidDevice(format!(
+                    "cuda:{index} does not exist: this machine has {count} CUDA device(s); use cuda:0..cuda:{}",
+                    (count - 1).max(0)
+                )));
+            }
+            let mut device: cu::CUdevice = 0;
+            check(cu::cuDeviceGet(&mut device, index as i32), "cuDeviceGet")?;
+            let mut ctx: cu::CUcontext = ptr::null_mut();
+            check(cu::cuDevicePrimaryCtxRetain(&mut ctx, device), "cuDevicePrimaryCtxRetain")?;
+            Ok(CudaBackend { index, device, ctx })
+        }
+    }
+
+    fn enter(&self) -> Result<CurrentContext, BackendError> {
+        CurrentContext::enter(self.ctx)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // SAFETY: releases the retain taken in `new`.
+        unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        Device { kind: DeviceKind::Cuda, index: self.index }
+    }
+
+    fn alignment(&self) -> u64 {
+        CUDA_ALIGNMENT
+    }
+
+    fn allocate(&mut self, nbytes: u64) -> Result<u64, BackendError> {
+        let _ctx = self.enter()?;
+        let mut dptr: cu::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local; the context is current.
+        let r = unsafe { cu::cuMemAlloc_v2(&mut dptr, nbytes as usize) };
+        match r {
+            cu::CUresult::CUDA_SUCCESS => Ok(dptr),
+            cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Err(BackendError::OutOfMemory { nbytes, detail: format!("cuMemAlloc on cuda:{}", self.index) })
+            }
+            other => Err(BackendError::Driver { op: "cuMemAlloc", detail: error_name(other) }),
+        }
+    }
+
+    unsafe fn free(&mut self, ptr: u64, _nbytes: u64) {
+        if let Ok(_ctx) = self.enter() {
+            // SAFETY: the caller guarantees `ptr` came from cuMemAlloc and is unused.
+            unsafe { cu::cuMemFree_v2(ptr) };
+        }
+    }
+
+    fn create_event(&mut self) -> Result<EventHandle, BackendError> {
+        let _ctx = self.enter()?;
+        let mut ev: cu::CUevent = ptr::null_mut();
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: out-pointer to a local; the context is current.
+        check(unsafe { cu::cuEventCreate(&mut ev, flags) }, "cuEventCreate")?;
+        Ok(ev as u64)
+    }
+
+    fn destroy_event(&mut self, event: EventHandle) {
+        if let Ok(_ctx) = self.enter() {
+            // SAFETY: `event` came from create_event.
+            unsafe { cu::cuEventDestroy_v2(event as cu::CUevent) };
+        }
+    }
+
+    fn record_event(&mut self, event: EventHandle, stream: StreamHandle) -> Result<(), BackendError> {
+        let _ctx = self.enter()?;
+        // SAFETY: a live event and a stream handle of this context (torch's).
+        check(unsafe { cu::cuEventRecord(event as cu::CUevent, stream as cu::CUstream) }, "cuEventRecord")
+    }
+
+    fn stream_wait_event(&mut self, stream: StreamHandle, event: EventHandle) -> Result<(), BackendError> {
+        let _ctx = self.enter()?;
+        // SAFETY: as above.
+        check(unsafe { cu::cuStreamWaitEvent(stream as cu::CUstream, event as cu::CUevent, 0) }, "cuStreamWaitEvent")
+    }
+
+    fn event_complete(&mut self, event: EventHandle) -> Result<bool, BackendError> {
+        let _ctx = self.enter()?;
+        // SAFETY: a live event.
+        match unsafe { cu::cuEventQuery(event as cu::CUevent) } {
+            cu::CUresult::CUDA_SUCCESS => Ok(true),
+            cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(BackendError::Driver { op: "cuEventQuery", detail: error_name(other) }),
+        }
+    }
+
+    fn synchronize_event(&mut self, event: EventHandle) -> Result<(), BackendError> {
+        let _ctx = self.enter()?;
+        // SAFETY: a live event.
+        check(unsafe { cu::cuEventSynchronize(event as cu::CUevent) }, "cuEventSynchronize")
+    }
+
+    fn memory_info(&mut self) -> Option<(u64, u64)> {
+        let _ctx = self.enter().ok()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to locals.
+        let r = unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) };
+        (r == cu::CUresult::CUDA_SUCCESS).then_some((free as u64, total as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_without_a_driver_is_a_clean_error() {
+        if driver_present() {
+            return; // exercised by tests/gpu on the GPU machine
+        }
+        match open(0) {
+            Err(PoolError::NoCudaDriver { detail }) => assert!(detail.contains("libcuda")),
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("opened a CUDA backend without a driver"),
+        }
+    }
 }
