@@ -1,0 +1,34 @@
+"""zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
+
+The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
+persist=True, ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
+importable modules (the ``torch_dynamo_backends`` entry point names
+``zbuf.compile.backend:zbuf_backend``).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from .backend import compile_model, zbuf_backend
+from .fingerprint import ScheduleMismatchError
+from .options import CompileOptions
+from .report import ScheduleRecord, schedule_report
+
+__all__ = [
+    "compile_model",
+    "zbuf_backend",
+    "CompileOptions",
+    "ScheduleMismatchError",
+    "ScheduleRecord",
+    "schedule_report",
+]
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, model, **kwargs):
+        return compile_model(model, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

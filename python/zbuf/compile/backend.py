@@ -1,0 +1,104 @@
+"""The ``zbuf`` torch.compile backend: Inductor (or aot_eager) with the zbuf passes.
+
+``torch.compile(model, backend="zbuf", options={...})`` finds this through the
+``torch_dynamo_backends`` entry point; ``zbuf.compile(model, ...)`` is the same with keyword
+options and the one-time rank agreement on free memory ([Note: rank-agreed budget]).
+
+Only public hooks are used: ``compile_fx(..., config_patches=...)`` (applied to the forward and to
+the lazily compiled backward alike) with ``custom_partitioner_fn`` and
+``post_grad_custom_post_pass``; for aot_eager, ``aot_autograd`` with the same partitioner and the
+schedule pass as forward/backward compilers. ``reorder_for_peak_memory`` is off because it sinks
+hoisted gather starts back to their waits, undoing prefetch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+from .options import CompileOptions
+from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
+
+__all__ = ["zbuf_backend", "compile_model"]
+
+
+def zbuf_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: Mapping[str, Any] | CompileOptions | None = None,
+    mode: str | None = None,
+):
+    if mode is not None:
+        raise ValueError(
+            f"backend 'zbuf' takes no mode (got mode={mode!r}); pass options={{...}} instead, "
+            f"valid keys: {[f.name for f in dataclasses.fields(CompileOptions)]}"
+        )
+    opts = CompileOptions.from_mapping(options)
+    state = PlanState(opts)
+    partitioner = ZbufPartitioner(state)
+    schedule_pass = GatherSchedulePass(state)
+    if opts.inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(
+            gm,
+            example_inputs,
+            config_patches={
+                "custom_partitioner_fn": partitioner,
+                "post_grad_custom_post_pass": schedule_pass,
+                "reorder_for_peak_memory": False,
+            },
+        )
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def run_as_is(fx: torch.fx.GraphModule, _inputs):
+        schedule_pass(fx.graph)
+        fx.recompile()
+        return make_boxed_func(fx.forward)
+
+    return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partitioner)(
+        gm, example_inputs
+    )
+
+
+def _shard_group(model: torch.nn.Module):
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        spec = getattr(p, "_zbuf_spec", None) or getattr(p, "zbuf_spec", None)
+        if spec is not None:
+            return dist.distributed_c10d._resolve_process_group(spec.group_name)
+    return None
+
+
+def compile_model(
+    model: torch.nn.Module,
+    *,
+    budget_bytes: int | None = None,
+    prefetch: bool = True,
+    persist: bool = True,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    **options: Any,
+) -> torch.nn.Module:
+    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``).
+
+    Every rank must call this at the same point: without an explicit ``budget_bytes`` it agrees on
+    the rank-minimum free memory with one all-reduce over the model's sharding group.
+    """
+    opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist, **options)
+    if budget_bytes is None:
+        import torch.distributed as dist
+
+        from .budget import agree_free_memory
+
+        group = _shard_group(model)
+        if group is not None or not dist.is_initialized():
+            agree_free_memory(group)
+    return torch.compile(
+        model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
+    )

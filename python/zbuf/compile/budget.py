@@ -1,0 +1,81 @@
+"""The gathered-bytes budget every rank plans against.
+
+[Note: rank-agreed budget]
+The planner's output must be identical on all ranks ([Note: rank-invariant schedule]), so its
+budget cannot be each rank's own free memory. ``agree_free_memory`` takes the minimum free memory
+over the group with one all-reduce; ``zbuf.compile`` calls it (every rank calls ``zbuf.compile``
+at the same point of its program), and ``zbuf.shard`` may call it too. A graph's budget is then
+``agreed_free * (1 - margin_fraction) - projected activation peak of the graph``; the planner
+raises it to the smallest feasible value (at least the largest single gather). An explicit
+``budget_bytes`` overrides all of this. When nothing was agreed (plain ``torch.compile(m,
+backend="zbuf")`` without ``zbuf.compile``), the device's *total* memory stands in for the free
+memory: still the same on every rank of a homogeneous job, just less tight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .options import CompileOptions
+
+__all__ = ["agree_free_memory", "agreed_free_memory", "graph_budget", "local_free_bytes"]
+
+# group name -> rank-minimum free bytes agreed by agree_free_memory.
+_AGREED: dict[str, int] = {}
+
+
+def _host_bytes(kind: str) -> int:
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available if kind == "free" else vm.total)
+    except ImportError:
+        pages = os.sysconf("SC_AVPHYS_PAGES" if kind == "free" else "SC_PHYS_PAGES")
+        return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def local_free_bytes(device: torch.device) -> int:
+    """Free memory on this rank's device (CUDA: driver free bytes; CPU: available host memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _host_bytes("free")
+
+
+def _total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return _host_bytes("total")
+
+
+def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> int:
+    """One all-reduce(MIN) of free memory over ``group``; cached per group (see the Note)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    free = local_free_bytes(device)
+    if dist.is_available() and dist.is_initialized():
+        pg = group if group is not None else dist.group.WORLD
+        t = torch.tensor([free], dtype=torch.int64, device=device if dist.get_backend(pg) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+        free = int(t.item())
+        _AGREED[pg.group_name] = free
+    else:
+        _AGREED[""] = free
+    return free
+
+
+def agreed_free_memory(group_name: str) -> int | None:
+    return _AGREED.get(group_name, _AGREED.get("") if len(_AGREED) == 1 and "" in _AGREED else None)
+
+
+def graph_budget(options: CompileOptions, group_name: str, device: torch.device, activation_peak: int) -> int:
+    """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
+    if options.budget_bytes is not None:
+        return options.budget_bytes
+    free = agreed_free_memory(group_name)
+    if free is None:
+        free = _total_bytes(device)
+    return max(1, int(free * (1.0 - options.margin_fraction)) - activation_peak)

@@ -1,0 +1,197 @@
+"""The split all-gather ops the compile pass inserts: buffer, start, wait, release, check.
+
+``zbuf::gather_buffer(Tensor(a!) token, Tensor shard, int param_id, SymInt[] shape, str group_name,
+                      ScalarType? param_dtype) -> Tensor``
+    Fresh pool memory for ``param_id``'s gather, laid out exactly as ``zbuf::all_gather`` lays it
+    out (ops.py, [Note: shard layout]): the full tensor, a view of the padded flat block.
+    Contents undefined until the wait of the start that fills it.
+``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
+                         str group_name) -> ()``
+    Issues ONE collective that fills every buffer in ``gathered`` from the matching ``shards``
+    (cast to the buffers' dtype first, so low precision travels), and returns without waiting.
+    Coalescing needs no copy-out: ``ProcessGroup.allgather_into_tensor_coalesced`` writes each
+    parameter's padded block directly (one NCCL group; gloo implements it as well).
+``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
+    Waits for the start that filled ``gathered`` (found by the first buffer's storage).
+``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
+    ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
+``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
+                       int pool_bytes, int param_id) -> ()``
+    First run of a compiled graph only: checks that every rank planned the same collective order
+    (fingerprint.py) and grows the pool of ``param_id``'s gathers to the plan's peak live gathered
+    bytes ``pool_bytes``, so that after warm-up no gather allocates; a no-op afterwards. Doing
+    this at run time (not at compile time) keeps it working when Inductor serves the graph from
+    its cache and no pass runs.
+
+Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
+auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
+buffers made by ``gather_buffer`` (one tensor each) is.
+
+[Note: schedule token]
+Every op above mutates one small ``token`` tensor that the pass creates at the top of the graph.
+Mutations of one buffer are never reordered, so the token pins the relative order of all zbuf
+ops exactly as planned, whatever Inductor's scheduler does with the compute around them (the
+fingerprint's collective order then is the executed order). The token carries no data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .. import ops as zops
+from ..param import unpad_full
+
+__all__ = [
+    "gather_buffer",
+    "all_gather_start",
+    "all_gather_wait",
+    "all_gather_release",
+    "check_schedule",
+    "pending",
+]
+
+# First buffer's storage pointer -> the in-flight collective (None when it completed at once).
+# Produced by all_gather_start, consumed (popped) by all_gather_wait.
+_PENDING: dict[int, Optional[dist.Work]] = {}
+
+
+def pending() -> int:
+    """Started gathers not yet waited for (tests check that this drains)."""
+    return len(_PENDING)
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("zbuf::gather_buffer", mutates_args=("token",))
+def gather_buffer(
+    token: torch.Tensor,
+    shard: torch.Tensor,
+    param_id: int,
+    shape: Sequence[int],
+    group_name: str,
+    param_dtype: Optional[torch.dtype],
+) -> torch.Tensor:
+    world = _group(group_name).size()
+    dtype = param_dtype if param_dtype is not None else shard.dtype
+    padded = world * shard.numel()
+    if math.prod(shape) > padded:
+        raise ValueError(
+            f"zbuf::gather_buffer: shape {list(shape)} has more elements than {world} shards of "
+            f"{shard.numel()} (param_id {param_id})"
+        )
+    buf = zops.pool_for(param_id, shard.device).acquire((padded,), dtype)
+    return unpad_full(buf, shape)
+
+
+@gather_buffer.register_fake
+def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype):
+    return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
+
+
+def _padded_block(full: torch.Tensor, padded: int) -> torch.Tensor:
+    """The padded flat block a gather buffer is a view of (see ``unpad_full``)."""
+    return full.new_empty(0).set_(full.untyped_storage(), full.storage_offset(), (padded,), (1,))
+
+
+@torch.library.custom_op("zbuf::all_gather_start", mutates_args=("token", "gathered"))
+def all_gather_start(
+    token: torch.Tensor,
+    gathered: Sequence[torch.Tensor],
+    shards: Sequence[torch.Tensor],
+    group_name: str,
+) -> None:
+    with record_function("zbuf::all_gather_start"):
+        if len(gathered) != len(shards) or not shards:
+            raise ValueError(
+                f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
+            )
+        pg = _group(group_name)
+        world = pg.size()
+        blocks = [_padded_block(g, world * s.numel()) for g, s in zip(gathered, shards)]
+        srcs = [s.to(b.dtype).contiguous() for b, s in zip(blocks, shards)]
+        work = None
+        if world == 1:
+            for b, s in zip(blocks, srcs):
+                b.copy_(s)
+        elif len(blocks) == 1:
+            work = dist.all_gather_into_tensor(blocks[0], srcs[0], group=pg, async_op=True)
+        else:
+            work = pg.allgather_into_tensor_coalesced(blocks, srcs)
+        zops.counters["all_gather"] += len(blocks)
+        zops.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
+        zops.counters["all_gather_collectives"] += 1
+        _PENDING[gathered[0].untyped_storage().data_ptr()] = work
+
+
+@all_gather_start.register_fake
+def _all_gather_start_fake(token, gathered, shards, group_name):
+    return None
+
+
+@torch.library.custom_op("zbuf::all_gather_wait", mutates_args=("token", "gathered"))
+def all_gather_wait(token: torch.Tensor, gathered: Sequence[torch.Tensor]) -> None:
+    with record_function("zbuf::all_gather_wait"):
+        key = gathered[0].untyped_storage().data_ptr()
+        if key not in _PENDING:
+            raise RuntimeError(
+                "zbuf::all_gather_wait: no started gather owns this buffer (waited twice, or the "
+                "graph was rewritten wrongly); this is a zbuf bug"
+            )
+        work = _PENDING.pop(key)
+        if work is not None:
+            work.wait()
+
+
+@all_gather_wait.register_fake
+def _all_gather_wait_fake(token, gathered):
+    return None
+
+
+@torch.library.custom_op("zbuf::all_gather_release", mutates_args=("token", "t"))
+def all_gather_release(token: torch.Tensor, t: torch.Tensor) -> None:
+    zops.release(t)
+
+
+@all_gather_release.register_fake
+def _all_gather_release_fake(token, t):
+    return None
+
+
+# (group_name, fingerprint) of graphs whose first run is done; consumed only by check_schedule.
+_FIRST_RUN_DONE: set[tuple[str, str]] = set()
+
+
+def _grow_pool(param_id: int, device: torch.device, nbytes: int) -> None:
+    pool = zops.pool_for(param_id, device)
+    current = pool.stats().budget_bytes
+    if current is None or current < nbytes:
+        pool.set_budget(nbytes)
+
+
+@torch.library.custom_op("zbuf::check_schedule", mutates_args=("token",))
+def check_schedule(
+    token: torch.Tensor, group_name: str, fingerprint: str, collectives: str, pool_bytes: int, param_id: int
+) -> None:
+    key = (group_name, fingerprint)
+    if key in _FIRST_RUN_DONE:
+        return
+    from .fingerprint import check_across_ranks
+
+    with record_function("zbuf::check_schedule"):
+        check_across_ranks(group_name, fingerprint, collectives)
+        if param_id >= 0 and pool_bytes > 0:
+            _grow_pool(param_id, token.device, pool_bytes)
+        _FIRST_RUN_DONE.add(key)
+
+
+@check_schedule.register_fake
+def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_bytes, param_id):
+    return None

@@ -1,0 +1,281 @@
+"""Reading gathers, their uses, sizes and compute costs out of FX graphs.
+
+Turns an FX graph (joint, forward or backward, after AOTAutograd) into the planner's
+``GraphSummary`` (graph_model.py): positions are indices in ``graph.nodes``.
+
+[Note: view chains]
+A consumer often reads a gathered weight through views (``t``, ``view``, ``expand``, ...). Views
+share the gathered buffer, so the buffer must stay live until the last *consumer* of any view.
+Before summarising, ``localize_view_chains`` gives every consumer its own copy of the chain of
+views it reads, placed right before it. Views cost nothing, and afterwards a gather's uses split
+cleanly into segments (re-gathering for a later use just points that consumer's chain at the new
+buffer), and a release after a segment's last consumer cannot free a buffer some later view
+still reads.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+import torch.fx
+
+from .graph_model import GatherSpec, GraphSummary
+from .options import CompileOptions
+
+__all__ = [
+    "GATHER_OP",
+    "is_view",
+    "gather_nodes",
+    "view_tree",
+    "localize_view_chains",
+    "summarize",
+    "GraphIndex",
+    "activation_peak_bytes",
+    "tensor_bytes",
+]
+
+aten = torch.ops.aten
+
+
+def _gather_op():
+    from .. import ops  # noqa: F401  (registers torch.ops.zbuf.*)
+
+    return torch.ops.zbuf.all_gather.default
+
+
+GATHER_OP = _gather_op()
+
+# Ops without an alias annotation in their schema that still return (part of) their input.
+_ALIAS_FUNCTIONS = (operator.getitem,)
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Does ``node`` return an alias of its first argument (no new memory)?"""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _ALIAS_FUNCTIONS:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        rets = t._schema.returns
+        return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+    return False
+
+
+def gather_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is GATHER_OP]
+
+
+def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every view node reachable from ``root`` through views (graph order not guaranteed)."""
+    out, stack = [], [root]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user) and user.args and user.args[0] is not None:
+                out.append(user)
+                stack.append(user)
+    return out
+
+
+def localize_view_chains(graph: torch.fx.Graph, gather: torch.fx.Node) -> None:
+    """See [Note: view chains]."""
+    tree = view_tree(gather)
+    if not tree:
+        return
+    members = set(tree)
+    consumers: dict[torch.fx.Node, None] = {}
+    for v in [gather, *tree]:
+        for u in v.users:
+            if u not in members:
+                consumers[u] = None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for c in sorted(consumers, key=order.__getitem__):
+        for a in list(dict.fromkeys(c.all_input_nodes)):
+            if a not in members:
+                continue
+            chain = [a]
+            while chain[-1].args[0] is not gather:
+                chain.append(chain[-1].args[0])
+            mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+            with graph.inserting_before(c):
+                for v in reversed(chain):
+                    mapping[v] = graph.node_copy(v, lambda n: mapping.get(n, n))
+            c.replace_input_with(a, mapping[a])
+    for v in sorted(tree, key=order.__getitem__, reverse=True):
+        if not v.users:
+            graph.erase_node(v)
+
+
+def _hint(x) -> int:
+    """A size as a plain int; symbolic sizes use their example value (same on every rank when
+    the inputs are, which the fingerprint check enforces)."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else 1
+    return int(x)
+
+
+def tensor_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return math.prod(_hint(s) for s in val.shape) * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _flops(node: torch.fx.Node) -> float:
+    t = node.target
+    try:
+        if t is aten.mm.default:
+            (m, k), (_, n) = _shape(node.args[0]), _shape(node.args[1])
+            return 2.0 * m * k * n
+        if t is aten.addmm.default:
+            (m, k), (_, n) = _shape(node.args[1]), _shape(node.args[2])
+            return 2.0 * m * k * n
+        if t in (aten.bmm.default, aten.baddbmm.default):
+            a, b = (node.args[0], node.args[1]) if t is aten.bmm.default else (node.args[1], node.args[2])
+            (bs, m, k), (_, _, n) = _shape(a), _shape(b)
+            return 2.0 * bs * m * k * n
+        name = getattr(t, "__name__", "")
+        if "scaled_dot_product" in name:
+            q, k = _shape(node.args[0]), _shape(node.args[1])
+            mult = 2.5 if "backward" in name else 1.0
+            return mult * 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+    except (TypeError, ValueError):
+        return 0.0
+    return 0.0
+
+
+def node_seconds(node: torch.fx.Node, options: CompileOptions) -> float:
+    """Static cost model: matmul flops at ``flops_per_second`` plus bytes moved at memory speed."""
+    if node.op != "call_function" or is_view(node):
+        return 0.0
+    moved = tensor_bytes(node.meta.get("val")) + sum(
+        tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+    )
+    return _flops(node) / options.flops_per_second + moved / options.memory_bytes_per_second
+
+
+class GraphIndex(NamedTuple):
+    """A summary plus the FX nodes its positions and gathers refer to."""
+
+    summary: GraphSummary
+    nodes: list[torch.fx.Node]
+    gathers: list[torch.fx.Node]
+    """``gathers[i]`` is the FX node of ``summary.gathers[i]``."""
+
+
+def _group_size(group_name: str) -> int:
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name).size()
+    except Exception:
+        return 1
+
+
+def _block_of(node: torch.fx.Node) -> str:
+    """The coalescing key: group, dtype, and the owning block ("layers.3") of the parameter.
+
+    The block comes from ``nn_module_stack``: the module path up to its first numeric component
+    (a ModuleList index), so every parameter of one decoder layer shares it. Parameters outside
+    any indexed block get their own module path.
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if stack:
+        path = str(list(stack.values())[-1][0])
+    parts = [p for p in path.replace("[", ".").replace("]", "").replace("'", "").split(".") if p]
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            parts = parts[: i + 1]
+            break
+    if not parts:
+        return ""
+    _, _, _, group_name, param_dtype, _ = node.args
+    return f"{group_name}|{param_dtype}|{'.'.join(parts)}"
+
+
+def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
+    """Localize view chains of every gather, then read the planner's summary off the graph."""
+    gathers = gather_nodes(graph)
+    for g in gathers:
+        localize_view_chains(graph, g)
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    first_real = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
+    specs = []
+    for g in gathers:
+        shard, param_id, _shape_arg, group_name, param_dtype, _ = g.args
+        tree = view_tree(g)
+        members = {g, *tree}
+        uses = {pos[v] for v in tree}
+        escapes = False
+        for v in members:
+            for u in v.users:
+                if u not in members:
+                    uses.add(pos[u])
+                    escapes |= u.op == "output"
+        sval = shard.meta["val"]
+        dtype = param_dtype if param_dtype is not None else sval.dtype
+        padded = _hint(sval.numel()) * _group_size(group_name)
+        nbytes = max(padded * dtype.itemsize, tensor_bytes(g.meta["val"]))
+        # Inserted ops go after the placeholders (the schedule token is the first real node).
+        earliest = max([first_real, *(pos[a] + 1 for a in g.all_input_nodes)])
+        if not uses:
+            continue
+        specs.append(
+            (g, GatherSpec(
+                key=str(param_id),
+                nbytes=nbytes,
+                uses=tuple(sorted(uses)),
+                earliest=min(earliest, min(uses)),
+                escapes=escapes,
+                block=_block_of(g),
+            ))
+        )
+    summary = GraphSummary(
+        num_nodes=len(nodes),
+        compute_seconds=tuple(node_seconds(n, options) for n in nodes),
+        gathers=tuple(s for _, s in specs),
+    )
+    return GraphIndex(summary, nodes, [g for g, _ in specs])
+
+
+def activation_peak_bytes(graph: torch.fx.Graph) -> int:
+    """Static liveness of every non-gathered tensor: peak of bytes alive at once.
+
+    Placeholders count from the start (in a backward graph they are the saved activations),
+    graph outputs to the end; views and the gathered buffers (and views of them) count nothing.
+    """
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    gathered: set[torch.fx.Node] = set()
+    for g in gather_nodes(graph):
+        gathered.add(g)
+        gathered.update(view_tree(g))
+    delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if n.op in ("output", "get_attr") or n in gathered or is_view(n):
+            continue
+        nbytes = tensor_bytes(n.meta.get("val"))
+        if not nbytes:
+            continue
+        last = max((pos[u] for u in n.users), default=pos[n])
+        if any(u.op == "output" for u in n.users):
+            last = len(nodes) - 1
+        delta[0 if n.op == "placeholder" else pos[n]] += nbytes
+        delta[last + 1] -= nbytes
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,328 @@
+"""The FX passes of the zbuf backend, as Inductor custom-pass objects (also used by aot_eager).
+
+``ZbufPartitioner`` (joint graph, before partitioning): tags every gather and its view/cast users
+``MUST_RECOMPUTE`` so backward re-gathers instead of saving full weights, except the gathers
+selective persistence keeps (``MUST_SAVE``), then runs ``min_cut_rematerialization_partition``.
+``GatherSchedulePass`` (forward and backward graphs, post-grad): plans (schedule.py) and rewrites
+each ``zbuf::all_gather`` into start / wait / release (collectives.py), threading the schedule
+token ([Note: schedule token]) and adding the first-run rank check ([Note: collective order check]).
+
+[Note: pass uuid]
+Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
+output could: it hashes this package's compile sources, the options, the planning inputs that are
+not in the graph (agreed free memory, world sizes are in the graph's op args), and torch's version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
+from torch.profiler import record_function
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import budget as budget_mod
+from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_start & co.)
+from . import report
+from .fingerprint import collective_order, fingerprint_of
+from .graph_info import (
+    GATHER_OP,
+    activation_peak_bytes,
+    gather_nodes,
+    is_view,
+    summarize,
+    tensor_bytes,
+    view_tree,
+)
+from .options import CompileOptions
+from .schedule import Schedule, plan_schedule
+
+__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState"]
+
+aten = torch.ops.aten
+zbuf = torch.ops.zbuf
+
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    here = os.path.dirname(__file__)
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    for extra in ("../ops.py", "../param.py"):
+        path = os.path.join(here, extra)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+_SOURCE_HASH = _source_hash()
+
+
+class PlanState:
+    """What the partitioner hands to the post-grad pass of the same compile.
+
+    One instance per Dynamo graph (the backend creates it), shared by the partitioner (producer
+    of ``persistent_bytes``) and the schedule pass (consumer; it also owns ``forward_done``).
+    """
+
+    def __init__(self, options: CompileOptions) -> None:
+        self.options = options
+        self.persistent_bytes = 0
+        self.persistent = 0
+
+    def uuid(self) -> str:
+        agreed = json.dumps(sorted(budget_mod._AGREED.items()))
+        return f"{_SOURCE_HASH}:{self.options.digest()}:{agreed}:{torch.__version__}"
+
+
+def _group_and_device(graph: torch.fx.Graph):
+    for g in gather_nodes(graph):
+        return g.args[3], g.args[0].meta["val"].device
+    return None, None
+
+
+def _is_backward_node_set(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes of a joint graph that depend on a tangent: the backward part."""
+    bw: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in bw for a in n.all_input_nodes):
+            bw.add(n)
+    return bw
+
+
+def _view_and_cast_tree(g: torch.fx.Node) -> list[torch.fx.Node]:
+    out, stack = [], [g]
+    while stack:
+        for u in stack.pop().users:
+            if is_view(u) or u.target in _CASTS:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
+    """Recompute tags on the joint graph; picks the persistent gathers (see the module doc)."""
+    bw = _is_backward_node_set(joint)
+    gathers = gather_nodes(joint)
+    trees = {g: _view_and_cast_tree(g) for g in gathers}
+    persist: set[torch.fx.Node] = set()
+    state.persistent_bytes = state.persistent = 0
+    opts = state.options
+    if opts.persist and gathers:
+        group_name, device = _group_and_device(joint)
+        peak = activation_peak_bytes(joint)
+        budget = budget_mod.graph_budget(opts, group_name, device, peak)
+        # What one node needs at once is off limits; persistence may use a share of the rest.
+        need = max(
+            sum(tensor_bytes(g.meta["val"]) for g in gathers if n in g.users or any(n in v.users for v in trees[g]))
+            for n in joint.nodes
+        )
+        cap = min(int(opts.persist_fraction * budget), budget - need)
+        order = {n: i for i, n in enumerate(joint.nodes)}
+        candidates = [
+            g for g in gathers if any(u in bw for v in [g, *trees[g]] for u in v.users)
+        ]
+        # Communication saved per byte is latency/bytes + 1/bandwidth: smaller gathers first.
+        candidates.sort(key=lambda g: (tensor_bytes(g.meta["val"]), order[g]))
+        for g in candidates:
+            nbytes = tensor_bytes(g.meta["val"])
+            if state.persistent_bytes + nbytes > cap:
+                break
+            persist.add(g)
+            state.persistent_bytes += nbytes
+        state.persistent = len(persist)
+    for g in gathers:
+        g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
+        for v in trees[g]:
+            v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+class ZbufPartitioner(CustomPartitionerFn):
+    def __init__(self, state: PlanState) -> None:
+        self.state = state
+
+    def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        with record_function("zbuf::tag_for_regather"):
+            tag_for_regather(gm.graph, self.state)
+        kwargs.setdefault("compiler", "inductor")
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> str:
+        return "partitioner:" + self.state.uuid()
+
+
+def _is_backward_graph(graph: torch.fx.Graph) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def _fake_empty(like: torch.Tensor, device) -> torch.Tensor:
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.empty(1, dtype=torch.uint8, device="meta")
+    with mode:
+        return torch.empty(1, dtype=torch.uint8, device=device)
+
+
+def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> None:
+    """Split every planned gather into start / wait / release at the planned slots."""
+    nodes, gathers = index.nodes, index.gathers
+    by_slot: dict[int, list] = {}
+    for f in sched.fetches:
+        by_slot.setdefault(f.start, []).append(("start", f))
+        by_slot.setdefault(f.wait, []).append(("wait", f))
+        for m in f.members:
+            if m.release_after is not None:
+                by_slot.setdefault(m.release_after + 1, []).append(("release", (f, m)))
+    rank = {"release": 0, "start": 1, "wait": 2}
+    group_name, device = _group_and_device(graph)
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_real):
+        token = graph.create_node(
+            "call_function", aten.empty.memory_format, ([1],), {"dtype": torch.uint8, "device": device},
+            name="zbuf_token",
+        )
+    token.meta["val"] = _fake_empty(gathers[0].meta["val"], device)
+
+    buffers: dict[tuple[int, int], torch.fx.Node] = {}  # (fetch index, member index) -> buffer
+    fetch_index = {id(f): i for i, f in enumerate(sched.fetches)}
+    for slot in sorted(by_slot):
+        events = sorted(by_slot[slot], key=lambda e: rank[e[0]])  # stable: keeps fetch order
+        anchor = nodes[slot]
+        for kind, payload in events:
+            with graph.inserting_before(anchor):
+                if kind == "release":
+                    f, m = payload
+                    buf = buffers[(fetch_index[id(f)], f.members.index(m))]
+                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf))
+                    n.meta["val"] = None
+                elif kind == "start":
+                    f = payload
+                    gs = [gathers[m.gather] for m in f.members]
+                    fi = fetch_index[id(f)]
+                    for i, (g, m) in enumerate(zip(gs, f.members)):
+                        shard, param_id, shape, group_name, param_dtype, _ = g.args
+                        buf = graph.call_function(
+                            zbuf.gather_buffer.default,
+                            (token, shard, param_id, list(shape), group_name, param_dtype),
+                        )
+                        buf.meta["val"] = g.meta["val"]
+                        buffers[(fi, i)] = buf
+                        for p in m.uses:
+                            nodes[p].replace_input_with(g, buf)
+                    start = graph.call_function(
+                        zbuf.all_gather_start.default,
+                        (token, [buffers[(fi, i)] for i in range(len(gs))], [g.args[0] for g in gs], gs[0].args[3]),
+                    )
+                    start.meta["val"] = None
+                else:
+                    f = payload
+                    bufs = [buffers[(fetch_index[id(f)], i)] for i in range(len(f.members))]
+                    n = graph.call_function(zbuf.all_gather_wait.default, (token, bufs))
+                    n.meta["val"] = None
+    for g in gathers:
+        if g.users:
+            raise AssertionError(f"zbuf rewrite left users on {g}: {list(g.users)}; this is a zbuf bug")
+        graph.erase_node(g)
+    return token
+
+
+class GatherSchedulePass(CustomGraphPass):
+    def __init__(self, state: PlanState) -> None:
+        self.state = state
+
+    def uuid(self) -> str:
+        return "schedule:" + self.state.uuid()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        with record_function("zbuf::plan_and_rewrite"):
+            self.plan_and_rewrite(graph)
+
+    def plan_and_rewrite(self, graph: torch.fx.Graph) -> None:
+        opts = self.state.options
+        kind = "backward" if _is_backward_graph(graph) else "forward"
+        gathers = gather_nodes(graph)
+        # Dead gathers (unused outputs) cost a collective for nothing; drop them first.
+        for g in gathers:
+            if not g.users:
+                graph.erase_node(g)
+        index = summarize(graph, opts)
+        group_name, device = _group_and_device(graph)
+        peak_act = activation_peak_bytes(graph)
+        token = None
+        sched = None
+        persistent_bytes = self.state.persistent_bytes if kind == "backward" else 0
+        if index.gathers:
+            requested = budget_mod.graph_budget(opts, group_name, device, peak_act)
+            # Persisted weights are live through backward: they come off its budget.
+            requested = max(1, requested - persistent_bytes)
+            sched = plan_schedule(index.summary, requested, opts)
+            token = rewrite(graph, index, sched)
+        order = collective_order(graph)
+        fp = fingerprint_of(order)
+        if order:
+            if token is None:
+                token = self._token_for_collectives(graph)
+            check_group = group_name if group_name is not None else self._group_of_collectives(graph)
+            pool_param = int(index.gathers[0].args[1]) if index.gathers else -1
+            with graph.inserting_after(token):
+                chk = graph.call_function(
+                    zbuf.check_schedule.default,
+                    (token, check_group, fp, json.dumps(order), sched.peak_live_bytes if sched else 0, pool_param),
+                )
+                chk.meta["val"] = None
+        graph.lint()
+        report.record(
+            report.ScheduleRecord(
+                graph_id=report.next_graph_id(),
+                kind=kind,
+                budget_bytes=sched.budget_bytes if sched else 0,
+                requested_budget_bytes=sched.requested_budget_bytes if sched else 0,
+                floor_bytes=sched.floor_bytes if sched else 0,
+                peak_live_gathered_bytes=sched.peak_live_bytes if sched else 0,
+                persistent_bytes=persistent_bytes if kind == "backward" else self.state.persistent_bytes,
+                activation_peak_bytes=peak_act,
+                gathers=len(index.gathers),
+                collectives=len(order),
+                coalesced_groups=sched.coalesced_groups if sched else 0,
+                prefetched=sched.prefetched if sched else 0,
+                regathers=sched.regathers if sched else 0,
+                persistent=sum(g.escapes for g in index.summary.gathers),
+                fingerprint=fp,
+                planning_seconds=sched.planning_seconds if sched else 0.0,
+                num_nodes=index.summary.num_nodes,
+                param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
+            )
+        )
+
+    @staticmethod
+    def _group_of_collectives(graph: torch.fx.Graph) -> str:
+        for n in graph.nodes:
+            if n.target is zbuf.reduce_scatter.default:
+                return n.args[3]
+        raise AssertionError("collectives without a zbuf group; this is a zbuf bug")
+
+    @staticmethod
+    def _token_for_collectives(graph: torch.fx.Graph) -> torch.fx.Node:
+        """A token for a graph with collectives but no gathers (all persisted, or reduce only)."""
+        rs = next(n for n in graph.nodes if n.target is zbuf.reduce_scatter.default)
+        val = rs.args[0].meta["val"]
+        first_real = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_real):
+            token = graph.create_node(
+                "call_function", aten.empty.memory_format, ([1],),
+                {"dtype": torch.uint8, "device": val.device}, name="zbuf_token",
+            )
+        token.meta["val"] = _fake_empty(val, val.device)
+        return token

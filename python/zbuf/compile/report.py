@@ -1,0 +1,96 @@
+"""Schedule diagnostics: one record per compiled graph, ``schedule_report``, ``ZBUF_LOG=schedule``.
+
+Records are made when a graph is planned (compile time). A graph served from Inductor's FX-graph
+cache is not planned again in this process and so has no record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["ScheduleRecord", "schedule_report", "record", "clear_records"]
+
+GraphKind = Literal["forward", "backward", "inference"]
+
+
+@dataclass(frozen=True)
+class ScheduleRecord:
+    graph_id: int
+    """Process-wide sequence number of planned graphs."""
+    kind: GraphKind
+    budget_bytes: int
+    """The budget planned against (the request raised to the feasible floor if needed)."""
+    requested_budget_bytes: int
+    floor_bytes: int
+    peak_live_gathered_bytes: int
+    persistent_bytes: int
+    """Gathered bytes kept from forward to backward (counted against this graph's budget)."""
+    activation_peak_bytes: int
+    gathers: int
+    collectives: int
+    coalesced_groups: int
+    prefetched: int
+    regathers: int
+    persistent: int
+    fingerprint: str
+    planning_seconds: float
+    num_nodes: int
+    param_ids: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+_RECORDS: list[ScheduleRecord] = []
+
+
+def next_graph_id() -> int:
+    return len(_RECORDS)
+
+
+def record(rec: ScheduleRecord) -> None:
+    _RECORDS.append(rec)
+    if "schedule" in os.environ.get("ZBUF_LOG", "").split(","):
+        path = os.environ.get("ZBUF_LOG_FILE")
+        line = rec.to_json() + "\n"
+        if path:
+            with open(path, "a") as f:
+                f.write(line)
+        else:
+            sys.stderr.write(line)
+
+
+def clear_records() -> None:
+    _RECORDS.clear()
+
+
+def _param_ids_of(model: torch.nn.Module) -> set[int]:
+    ids = set()
+    for p in model.parameters():
+        spec = getattr(p, "_zbuf_spec", None) or getattr(p, "zbuf_spec", None)
+        if spec is not None:
+            ids.add(int(spec.param_id))
+    return ids
+
+
+def schedule_report(model: torch.nn.Module | None = None) -> list[ScheduleRecord]:
+    """Records of the graphs planned for ``model`` (all records when ``model`` is None).
+
+    A graph belongs to a model when it gathers one of the model's parameters; graphs that gather
+    nothing (e.g. a graph-break fragment with no parameter access) are not attributed.
+    """
+    if model is None:
+        return list(_RECORDS)
+    own = getattr(model, "_zbuf_schedule_records", None)
+    ids = _param_ids_of(getattr(model, "_orig_mod", model))
+    out = [r for r in _RECORDS if ids.intersection(r.param_ids)]
+    if own is not None:
+        out = [r for r in _RECORDS if r in own or r in out]
+    return out
