@@ -1,0 +1,178 @@
+"""The ``zbuf`` command: ``zbuf train``, ``zbuf bench``, ``zbuf report``.
+
+    zbuf train                      # CPU: 2 gloo ranks, tiny preset; GPU: every GPU over NCCL
+    zbuf train --engine fsdp2 --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac
+    zbuf bench --engines zbuf,fsdp2,ddp --preset qwen3-8b --mem-frac 0.68
+    zbuf report zbuf-train.json -o plots/
+    torchrun --nproc_per_node 8 -m zbuf.cli train ...   # multi-node / external launcher
+
+The machinery lives in ``zbuf.train``; this module only parses options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from .train.config import ConfigError, Engine, TrainConfig, parse_bytes
+from .train.data import Task
+
+__all__ = ["main", "build_parser"]
+
+_ENGINES = [e.value for e in Engine]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{value} is out of range: a fraction of the GPU's memory in (0, 1], e.g. 0.68")
+    return value
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _engine_list(text: str) -> tuple[Engine, ...]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in _ENGINES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(_ENGINES)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"engine listed twice in {text!r}")
+    return tuple(Engine(n) for n in names)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", help="built-in model preset: tiny, qwen3-0.6b, qwen3-1.7b, "
+                                    "qwen3-4b, qwen3-8b, qwen3-14b (default: tiny on CPU, "
+                                    "qwen3-0.6b on GPU)")
+    m.add_argument("--model", metavar="hf:TYPE|PRESET",
+                   help="hf:<model_type> builds a transformers causal LM (e.g. hf:qwen3, "
+                        "hf:llama) with the preset's shape and random weights, no download; a "
+                        "plain name is the same as --preset")
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch", type=_positive_int, help="sequences per rank per step "
+                   "(default 8 on CPU, 4 on GPU)")
+    t.add_argument("--global-batch", type=_positive_int,
+                   help="sequences per step over all ranks, split evenly (instead of "
+                        "--micro-batch)")
+    t.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64 on "
+                   "CPU, 2048 on GPU)")
+    t.add_argument("--steps", type=_positive_int, help="steps per engine, warm-up included "
+                   "(default: train 60, bench 30)")
+    t.add_argument("--warmup", type=int, help="steps left out of the timing statistics "
+                   "(default: train 3, bench 10)")
+    t.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation checkpointing per block (default: on with GPUs)")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    t.add_argument("--task", choices=[x.value for x in Task], default=Task.STRIDE.value,
+                   help="synthetic task (default stride: learnable in tens of steps)")
+    t.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    t.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="compute dtype; master weights stay fp32 (default: bf16 on GPU, fp32 "
+                        "on CPU)")
+    s = p.add_argument_group("system")
+    s.add_argument("--budget", type=_bytes, help="zbuf gather budget, e.g. 8GiB (default: "
+                   "from rank-agreed free memory)")
+    s.add_argument("--mem-frac", type=_fraction, help="cap usable GPU memory to this fraction "
+                   "(emulates a smaller GPU)")
+    s.add_argument("--nproc", type=_positive_int, help="ranks to start (default: every GPU, "
+                   "or 2 on CPU)")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--compiler", choices=["inductor", "aot_eager"],
+                   help="what compiles the graphs (default: inductor on GPU, aot_eager on CPU)")
+    s.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per GPU for MFU "
+                   "(default: from the GPU name)")
+    s.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zbuf", description="ZeRO-3 training for "
+                                     "torch.compile: train, benchmark, report.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,report}")
+    train = sub.add_parser("train", help="train the built-in decoder",
+                           description="Train the built-in decoder on a synthetic task.")
+    train.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
+                       help="zbuf (sharded + compiled, default), zbuf-eager, fsdp2, ddp")
+    train.add_argument("--out", metavar="RUN.json", help="JSON record (default "
+                       "zbuf-train.json)")
+    _add_run_options(train)
+    bench = sub.add_parser("bench", help="one configuration under several engines",
+                           description="Run one configuration under several engines, side by "
+                                       "side, and compare.")
+    bench.add_argument("--engines", type=_engine_list,
+                       default=(Engine.ZBUF, Engine.ZBUF_EAGER, Engine.FSDP2, Engine.DDP),
+                       help="comma-separated, in run order (default zbuf,zbuf-eager,fsdp2,ddp)")
+    bench.add_argument("--out", metavar="RUN.json", help="JSON record (default "
+                       "zbuf-bench.json; the markdown table goes next to it as .md)")
+    _add_run_options(bench)
+    report = sub.add_parser("report", help="plots and the schedule table of a run record",
+                            description="Write PNG plots of a run record and print its "
+                                        "schedule.")
+    report.add_argument("record", metavar="RUN.json")
+    report.add_argument("-o", "--out-dir", default=None,
+                        help="directory for the PNGs (default: next to the record)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    preset, hf = args.preset, None
+    if args.model:
+        if args.model.startswith("hf:"):
+            hf = args.model[3:]
+        elif preset and preset != args.model:
+            raise ConfigError(f"--model {args.model} and --preset {preset} disagree; give one")
+        else:
+            preset = args.model
+    engines = args.engines if args.command == "bench" else (Engine(args.engine),)
+    return TrainConfig(
+        engines=engines, preset=preset, hf_model=hf, micro_batch=args.micro_batch,
+        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
+        warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,
+        seed=args.seed, nproc=args.nproc, out=args.out, dtype=args.dtype,
+        compiler=args.compiler, lr=args.lr, task=Task(args.task), device=args.device,
+        peak_tflops=args.peak_tflops, progress=not args.no_progress)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from .train.report import main as report_main
+
+        return report_main(args.record, args.out_dir)
+    from rich.console import Console
+
+    from .train.runner import run
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        Console(stderr=True).print(f"[bold red]zbuf {args.command}: error:[/bold red] {e}",
+                                   highlight=False)
+        return 2
+    return run(args.command, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The machinery behind the ``zbuf`` command (one concern per module).
+
+- ``config``: ``TrainConfig`` and ``Engine``, every option typed and validated.
+- ``data``: synthetic learnable tasks, identical on every engine and world size.
+- ``engines``: ddp / fsdp2 / zbuf-eager / zbuf applied to the same initial model.
+- ``loop``: one rank's timed training run of one engine.
+- ``metrics``: fair device memory, allocator retries, MFU, versions.
+- ``launcher``: torchrun-compatible worker processes that never outlive the launcher.
+- ``worker``: a rank's entry point; ``runner``: train / bench orchestration.
+- ``record``: the JSON record and the markdown table; ``progress``: live bar and tables;
+  ``report``: plots.
+"""

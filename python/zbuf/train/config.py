@@ -1,0 +1,240 @@
+"""``TrainConfig``: every option of ``zbuf train`` / ``zbuf bench``, typed and validated.
+
+Validation happens in the launching process before any worker starts, so a bad option costs
+no process spawn and gets one clear message naming the option and the fix (``ConfigError``).
+Checks that need the machine (GPU count, writable output path) live in ``check_environment``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..models import PRESETS
+from .data import Task
+
+__all__ = ["ConfigError", "Engine", "TrainConfig", "parse_bytes", "format_bytes"]
+
+
+class ConfigError(ValueError):
+    """A user option that cannot work; the message says which and how to fix it."""
+
+
+class Engine(str, enum.Enum):
+    """How the model is distributed and compiled."""
+
+    ZBUF = "zbuf"
+    """``zbuf.shard`` + the ``zbuf`` torch.compile backend (whole model, scheduled gathers)."""
+    ZBUF_EAGER = "zbuf-eager"
+    """``zbuf.shard`` without compile: gathers on parameter access, re-gather in backward."""
+    FSDP2 = "fsdp2"
+    """torch ``fully_shard`` per block + root, per-block compile (the torchtitan recipe)."""
+    DDP = "ddp"
+    """No sharding: ``DistributedDataParallel`` with the whole model compiled (the floor)."""
+
+    @property
+    def uses_zbuf(self) -> bool:
+        return self in (Engine.ZBUF, Engine.ZBUF_EAGER)
+
+    @property
+    def compiles(self) -> bool:
+        return self is not Engine.ZBUF_EAGER
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"8GiB"``, ``"1.5g"``, ``"1000000"`` -> bytes (binary for K/M/G/T and *iB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as a byte count; write e.g. 8GiB, 512MiB or "
+                          f"1073741824")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"byte count {text!r} must be positive")
+    return value
+
+
+def format_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class TrainConfig:
+    """One training (or benchmark) configuration. ``None`` fields are resolved per machine by
+    ``resolve`` (CPU: 2 gloo ranks, fp32, ``tiny``; GPU: every visible GPU over NCCL, bf16)."""
+
+    engines: tuple[Engine, ...] = (Engine.ZBUF,)
+    """Engines to run, in order (``zbuf train``: exactly one; ``zbuf bench``: several)."""
+    preset: Optional[str] = None
+    """Model preset from ``zbuf.models.PRESETS``; default ``tiny`` on CPU, ``qwen3-0.6b`` on GPU."""
+    hf_model: Optional[str] = None
+    """``--model hf:<model_type>``: a Hugging Face ``transformers`` causal LM of that type built
+    locally with random weights and the preset's shape (no download)."""
+    micro_batch: Optional[int] = None
+    """Sequences per rank per step; default 8 on CPU, 4 on GPU."""
+    global_batch: Optional[int] = None
+    """Sequences per step over all ranks; if set, split evenly: ``micro_batch = global / ranks``."""
+    seq_len: Optional[int] = None
+    """Tokens per sequence; default 64 on CPU, 2048 on GPU."""
+    steps: Optional[int] = None
+    """Optimizer steps per engine, warm-up included; default 60 for train, 30 for bench."""
+    warmup: Optional[int] = None
+    """Leading steps left out of the step-time statistics (compile and allocator warm-up);
+    default 3 for train, 10 for bench."""
+    ac: Optional[bool] = None
+    """Activation checkpointing per block; default off on CPU, on on GPU."""
+    budget: Optional[int] = None
+    """Gather budget in bytes for the zbuf engines (``None``: derived from free memory)."""
+    mem_frac: Optional[float] = None
+    """Cap usable GPU memory to this fraction of the card (emulates a smaller GPU)."""
+    seed: int = 0
+    """Seeds the weights and the synthetic data (identical for every engine)."""
+    nproc: Optional[int] = None
+    """Ranks to launch; default every visible GPU, or 2 on CPU. Under torchrun: its world size."""
+    out: Optional[str] = None
+    """Where the JSON record goes; default ``zbuf-train.json`` / ``zbuf-bench.json``."""
+    dtype: str = "auto"
+    """Compute dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``. Master
+    parameters, gradients reduction and optimizer state are always fp32."""
+    compiler: Optional[str] = None
+    """What compiles the graphs: ``inductor`` or ``aot_eager``; default inductor on GPU,
+    aot_eager on CPU (Inductor's C++ compile alone would exceed the one-minute CPU demo)."""
+    lr: float = 3e-3
+    """AdamW learning rate (constant)."""
+    task: Task = Task.STRIDE
+    """Synthetic task (see ``zbuf.train.data.Task``)."""
+    device: str = "auto"
+    """``auto`` (CUDA if present), ``cpu`` or ``cuda``."""
+    peak_tflops: Optional[float] = None
+    """Peak dense bf16 TFLOP/s per GPU for MFU; default from the GPU name (H100/H200: 989)."""
+    progress: bool = True
+    """Live progress bar on rank 0."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes stored in the record (e.g. what the benchmark was for)."""
+
+    # ---------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Machine-independent checks; raises ``ConfigError``."""
+        if not self.engines:
+            raise ConfigError("no engine selected; pass --engine zbuf|zbuf-eager|fsdp2|ddp")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose one of "
+                              f"{', '.join(PRESETS)}")
+        if self.hf_model is not None and not re.fullmatch(r"[a-z0-9_]+", self.hf_model):
+            raise ConfigError(f"--model hf:{self.hf_model}: expected a transformers model type "
+                              f"such as hf:qwen3 or hf:llama")
+        for name in ("micro_batch", "global_batch", "seq_len", "steps", "nproc"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {v!r}")
+        if self.micro_batch is not None and self.global_batch is not None:
+            raise ConfigError("give --micro-batch (per rank) or --global-batch (split over the "
+                              "ranks), not both")
+        if self.seq_len is not None and self.seq_len < 4:
+            raise ConfigError(f"--seq-len must be at least 4, got {self.seq_len}")
+        if self.warmup is not None and self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.mem_frac is not None and not 0.0 < self.mem_frac <= 1.0:
+            raise ConfigError(f"--mem-frac must lie in (0, 1] (a fraction of the GPU's memory), "
+                              f"got {self.mem_frac}")
+        if self.budget is not None and not any(e.uses_zbuf for e in self.engines):
+            raise ConfigError("--budget sets the zbuf gather budget; it has no meaning for "
+                              f"engine(s) {', '.join(e.value for e in self.engines)}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.compiler not in (None, "inductor", "aot_eager"):
+            raise ConfigError(f"--compiler must be inductor or aot_eager, got {self.compiler!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+
+    def resolve(self, *, cuda: bool, world: int, bench: bool) -> "TrainConfig":
+        """Fill every ``None`` for this machine and world size; check what depends on them."""
+        self.validate()
+        c = dataclasses.replace(self)
+        c.device = "cuda" if cuda else "cpu"
+        c.nproc = world
+        c.preset = c.preset or ("qwen3-0.6b" if cuda else "tiny")
+        if c.global_batch is not None:
+            if c.global_batch < world:
+                raise ConfigError(
+                    f"{world} ranks but a global batch of {c.global_batch} sequence(s): every "
+                    f"rank needs at least one; use --nproc {c.global_batch} or less, or a "
+                    f"--global-batch of at least {world}")
+            if c.global_batch % world:
+                raise ConfigError(
+                    f"--global-batch {c.global_batch} does not split evenly over {world} ranks; "
+                    f"use a multiple of {world}")
+            c.micro_batch = c.global_batch // world
+        c.micro_batch = c.micro_batch or (4 if cuda else 8)
+        c.global_batch = c.micro_batch * world
+        c.seq_len = c.seq_len or (2048 if cuda else 64)
+        c.steps = c.steps or (30 if bench else 60)
+        c.warmup = (10 if bench else 3) if c.warmup is None else c.warmup
+        if c.warmup >= c.steps:
+            raise ConfigError(f"--warmup {c.warmup} leaves no measured step out of --steps "
+                              f"{c.steps}; use more steps or less warm-up")
+        c.ac = cuda if c.ac is None else c.ac
+        c.compiler = c.compiler or ("inductor" if cuda else "aot_eager")
+        if c.dtype == "auto":
+            c.dtype = "bf16" if cuda else "fp32"
+        if c.mem_frac is not None and not cuda:
+            raise ConfigError("--mem-frac caps GPU memory (torch.cuda."
+                              "set_per_process_memory_fraction); this run has no GPU")
+        max_seq = PRESETS[c.preset].max_seq_len
+        if c.seq_len > max_seq:
+            raise ConfigError(f"--seq-len {c.seq_len} exceeds preset {c.preset}'s max_seq_len "
+                              f"{max_seq}")
+        c.out = c.out or ("zbuf-bench.json" if bench else "zbuf-train.json")
+        return c
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["engines"] = [e.value for e in self.engines]
+        d["task"] = self.task.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        d["engines"] = tuple(Engine(e) for e in d["engines"])
+        d["task"] = Task(d["task"])
+        return cls(**d)
+
+
+def check_output_path(path: str) -> str:
+    """Absolute path of a JSON record we will be able to write; ``ConfigError`` otherwise."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ConfigError(f"--out {path}: is a directory; give a file name such as "
+                          f"{os.path.join(path, 'run.json')}")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--out {path}: directory {parent} does not exist; create it first")
+    existed = os.path.exists(full)
+    try:  # a real open, not os.access: root passes access checks on read-only file systems
+        with open(full, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot write there ({e.strerror}); choose another "
+                          f"path") from None
+    if not existed:
+        os.unlink(full)
+    return full

@@ -1,0 +1,272 @@
+"""The four ways to train the same model: ``zbuf``, ``zbuf-eager``, ``fsdp2``, ``ddp``.
+
+Every engine starts from the same materialised fp32 model (same seed, same device), so the
+first-step losses agree and per-step losses are comparable; each then applies its own sharding,
+mixed precision and compilation. Mixed precision is always "bf16 compute, fp32 master":
+
+- ``ddp``: fp32 parameters under ``torch.autocast(bf16)``; gradients all-reduced in fp32.
+- ``fsdp2``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+- ``zbuf`` / ``zbuf-eager``: ``zbuf.shard(param_dtype=bf16, reduce_dtype=fp32)``.
+
+[Note: what each engine compiles]
+``ddp`` and ``zbuf`` compile the whole model together with the loss as one graph (the loss
+upcast of a [B, T, 151936] logits tensor is a large activation; leaving it eager would charge
+those engines for something FSDP2 does not pay). ``fsdp2`` follows torchtitan: every block is
+compiled on its own (``Module.compile``, before ``fully_shard`` so FSDP's hooks stay eager) and
+the loss function is compiled separately. ``zbuf-eager`` compiles nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import models
+from .config import ConfigError, Engine, TrainConfig
+from .data import IGNORE_INDEX, Batch
+
+__all__ = ["EngineSetup", "EngineUnavailable", "check_available", "build_engine",
+           "build_base_model"]
+
+
+class EngineUnavailable(ConfigError):
+    """The engine's machinery is not in this build (e.g. the zbuf compile backend)."""
+
+
+class EngineSetup(NamedTuple):
+    step_loss: Callable[[Batch], torch.Tensor]
+    """Forward + loss for one batch (compiled where the engine compiles); returns a scalar."""
+    model: nn.Module
+    """The trained module (sharded / wrapped in place)."""
+    optimizer: torch.optim.Optimizer
+    pool: Optional[object]
+    """The zbuf gather-buffer pool feeding this model (zbuf engines), else None."""
+    schedule_report: Callable[[], Optional[dict]]
+    """The zbuf schedule (JSON-able) once compiled, else None."""
+
+
+def check_available(engine: Engine) -> None:
+    """Raise ``EngineUnavailable`` with the reason and the alternatives if ``engine`` cannot run."""
+    if engine.uses_zbuf:
+        try:
+            importlib.import_module("zbuf.shard")
+        except Exception as e:  # noqa: BLE001 - any import failure means the same to the user
+            raise EngineUnavailable(
+                f"engine {engine.value!r} needs zbuf.shard, which failed to import ({e}); "
+                f"use --engine fsdp2 or ddp") from None
+    if engine is Engine.ZBUF:
+        try:
+            backend = importlib.import_module("zbuf.compile.backend")
+            getattr(backend, "zbuf_backend")
+        except Exception as e:  # noqa: BLE001
+            raise EngineUnavailable(
+                f"engine 'zbuf' needs the zbuf torch.compile backend (zbuf.compile.backend:"
+                f"zbuf_backend), which is not available in this build ({e}); use --engine "
+                f"zbuf-eager (sharded, not compiled), fsdp2 or ddp") from None
+
+
+class HFDecoder(nn.Module):
+    """A ``transformers`` causal LM behind the ``Decoder`` interface: tokens -> logits,
+    ``.layers`` the transformer blocks."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.layers = hf_model.model.layers
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def _hf_model(model_type: str, cfg: models.ModelConfig, device) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("--model hf:... needs the transformers package (pip install "
+                          "transformers)") from None
+    try:
+        hf_cfg = transformers.AutoConfig.for_model(
+            model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.max_seq_len,
+            attention_dropout=0.0)
+        hf_cfg._attn_implementation = "sdpa"
+    except ValueError as e:
+        raise ConfigError(f"--model hf:{model_type}: transformers does not know this model type "
+                          f"({e}); try hf:qwen3 or hf:llama") from None
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    if not hasattr(getattr(hf, "model", None), "layers"):
+        raise ConfigError(f"--model hf:{model_type}: the model has no .model.layers; only "
+                          f"decoder-only LMs laid out like Llama/Qwen are supported")
+    return HFDecoder(hf)
+
+
+def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``."""
+    mcfg = models.resolve_config(cfg.preset)
+    torch.manual_seed(cfg.seed)
+    if cfg.hf_model:
+        model = _hf_model(cfg.hf_model, mcfg, device)
+        if cfg.ac:
+            model.hf.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    model = models.build_model(mcfg, device="meta")
+    model.to_empty(device=device)
+    model.reset_parameters()
+    models.apply_activation_checkpointing(model, cfg.ac)
+    return model
+
+
+def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           ignore_index=IGNORE_INDEX)
+
+
+class _WithLoss(nn.Module):
+    """model + loss as one module, so a whole-model compile captures the loss too."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _loss_from_logits(self.model(tokens), targets)
+
+
+def _compute_dtype(cfg: TrainConfig) -> Optional[torch.dtype]:
+    return torch.bfloat16 if cfg.dtype == "bf16" else None
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # weight_decay 0: the synthetic tasks need no regularisation and it keeps engines identical.
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+
+def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
+                 group: Optional[dist.ProcessGroup] = None) -> EngineSetup:
+    """Build the base model and apply ``engine`` to it. Collective: call on every rank."""
+    check_available(engine)
+    model = build_base_model(cfg, device)
+    dtype = _compute_dtype(cfg)
+    builder = {Engine.DDP: _ddp, Engine.FSDP2: _fsdp2, Engine.ZBUF_EAGER: _zbuf_eager,
+               Engine.ZBUF: _zbuf}[engine]
+    return builder(model, cfg, device, dtype, group)
+
+
+def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    wrapped = DDP(_WithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
+                  process_group=group)
+    compiled = torch.compile(wrapped, backend=cfg.compiler)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+
+    def step_loss(batch: Batch) -> torch.Tensor:
+        with autocast:
+            return compiled(batch.tokens, batch.targets)
+
+    return EngineSetup(step_loss, model, _optimizer(model, cfg), None, lambda: None)
+
+
+def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    group = group or dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, device.type)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for block in model.layers:
+        block.compile(backend=cfg.compiler, fullgraph=not cfg.hf_model)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    loss_fn = torch.compile(_loss_from_logits, backend=cfg.compiler)
+
+    def step_loss(batch: Batch) -> torch.Tensor:
+        return loss_fn(model(batch.tokens), batch.targets)
+
+    return EngineSetup(step_loss, model, _optimizer(model, cfg), None, lambda: None)
+
+
+def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
+    # import_module, not "import zbuf.shard": the package re-exports the function under that name
+    shard_fn = importlib.import_module("zbuf.shard").shard
+    shard_fn(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    root = model.__dict__.get("_zbuf_root")
+    pool = getattr(root, "pool", None)
+    if pool is None:
+        from zbuf.pool import default_pool
+
+        pool = default_pool(device)
+    if pool_budget and cfg.budget is not None:
+        # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
+        pool.set_budget(cfg.budget)
+    return pool
+
+
+def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
+    pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=True)
+
+    def step_loss(batch: Batch) -> torch.Tensor:
+        return _loss_from_logits(model(batch.tokens), batch.targets)
+
+    return EngineSetup(step_loss, model, _optimizer(model, cfg), pool, lambda: None)
+
+
+def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
+    pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=False)
+    options = {"inner": cfg.compiler}
+    if cfg.budget is not None:
+        options["budget_bytes"] = cfg.budget
+    whole = _WithLoss(model)
+    compiled = torch.compile(whole, backend="zbuf", fullgraph=not cfg.hf_model, options=options)
+
+    def step_loss(batch: Batch) -> torch.Tensor:
+        return compiled(batch.tokens, batch.targets)
+
+    def schedule_report() -> Optional[dict]:
+        import zbuf.compile as zcompile
+
+        report = getattr(zcompile, "schedule_report", None)
+        if report is None:
+            return None
+        records = report(model) or report(whole) or report(None)
+        return {"graphs": to_jsonable(records)} if records else None
+
+    return EngineSetup(step_loss, model, _optimizer(model, cfg), pool, schedule_report)
+
+
+def to_jsonable(obj):
+    """Dataclasses, named tuples, enums, numpy arrays and tensors -> plain JSON values."""
+    import dataclasses
+    import enum
+
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "_asdict"):
+        return {k: to_jsonable(v) for k, v in obj._asdict().items()}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().tolist()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "to_dict"):
+        return to_jsonable(obj.to_dict())
+    return str(obj)

@@ -1,0 +1,129 @@
+"""Start N worker processes the way torchrun would, and never leave one behind.
+
+[Note: launching like torchrun]
+The workers see exactly the environment torchrun gives (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE=True``), so the worker code has one path for both launches. As
+torchrun's agent does, the launcher hosts the rendezvous ``TCPStore`` itself on a port the OS
+picks (no free-port race) and every rank connects to it as a client.
+
+[Note: no orphans]
+- Ctrl-C in a terminal sends SIGINT to the whole foreground process group: workers stop at once
+  (``KeyboardInterrupt``, exit 130) and the launcher waits for them.
+- SIGINT or SIGTERM sent to the launcher alone: it sends SIGTERM to every live worker, waits up to
+  ``grace`` seconds, then SIGKILLs what is left, and reaps all of them before exiting.
+- The launcher killed outright (SIGKILL): each worker asked the kernel to SIGKILL it when its
+  parent dies (``PR_SET_PDEATHSIG``, set by the worker itself at start-up; see
+  ``die_with_parent``).
+- A worker that fails: its peers would block in their next collective, so the launcher stops
+  them and reports the failed rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import NamedTuple, Optional
+
+__all__ = ["GroupResult", "Interrupted", "under_torchrun", "launch_group", "die_with_parent"]
+
+_PR_SET_PDEATHSIG = 1
+_LAUNCHER_PID = "ZBUF_LAUNCHER_PID"
+
+
+class Interrupted(Exception):
+    """The launcher got SIGINT / SIGTERM; workers have been stopped."""
+
+
+class GroupResult(NamedTuple):
+    returncodes: list[int]
+    """Exit status per rank (negative: killed by that signal)."""
+    failed_rank: Optional[int]
+    """First rank that exited non-zero on its own, or None."""
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun (or any launcher that sets the same env)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                         "MASTER_PORT")) and _LAUNCHER_PID not in os.environ
+
+
+def die_with_parent() -> None:
+    """In a worker we launched: get SIGKILLed when the launcher dies, even by SIGKILL (Linux)."""
+    parent = os.environ.get(_LAUNCHER_PID)
+    if parent is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's signal handling still applies
+        pass
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] = None,
+                 grace: float = 10.0) -> GroupResult:
+    """Run ``python argv...`` as ranks 0..nproc-1 on this host and wait for all of them.
+
+    Raises ``Interrupted`` (after stopping every worker) on SIGINT / SIGTERM.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300),
+                          wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True",
+                **{_LAUNCHER_PID: str(os.getpid())})
+    procs: list[subprocess.Popen] = []
+    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(nproc):
+            child = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, *argv], env=child))
+        failed: Optional[int] = None
+        while failed is None and any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                if p.returncode not in (None, 0):
+                    failed = rank
+                    break
+            time.sleep(0.1)
+        if failed is None:
+            failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+        return GroupResult([_stop(p, grace) for p in procs], failed)
+    finally:
+        # Runs on success (no-op: all exited), on failure and on Interrupted alike. A second
+        # Ctrl-C must not cut the clean-up short (that is how orphans happen); it is bounded by
+        # ``grace`` anyway.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            _stop(p, max(0.0, deadline - time.monotonic()))
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        del store
+
+
+def _stop(p: subprocess.Popen, timeout: float) -> int:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return p.returncode

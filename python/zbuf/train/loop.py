@@ -1,0 +1,150 @@
+"""One rank's training run of one engine: build, step, measure, gather the per-rank numbers.
+
+[Note: step timing]
+A step is forward + loss, backward and the optimizer step, timed on the host after a device
+synchronize, so every step's time includes all the device work it launched. The synchronize
+costs one host round-trip per step for every engine alike. Step ``s`` of the record is the
+slowest rank's time (the step cannot finish before its last rank); loss is the mean over ranks.
+All cross-rank reduction happens once, after the last step, so measuring adds no collective to
+the steps being measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .config import Engine, TrainConfig
+from .data import rank_batch
+from .engines import build_engine
+from .metrics import MemoryProbe
+
+__all__ = ["run_engine"]
+
+
+def _cap_memory(cfg: TrainConfig, device: torch.device, pool) -> Optional[dict[str, Any]]:
+    """Apply ``--mem-frac``; for zbuf engines the pool's bytes come out of the same cap.
+
+    [Note: fair memory cap] ``set_per_process_memory_fraction`` limits only the caching
+    allocator, and the zbuf pool allocates beside it. So that zbuf does not get more memory than
+    the engines it is compared with, its allocator fraction is lowered by the pool's budget once
+    the schedule has sized the pool (after the first step): allocator + pool <= mem_frac of the
+    card, the same total every engine gets.
+    """
+    if cfg.mem_frac is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    frac = cfg.mem_frac
+    pool_bytes = 0
+    if pool is not None:
+        stats = pool.stats()
+        pool_bytes = max(getattr(stats, "budget_bytes", 0) or 0,
+                         getattr(stats, "high_water_bytes", 0) or 0)
+        frac = max(0.01, cfg.mem_frac - pool_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(frac, device)
+    return {"mem_frac": cfg.mem_frac, "allocator_fraction": frac, "pool_bytes": pool_bytes,
+            "device_total_bytes": total}
+
+
+def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress) -> dict:
+    """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    with record_function(f"zbuf.train.setup[{engine.value}]"):
+        setup = build_engine(engine, cfg, device)
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the full model the shards were cut from
+    setup_seconds = time.perf_counter() - t0
+    memory_cap = _cap_memory(cfg, device, None)
+    probe = MemoryProbe(device, setup.pool)
+    probe.reset()
+    dist.barrier()
+
+    mcfg_vocab = _vocab(setup.model)
+    rows: list[list[float]] = []  # per step: time, loss, device, peak, alloc_peak, pool, pool_hw, retries
+    progress.start_engine(engine.value, cfg.steps)
+    for step in range(cfg.steps):
+        batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
+                           mcfg_vocab, device)
+        start = time.perf_counter()
+        with record_function("zbuf.train.step"):
+            with record_function("zbuf.train.forward"):
+                loss = setup.step_loss(batch)
+            with record_function("zbuf.train.backward"):
+                loss.backward()
+            with record_function("zbuf.train.optimizer"):
+                setup.optimizer.step()
+                setup.optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        value = loss.item()
+        probe.feed_pool()
+        if step == 0 and setup.pool is not None and cfg.mem_frac is not None:
+            memory_cap = _cap_memory(cfg, device, setup.pool)
+        m = probe.sample()
+        rows.append([elapsed, value, m.device_bytes, m.peak_device_bytes,
+                     m.allocated_peak_bytes, m.pool_bytes, m.pool_high_water_bytes,
+                     m.alloc_retries])
+        progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
+    progress.end_engine()
+
+    schedule = setup.schedule_report()
+    pool_stats = probe.pool_stats()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, rows)
+    result = _combine(engine, cfg, everyone, world)
+    result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule,
+                  memory_cap=memory_cap)
+    del setup, loss
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "vocab_size"):
+        return cfg.vocab_size
+    return model.hf.config.vocab_size
+
+
+def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[list[float]]],
+             world: int) -> dict:
+    steps = []
+    measured = slice(cfg.warmup, cfg.steps)
+    for s in range(cfg.steps):
+        col = [r[s] for r in per_rank]
+        steps.append({
+            "step": s,
+            "loss": sum(c[1] for c in col) / world,
+            "time_s": max(c[0] for c in col),
+            "tokens": cfg.micro_batch * cfg.seq_len * world,
+            "device_bytes": int(max(c[2] for c in col)),
+            "peak_device_bytes": int(max(c[3] for c in col)),
+            "pool_bytes": int(max(c[5] for c in col)),
+            "alloc_retries": [int(c[7]) for c in col],
+        })
+    ranks = []
+    for r, rows in enumerate(per_rank):
+        last = rows[-1]
+        before = rows[cfg.warmup - 1][7] if cfg.warmup > 0 else 0
+        ranks.append({
+            "rank": r,
+            "peak_device_bytes": int(max(row[3] for row in rows)),
+            "allocated_peak_bytes": int(max(row[4] for row in rows)),
+            "pool_high_water_bytes": int(max(row[6] for row in rows)),
+            "alloc_retries_total": int(last[7]),
+            "alloc_retries_measured": int(last[7] - before),
+            "measured_steps": len(rows[measured]),
+        })
+    return {"engine": engine.value, "status": "ok", "steps": steps, "per_rank": ranks}

@@ -1,0 +1,133 @@
+"""What the user watches: a live rich progress bar on rank 0, then a summary table.
+
+On a terminal the bar shows step, loss, tokens/s and memory; when stdout is not a terminal (CI
+logs, pipes) it prints a plain line every tenth of the run instead, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .config import format_bytes
+
+__all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table"]
+
+
+class NullProgress:
+    """Ranks other than 0 report nothing."""
+
+    def start_engine(self, name: str, total: int) -> None:
+        pass
+
+    def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
+        pass
+
+    def end_engine(self) -> None:
+        pass
+
+
+class TrainProgress(NullProgress):
+    def __init__(self, console: Optional[Console] = None, memory_label: str = "mem") -> None:
+        self.console = console or Console()
+        self.memory_label = memory_label
+        self._progress: Optional[Progress] = None
+        self._task = None
+        self._name = ""
+        self._total = 0
+
+    def start_engine(self, name: str, total: int) -> None:
+        self._name, self._total = name, total
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("{task.fields[mem]}"), TimeElapsedColumn(), console=self.console)
+            self._progress.start()
+            self._task = self._progress.add_task(name, total=total, loss="-", tps="-", mem="-")
+        else:
+            self.console.print(f"[{name}] training {total} steps", markup=False)
+
+    def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, loss=f"{loss:.4f}",
+                                  tps=f"{tokens_per_s:,.0f}",
+                                  mem=f"{self.memory_label} {format_bytes(device_bytes)}")
+            return
+        every = max(1, self._total // 10)
+        if step % every == 0 or step == self._total - 1:
+            self.console.print(
+                f"[{self._name}] step {step + 1}/{self._total}  loss {loss:.4f}  "
+                f"{tokens_per_s:,.0f} tok/s  {self.memory_label} {format_bytes(device_bytes)}",
+                highlight=False, markup=False)
+
+    def end_engine(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def summary_table(record: dict[str, Any]) -> Table:
+    """Metrics down, engines across: fits a narrow terminal and compares side by side."""
+    cuda = record["environment"].get("device_type") == "cuda"
+    cfg = record["config"]
+    table = Table(title=f"zbuf {record['command']}: {record['model']['name']}, "
+                        f"{record['world_size']} ranks, {cfg['micro_batch']} x {cfg['seq_len']} "
+                        f"tokens/rank, {cfg['steps'] - cfg['warmup']} measured steps")
+    table.add_column("")
+    engines = record["engines"]
+    for eng in engines:
+        table.add_column(eng["engine"], justify="right")
+
+    def row(label: str, fn) -> None:
+        cells = []
+        for eng in engines:
+            s = eng.get("summary")
+            if eng["status"] != "ok" or s is None:
+                cells.append(f"[red]{eng['status']}[/red]" if label == "status" else "-")
+            else:
+                cells.append(fn(s))
+        table.add_row(label, *cells)
+
+    row("status", lambda s: "[green]ok[/green]")
+    row("step time, median", lambda s: f"{s['step_time_median_s'] * 1e3:,.1f} ms")
+    row("step time, min-max", lambda s: f"{s['step_time_min_s'] * 1e3:,.1f}-"
+                                        f"{s['step_time_max_s'] * 1e3:,.1f} ms")
+    row("tokens/s per " + ("GPU" if cuda else "rank"),
+        lambda s: f"{s['tokens_per_s_per_gpu']:,.0f}")
+    row("MFU", lambda s: "-" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%")
+    row("peak device memory" if cuda else "peak RSS",
+        lambda s: format_bytes(s["peak_device_bytes"]))
+    row("alloc retries per rank", lambda s: ",".join(map(str, s["alloc_retries_per_rank"])))
+    row("first step (compile)", lambda s: f"{s['first_step_s']:.2f} s")
+    row("loss first -> last", lambda s: f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+    row("pool hits / misses", lambda s: f"{s['pool'].get('hits', 0)} / "
+                                        f"{s['pool'].get('misses', 0)}" if s.get("pool") else "-")
+    row("pool high water", lambda s: format_bytes(s["pool"].get("high_water_bytes"))
+        if s.get("pool") else "-")
+    row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
+    row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
+    return table
+
+
+def comparison_table(record: dict[str, Any]) -> Optional[Table]:
+    """Ratios against a baseline engine (fsdp2 when present, else the first that ran)."""
+    ok = [e for e in record["engines"] if e["status"] == "ok"]
+    if len(ok) < 2:
+        return None
+    base = next((e for e in ok if e["engine"] == "fsdp2"), ok[0])
+    b = base["summary"]
+    table = Table(title=f"relative to {base['engine']} (lower is better for time and memory)")
+    for col in ("engine", "step time", "tok/s/GPU", "peak memory", "first step"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for eng in ok:
+        s = eng["summary"]
+        table.add_row(eng["engine"],
+                      f"{s['step_time_median_s'] / b['step_time_median_s']:.3f}x",
+                      f"{s['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.3f}x",
+                      f"{s['peak_device_bytes'] / max(b['peak_device_bytes'], 1):.3f}x",
+                      f"{s['first_step_s'] / b['first_step_s']:.3f}x")
+    return table

@@ -1,0 +1,162 @@
+"""The JSON record of a run (``--out``), its per-engine summaries and the markdown table.
+
+Record layout (``schema: zbuf.run/1``)::
+
+    command        "train" | "bench"
+    config         the resolved TrainConfig
+    model          name, params, flops_per_token, shape
+    environment    torch / CUDA / NCCL / driver versions, GPU kind and count, host
+    world_size     ranks
+    engines[]      engine, status ("ok" | "failed"), error, setup_seconds,
+                   steps[] (step, loss [mean over ranks], time_s [slowest rank], tokens,
+                            device_bytes, peak_device_bytes, pool_bytes, alloc_retries[per rank]),
+                   per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
+                               alloc_retries_total, alloc_retries_measured),
+                   pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
+                   summary (see ``summarize``)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any, Optional
+
+from .. import models
+from .config import TrainConfig, format_bytes
+
+__all__ = ["SCHEMA", "summarize", "make_record", "write_record", "load_record", "markdown"]
+
+SCHEMA = "zbuf.run/1"
+
+
+def _find(obj: Any, keys: tuple[str, ...], how=max) -> Optional[float]:
+    """Aggregate every numeric value stored under any of ``keys`` anywhere in ``obj``."""
+    found: list[float] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    found.append(v)
+                else:
+                    walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return how(found) if found else None
+
+
+def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optional[float],
+              peak_flops: Optional[float]) -> dict[str, Any]:
+    """Statistics over the measured steps (those after ``cfg.warmup``)."""
+    steps = result["steps"]
+    measured = steps[cfg.warmup:]
+    times = [s["time_s"] for s in measured]
+    median = statistics.median(times)
+    tps_gpu = cfg.micro_batch * cfg.seq_len / median
+    mfu = (flops_per_token * tps_gpu / peak_flops) if flops_per_token and peak_flops else None
+    return {
+        "measured_steps": len(measured),
+        "warmup_steps": cfg.warmup,
+        "step_time_median_s": median,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "step_time_mean_s": statistics.fmean(times),
+        "step_time_stdev_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+        "tokens_per_s_per_gpu": tps_gpu,
+        "tokens_per_s": tps_gpu * cfg.nproc,
+        "mfu": mfu,
+        "peak_device_bytes": max(r["peak_device_bytes"] for r in result["per_rank"]),
+        "alloc_retries_per_rank": [r["alloc_retries_measured"] for r in result["per_rank"]],
+        "alloc_retries_total_per_rank": [r["alloc_retries_total"] for r in result["per_rank"]],
+        "first_step_s": steps[0]["time_s"],
+        "first_loss": steps[0]["loss"],
+        "final_loss": steps[-1]["loss"],
+        "losses": [s["loss"] for s in steps],
+        "pool": {k: result["pool"][k] for k in ("hits", "misses", "high_water_bytes",
+                                                  "budget_bytes", "evictions", "allocations")
+                 if k in result["pool"]} if result.get("pool") else None,
+        "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
+        "schedule_peak_live_bytes": _find(result.get("schedule"),
+                                          ("peak_live_bytes", "peak_live_gathered_bytes")),
+    }
+
+
+def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],
+                engines: list[dict[str, Any]], peak_flops: Optional[float]) -> dict[str, Any]:
+    if cfg.hf_model:
+        name = f"hf:{cfg.hf_model} ({cfg.preset} shape)"
+    else:
+        name = cfg.preset
+    mcfg = models.resolve_config(cfg.preset)
+    fpt = mcfg.flops_per_token(cfg.seq_len)
+    for eng in engines:
+        if eng.get("status") == "ok":
+            eng["summary"] = summarize(eng, cfg, fpt, peak_flops)
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": cfg.to_json(),
+        "model": {"name": name, "preset": cfg.preset, "params": mcfg.num_params(),
+                  "flops_per_token": fpt, "peak_flops_per_gpu": peak_flops,
+                  "shape": {k: v for k, v in vars(mcfg).items()}},
+        "environment": env,
+        "world_size": cfg.nproc,
+        "engines": engines,
+    }
+
+
+def write_record(record: dict[str, Any], path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_record(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        record = json.load(f)
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a zbuf run record (expected schema {SCHEMA!r}); "
+                         f"write one with zbuf train --out or zbuf bench --out")
+    return record
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The benchmark table: one row per engine, versions and hardware in the header."""
+    env, cfg = record["environment"], record["config"]
+    hw = (f"{env.get('gpu_count', '?')} x {env.get('gpu')}" if env.get("device_type") == "cuda"
+          else f"CPU ({env.get('cpu_count')} cores)")
+    lines = [
+        f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
+        f"{record['world_size']} ranks, AC {'on' if cfg['ac'] else 'off'}, {cfg['dtype']}"
+        + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
+        "",
+        f"Hardware: {hw}. torch {env.get('torch')}, CUDA {env.get('cuda') or '-'}, "
+        f"NCCL {env.get('nccl') or '-'}, driver {env.get('driver') or '-'}; zbuf "
+        f"{env.get('zbuf_commit') or env.get('zbuf') or '?'}. Steps: {cfg['warmup']} warm-up + "
+        f"{cfg['steps'] - cfg['warmup']} measured.",
+        "",
+        "| engine | step median (s) | min | max | tok/s/GPU | MFU | peak device mem | "
+        "alloc retries/rank | first step (s) | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for eng in record["engines"]:
+        if eng["status"] != "ok":
+            last = (eng.get("error") or "").strip().splitlines()
+            reason = last[-1].replace("|", "/") if last else ""
+            lines.append(f"| {eng['engine']} | {eng['status']}: {reason} | | | | | | | | |")
+            continue
+        s = eng["summary"]
+        mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        lines.append(
+            f"| {eng['engine']} | {s['step_time_median_s']:.4f} | {s['step_time_min_s']:.4f} | "
+            f"{s['step_time_max_s']:.4f} | {s['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+            f"{format_bytes(s['peak_device_bytes'])} | "
+            f"{','.join(map(str, s['alloc_retries_per_rank']))} | {s['first_step_s']:.2f} | "
+            f"{s['final_loss']:.4f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,243 @@
+"""``zbuf report RUN.json``: PNG plots and the schedule as a table, readable without the code.
+
+Plots (one PNG each, written next to the record or into ``-o DIR``):
+
+- ``loss.png``: loss per step, one line per engine.
+- ``step_time.png``: step time per step per engine; the warm-up steps are shaded.
+- ``memory.png``: device memory per step per engine (allocator reserved + pool, or RSS on
+  CPU), with the zbuf pool's occupancy drawn dashed.
+- ``schedule_memory.png`` (zbuf runs): per compiled graph, live gathered bytes over the graph's
+  nodes against the budget and the projected activations when the schedule report carries the
+  per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
+  per graph as bars.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import format_bytes
+from .record import load_record
+
+__all__ = ["make_plots", "schedule_table", "main"]
+
+_GIB = float(1 << 30)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in record["engines"] if e.get("status") == "ok" and e.get("steps")]
+
+
+def _title(record: dict[str, Any], what: str) -> str:
+    cfg = record["config"]
+    return (f"{what}: {record['model']['name']}, {record['world_size']} ranks, "
+            f"{cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def _loss_plot(record, out_dir) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for eng in _ok(record):
+        ax.plot([s["step"] for s in eng["steps"]], [s["loss"] for s in eng["steps"]],
+                marker=".", label=eng["engine"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_title(_title(record, "Training loss"))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, os.path.join(out_dir, "loss.png"))
+
+
+def _step_time_plot(record, out_dir) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    warmup = record["config"]["warmup"]
+    for eng in _ok(record):
+        ax.plot([s["step"] for s in eng["steps"]], [s["time_s"] * 1e3 for s in eng["steps"]],
+                marker=".", label=eng["engine"])
+    if warmup:
+        ax.axvspan(-0.5, warmup - 0.5, color="grey", alpha=0.15, label="warm-up (not measured)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms, slowest rank, log scale)")
+    ax.set_title(_title(record, "Step time"))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    return _save(fig, os.path.join(out_dir, "step_time.png"))
+
+
+def _memory_plot(record, out_dir) -> str:
+    plt = _plt()
+    cuda = record["environment"].get("device_type") == "cuda"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for eng in _ok(record):
+        steps = [s["step"] for s in eng["steps"]]
+        line, = ax.plot(steps, [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
+                        label=f"{eng['engine']}: {'reserved + pool' if cuda else 'RSS'}")
+        if any(s.get("pool_bytes") for s in eng["steps"]):
+            ax.plot(steps, [s["pool_bytes"] / _GIB for s in eng["steps"]], linestyle="--",
+                    color=line.get_color(), label=f"{eng['engine']}: pool occupancy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB (max over ranks)")
+    ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, os.path.join(out_dir, "memory.png"))
+
+
+def _graphs(eng: dict[str, Any]) -> list[dict[str, Any]]:
+    sched = eng.get("schedule")
+    if isinstance(sched, dict):
+        return [g for g in sched.get("graphs", []) if isinstance(g, dict)]
+    return []
+
+
+def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
+    for n in names:
+        v = g.get(n)
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            return v
+    return None
+
+
+def _schedule_plot(record, out_dir) -> Optional[str]:
+    plt = _plt()
+    scheduled = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
+    if not scheduled:
+        return None
+    profiles = [(eng, g, _profile(g, "live_gathered_profile", "live_gathered_bytes_per_node",
+                                  "profile")) for eng, g in scheduled]
+    if all(p is not None for _, _, p in profiles):
+        fig, axes = plt.subplots(len(profiles), 1, figsize=(9, 3.2 * len(profiles)),
+                                 squeeze=False)
+        for ax, (eng, g, live) in zip(axes[:, 0], profiles):
+            x = range(len(live))
+            ax.fill_between(x, [v / _GIB for v in live], step="mid", alpha=0.5,
+                            label="live gathered bytes")
+            act = _profile(g, "activation_profile", "activation_bytes_per_node")
+            if act is not None:
+                ax.plot(range(len(act)), [v / _GIB for v in act], color="tab:green",
+                        label="projected activations")
+            ax.axhline(g["budget_bytes"] / _GIB, color="tab:red", linestyle="--",
+                       label="budget")
+            ax.set_title(f"{eng['engine']}: graph {g.get('graph_id', '?')} "
+                         f"({g.get('kind', '?')}), {len(live)} nodes")
+            ax.set_xlabel("graph node (execution order)")
+            ax.set_ylabel("GiB")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+    else:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        fields = [("budget_bytes", "budget"), ("peak_live_gathered_bytes", "peak live gathered"),
+                  ("activation_peak_bytes", "activation peak"),
+                  ("persistent_bytes", "kept for backward")]
+        width = 0.8 / len(fields)
+        labels = [f"{eng['engine']}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
+                  for eng, g in scheduled]
+        for i, (key, name) in enumerate(fields):
+            ax.bar([j + i * width for j in range(len(scheduled))],
+                   [(g.get(key) or 0) / (1 << 20) for _, g in scheduled], width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scheduled))], labels,
+                      fontsize="small")
+        ax.set_ylabel("MiB")
+        ax.set_title(_title(record, "Gather schedule per compiled graph"))
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize="small")
+    return _save(fig, os.path.join(out_dir, "schedule_memory.png"))
+
+
+def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
+    """Write every plot the record supports; returns the paths."""
+    if not _ok(record):
+        raise ValueError("the record has no engine that completed; nothing to plot")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [_loss_plot(record, out_dir), _step_time_plot(record, out_dir),
+             _memory_plot(record, out_dir)]
+    sched = _schedule_plot(record, out_dir)
+    return paths + ([sched] if sched else [])
+
+
+def schedule_table(record: dict[str, Any]) -> Optional[Table]:
+    rows = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
+    if not rows:
+        return None
+    table = Table(title="zbuf gather schedule (one row per compiled graph)")
+    cols = [("engine", None), ("graph", None), ("nodes", "num_nodes"),
+            ("gathers", "gathers"), ("collectives", "collectives"),
+            ("coalesced", "coalesced_groups"), ("prefetched", "prefetched"),
+            ("re-gathers", "regathers"), ("kept fwd->bwd", "persistent"),
+            ("budget", "budget_bytes"), ("peak live gathered", "peak_live_gathered_bytes"),
+            ("activation peak", "activation_peak_bytes"), ("plan time", "planning_seconds"),
+            ("fingerprint", "fingerprint")]
+    for name, _ in cols:
+        table.add_column(name, justify="left" if name in ("engine", "graph", "fingerprint")
+                         else "right")
+    for eng, g in rows:
+        cells = []
+        for name, key in cols:
+            if name == "engine":
+                cells.append(eng["engine"])
+            elif name == "graph":
+                cells.append(f"{g.get('kind', '?')} #{g.get('graph_id', '?')}")
+            else:
+                v = g.get(key)
+                if v is None:
+                    cells.append("-")
+                elif key.endswith("_bytes"):
+                    cells.append(format_bytes(v))
+                elif key == "planning_seconds":
+                    cells.append(f"{v * 1e3:.1f} ms")
+                elif key == "fingerprint":
+                    cells.append(str(v)[:12])
+                else:
+                    cells.append(str(v))
+        table.add_row(*cells)
+    return table
+
+
+def main(path: str, out_dir: Optional[str] = None) -> int:
+    err = Console(stderr=True)
+    try:
+        record = load_record(path)
+        out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                          os.path.splitext(os.path.basename(path))[0] + "-report")
+        paths = make_plots(record, out_dir)
+    except FileNotFoundError:
+        err.print(f"[bold red]zbuf report: error:[/bold red] no such file: {path}")
+        return 2
+    except (ValueError, KeyError) as e:
+        err.print(f"[bold red]zbuf report: error:[/bold red] {e}", highlight=False)
+        return 2
+    except OSError as e:
+        err.print(f"[bold red]zbuf report: error:[/bold red] cannot write plots to "
+                  f"{out_dir}: {e.strerror}", highlight=False)
+        return 2
+    console = Console()
+    table = schedule_table(record)
+    if table is not None:
+        console.print(table)
+    else:
+        console.print("no zbuf schedule in this record (engines without the zbuf compiler)")
+    for p in paths:
+        console.print(f"wrote {p}", highlight=False)
+    return 0

@@ -1,0 +1,173 @@
+"""``zbuf train`` and ``zbuf bench``: resolve the config, launch, collect, record, summarise.
+
+Launched plainly, each engine runs in a fresh group of worker processes (a clean CUDA context,
+allocator and compile cache per engine, so memory and first-step numbers do not depend on what
+ran before). Under torchrun the processes are given, so the engines run one after another in
+them, with the compile cache reset and device memory emptied in between.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from rich.console import Console
+
+from .config import ConfigError, Engine, TrainConfig, check_output_path
+from .engines import EngineUnavailable, check_available
+from .launcher import Interrupted, launch_group, under_torchrun
+from .progress import comparison_table, summary_table
+from .record import make_record, markdown, write_record
+
+__all__ = ["run"]
+
+
+def _machine(cfg: TrainConfig) -> tuple[bool, int]:
+    """(use CUDA, world size) for this launch; ``ConfigError`` when they cannot work."""
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch sees no CUDA device")
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if cfg.nproc is not None and cfg.nproc != world:
+            raise ConfigError(f"--nproc {cfg.nproc} disagrees with torchrun's world size "
+                              f"{world}; drop --nproc under torchrun")
+        return cuda, world
+    gpus = torch.cuda.device_count() if cuda else 0
+    world = cfg.nproc or (gpus if cuda else 2)
+    if cuda and world > gpus:
+        raise ConfigError(f"--nproc {world} but only {gpus} GPU(s) visible; one rank per GPU")
+    return cuda, world
+
+
+def _failure(engine: Engine, status: str, error: str) -> dict[str, Any]:
+    return {"engine": engine.value, "status": status, "error": error}
+
+
+def _spawned(cfg: TrainConfig, engine: Engine, console: Console) -> tuple[dict, int]:
+    """Run one engine in a fresh worker group; (partial record, exit code)."""
+    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        partial_path = os.path.join(tmp, "partial.json")
+        threads = max(1, (os.cpu_count() or 2) // cfg.nproc)
+        with open(spec_path, "w") as f:
+            json.dump({"config": cfg.to_json(), "engines": [engine.value], "partial": partial_path,
+                       "threads": threads}, f)
+        env = dict(os.environ)
+        if cfg.device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        if group.failed_rank is None and os.path.exists(partial_path):
+            with open(partial_path) as f:
+                return json.load(f), 0
+        errors = sorted(glob.glob(os.path.join(tmp, "partial.json.rank*.err")))
+        text = ""
+        if errors:
+            with open(errors[0]) as f:
+                text = f.read()
+        rank = group.failed_rank
+        code = group.returncodes[rank] if rank is not None else 1
+        msg = text or f"rank {rank} exited with status {code} and left no traceback"
+        return {"engines": [_failure(engine, "failed", msg)]}, code or 1
+
+
+def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
+    """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
+    interrupt."""
+    console = console or Console()
+    err = Console(stderr=True)
+    bench = command == "bench"
+    try:
+        cfg.validate()
+        cuda, world = _machine(cfg)
+        cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
+        cfg.out = check_output_path(cfg.out)
+        unavailable = {}
+        for engine in cfg.engines:
+            try:
+                check_available(engine)
+            except EngineUnavailable as e:
+                if not bench:
+                    raise
+                unavailable[engine] = str(e)
+    except ConfigError as e:
+        if not under_torchrun() or os.environ.get("RANK") == "0":
+            err.print(f"[bold red]zbuf {command}: error:[/bold red] {e}", highlight=False)
+        return 2
+
+    if under_torchrun():
+        return _run_in_process(command, cfg, unavailable, console)
+
+    engines_out: list[dict] = []
+    env: dict = {}
+    peak = None
+    status = 0
+    try:
+        for engine in cfg.engines:
+            if engine in unavailable:
+                err.print(f"[yellow]skipping {engine.value}:[/yellow] {unavailable[engine]}")
+                engines_out.append(_failure(engine, "unavailable", unavailable[engine]))
+                status = 1
+                continue
+            partial, code = _spawned(cfg, engine, console)
+            env = partial.get("environment", env)
+            peak = partial.get("peak_flops", peak)
+            engines_out.extend(partial["engines"])
+            if code:
+                status = 1
+                err.print(f"[bold red]engine {engine.value} failed[/bold red] (exit {code})")
+                if not bench:
+                    break
+    except Interrupted as e:
+        err.print(f"[bold red]zbuf {command}: interrupted ({e}); all workers stopped[/bold red]")
+        return 130
+    if not env:  # nothing ran: describe the machine from here
+        import torch
+
+        from .metrics import environment
+
+        env = environment(torch.device("cpu"))
+    return _finish(command, cfg, env, engines_out, peak, console) or status
+
+
+def _run_in_process(command: str, cfg: TrainConfig, unavailable: dict, console: Console) -> int:
+    import torch.distributed as dist
+
+    from .worker import run_engines
+
+    runnable = tuple(e for e in cfg.engines if e not in unavailable)
+    partial = run_engines(cfg, runnable, cfg.progress)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    by_name = {e["engine"]: e for e in partial["engines"]}
+    engines_out = [by_name.get(e.value) or _failure(e, "unavailable", unavailable[e])
+                   for e in cfg.engines]
+    return _finish(command, cfg, partial["environment"], engines_out, partial["peak_flops"],
+                   console) or (1 if unavailable else 0)
+
+
+def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak,
+            console: Console) -> int:
+    record = make_record(command, cfg, env, engines, peak)
+    write_record(record, cfg.out)
+    console.print(summary_table(record))
+    table = comparison_table(record)
+    if table is not None:
+        console.print(table)
+    if command == "bench":
+        md_path = os.path.splitext(cfg.out)[0] + ".md"
+        with open(md_path, "w") as f:
+            f.write(markdown(record))
+        console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False)
+    else:
+        console.print(f"record: {cfg.out}  (plots: zbuf report {cfg.out})", highlight=False)
+    sys.stdout.flush()
+    return 0

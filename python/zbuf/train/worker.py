@@ -1,0 +1,96 @@
+"""One rank: join the process group, run the engines, hand rank 0's results back.
+
+Entry points: ``python -m zbuf.train.worker SPEC.json`` (started by ``launcher.launch_group``),
+or ``run_engines`` called in-process when the CLI itself runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import Engine, TrainConfig
+from .launcher import die_with_parent
+from .loop import run_engine
+from .metrics import environment, peak_flops_per_second
+from .progress import NullProgress, TrainProgress
+
+__all__ = ["run_engines", "main"]
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: TrainConfig) -> torch.device:
+    """Join the default process group (NCCL on GPU, gloo on CPU) from the torchrun env."""
+    device = _device(cfg)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=timedelta(minutes=10))
+    if dist.get_world_size() != cfg.nproc:
+        raise RuntimeError(f"process group has {dist.get_world_size()} ranks, config expects "
+                           f"{cfg.nproc}")
+    return device
+
+
+def run_engines(cfg: TrainConfig, engines: tuple[Engine, ...],
+                progress: bool = True) -> dict[str, Any]:
+    """Run ``engines`` one after another on this rank; returns the partial record (all ranks)."""
+    device = init_distributed(cfg)
+    rank = dist.get_rank()
+    shown = TrainProgress(memory_label="mem" if device.type == "cuda" else "rss") \
+        if rank == 0 and progress else NullProgress()
+    results = []
+    for engine in engines:
+        torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
+        results.append(run_engine(engine, cfg, device, shown))
+    return {
+        "environment": environment(device),
+        "peak_flops": peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype),
+        "engines": results,
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    die_with_parent()
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    cfg = TrainConfig.from_json(spec["config"])
+    rank = int(os.environ["RANK"])
+    if cfg.device == "cpu":
+        torch.set_num_threads(int(spec["threads"]))
+    try:
+        partial = run_engines(cfg, tuple(Engine(e) for e in spec["engines"]), cfg.progress)
+        if rank == 0:
+            with open(spec["partial"], "w") as f:
+                json.dump(partial, f)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:  # noqa: BLE001 - the launcher reports it
+        text = traceback.format_exc()
+        with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
+            f.write(text)
+        print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
