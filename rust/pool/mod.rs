@@ -26,6 +26,16 @@
 //! `record_stream`. Freeing a block (eviction, outside release) never blocks either: the memory
 //! waits in a pending list until its event completes; only `trim` and the OOM retry synchronize.
 //!
+//! [Note: stale holders]
+//! A torch tensor outlives its explicit `release` (compiled graphs release before the tensor
+//! object dies), and its block may be re-leased to a new tensor at the same address. Releasing
+//! the stale tensor again must be a `DoubleRelease`, not a release of the new lease. The binding
+//! identifies holders by an owner key (the address of the tensor's StorageImpl, shared by views
+//! and unique among live storages): an explicit release remembers the key until the lease's
+//! DLPack deleter runs (the storage died, so its address may be reused). A release whose key is
+//! remembered is stale. Keys cost nothing on acquire; the set holds only released tensors that
+//! are still alive.
+//!
 //! [Note: one-shot recovery]
 //! Started by sustained allocator pressure (see [`crate::budget`]), once per pool:
 //! 1. remember the hot set: the capacities (with multiplicity) of the pool blocks checked out
@@ -72,10 +82,6 @@ enum BlockState {
         lease: LeaseId,
         /// Stream given at acquire; the deleter releases on it.
         stream: StreamHandle,
-        /// Opaque identity of the object holding the lease (the binding stores the torch
-        /// StorageImpl address), so a stale tensor whose block was re-leased is told apart from
-        /// the new holder. 0 = unknown.
-        owner_key: u64,
     },
 }
 
@@ -158,6 +164,10 @@ pub struct GatherPool<B: Backend> {
     hot_set: BTreeMap<u64, u64>,
     /// After the recovery: pool blocks that may still be created, per capacity.
     admission: Option<BTreeMap<u64, u64>>,
+    /// Owner keys of explicitly released holders that are still alive (see [Note: stale
+    /// holders]): key -> lease, and the reverse map for the deleter.
+    stale_keys: HashMap<u64, LeaseId>,
+    stale_leases: HashMap<LeaseId, u64>,
 }
 
 impl<B: Backend> GatherPool<B> {
@@ -185,6 +195,8 @@ impl<B: Backend> GatherPool<B> {
             retired_outstanding: 0,
             hot_set: BTreeMap::new(),
             admission: None,
+            stale_keys: HashMap::new(),
+            stale_leases: HashMap::new(),
         })
     }
 
@@ -234,7 +246,7 @@ impl<B: Backend> GatherPool<B> {
         let s = &mut self.slots[slot as usize];
         s.generation = s.generation.wrapping_add(1);
         let id = LeaseId::new(slot, s.generation);
-        s.block.as_mut().expect("just inserted").state = BlockState::CheckedOut { lease: id, stream, owner_key: 0 };
+        s.block.as_mut().expect("just inserted").state = BlockState::CheckedOut { lease: id, stream };
         self.stats.misses += 1;
         self.stats.allocations += 1;
         self.stats.checked_out += 1;
@@ -256,17 +268,6 @@ impl<B: Backend> GatherPool<B> {
         self.update_high_water();
         self.log_event(kind, capacity, ptr, stream);
         Ok(Lease { id, ptr, capacity, outside: residency == Residency::Outside, hit: false })
-    }
-
-    /// Records which object holds `lease` (see `BlockState::CheckedOut::owner_key`).
-    pub fn set_owner_key(&mut self, lease: LeaseId, key: u64) {
-        if let Some(b) = self.slots.get_mut(lease.slot()).and_then(|s| s.block.as_mut()) {
-            if let BlockState::CheckedOut { lease: l, owner_key, .. } = &mut b.state {
-                if *l == lease {
-                    *owner_key = key;
-                }
-            }
-        }
     }
 
     fn best_fit(&self, capacity: u64, stream: StreamHandle) -> Option<u32> {
@@ -298,7 +299,7 @@ impl<B: Backend> GatherPool<B> {
         s.generation = s.generation.wrapping_add(1);
         let id = LeaseId::new(slot, s.generation);
         let b = s.block.as_mut().expect("idle index names a live block");
-        b.state = BlockState::CheckedOut { lease: id, stream, owner_key: 0 };
+        b.state = BlockState::CheckedOut { lease: id, stream };
         b.hits += 1;
         self.stats.idle_bytes -= capacity;
         self.stats.checked_out_bytes += capacity;
@@ -384,37 +385,48 @@ impl<B: Backend> GatherPool<B> {
         }
     }
 
-    /// Returns the lease whose block starts at `ptr`. With `owner_key` (non-zero) the lease must
-    /// have been bound to that key, so a stale holder of a re-leased block is rejected.
+    /// Returns the lease whose block starts at `ptr`, held by the object identified by
+    /// `owner_key` (0: unknown). See [Note: stale holders].
     pub fn release_ptr(&mut self, ptr: u64, owner_key: u64, stream: Option<StreamHandle>) -> Result<LeaseId, PoolError> {
         let slot = *self.by_ptr.get(&ptr).ok_or(PoolError::ForeignBuffer { ptr })?;
-        match self.block(slot).state {
-            BlockState::Idle => Err(PoolError::DoubleRelease { ptr }),
-            BlockState::CheckedOut { owner_key: k, .. } if owner_key != 0 && k != 0 && k != owner_key => {
-                Err(PoolError::DoubleRelease { ptr })
+        let lease = match self.block(slot).state {
+            BlockState::Idle => return Err(PoolError::DoubleRelease { ptr }),
+            BlockState::CheckedOut { .. } if owner_key != 0 && self.stale_keys.contains_key(&owner_key) => {
+                return Err(PoolError::DoubleRelease { ptr });
             }
-            BlockState::CheckedOut { lease, .. } => {
-                self.release_slot(slot, stream)?;
-                Ok(lease)
-            }
+            BlockState::CheckedOut { lease, .. } => lease,
+        };
+        self.release_slot(slot, stream)?;
+        if owner_key != 0 {
+            self.stale_keys.insert(owner_key, lease);
+            self.stale_leases.insert(lease, owner_key);
         }
+        Ok(lease)
     }
 
-    /// The deleter path: returns `lease` on its acquire stream if it is still checked out,
-    /// otherwise (already released explicitly) does nothing. Returns whether it released.
+    /// The deleter path: returns `lease` on its acquire stream if it is still checked out;
+    /// otherwise (released explicitly before) forgets its holder's key. Returns whether it
+    /// released.
     pub fn release_if_current(&mut self, lease: LeaseId) -> Result<bool, PoolError> {
+        if let Some(key) = self.stale_leases.remove(&lease) {
+            self.stale_keys.remove(&key);
+        }
         match self.current_lease_slot(lease) {
             Some(slot) => self.release_slot(slot, None).map(|()| true),
             None => Ok(false),
         }
     }
 
-    /// Whether `ptr` starts a buffer checked out from this pool (bound to `owner_key` if non-zero).
+    /// Whether `ptr` starts a buffer checked out from this pool to the holder `owner_key`
+    /// (0: any holder).
     pub fn owns_ptr(&self, ptr: u64, owner_key: u64) -> bool {
-        match self.by_ptr.get(&ptr).map(|&s| self.block(s).state) {
-            Some(BlockState::CheckedOut { owner_key: k, .. }) => owner_key == 0 || k == 0 || k == owner_key,
-            _ => false,
-        }
+        let checked_out = matches!(self.by_ptr.get(&ptr).map(|&s| self.block(s).state), Some(BlockState::CheckedOut { .. }));
+        checked_out && (owner_key == 0 || !self.stale_keys.contains_key(&owner_key))
+    }
+
+    /// Holders released explicitly whose storage is still alive (diagnostics).
+    pub fn stale_holders(&self) -> usize {
+        self.stale_keys.len()
     }
 
     fn current_lease_slot(&self, lease: LeaseId) -> Option<u32> {

@@ -21,6 +21,14 @@ pub const DEFAULT_HARD_CAP_DIVISOR: u64 = 4;
 /// Host total assumed when /proc/meminfo is unreadable.
 const FALLBACK_HOST_TOTAL: u64 = 16 << 30;
 
+/// `tensor.untyped_storage().data_ptr()`: the block start for views and empty tensors.
+fn storage_ptr(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u64> {
+    tensor
+        .call_method0(pyo3::intern!(py, "untyped_storage"))?
+        .call_method0(pyo3::intern!(py, "data_ptr"))?
+        .extract()
+}
+
 fn open_backend(device: Device) -> Result<Box<dyn Backend>, PoolError> {
     match device.kind {
         DeviceKind::Host => Ok(Box::new(HostBackend::new())),
@@ -37,7 +45,7 @@ pub struct PoolCore {
     /// `torch._C._from_dlpack`, cached: turns a capsule into a tensor.
     from_dlpack: Py<PyAny>,
     /// `torch._C._storage_address`, cached: identity of a tensor's StorageImpl (shared by
-    /// views, unique among live storages) used as the lease's owner key.
+    /// views, unique among live storages), the holder key of [Note: stale holders].
     storage_address: Py<PyAny>,
 }
 
@@ -130,15 +138,11 @@ impl PoolCore {
     }
 
     /// Checks out a block and returns it as a torch tensor (zero copy, contents undefined).
-    /// The hot path: capsule built here, handed to `torch._C._from_dlpack`, lease bound to the
-    /// tensor's storage.
+    /// The hot path: capsule built here and handed straight to `torch._C._from_dlpack`.
     fn acquire<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64) -> PyResult<Bound<'py, PyAny>> {
-        let (capsule, lease) = self.export(py, &shape, dtype_code, stream, true)?;
+        let (capsule, _lease) = self.export(py, &shape, dtype_code, stream, true)?;
         // On failure the unconsumed capsule's destructor returns the lease.
-        let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
-        let key: u64 = self.storage_address.bind(py).call1((&tensor,))?.extract()?;
-        self.shared.lock().set_owner_key(lease, key);
-        Ok(tensor)
+        self.from_dlpack.bind(py).call1((capsule,))
     }
 
     /// Checks out a block as a raw DLPack capsule ("dltensor_versioned", or the legacy
@@ -149,29 +153,33 @@ impl PoolCore {
         Ok(self.export(py, &shape, dtype_code, stream, versioned)?.0)
     }
 
-    /// Binds the lease starting at `ptr` to `owner_key` (after importing a capsule).
-    fn bind_owner(&self, ptr: u64, owner_key: u64) -> bool {
-        let mut pool = self.shared.lock();
-        let Some(id) = pool.leases().into_iter().find(|l| l.ptr == ptr).map(|l| l.id) else { return false };
-        pool.set_owner_key(id, owner_key);
-        true
-    }
-
-    /// Returns `tensor`'s block. `stream`: the last stream that used it (None: the acquire
-    /// stream).
+    /// Returns `tensor`'s block (`tensor` may be the acquired tensor or any view of it).
+    /// `stream`: the last stream that used it (None: the acquire stream).
     #[pyo3(signature = (tensor, stream=None))]
     fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<()> {
-        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
         let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
-        let result = self.shared.lock().release_ptr(ptr, key, stream);
-        result.map(|_| ()).map_err(to_py)
+        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let first = self.shared.lock().release_ptr(ptr, key, stream);
+        match first {
+            Ok(_) => Ok(()),
+            // A view with an offset, or an empty tensor (data_ptr 0): try the storage's start.
+            Err(PoolError::ForeignBuffer { .. }) => {
+                let base = storage_ptr(py, tensor)?;
+                if base == ptr {
+                    return Err(to_py(PoolError::ForeignBuffer { ptr }));
+                }
+                let second = self.shared.lock().release_ptr(base, key, stream);
+                second.map(|_| ()).map_err(to_py)
+            }
+            Err(e) => Err(to_py(e)),
+        }
     }
 
-    /// Whether `tensor` is a buffer currently checked out from this pool.
+    /// Whether `tensor` (or the tensor it is a view of) is checked out from this pool.
     fn owns(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
         let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
-        Ok(self.shared.lock().owns_ptr(ptr, key))
+        let base = storage_ptr(py, tensor)?;
+        Ok(self.shared.lock().owns_ptr(base, key))
     }
 
     /// Sets the budget (clamped to the hard cap); returns the effective value.
