@@ -754,3 +754,6 @@ impl<B: Backend> Drop for GatherPool<B> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod model_tests;
