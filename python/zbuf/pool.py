@@ -110,6 +110,8 @@ def _parse_device(device: Any) -> tuple[str, int]:
             f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'"
         ) from e
     if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise InvalidDeviceError(f"device {device!r}: the host is one device, use 'cpu'")
         return "cpu", 0
     if dev.type == "cuda":
         if dev.index is not None:
