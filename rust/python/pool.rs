@@ -266,6 +266,23 @@ impl PoolCore {
         self.shared.lock().capacity_for(nbytes).map_err(to_py)
     }
 
+    /// Benchmark hook: mean nanoseconds of `iters` acquire+release pairs of `nbytes` through
+    /// the Rust core alone (lock, best fit, event record; no tensor), after one warm-up pair.
+    fn _bench_core_pair(&self, py: Python<'_>, nbytes: u64, iters: u64, stream: u64) -> PyResult<f64> {
+        let shared = Arc::clone(&self.shared);
+        let r = py.detach(move || -> Result<f64, PoolError> {
+            let warm = shared.lock().acquire(nbytes, stream)?;
+            shared.lock().release(warm.id, None)?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                let l = shared.lock().acquire(nbytes, stream)?;
+                shared.lock().release(l.id, None)?;
+            }
+            Ok(t0.elapsed().as_nanos() as f64 / iters.max(1) as f64)
+        });
+        r.map_err(to_py)
+    }
+
     /// Testing hook: the next `count` device allocations fail with out-of-memory. Returns False
     /// if the backend cannot inject faults (CUDA).
     fn _inject_oom(&self, count: u64) -> bool {
