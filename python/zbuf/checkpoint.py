@@ -1,0 +1,555 @@
+"""Sharded, atomic, verified checkpoints of zbuf models and their optimizers, through DCP.
+
+::
+
+    zbuf.save_checkpoint(zbuf.checkpoint_path(root, step), model, optimizer, step=step)
+    ...
+    info = zbuf.load_checkpoint(root, model, optimizer)   # the latest complete one under root
+    start = info.step
+
+Both are collectives over the model's sharding group: every rank calls them with the same path.
+
+- Sharded: each rank writes and reads only its own slices ([Note: checkpoint layout] in
+  ``checkpoint_layout.py``); no rank ever materialises a full parameter. Loading into another
+  world size reshards (DCP reads the overlapping chunks).
+- Bit-exact: parameters and optimizer state come back with the bytes they were saved with (the
+  same dtype; a different model dtype is cast by DCP's copy).
+- Atomic: [Note: atomic checkpoint commit] in ``checkpoint_files.py``.
+- Verified before anything is touched: [Note: validate, then load].
+
+[Note: validate, then load]
+``load_checkpoint`` changes the model and optimizer only after every check passed on every rank:
+the manifest parses; every file has its recorded size and CRC ([Note: checkpoint integrity]);
+DCP's metadata reads; the checkpoint's parameters, buffers and shapes equal the model's (missing,
+unexpected and mis-shaped keys are listed together); the optimizer's class and param groups equal
+the saved ones. Each check ends in one collective that shares every rank's verdict, so all ranks
+raise the same error or none does. Then DCP reads straight into the parameters (no staging copy:
+a staging copy would double the shard memory at load time). What remains possible after
+validation is an I/O error in the middle of the read itself, which leaves the model partly
+loaded: the error says so, and the fix is to load again.
+
+[Note: what is not in a checkpoint]
+RNG states, data-loader position, learning-rate schedulers and gradient-accumulation state are the
+caller's: pass them in ``extra`` (any value ``torch.load(weights_only=True)`` reads back: plain
+Python containers, numbers, strings, tensors). zbuf's own training data is a pure function of the
+step (``zbuf.train.data``), which is why ``step`` is enough to resume it bit-exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from . import checkpoint_files as files
+from . import checkpoint_layout as layout
+from . import faults
+from .checkpoint_errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    LayoutError,
+)
+from .checkpoint_files import checkpoint_path, latest_checkpoint, list_checkpoints, prune
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "resolve_checkpoint",
+    "read_checkpoint_info",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "prune",
+    "CheckpointInfo",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "LayoutError",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = 1
+"""Version of the manifest and DCP key layout; bumped on incompatible changes."""
+
+_MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``load_checkpoint`` (or ``read_checkpoint_info``) found."""
+
+    path: Path
+    """The checkpoint directory that was read (resolved from a root: the latest one)."""
+    step: int
+    """The ``step`` passed to ``save_checkpoint``."""
+    world_size: int
+    """Ranks that saved it (the loading world size may differ)."""
+    extra: Any
+    """The ``extra`` passed to ``save_checkpoint`` (None if none; not read by ``read_checkpoint_info``)."""
+    created_unix: float
+    """When the save committed (seconds since the epoch)."""
+    has_optimizer: bool
+    """Whether optimizer state was saved."""
+
+
+# ---------------------------------------------------------------------------------------------
+# collective helpers: every rank learns every rank's verdict
+
+
+def _agree(group: dist.ProcessGroup, problem: Optional[str]) -> list[tuple[int, str]]:
+    """All ranks' problems as ``(rank, message)``; one ``all_gather_object``."""
+    out: list[Optional[str]] = [None] * group.size()
+    dist.all_gather_object(out, problem, group=group)
+    return [(r, p) for r, p in enumerate(out) if p]
+
+
+def _from_rank0(group: dist.ProcessGroup, value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    more = len(items) - _MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    step: int,
+    extra: Any = None,
+) -> Path:
+    """Save ``model``'s shards (and ``optimizer``'s state) to the directory ``path``, atomically.
+
+    Collective over the model's sharding group; every rank passes the same ``path``. Returns the
+    committed directory. An existing checkpoint at ``path`` is replaced atomically; a save that
+    dies midway leaves whatever was at ``path`` before ([Note: atomic checkpoint commit]).
+
+    Args:
+        path: the checkpoint directory; ``zbuf.checkpoint_path(root, step)`` gives the
+            conventional ``root/step_<N>`` that ``latest_checkpoint(root)`` finds.
+        model: the module ``zbuf.shard`` returned (not a ``torch.compile`` wrapper).
+        optimizer: an optimizer over the model's parameters, or None to save the model only.
+        step: the training step this state belongs to (a non-negative int, the same on every
+            rank); returned by ``load_checkpoint``.
+        extra: anything else to resume with ([Note: what is not in a checkpoint]); must be the
+            same on every rank (rank 0's copy is stored).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise LayoutError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    path = Path(path)
+    with record_function("zbuf::checkpoint::collect"):
+        inv = layout.inventory(model)
+        group = inv.group
+        rank, world = dist.get_rank(group), group.size()
+        state, manifest = _save_state(inv, optimizer, extra)
+    manifest.update(step=step, world_size=world)
+
+    with record_function("zbuf::checkpoint::prepare"):
+        problem = None
+        if rank == 0:
+            try:
+                files.prepare_tmp_dir(path)
+            except OSError as e:
+                problem = f"cannot create the temporary directory next to {path}: {e}"
+        _raise_if_any(group, problem, CheckpointError, f"saving {path} failed before writing")
+    tmp = files.tmp_dir_for(path)
+
+    with record_function("zbuf::checkpoint::write"):
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group)
+    faults.fault_point("checkpoint.after_data")
+
+    with record_function("zbuf::checkpoint::checksum"):
+        names = _from_rank0(group, files.data_files(tmp) if rank == 0 else None)
+        mine = {n: list(files.file_record(tmp / n)) for i, n in enumerate(names) if i % world == rank}
+        shares: list[Optional[dict]] = [None] * world
+        dist.all_gather_object(shares, mine, group=group)
+
+    with record_function("zbuf::checkpoint::commit"):
+        problem = None
+        if rank == 0:
+            try:
+                manifest["files"] = {n: rec for share in shares for n, rec in share.items()}
+                manifest["created_unix"] = time.time()
+                files.write_json_durably(tmp / files.MANIFEST_NAME, manifest)
+                faults.fault_point("checkpoint.before_commit")
+                files.commit(tmp, path)
+            except OSError as e:
+                problem = f"committing {tmp} as {path} failed: {e}"
+        _raise_if_any(group, problem, CheckpointError, f"saving {path} failed; the previous checkpoint is intact")
+    return path
+
+
+def _save_state(inv: layout.ModelInventory, optimizer, extra) -> tuple[dict, dict]:
+    """The DCP state dict (views of live tensors, no copies) and the manifest describing it."""
+    mesh = layout.mesh_for(inv.group, inv.device)
+    state: dict[str, Any] = {}
+    params_md = {}
+    for fqn, e in inv.params.items():
+        state[layout.model_key(fqn)] = layout.flat_dtensor(layout.param_view(e), e.spec.numel, mesh)
+        params_md[fqn] = {"shape": list(e.spec.shape), "dtype": str(e.shard.dtype).removeprefix("torch."),
+                          "aliases": list(e.aliases)}
+    buffers_md = {}
+    for fqn, buf in inv.buffers.items():
+        state[layout.buffer_key(fqn)] = buf.detach()
+        buffers_md[fqn] = {"shape": list(buf.shape), "dtype": str(buf.dtype).removeprefix("torch.")}
+    manifest: dict[str, Any] = {
+        "format": "zbuf-checkpoint",
+        "version": FORMAT_VERSION,
+        "torch_version": torch.__version__,
+        "model": {"params": params_md, "buffers": buffers_md},
+        "optimizer": None,
+        "has_extra": extra is not None,
+    }
+    if optimizer is not None:
+        state.update(_optimizer_state(inv, optimizer, mesh, manifest))
+    if extra is not None:
+        state[layout.EXTRA_KEY] = layout.serialise(extra, "extra")
+    return state, manifest
+
+
+def _optimizer_state(inv, optimizer, mesh, manifest) -> dict[str, Any]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise LayoutError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    group_fqns = layout.optimizer_param_fqns(optimizer, inv)
+    osd = optimizer.state_dict()
+    index_to_fqn = [fqn for names in group_fqns for fqn in names]
+    state: dict[str, Any] = {}
+    state_md: dict[str, dict] = {}
+    for index, per_param in osd["state"].items():
+        fqn = index_to_fqn[index]
+        e = inv.params[fqn]
+        md = {}
+        for k, v in per_param.items():
+            key = layout.optim_key(fqn, k)
+            if layout.is_shard_shaped(v, e):
+                state[key] = layout.flat_dtensor(layout.param_view(e, v), e.spec.numel, mesh)
+                md[k] = {"kind": "shard", "dtype": str(v.dtype).removeprefix("torch.")}
+            elif isinstance(v, torch.Tensor):
+                state[key] = v.detach()
+                md[k] = {"kind": "replicated", "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            else:
+                state[key] = layout.serialise(v, f"optimizer state '{k}' of '{fqn}'")
+                md[k] = {"kind": "object"}
+        state_md[fqn] = md
+    groups = [dict(g, params=names) for g, names in zip(osd["param_groups"], group_fqns)]
+    state[layout.PARAM_GROUPS_KEY] = layout.serialise(groups, "the optimizer's param groups")
+    manifest["optimizer"] = {
+        "class": type(optimizer).__qualname__,
+        "param_groups": group_fqns,
+        "state": state_md,
+    }
+    return state
+
+
+def _raise_if_any(group, problem: Optional[str], cls: type, headline: str) -> None:
+    found = _agree(group, problem)
+    if found:
+        detail = "; ".join(f"rank {r}: {p}" for r, p in found)
+        raise cls(f"{headline}: {detail}")
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names (no collective).
+
+    ``path`` is either a checkpoint directory, or a root of ``step_<N>`` checkpoints, which
+    resolves to the latest complete one (``latest_checkpoint``). A checkpoint whose replacement
+    was interrupted is read from where it survived ([Note: atomic checkpoint commit]).
+    """
+    path = Path(path)
+    if files.is_complete(path):
+        return path
+    old = files.old_dir_for(path)
+    if not path.exists() and old.is_dir() and files.is_complete(old):
+        return old
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    if path.is_dir() and (any(path.iterdir()) or files.tmp_dir_for(path).exists()):
+        raise CheckpointNotFoundError(
+            f"{path} is not a complete zbuf checkpoint: it has no {files.MANIFEST_NAME} (the save "
+            f"that wrote it never finished, or it is not a zbuf checkpoint) and no complete "
+            f"step_<N> checkpoints inside. Load an earlier checkpoint (zbuf.list_checkpoints(root))"
+        )
+    raise CheckpointNotFoundError(
+        f"no zbuf checkpoint at {path}: pass a directory written by zbuf.save_checkpoint, or a "
+        f"root directory holding step_<N> checkpoints (zbuf.checkpoint_path(root, step))"
+    )
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """Step, world size and creation time of a checkpoint, from its manifest (no collective)."""
+    resolved = resolve_checkpoint(path)
+    try:
+        manifest = files.read_manifest(resolved)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"cannot read the checkpoint at {resolved}: {e}") from None
+    return _info(resolved, manifest, None)
+
+
+def _info(path: Path, manifest: dict, extra: Any) -> CheckpointInfo:
+    return CheckpointInfo(
+        path=path,
+        step=int(manifest["step"]),
+        world_size=int(manifest["world_size"]),
+        extra=extra,
+        created_unix=float(manifest.get("created_unix", 0.0)),
+        has_optimizer=manifest.get("optimizer") is not None,
+    )
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    verify: bool = True,
+) -> CheckpointInfo:
+    """Load a checkpoint into ``model`` (and ``optimizer``) in place; returns what was loaded.
+
+    Collective over the model's sharding group; every rank passes the same ``path``. The world
+    size may differ from the one that saved. Nothing is changed unless every check passes
+    ([Note: validate, then load]).
+
+    Args:
+        path: a checkpoint directory, or a root of ``step_<N>`` checkpoints (the latest complete
+            one is loaded; see ``resolve_checkpoint``).
+        model: the module ``zbuf.shard`` returned, built like the one that was saved.
+        optimizer: an optimizer built like the saved one (same class, same param groups in the
+            same order), or None to load only the model (e.g. for evaluation).
+        verify: check every file's CRC-32 before loading (reads the checkpoint once more, split
+            across ranks). Sizes are always checked.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise LayoutError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    inv = layout.inventory(model)
+    group = inv.group
+    rank, world = dist.get_rank(group), group.size()
+
+    with record_function("zbuf::checkpoint::validate"):
+        # rank 0 resolves and reads the manifest, so every rank validates against the same one
+        found = None
+        if rank == 0:
+            try:
+                resolved = resolve_checkpoint(path)
+                found = (str(resolved), files.read_manifest(resolved), None)
+            except CheckpointError as e:
+                found = (None, None, ("notfound", str(e)))
+            except ValueError as e:
+                found = (None, None, ("corrupt", f"the checkpoint at {resolved} is damaged: {e}"))
+        resolved_str, manifest, failure = _from_rank0(group, found)
+        if failure is not None:
+            kind, message = failure
+            raise (CheckpointNotFoundError if kind == "notfound" else CheckpointCorruptError)(message)
+        resolved = Path(resolved_str)
+
+        problems = _check_manifest_version(manifest)
+        if not problems:
+            problems = files.check_files(resolved, manifest["files"], rank, world, checksums=verify)
+        metadata = None
+        if not problems:
+            try:
+                metadata = FileSystemReader(resolved).read_metadata()
+            except Exception as e:  # noqa: BLE001 - any failure to read DCP metadata is damage
+                problems = [f"DCP's .metadata cannot be read ({type(e).__name__}: {e})"]
+        found = _agree(group, "; ".join(problems) if problems else None)
+        if found:
+            detail = "; ".join(p for _, p in found[:1]) if len({p for _, p in found}) == 1 else "; ".join(
+                f"rank {r}: {p}" for r, p in found)
+            raise CheckpointCorruptError(
+                f"the checkpoint at {resolved} is damaged, nothing was loaded: {detail}. Load an "
+                f"earlier checkpoint (zbuf.list_checkpoints(root) lists them) or re-save this one"
+            )
+
+        mismatches = _check_model(manifest, inv, metadata)
+        if optimizer is not None:
+            mismatches += _check_optimizer(manifest, inv, optimizer)
+        if mismatches:
+            raise CheckpointMismatchError(
+                f"the checkpoint at {resolved} does not belong to this model/optimizer, nothing was "
+                f"loaded: {'; '.join(mismatches)}. Build the model and optimizer with the "
+                f"configuration the checkpoint was saved with (saved at step {manifest['step']} by "
+                f"{manifest['world_size']} ranks), or pass optimizer=None to load only the model"
+            )
+
+    with record_function("zbuf::checkpoint::read"):
+        state, optim_dest = _load_state(manifest, inv, optimizer)
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(resolved), process_group=group)
+        except Exception as e:
+            raise CheckpointError(
+                f"reading {resolved} failed after validation ({type(e).__name__}: {e}); the model "
+                f"may be partly loaded: load a checkpoint again before training"
+            ) from e
+
+    with record_function("zbuf::checkpoint::apply"):
+        with torch.no_grad():
+            for e in inv.params.values():
+                e.shard.detach()[e.local_numel:].zero_()  # padding, see [Note: shard layout]
+        if optimizer is not None:
+            optimizer.load_state_dict(_optimizer_state_dict(state, optim_dest, manifest, optimizer, inv))
+        extra = layout.deserialise(state[layout.EXTRA_KEY]) if manifest.get("has_extra") else None
+    return _info(resolved, manifest, extra)
+
+
+def _check_manifest_version(manifest: dict) -> list[str]:
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        return [f"its format version is {version!r}; this zbuf reads version {FORMAT_VERSION}"]
+    for key in ("step", "world_size", "model", "files"):
+        if key not in manifest:
+            return [f"its manifest has no '{key}'"]
+    return []
+
+
+def _check_model(manifest: dict, inv: layout.ModelInventory, metadata) -> list[str]:
+    saved = manifest["model"]["params"]
+    saved_buffers = manifest["model"].get("buffers", {})
+    out = []
+    missing = [f for f in inv.params if f not in saved]
+    unexpected = [f for f in saved if f not in inv.params]
+    if missing:
+        out.append(f"parameters missing from the checkpoint: {_listing(missing)}")
+    if unexpected:
+        out.append(f"unexpected parameters in the checkpoint (not in this model): {_listing(unexpected)}")
+    shapes = [
+        f"{f}: checkpoint {tuple(saved[f]['shape'])}, model {e.spec.shape}"
+        for f, e in inv.params.items()
+        if f in saved and tuple(saved[f]["shape"]) != e.spec.shape
+    ]
+    if shapes:
+        out.append(f"shape mismatch: {_listing(shapes)}")
+    bmissing = [f for f in inv.buffers if f not in saved_buffers]
+    bunexpected = [f for f in saved_buffers if f not in inv.buffers]
+    if bmissing:
+        out.append(f"buffers missing from the checkpoint: {_listing(bmissing)}")
+    if bunexpected:
+        out.append(f"unexpected buffers in the checkpoint: {_listing(bunexpected)}")
+    bshapes = [
+        f"{f}: checkpoint {tuple(saved_buffers[f]['shape'])}, model {tuple(b.shape)}"
+        for f, b in inv.buffers.items()
+        if f in saved_buffers and tuple(saved_buffers[f]["shape"]) != tuple(b.shape)
+    ]
+    if bshapes:
+        out.append(f"buffer shape mismatch: {_listing(bshapes)}")
+    if out:
+        return out
+    # The manifest agrees with the model; DCP's own metadata must agree with the manifest.
+    md = metadata.state_dict_metadata
+    bad = []
+    for f, e in inv.params.items():
+        m = md.get(layout.model_key(f))
+        if m is None or tuple(getattr(m, "size", ())) != (e.spec.numel,):
+            bad.append(f)
+    if bad:
+        out.append(f"DCP metadata disagrees with the manifest for {_listing(bad)} (a damaged or "
+                   f"hand-edited checkpoint)")
+    return out
+
+
+def _check_optimizer(manifest: dict, inv: layout.ModelInventory, optimizer) -> list[str]:
+    saved = manifest.get("optimizer")
+    if saved is None:
+        return ["the checkpoint has no optimizer state (saved with optimizer=None)"]
+    out = []
+    cls = type(optimizer).__qualname__
+    if saved["class"] != cls:
+        out.append(f"optimizer class: checkpoint {saved['class']}, given {cls}")
+    current = layout.optimizer_param_fqns(optimizer, inv)
+    if len(current) != len(saved["param_groups"]):
+        out.append(f"optimizer param groups: checkpoint {len(saved['param_groups'])}, given {len(current)}")
+    else:
+        for gi, (a, b) in enumerate(zip(saved["param_groups"], current)):
+            if a != b:
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                out.append(
+                    f"optimizer param group {gi} differs at position {first}: checkpoint "
+                    f"{a[first] if first < len(a) else '<end>'}, given {b[first] if first < len(b) else '<end>'}"
+                )
+                break
+    return out
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _load_state(manifest: dict, inv: layout.ModelInventory, optimizer) -> tuple[dict, dict]:
+    """The DCP state dict to read into: views of the live parameters and buffers, fresh tensors
+    for optimizer state (its state may not exist yet), placeholders for serialised values."""
+    mesh = layout.mesh_for(inv.group, inv.device)
+    state: dict[str, Any] = {}
+    for fqn, e in inv.params.items():
+        state[layout.model_key(fqn)] = layout.flat_dtensor(layout.param_view(e), e.spec.numel, mesh)
+    for fqn, buf in inv.buffers.items():
+        state[layout.buffer_key(fqn)] = buf.detach()
+    optim_dest: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        for fqn, per_param in manifest["optimizer"]["state"].items():
+            e = inv.params[fqn]
+            dest = {}
+            for k, md in per_param.items():
+                key = layout.optim_key(fqn, k)
+                if md["kind"] == "shard":
+                    t = torch.zeros(e.spec.shard_numel, dtype=_DTYPES[md["dtype"]], device=inv.device)
+                    state[key] = layout.flat_dtensor(layout.param_view(e, t), e.spec.numel, mesh)
+                    dest[k] = t
+                elif md["kind"] == "replicated":
+                    # optimizer.load_state_dict moves state to the device its policy wants
+                    state[key] = dest[k] = torch.empty(md["shape"], dtype=_DTYPES[md["dtype"]])
+                else:
+                    state[key] = b""
+                    dest[k] = key
+            optim_dest[fqn] = dest
+        state[layout.PARAM_GROUPS_KEY] = b""
+    if manifest.get("has_extra"):
+        state[layout.EXTRA_KEY] = b""
+    return state, optim_dest
+
+
+def _optimizer_state_dict(state, optim_dest, manifest, optimizer, inv) -> dict:
+    saved_groups = layout.deserialise(state[layout.PARAM_GROUPS_KEY])
+    index_of: dict[str, int] = {}
+    groups = []
+    for g in saved_groups:
+        indices = []
+        for fqn in g["params"]:
+            index_of[fqn] = len(index_of)
+            indices.append(index_of[fqn])
+        groups.append(dict(g, params=indices))
+    per_index = {}
+    for fqn, dest in optim_dest.items():
+        per_index[index_of[fqn]] = {
+            k: layout.deserialise(state[v]) if isinstance(v, str) else v for k, v in dest.items()
+        }
+    return {"state": per_index, "param_groups": groups}

@@ -1,0 +1,201 @@
+"""How a zbuf-sharded model and its optimizer map onto a DCP state dict, and back.
+
+[Note: checkpoint layout]
+A sharded parameter of ``numel`` elements is saved as one *flat* global tensor of ``(numel,)``
+elements: this rank's shard without its padding is exactly the ``torch.chunk`` slice
+``[rank * s, min((rank + 1) * s, numel))`` of the flattened parameter ([Note: shard layout] in
+``param.py``), which is what DTensor's ``Shard(0)`` placement means for an uneven split. So the
+unpadded slice (a view of the shard, no copy) wrapped by ``DTensor.from_local(..., shape=(numel,),
+stride=(1,), placements=[Shard(0)])`` on a 1-D DeviceMesh over the sharding group tells DCP which
+chunk of the global tensor each rank holds; each rank writes only its own bytes (no rank ever
+holds the full model) and loading into any other world size reads the overlapping chunks. Ranks
+whose slice is empty (``numel < world``) contribute an empty chunk.
+
+Optimizer state that has the shard's shape (AdamW's ``exp_avg`` / ``exp_avg_sq``, momentum
+buffers) is saved the same way, so it reshards too; padding positions hold zeros (zero gradient,
+zero state) and are not saved. Any other tensor state (AdamW's scalar ``step``) must be the same
+on every rank and is saved once, as a replicated tensor. Non-tensor state and the param groups
+(hyperparameters, with parameters named by FQN instead of index) are saved as serialised bytes.
+
+DCP keys (flat, so DCP's own flattening leaves them as they are):
+``model.<fqn>``, ``buffer.<fqn>``, ``optim.<fqn>.<state key>``, ``optim.param_groups``, ``extra``.
+The manifest (``checkpoint_files.MANIFEST_NAME``) describes the same entries with full shapes, so a
+load can validate everything before it touches the model.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint_errors import LayoutError
+from .param import ShardSpec
+
+__all__ = ["ParamEntry", "ModelInventory", "inventory", "param_view", "serialise", "deserialise"]
+
+PARAM_GROUPS_KEY = "optim.param_groups"
+EXTRA_KEY = "extra"
+
+
+def model_key(fqn: str) -> str:
+    return f"model.{fqn}"
+
+
+def buffer_key(fqn: str) -> str:
+    return f"buffer.{fqn}"
+
+
+def optim_key(fqn: str, state_key: str) -> str:
+    return f"optim.{fqn}.{state_key}"
+
+
+class ParamEntry(NamedTuple):
+    """One sharded parameter as the checkpoint sees it (tied names collapse to the first)."""
+
+    fqn: str
+    shard: nn.Parameter
+    spec: ShardSpec
+    aliases: tuple[str, ...]
+    """Other names of the same (tied) parameter."""
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of the unpadded slice this rank holds (0 when all of it is padding)."""
+        spec = self.spec
+        start = min(spec.rank * spec.shard_numel, spec.numel)
+        return min(start + spec.shard_numel, spec.numel) - start
+
+
+class ModelInventory(NamedTuple):
+    params: dict[str, ParamEntry]
+    """FQN (first name) -> entry, in ``named_parameters`` order."""
+    buffers: dict[str, torch.Tensor]
+    """Persistent buffers, replicated on every rank."""
+    group: dist.ProcessGroup
+    device: torch.device
+
+
+def inventory(model: nn.Module) -> ModelInventory:
+    """Every sharded parameter and persistent buffer of a ``zbuf.shard``-ed model.
+
+    Raises ``LayoutError`` for a model that was not sharded, or has parameters that are not zbuf
+    shards (added after ``zbuf.shard``): saving those would store one rank's private copy.
+    """
+    from .shard import sharded_parameters
+
+    root = model.__dict__.get("_zbuf_root")
+    if root is None:
+        raise LayoutError(
+            f"{type(model).__name__} is not a zbuf-sharded model (no zbuf.shard state on it); "
+            f"zbuf checkpoints save sharded models: call zbuf.shard(model) first, and pass the "
+            f"module zbuf.shard returned (for a torch.compile'd model pass the original module, "
+            f"compiled._orig_mod)"
+        )
+    params: dict[str, ParamEntry] = {}
+    by_id: dict[int, str] = {}
+    for fqn, _sub, _name, shard, spec in sharded_parameters(model):
+        first = by_id.get(spec.param_id)
+        if first is None:
+            by_id[spec.param_id] = fqn
+            params[fqn] = ParamEntry(fqn, shard, spec, ())
+        else:
+            e = params[first]
+            params[first] = e._replace(aliases=e.aliases + (fqn,))
+    shard_ids = {id(e.shard) for e in params.values()}
+    strays = [n for n, p in model.named_parameters() if id(p) not in shard_ids]
+    if strays:
+        raise LayoutError(
+            f"parameter(s) {strays[:5]} of the model are not zbuf shards: they were added or "
+            f"replaced after zbuf.shard(), so each rank holds its own unsynchronised copy. Add "
+            f"every parameter before calling zbuf.shard (build the whole model, then shard it)"
+        )
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = {}
+    non_persistent = set()
+    for prefix, sub in model.named_modules():
+        for bname in getattr(sub, "_non_persistent_buffers_set", ()):
+            non_persistent.add(f"{prefix}.{bname}" if prefix else bname)
+    for fqn, buf in model.named_buffers():
+        if fqn not in non_persistent and fqn not in names:
+            buffers[fqn] = buf
+    return ModelInventory(params, buffers, root.group, root.device)
+
+
+_MESHES: dict[tuple[str, str], Any] = {}
+
+
+def mesh_for(group: dist.ProcessGroup, device: torch.device):
+    """A 1-D DeviceMesh over ``group`` (cached: building one per save is wasted work)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (group.group_name, device.type)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, device.type)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def flat_dtensor(local: torch.Tensor, numel: int, mesh):
+    """[Note: checkpoint layout]: the 1-D global tensor of ``numel`` elements this slice belongs to."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+
+
+def param_view(entry: ParamEntry, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The unpadded slice of ``tensor`` (default: the shard), detached, sharing its memory."""
+    t = entry.shard if tensor is None else tensor
+    return t.detach()[: entry.local_numel]
+
+
+def is_shard_shaped(value: Any, entry: ParamEntry) -> bool:
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == (entry.spec.shard_numel,) and value.dim() == 1
+
+
+def serialise(obj: Any, what: str) -> bytes:
+    """``obj`` as bytes that ``torch.load(weights_only=True)`` reads back; fails now, not at load."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the message says what is wrong with obj
+        raise LayoutError(
+            f"{what} cannot be stored in a checkpoint: it holds objects that torch.load("
+            f"weights_only=True) refuses ({e}). Use plain Python values (dict, list, tuple, str, "
+            f"int, float, bool, None) and tensors"
+        ) from None
+    return data
+
+
+def deserialise(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def optimizer_param_fqns(optimizer: torch.optim.Optimizer, inv: ModelInventory) -> list[list[str]]:
+    """Per param group, the FQNs of its parameters (in the group's order)."""
+    fqn_of = {id(e.shard): e.fqn for e in inv.params.values()}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for p in group["params"]:
+            name = fqn_of.get(id(p))
+            if name is None:
+                raise LayoutError(
+                    f"optimizer param group {gi} holds a parameter (shape {tuple(p.shape)}) that is "
+                    f"not a sharded parameter of this model; build the optimizer after zbuf.shard "
+                    f"from model.parameters()"
+                )
+            names.append(name)
+        groups.append(names)
+    return groups
+
+
+def numel_of(shape) -> int:
+    return math.prod(shape)

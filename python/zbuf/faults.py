@@ -1,0 +1,298 @@
+"""Failing loudly and promptly: collective timeouts, rank-failure exits, resource release, fault points.
+
+A ZeRO-3 step is a chain of collectives; if one rank dies, its peers block in the next one. What
+happens then, on the backends zbuf runs on:
+
+- gloo (CPU): a peer killed outright closes its sockets, and the blocked collective raises
+  ``RuntimeError: ... Connection closed by peer`` (or ``reset by peer``) at once. A peer that is
+  alive but stuck (deadlock, stopped, swapping) is noticed only when the collective's timeout
+  expires: ``RuntimeError: ... Timed out waiting <ms> for ...``.
+- NCCL (CUDA): collectives are asynchronous; ProcessGroupNCCL's watchdog notices the timeout and,
+  with torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, tears the process down (non-zero exit,
+  "Watchdog caught collective operation timeout" in the log). zbuf leaves that policy alone.
+
+So the one knob is the collective timeout. ``DEFAULT_COLLECTIVE_TIMEOUT_S`` (600 s, NCCL's own
+default; gloo's is 30 min) is what ``configure_timeout`` applies when not told otherwise. It must
+exceed the longest legitimate wait of a fast rank for a slow one: a checkpoint save (ranks wait
+in a barrier while the slowest one writes) or the first ``torch.compile`` of a step.
+
+[Note: rank-failure exit]
+``supervised()`` wraps a rank's main loop. An exception that a dead or stuck peer explains
+(``is_peer_failure``) becomes one clear line on stderr naming this rank, the timeout, the cause
+and what to do, then resources are released and the process ends with ``RANK_FAILURE_EXIT_CODE``
+(75, ``EX_TEMPFAIL``: restarting from the last checkpoint can succeed), through ``os._exit``: a
+process group that lost a peer may block in its destructor or in a barrier that interpreter
+shutdown triggers, and a surviving rank must not hang where its peer died. Any other exception
+releases resources and re-raises (Python prints the traceback, exit status 1); Ctrl-C releases
+and exits with 130.
+
+[Note: resource release]
+``release_resources()`` runs on every exit path (``supervised``'s handlers, ``atexit``, and
+SIGTERM, which torchrun sends to the remaining workers when one fails): it drops the idle blocks
+of every gather-buffer pool the process created (buffers still checked out are returned by their
+tensors' deleters), then destroys the process groups (aborts them on NCCL when a peer failed,
+since a graceful destroy waits for collectives that will never finish). It is idempotent.
+
+[Note: fault points]
+``fault_point(name)`` is a no-op unless the environment variable ``ZBUF_FAULT`` names it
+(``name`` or ``name@<rank>``, with ``RANK`` the global rank); then the process kills itself with
+SIGKILL (``ZBUF_FAULT_SIGNAL=STOP`` stops it instead, a hung rank). Tests use it to die at exact
+places (mid-step, mid-save) without racing a timer. The check is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import signal
+import sys
+import threading
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "RANK_FAILURE_EXIT_CODE",
+    "INTERRUPTED_EXIT_CODE",
+    "configure_timeout",
+    "collective_timeout_s",
+    "is_peer_failure",
+    "rank_failure_message",
+    "supervised",
+    "install_exit_handlers",
+    "release_resources",
+    "fault_point",
+]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+"""Collective timeout applied by ``configure_timeout`` when none is given: NCCL's default."""
+
+RANK_FAILURE_EXIT_CODE = 75
+"""Exit status of a rank that stopped because a peer died or hung (``EX_TEMPFAIL``)."""
+
+INTERRUPTED_EXIT_CODE = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+
+_state_lock = threading.Lock()
+_timeout_s: Optional[float] = None  # what configure_timeout last applied (None: torch's default)
+_handlers_installed = False
+_released = False
+
+# Substrings of the errors gloo, NCCL and the c10d store raise when a peer is gone or too slow.
+_PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl communicator was aborted",
+    "ncclremoteerror",
+    "socket closed",
+    "connection refused",
+)
+
+
+def configure_timeout(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make collectives on ``group`` (None: the default group) fail after ``timeout_s`` seconds.
+
+    Call it after ``init_process_group``: rendezvous keeps its own (longer) timeout, so slow
+    process start-up is not mistaken for a dead rank. Applies to every later collective of the
+    group (``ProcessGroup.set_timeout``), gloo and NCCL alike.
+    """
+    global _timeout_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "configure_timeout needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
+    with _state_lock:
+        _timeout_s = float(timeout_s)
+
+
+def collective_timeout_s() -> Optional[float]:
+    """The timeout ``configure_timeout`` last applied, or None if it was never called."""
+    return _timeout_s
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a collective raises when another rank died or stopped responding."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
+            return True
+        if isinstance(exc, (RuntimeError, dist.DistError)):
+            text = str(exc).lower()
+            if any(m in text for m in _PEER_FAILURE_MARKERS):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _rank_words() -> str:
+    if dist.is_initialized():
+        return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    rank = os.environ.get("RANK")
+    return f"rank {rank}" if rank is not None else "this rank"
+
+
+def rank_failure_message(exc: BaseException) -> str:
+    """The one-paragraph explanation a surviving rank prints ([Note: rank-failure exit])."""
+    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if len(cause) > 300:
+        cause = cause[:300] + "..."
+    timeout = (
+        f"{_timeout_s:g} s" if _timeout_s is not None else "torch's default (NCCL 10 min, gloo 30 min)"
+    )
+    return (
+        f"zbuf: {_rank_words()} stopped: a collective failed because another rank died or stopped "
+        f"responding (collective timeout: {timeout}). Cause: {type(exc).__name__}: {cause}. "
+        f"Look for the first failing rank in the other ranks' logs, then restart from the last "
+        f"checkpoint (zbuf train --resume). If a rank was only slow (a long checkpoint save, a "
+        f"first compile), raise the timeout (zbuf.faults.configure_timeout(timeout_s=...), "
+        f"zbuf train --collective-timeout). Exiting with status {RANK_FAILURE_EXIT_CODE}."
+    )
+
+
+def release_resources(*, peer_failed: bool = False) -> None:
+    """[Note: resource release]. Safe to call several times and from any exit path.
+
+    With ``ZBUF_LOG_EXIT=1`` in the environment it reports what it released on stderr.
+    """
+    global _released
+    with _state_lock:
+        if _released:
+            return
+        _released = True
+    pools, freed = _trim_pools()
+    pg = "none"
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if peer_failed and _uses_nccl():
+                dist.distributed_c10d._abort_process_group()
+                pg = "aborted"
+            else:
+                dist.destroy_process_group()
+                pg = "destroyed"
+        except Exception as e:  # noqa: BLE001 - an exit path must not raise over the real error
+            pg = "failed"
+            print(f"zbuf: releasing the process group failed ({type(e).__name__}: {e})", file=sys.stderr)
+    if os.environ.get("ZBUF_LOG_EXIT") == "1":
+        print(f"zbuf: released resources: {pools} pool(s) trimmed ({freed} idle bytes freed), "
+              f"process group {pg}", file=sys.stderr, flush=True)
+
+
+def _uses_nccl() -> bool:
+    try:
+        return "nccl" in str(dist.get_backend()).lower()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _trim_pools() -> tuple[int, int]:
+    """Trim every gather-buffer pool this process created; (pools, bytes freed)."""
+    pools = []
+    mods = sys.modules
+    if "zbuf.pool" in mods:
+        pools.extend(getattr(mods["zbuf.pool"], "_default_pools", {}).values())
+    if "zbuf.ops" in mods:
+        pools.extend(getattr(mods["zbuf.ops"], "_KNOWN_POOLS", []))
+    seen = set()
+    freed = 0
+    for pool in pools:
+        if id(pool) in seen:
+            continue
+        seen.add(id(pool))
+        try:
+            freed += int(pool.trim() or 0)
+        except Exception as e:  # noqa: BLE001
+            print(f"zbuf: trimming a gather-buffer pool failed ({type(e).__name__}: {e})", file=sys.stderr)
+    return len(seen), freed
+
+
+def _reset_for_tests() -> None:
+    """Allow ``release_resources`` to run again (tests that init and release several times)."""
+    global _released
+    with _state_lock:
+        _released = False
+
+
+def _on_sigterm(signum, frame):
+    # Unwind like an exception so ``finally`` blocks and atexit run; torchrun sends SIGTERM to
+    # the other workers when one fails.
+    raise SystemExit(128 + signum)
+
+
+def install_exit_handlers() -> None:
+    """Register ``release_resources`` with ``atexit`` and turn SIGTERM into ``SystemExit(143)``.
+
+    Idempotent. The SIGTERM handler is installed only from the main thread and only if SIGTERM
+    still has its default disposition (an application's own handler wins).
+    """
+    global _handlers_installed
+    with _state_lock:
+        if _handlers_installed:
+            return
+        _handlers_installed = True
+    atexit.register(release_resources)
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+@contextlib.contextmanager
+def supervised() -> Iterator[None]:
+    """Run a rank's main loop so that every way out releases resources ([Note: rank-failure exit]).
+
+    ::
+
+        dist.init_process_group(...)
+        zbuf.faults.configure_timeout(30)
+        with zbuf.faults.supervised():
+            train()
+    """
+    install_exit_handlers()
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"zbuf: {_rank_words()} interrupted; releasing resources", file=sys.stderr, flush=True)
+        release_resources()
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    except SystemExit:
+        release_resources()
+        raise
+    except BaseException as e:
+        if is_peer_failure(e):
+            print(rank_failure_message(e), file=sys.stderr, flush=True)
+            release_resources(peer_failed=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RANK_FAILURE_EXIT_CODE)
+        release_resources()
+        raise
+    else:
+        release_resources()
+
+
+def fault_point(name: str) -> None:
+    """[Note: fault points]: die here if ``ZBUF_FAULT`` names this point (tests only)."""
+    want = os.environ.get("ZBUF_FAULT")
+    if not want:
+        return
+    point, _, rank = want.partition("@")
+    if point != name:
+        return
+    if rank and rank != os.environ.get("RANK", str(dist.get_rank()) if dist.is_initialized() else ""):
+        return
+    sig = signal.SIGSTOP if os.environ.get("ZBUF_FAULT_SIGNAL", "").upper() == "STOP" else signal.SIGKILL
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), sig)
+

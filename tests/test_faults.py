@@ -1,0 +1,235 @@
+"""Rank failure (issue 7): a dead, hung or failing rank stops its peers promptly and clearly.
+
+Each scenario is a pair of worker processes (this file run as a script) training a small sharded
+decoder under ``zbuf.faults.supervised()`` with a short collective timeout. At step 3, between
+forward and backward, rank 1 misbehaves; rank 0, blocked in the next collective, must exit with
+``RANK_FAILURE_EXIT_CODE`` and the explanation on stderr, within the timeout. All scenarios run
+concurrently (one start-up cost). Every worker logs what it released on the way out
+(``ZBUF_LOG_EXIT=1``), so each exit path is seen releasing the pool and the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from zbuf.faults import INTERRUPTED_EXIT_CODE, RANK_FAILURE_EXIT_CODE
+
+TIMEOUT_S = 8.0
+FAULT_STEP = 3
+# Scheduling slack on a loaded 2-core machine, on top of the timeout.
+SLACK_S = 12.0
+
+
+def _worker(mode: str, rank: int, world: int, port: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    import zbuf.faults as faults
+    import zbuf.shard
+    from zbuf.models import ModelConfig, build_model, loss
+    from zbuf.train.data import Task, global_batch
+
+    os.environ["RANK"] = str(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    faults.configure_timeout(timeout_s)
+    if mode == "atexit":
+        faults.install_exit_handlers()  # no supervised(): atexit alone must release
+    ctx = faults.supervised() if mode != "atexit" else _null()
+    with ctx:
+        cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                          head_dim=8, ffn_hidden_size=24, tie_embeddings=True, max_seq_len=16)
+        torch.manual_seed(0)
+        model = zbuf.shard.shard(build_model(cfg))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(FAULT_STEP + 3):
+            b = global_batch(Task.STRIDE, 0, step, 2 * world, 8, cfg.vocab_size)
+            out = loss(model, b.tokens[rank * 2:(rank + 1) * 2], b.targets[rank * 2:(rank + 1) * 2])
+            if step == FAULT_STEP and rank == 1 and mode not in ("clean", "atexit"):
+                print(f"FAULT {time.time():.3f}", flush=True)
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif mode == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                elif mode == "raise":
+                    raise ValueError("injected failure on rank 1")
+                elif mode == "sigint":
+                    os.kill(os.getpid(), signal.SIGINT)
+                elif mode == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the signal arrives
+            out.backward()
+            opt.step()
+            opt.zero_grad()
+        print("DONE", flush=True)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Pair:
+    def __init__(self, mode: str) -> None:
+        import torch.distributed as dist
+
+        self.mode = mode
+        # The test process hosts the store: no port race, and it outlives dying workers.
+        self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=120))
+        env = dict(os.environ, ZBUF_LOG_EXIT="1", OMP_NUM_THREADS="1")
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, mode, str(rank), "2", str(self.store.port), str(TIMEOUT_S)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            )
+            for rank in range(2)
+        ]
+        self.exit_time: list[float | None] = [None, None]
+        self.out: list[str] = ["", ""]
+        self.err: list[str] = ["", ""]
+
+    def poll(self) -> bool:
+        done = True
+        for r, p in enumerate(self.procs):
+            if self.exit_time[r] is None:
+                if p.poll() is None:
+                    done = False
+                else:
+                    self.exit_time[r] = time.time()
+        return done
+
+    def finish(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                p.kill()  # the stopped rank of "stop"
+            out, err = p.communicate(timeout=30)
+            self.out[r], self.err[r] = out, err
+
+    def fault_time(self) -> float:
+        line = next(l for l in self.out[1].splitlines() if l.startswith("FAULT "))
+        return float(line.split()[1])
+
+    def describe(self) -> str:
+        return "\n".join(
+            f"--- {self.mode} rank {r} rc={p.returncode}\nstdout:\n{self.out[r]}\nstderr:\n{self.err[r][-3000:]}"
+            for r, p in enumerate(self.procs)
+        )
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    modes = ["kill", "stop", "raise", "sigint", "sigterm", "clean", "atexit"]
+    started = {m: _Pair(m) for m in modes}
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline:
+            waiting = [m for m, p in started.items() if not p.poll()]
+            # "stop" leaves rank 1 stopped for good: done once rank 0 exited.
+            if waiting == ["stop"] and started["stop"].exit_time[0] is not None or not waiting:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in started.values():
+            p.finish()
+    return started
+
+
+def _released(err: str, pg: str) -> bool:
+    return f"zbuf: released resources: 1 pool(s) trimmed" in err and f"process group {pg}" in err
+
+
+def _check_survivor(pair: _Pair, max_wait: float, min_wait: float = 0.0) -> None:
+    info = pair.describe()
+    p0 = pair.procs[0]
+    assert p0.returncode == RANK_FAILURE_EXIT_CODE, info
+    err = pair.err[0]
+    assert "zbuf: rank 0 of 2 stopped: a collective failed because another rank died or stopped responding" in err, info
+    assert f"collective timeout: {TIMEOUT_S:g} s" in err, info
+    assert "Traceback" not in err, info  # one clear message, not a stack dump
+    assert _released(err, "destroyed"), info
+    waited = pair.exit_time[0] - pair.fault_time()
+    assert min_wait <= waited <= max_wait, f"rank 0 exited {waited:.1f} s after the fault\n{info}"
+
+
+def test_killed_rank_stops_peer_at_once(pairs):
+    pair = pairs["kill"]
+    assert pair.procs[1].returncode == -signal.SIGKILL, pair.describe()
+    # A dead peer's sockets close: no need to wait for the timeout.
+    _check_survivor(pair, max_wait=TIMEOUT_S)
+
+
+def test_hung_rank_stops_peer_after_timeout(pairs):
+    pair = pairs["stop"]
+    # Only the timeout can tell a stopped peer from a slow one.
+    _check_survivor(pair, min_wait=TIMEOUT_S - 1.0, max_wait=TIMEOUT_S + SLACK_S)
+
+
+def test_raising_rank_exits_with_its_error_and_peer_stops(pairs):
+    pair = pairs["raise"]
+    info = pair.describe()
+    assert pair.procs[1].returncode == 1, info
+    assert "ValueError: injected failure on rank 1" in pair.err[1], info
+    assert _released(pair.err[1], "destroyed"), info
+    _check_survivor(pair, max_wait=TIMEOUT_S + SLACK_S)
+
+
+def test_interrupted_rank_releases_and_exits_130(pairs):
+    pair = pairs["sigint"]
+    info = pair.describe()
+    assert pair.procs[1].returncode == INTERRUPTED_EXIT_CODE, info
+    assert "zbuf: rank 1 of 2 interrupted; releasing resources" in pair.err[1], info
+    assert _released(pair.err[1], "destroyed"), info
+    _check_survivor(pair, max_wait=TIMEOUT_S + SLACK_S)
+
+
+def test_terminated_rank_releases_and_exits_143(pairs):
+    pair = pairs["sigterm"]
+    info = pair.describe()
+    assert pair.procs[1].returncode == 128 + signal.SIGTERM, info
+    assert _released(pair.err[1], "destroyed"), info
+    _check_survivor(pair, max_wait=TIMEOUT_S + SLACK_S)
+
+
+@pytest.mark.parametrize("mode", ["clean", "atexit"])
+def test_normal_exit_releases(pairs, mode):
+    pair = pairs[mode]
+    info = pair.describe()
+    for r in range(2):
+        assert pair.procs[r].returncode == 0, info
+        assert "DONE" in pair.out[r], info
+        assert _released(pair.err[r], "destroyed"), info
+
+
+def test_peer_failure_classification():
+    from zbuf.faults import is_peer_failure
+
+    assert is_peer_failure(RuntimeError("[pair.cc:547] Connection closed by peer [127.0.0.1]:1"))
+    assert is_peer_failure(RuntimeError("[unbound_buffer.cc:129] Timed out waiting 4000ms for send operation to complete"))
+    wrapped = RuntimeError("backward failed")
+    wrapped.__cause__ = RuntimeError("Connection reset by peer")
+    assert is_peer_failure(wrapped)
+    assert not is_peer_failure(ValueError("shape mismatch"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_configure_timeout_rejects_bad_values():
+    from zbuf.faults import configure_timeout
+
+    for bad in (0, -1, "30", True, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+            configure_timeout(bad)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
