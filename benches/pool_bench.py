@@ -58,6 +58,8 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
+    if os.environ.get("ZBUF_COMMIT"):
+        return os.environ["ZBUF_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, check=True).stdout.strip()

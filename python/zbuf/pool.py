@@ -20,6 +20,7 @@ returned or a view of it that starts at the same address.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Sequence
 
@@ -146,7 +147,8 @@ class GatherBufferPool:
             recovery.
     """
 
-    __slots__ = ("_core", "device", "_stream_index", "_is_cuda", "_acquire_core", "_release_core")
+    __slots__ = ("_core", "device", "_stream_index", "_is_cuda", "_acquire_core", "_release_core",
+                 "_current_stream")
 
     def __init__(
         self,
@@ -174,8 +176,13 @@ class GatherBufferPool:
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self._is_cuda = kind == "cuda"
         self._stream_index = index
+        # Bound once: the hot path makes no attribute lookups it can avoid.
         self._acquire_core = self._core.acquire
         self._release_core = self._core.release
+        # Raw handle of the current stream; the host backend has only stream 0 (`int()` == 0).
+        self._current_stream = (
+            functools.partial(torch._C._cuda_getCurrentRawStream, index) if kind == "cuda" else int
+        )
 
     def __repr__(self) -> str:
         s = self._core.stats()
@@ -218,9 +225,9 @@ class GatherBufferPool:
                 f"dtype {dtype!r} cannot be exported by the pool: use one of "
                 f"{sorted(str(d) for d in _DTYPE_CODES)}"
             )
-        if isinstance(shape, int):
+        if shape.__class__ is int:
             shape = (shape,)
-        s = 0 if not self._is_cuda and stream is None else self._stream_handle(stream)
+        s = self._current_stream() if stream is None else self._stream_handle(stream)
         try:
             return self._acquire_core(shape, code, s)
         except TypeError as e:
@@ -234,9 +241,15 @@ class GatherBufferPool:
         `stream` is the last stream that used the tensor (default: the current stream on CUDA).
         Raises ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidRequestError(f"release() takes a torch.Tensor, got {type(tensor).__name__}")
-        self._release_core(tensor, self._stream_handle(stream) if self._is_cuda else None)
+        s = self._current_stream() if stream is None else self._stream_handle(stream)
+        try:
+            self._release_core(tensor, s)
+        except TypeError as e:
+            if isinstance(tensor, torch.Tensor):
+                raise
+            raise InvalidRequestError(
+                f"release() takes a torch.Tensor from acquire(), got {type(tensor).__name__}"
+            ) from e
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a buffer currently checked out from this pool."""

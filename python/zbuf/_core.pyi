@@ -1,0 +1,53 @@
+"""Type stub of the Rust extension `zbuf._core` (rust/python/). Use `zbuf.pool` instead: this
+is the thin layer under `GatherBufferPool`."""
+
+from typing import Any, final
+
+import torch
+
+DLPACK_VERSION: tuple[int, int]
+"""DLPack ABI version of the exported capsules."""
+DEFAULT_BUDGET_DIVISOR: int
+"""Default budget = total device (or host) memory // this."""
+DEFAULT_HARD_CAP_DIVISOR: int
+"""Default hard cap = total device (or host) memory // this."""
+
+@final
+class PoolCore:
+    """One gather-buffer pool over the host or CUDA backend. Errors are `zbuf.errors` classes."""
+
+    def __init__(
+        self,
+        device_type: str,
+        index: int = 0,
+        budget_bytes: int | None = None,
+        hard_cap_bytes: int | None = None,
+        event_log_capacity: int = 4096,
+        recovery_retry_threshold: int = 3,
+    ) -> None: ...
+    @property
+    def device(self) -> tuple[str, int]:
+        """(device_type, index)."""
+    def acquire(self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int) -> torch.Tensor:
+        """Checks out a block as a contiguous tensor (zero copy). `dtype_code` indexes the table
+        in rust/python/dlpack.rs; `stream` is a raw stream handle (0 on the host)."""
+    def acquire_capsule(
+        self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int, versioned: bool = True
+    ) -> Any:
+        """Checks out a block as a DLPack capsule ("dltensor_versioned" or legacy "dltensor")."""
+    def release(self, tensor: torch.Tensor, stream: int | None = None) -> None:
+        """Returns the block of `tensor` (or of the tensor it is a view of)."""
+    def owns(self, tensor: torch.Tensor) -> bool: ...
+    def set_budget(self, nbytes: int) -> int: ...
+    def trim(self) -> int: ...
+    def observe_pressure(self, num_alloc_retries: int, free_bytes: int) -> tuple[str, int]:
+        """Returns (action, budget_bytes); action is "none", "shrink" or "recover"."""
+    def stats(self) -> dict[str, int | bool]: ...
+    def events(self) -> list[dict[str, int | str]]: ...
+    def hot_set(self) -> list[tuple[int, int]]: ...
+    def memory_info(self) -> tuple[int, int] | None: ...
+    def capacity_for(self, nbytes: int) -> int: ...
+    def _bench_core_pair(self, nbytes: int, iters: int, stream: int) -> float:
+        """Mean ns of an acquire+release pair through the Rust core alone."""
+    def _inject_oom(self, count: int) -> bool:
+        """Testing hook: the next `count` allocations fail (host backend only)."""
