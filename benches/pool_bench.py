@@ -7,7 +7,10 @@ of:
     included): the number the <= 2 us target is about;
   * ``pool_drop``:  ``pool.acquire`` + dropping the tensor (the DLPack deleter returns it);
   * ``torch_empty``: ``torch.empty`` + dropping it (CUDA caching allocator on GPU, the system
-    allocator on CPU).
+    allocator on CPU);
+  * ``dlpack_floor``: torch exporting one of its own tensors to DLPack and importing it back
+    (``_to_dlpack_versioned`` + ``_from_dlpack`` + drop): what any DLPack handoff into torch
+    costs, the floor under ``pool_drop``.
 All are hits after warm-up (the pool reuses its block; the caching allocator its cached block).
 No device synchronisation inside the timed loops: host time is what is measured.
 
@@ -85,6 +88,11 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
         def torch_empty():
             torch.empty(shape, dtype=torch.float32, device=device)
 
+        probe = torch.empty(16, device=device)
+
+        def dlpack_floor():
+            torch._C._from_dlpack(torch._C._to_dlpack_versioned(probe))
+
         row = {
             "bytes": size,
             "iters": n,
@@ -93,6 +101,7 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
             "pool_pair_ns": per_iter_ns(pool_pair, n, repeats),
             "pool_drop_ns": per_iter_ns(pool_drop, n, repeats),
             "torch_empty_ns": per_iter_ns(torch_empty, n, repeats),
+            "dlpack_floor_ns": per_iter_ns(dlpack_floor, n, repeats),
         }
         row["pool_pair_vs_torch"] = row["pool_pair_ns"] / row["torch_empty_ns"]
         row["pool_drop_vs_torch"] = row["pool_drop_ns"] / row["torch_empty_ns"]
@@ -133,13 +142,14 @@ def to_markdown(result: dict) -> str:
         f"{m['repeats']} runs); every pair is a hit after warm-up.",
         "",
         "| size | Rust core pair | pool acquire+release | pool acquire+drop | torch.empty+drop | "
-        "pool pair / torch | pool drop / torch |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "DLPack floor | pool pair / torch | pool drop / torch |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['bytes'] // MiB} MiB | {r['core_pair_ns'] / 1e3:.2f} | {r['pool_pair_ns'] / 1e3:.2f} | "
             f"{r['pool_drop_ns'] / 1e3:.2f} | {r['torch_empty_ns'] / 1e3:.2f} | "
+            f"{r['dlpack_floor_ns'] / 1e3:.2f} | "
             f"{r['pool_pair_vs_torch']:.2f} | {r['pool_drop_vs_torch']:.2f} |"
         )
     return "\n".join(lines) + "\n"

@@ -71,6 +71,33 @@ def test_raw_capsules_versioned_and_legacy(pool, versioned):
     assert pool.stats().checked_out == 0 and pool.stats().releases == 1
 
 
+def test_dlpack_protocol_object(pool):
+    np = pytest.importorskip("numpy")
+    buf = pool.acquire_dlpack((4, 3), torch.float32)
+    assert buf.__dlpack_device__() == (1, 0) and not buf.exported
+    t = torch.from_dlpack(buf)  # negotiates a versioned capsule
+    assert buf.exported and t.shape == (4, 3) and pool.owns(t)
+    with pytest.raises(BufferError, match="already exported"):
+        buf.__dlpack__()
+    t.fill_(2.0)
+    a = np.from_dlpack(pool.acquire_dlpack((5,), torch.int32))
+    assert a.shape == (5,) and a.dtype == np.int32
+    assert pool.stats().checked_out == 2
+    del t, a
+    assert pool.stats().checked_out == 0
+    legacy = pool.acquire_dlpack(8, torch.bfloat16).__dlpack__()  # no max_version: legacy
+    assert 'dltensor"' in repr(legacy)
+    del legacy
+    with pytest.raises(BufferError, match="without copying"):
+        pool.acquire_dlpack(8, torch.uint8).__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="lives on DLPack device"):
+        pool.acquire_dlpack(8, torch.uint8).__dlpack__(dl_device=(2, 0))
+    unexported = pool.acquire_dlpack(8, torch.uint8)
+    assert pool.stats().checked_out == 1
+    del unexported
+    assert pool.stats().checked_out == 0
+
+
 def test_unconsumed_capsule_returns_its_lease(pool):
     cap = pool._core.acquire_capsule([16], 0, 0)
     assert pool.stats().checked_out == 1

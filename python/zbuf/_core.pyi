@@ -35,6 +35,8 @@ class PoolCore:
         self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int, versioned: bool = True
     ) -> Any:
         """Checks out a block as a DLPack capsule ("dltensor_versioned" or legacy "dltensor")."""
+    def acquire_buffer(self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int) -> DLPackBuffer:
+        """Checks out a block as a DLPack protocol object."""
     def release(self, tensor: torch.Tensor, stream: int | None = None) -> None:
         """Returns the block of `tensor` (or of the tensor it is a view of)."""
     def owns(self, tensor: torch.Tensor) -> bool: ...
@@ -51,3 +53,20 @@ class PoolCore:
         """Mean ns of an acquire+release pair through the Rust core alone."""
     def _inject_oom(self, count: int) -> bool:
         """Testing hook: the next `count` allocations fail (host backend only)."""
+
+@final
+class DLPackBuffer:
+    """A checked-out block not yet handed to a consumer; exports once, returns its lease if
+    dropped unexported."""
+
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    @property
+    def exported(self) -> bool: ...

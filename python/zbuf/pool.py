@@ -12,6 +12,8 @@ A tensor from `acquire` goes back to the pool exactly once, whichever comes firs
   rely on this. `t` (and its views) must not be used afterwards: its memory belongs to the next
   acquirer.
 * the last reference to `t`'s storage dying (the DLPack deleter), for tensors never released.
+The deleter releases on the acquire stream: a tensor used on other streams must be released
+explicitly with the last stream that used it (the pool never calls `record_stream`).
 Releasing twice raises `DoubleReleaseError`, releasing a tensor from elsewhere
 `ForeignBufferError`; both leave the pool unchanged. `release` takes the tensor `acquire`
 returned or a view of it that starts at the same address.
@@ -234,6 +236,24 @@ class GatherBufferPool:
             raise InvalidRequestError(
                 f"shape {shape!r} must be an int or a sequence of ints ({e})"
             ) from e
+
+    def acquire_dlpack(
+        self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None
+    ) -> _core.DLPackBuffer:
+        """Like `acquire`, but returns a DLPack protocol object (`__dlpack__`,
+        `__dlpack_device__`) for any consumer: `torch.from_dlpack`, `numpy.from_dlpack`, CuPy.
+
+        It exports once (versioned capsule if the consumer accepts DLPack 1.x, legacy
+        otherwise), makes the consumer's stream wait for the block's previous release, and
+        returns the lease if dropped unexported. The consumer's tensor returns it when freed.
+        """
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            raise UnsupportedDtypeError(f"dtype {dtype!r} cannot be exported by the pool")
+        if shape.__class__ is int:
+            shape = (shape,)
+        s = self._current_stream() if stream is None else self._stream_handle(stream)
+        return self._core.acquire_buffer(shape, code, s)
 
     def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Returns `tensor`'s block to the pool now (see [Note: release contract]).

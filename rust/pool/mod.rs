@@ -429,6 +429,19 @@ impl<B: Backend> GatherPool<B> {
         self.stale_keys.len()
     }
 
+    /// Makes `stream` wait for the release that preceded `lease`'s checkout, as `acquire` did
+    /// for the acquire stream: for a consumer whose first use is on another stream.
+    pub fn order_stream(&mut self, lease: LeaseId, stream: StreamHandle) -> Result<(), PoolError> {
+        let slot = self.current_lease_slot(lease).ok_or(PoolError::DoubleRelease { ptr: 0 })?;
+        let b = self.block(slot);
+        if let (Some(ev), Some(prev)) = (b.event, b.released_on) {
+            if prev != stream {
+                self.backend.stream_wait_event(stream, ev)?;
+            }
+        }
+        Ok(())
+    }
+
     fn current_lease_slot(&self, lease: LeaseId) -> Option<u32> {
         let b = self.slots.get(lease.slot())?.block.as_ref()?;
         match b.state {

@@ -1,5 +1,6 @@
 //! PyO3 bindings: the `zbuf._core` extension module.
 
+mod buffer;
 mod dlpack;
 mod errors;
 mod pool;
@@ -10,6 +11,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PoolCore>()?;
+    m.add_class::<buffer::DLPackBuffer>()?;
     m.add("DLPACK_VERSION", (dlpack::DLPACK_MAJOR, dlpack::DLPACK_MINOR))?;
     m.add("DEFAULT_BUDGET_DIVISOR", pool::DEFAULT_BUDGET_DIVISOR)?;
     m.add("DEFAULT_HARD_CAP_DIVISOR", pool::DEFAULT_HARD_CAP_DIVISOR)?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use super::buffer::DLPackBuffer;
 use super::dlpack::{self, DLDevice, ExportRequest, Layout};
 use super::errors::{raise, to_py};
 use super::shared::Shared;
@@ -151,6 +152,13 @@ impl PoolCore {
     #[pyo3(signature = (shape, dtype_code, stream, versioned=true))]
     fn acquire_capsule<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
         Ok(self.export(py, &shape, dtype_code, stream, versioned)?.0)
+    }
+
+    /// Checks out a block as a `DLPackBuffer` (the DLPack protocol object, exported once).
+    fn acquire_buffer(&self, py: Python<'_>, shape: Vec<i64>, dtype_code: u32, stream: u64) -> PyResult<DLPackBuffer> {
+        let (dtype, layout) = self.layout(py, &shape, dtype_code)?;
+        let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
+        Ok(DLPackBuffer::new(Arc::clone(&self.shared), self.dl_device, lease.id, lease.ptr, dtype, layout.dims, stream))
     }
 
     /// Returns `tensor`'s block (`tensor` may be the acquired tensor or any view of it).

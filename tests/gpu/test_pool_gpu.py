@@ -57,6 +57,23 @@ def test_dlpack_round_trip(pool):
     assert pool.stats().checked_out == 0
 
 
+def test_dlpack_protocol_orders_the_consumer_stream(pool):
+    n = 4 * MiB
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    a = pool.acquire((n,), torch.float32, stream=side)
+    result = _delayed_consumer(a, side)
+    pool.release(a, stream=side)
+    # Acquired for `side`, consumed on `other`: __dlpack__(stream=other) makes `other` wait.
+    buf = pool.acquire_dlpack((n,), torch.float32, stream=side)
+    with torch.cuda.stream(other):
+        b = torch.from_dlpack(buf)
+        assert b.data_ptr() == a.data_ptr()
+        b.fill_(5.0)
+    torch.cuda.synchronize()
+    assert float(result) == float(n)
+    pool.release(b, stream=other)
+
+
 def _delayed_consumer(buf: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
     """On `stream`: fill `buf` with 1, sleep on the GPU, then sum it (the delayed reader)."""
     with torch.cuda.stream(stream):
