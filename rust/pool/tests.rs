@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::backend::host::HostBackend;
+use crate::backend::{Backend, BackendError, EventHandle, StreamHandle};
 
 fn pool(budget: u64) -> GatherPool<HostBackend> {
     let cfg = PoolConfig { budget_bytes: budget, hard_cap_bytes: 1 << 30, event_log_capacity: 64, recovery_retry_threshold: 3 };
@@ -145,4 +146,74 @@ fn hot_path_pair_timing() {
     }
     let ns = t.elapsed().as_nanos() as f64 / n as f64;
     println!("rust_core_pair_ns={ns:.1}");
+}
+
+/// A host backend whose event calls fail on demand (a lost device).
+struct FlakyEvents {
+    inner: HostBackend,
+    fail: bool,
+}
+
+impl Backend for FlakyEvents {
+    fn device(&self) -> crate::backend::Device {
+        self.inner.device()
+    }
+    fn alignment(&self) -> u64 {
+        self.inner.alignment()
+    }
+    fn allocate(&mut self, nbytes: u64) -> Result<u64, BackendError> {
+        self.inner.allocate(nbytes)
+    }
+    unsafe fn free(&mut self, ptr: u64, nbytes: u64) {
+        unsafe { self.inner.free(ptr, nbytes) }
+    }
+    fn create_event(&mut self) -> Result<EventHandle, BackendError> {
+        self.inner.create_event()
+    }
+    fn destroy_event(&mut self, event: EventHandle) {
+        self.inner.destroy_event(event)
+    }
+    fn record_event(&mut self, event: EventHandle, stream: StreamHandle) -> Result<(), BackendError> {
+        if self.fail {
+            return Err(BackendError::Driver { op: "cuEventRecord", detail: "CUDA_ERROR_LAUNCH_FAILED".into() });
+        }
+        self.inner.record_event(event, stream)
+    }
+    fn stream_wait_event(&mut self, stream: StreamHandle, event: EventHandle) -> Result<(), BackendError> {
+        if self.fail {
+            return Err(BackendError::Driver { op: "cuStreamWaitEvent", detail: "CUDA_ERROR_LAUNCH_FAILED".into() });
+        }
+        self.inner.stream_wait_event(stream, event)
+    }
+    fn event_complete(&mut self, event: EventHandle) -> Result<bool, BackendError> {
+        self.inner.event_complete(event)
+    }
+    fn synchronize_event(&mut self, event: EventHandle) -> Result<(), BackendError> {
+        self.inner.synchronize_event(event)
+    }
+    fn memory_info(&mut self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+#[test]
+fn driver_failures_leave_state_unchanged() {
+    let cfg = PoolConfig { budget_bytes: 1 << 20, hard_cap_bytes: 1 << 20, event_log_capacity: 0, recovery_retry_threshold: 3 };
+    let mut p = GatherPool::new(FlakyEvents { inner: HostBackend::new(), fail: false }, cfg).unwrap();
+    let a = p.acquire(256, 1).unwrap();
+    p.release(a.id, None).unwrap();
+    let b = p.acquire(256, 1).unwrap();
+    p.backend_mut().fail = true;
+    let before = p.stats();
+    let err = p.release(b.id, None).unwrap_err();
+    assert_eq!(err.kind(), "PoolBackendError");
+    assert!(err.to_string().contains("cuEventRecord"), "{err}");
+    assert_eq!(p.stats(), before, "a failed release changed the pool");
+    p.backend_mut().fail = false;
+    p.release(b.id, Some(1)).unwrap();
+    // A cross-stream hit whose wait fails leaves the block idle.
+    p.backend_mut().fail = true;
+    let before = p.stats();
+    assert_eq!(p.acquire(256, 2).unwrap_err().kind(), "PoolBackendError");
+    assert_eq!(p.stats(), before);
 }
