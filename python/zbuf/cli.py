@@ -80,7 +80,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64 on "
                    "CPU, 2048 on GPU)")
     t.add_argument("--steps", type=_positive_int, help="steps per engine, warm-up included "
-                   "(default: train 60, bench 30)")
+                   "(default: train 40, bench 30)")
     t.add_argument("--warmup", type=int, help="steps left out of the timing statistics "
                    "(default: train 3, bench 10)")
     t.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
@@ -161,15 +161,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .train.report import main as report_main
 
         return report_main(args.record, args.out_dir)
-    from rich.console import Console
-
+    from .train.progress import print_error
     from .train.runner import run
 
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
-        Console(stderr=True).print(f"[bold red]zbuf {args.command}: error:[/bold red] {e}",
-                                   highlight=False)
+        print_error(args.command, str(e))
         return 2
     return run(args.command, cfg)
 

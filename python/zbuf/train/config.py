@@ -90,7 +90,8 @@ class TrainConfig:
     seq_len: Optional[int] = None
     """Tokens per sequence; default 64 on CPU, 2048 on GPU."""
     steps: Optional[int] = None
-    """Optimizer steps per engine, warm-up included; default 60 for train, 30 for bench."""
+    """Optimizer steps per engine, warm-up included; default 40 for train, 30 for bench (10
+    warm-up + 20 measured)."""
     warmup: Optional[int] = None
     """Leading steps left out of the step-time statistics (compile and allocator warm-up);
     default 3 for train, 10 for bench."""
@@ -186,7 +187,7 @@ class TrainConfig:
         c.micro_batch = c.micro_batch or (4 if cuda else 8)
         c.global_batch = c.micro_batch * world
         c.seq_len = c.seq_len or (2048 if cuda else 64)
-        c.steps = c.steps or (30 if bench else 60)
+        c.steps = c.steps or (30 if bench else 40)
         c.warmup = (10 if bench else 3) if c.warmup is None else c.warmup
         if c.warmup >= c.steps:
             raise ConfigError(f"--warmup {c.warmup} leaves no measured step out of --steps "

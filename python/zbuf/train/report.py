@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import format_bytes
+from .progress import print_error
 from .record import load_record
 
 __all__ = ["make_plots", "schedule_table", "main"]
@@ -89,19 +90,34 @@ def _step_time_plot(record, out_dir) -> str:
 def _memory_plot(record, out_dir) -> str:
     plt = _plt()
     cuda = record["environment"].get("device_type") == "cuda"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    pooled = [e for e in _ok(record) if any(s.get("pool_bytes") for s in e["steps"])]
+    fig, axes = plt.subplots(2 if pooled else 1, 1, figsize=(8, 7 if pooled else 4.5),
+                             squeeze=False)
+    ax = axes[0, 0]
     for eng in _ok(record):
-        steps = [s["step"] for s in eng["steps"]]
-        line, = ax.plot(steps, [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
-                        label=f"{eng['engine']}: {'reserved + pool' if cuda else 'RSS'}")
-        if any(s.get("pool_bytes") for s in eng["steps"]):
-            ax.plot(steps, [s["pool_bytes"] / _GIB for s in eng["steps"]], linestyle="--",
-                    color=line.get_color(), label=f"{eng['engine']}: pool occupancy")
+        ax.plot([s["step"] for s in eng["steps"]],
+                [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
+                label=eng["engine"])
     ax.set_xlabel("step")
-    ax.set_ylabel("GiB (max over ranks)")
+    ax.set_ylabel(("allocator reserved + pool" if cuda else "resident set") + ", GiB")
     ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    if pooled:
+        ax = axes[1, 0]
+        for eng in pooled:
+            ax.plot([s["step"] for s in eng["steps"]],
+                    [s["pool_bytes"] / (1 << 20) for s in eng["steps"]], marker=".",
+                    label=f"{eng['engine']}: charged")
+            hw = (eng.get("pool") or {}).get("high_water_bytes")
+            if hw:
+                ax.axhline(hw / (1 << 20), linestyle="--", color="grey",
+                           label=f"{eng['engine']}: high water")
+        ax.set_xlabel("step")
+        ax.set_ylabel("MiB (max over ranks)")
+        ax.set_title("Gather-buffer pool occupancy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     return _save(fig, os.path.join(out_dir, "memory.png"))
 
 
@@ -159,7 +175,8 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                    [(g.get(key) or 0) / (1 << 20) for _, g in scheduled], width, label=name)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scheduled))], labels,
                       fontsize="small")
-        ax.set_ylabel("MiB")
+        ax.set_yscale("log")  # the budget is often orders of magnitude above the rest
+        ax.set_ylabel("MiB (log scale)")
         ax.set_title(_title(record, "Gather schedule per compiled graph"))
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize="small")
@@ -178,59 +195,53 @@ def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
 
 
 def schedule_table(record: dict[str, Any]) -> Optional[Table]:
-    rows = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
-    if not rows:
+    """Fields down, compiled graphs across (narrow terminals stay readable)."""
+    graphs = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
+    if not graphs:
         return None
-    table = Table(title="zbuf gather schedule (one row per compiled graph)")
-    cols = [("engine", None), ("graph", None), ("nodes", "num_nodes"),
-            ("gathers", "gathers"), ("collectives", "collectives"),
-            ("coalesced", "coalesced_groups"), ("prefetched", "prefetched"),
-            ("re-gathers", "regathers"), ("kept fwd->bwd", "persistent"),
-            ("budget", "budget_bytes"), ("peak live gathered", "peak_live_gathered_bytes"),
-            ("activation peak", "activation_peak_bytes"), ("plan time", "planning_seconds"),
+    table = Table(title="zbuf gather schedule, one column per compiled graph")
+    table.add_column("")
+    for eng, g in graphs:
+        table.add_column(f"{eng['engine']} {g.get('kind', '?')} #{g.get('graph_id', '?')}",
+                         justify="right")
+    rows = [("graph nodes", "num_nodes"), ("gathered parameters", "gathers"),
+            ("collectives", "collectives"), ("coalesced groups", "coalesced_groups"),
+            ("prefetched", "prefetched"), ("re-gathers", "regathers"),
+            ("kept forward->backward", "persistent"), ("bytes kept", "persistent_bytes"),
+            ("budget", "budget_bytes"), ("requested budget", "requested_budget_bytes"),
+            ("feasible floor", "floor_bytes"), ("peak live gathered", "peak_live_gathered_bytes"),
+            ("activation peak", "activation_peak_bytes"), ("planning time", "planning_seconds"),
             ("fingerprint", "fingerprint")]
-    for name, _ in cols:
-        table.add_column(name, justify="left" if name in ("engine", "graph", "fingerprint")
-                         else "right")
-    for eng, g in rows:
+    for label, key in rows:
         cells = []
-        for name, key in cols:
-            if name == "engine":
-                cells.append(eng["engine"])
-            elif name == "graph":
-                cells.append(f"{g.get('kind', '?')} #{g.get('graph_id', '?')}")
+        for _, g in graphs:
+            v = g.get(key)
+            if v is None:
+                cells.append("-")
+            elif key.endswith("_bytes"):
+                cells.append(format_bytes(v))
+            elif key == "planning_seconds":
+                cells.append(f"{v * 1e3:.1f} ms")
             else:
-                v = g.get(key)
-                if v is None:
-                    cells.append("-")
-                elif key.endswith("_bytes"):
-                    cells.append(format_bytes(v))
-                elif key == "planning_seconds":
-                    cells.append(f"{v * 1e3:.1f} ms")
-                elif key == "fingerprint":
-                    cells.append(str(v)[:12])
-                else:
-                    cells.append(str(v))
-        table.add_row(*cells)
+                cells.append(str(v))
+        table.add_row(label, *cells)
     return table
 
 
 def main(path: str, out_dir: Optional[str] = None) -> int:
-    err = Console(stderr=True)
     try:
         record = load_record(path)
         out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
                                           os.path.splitext(os.path.basename(path))[0] + "-report")
         paths = make_plots(record, out_dir)
     except FileNotFoundError:
-        err.print(f"[bold red]zbuf report: error:[/bold red] no such file: {path}")
+        print_error("report", f"no such file: {path}")
         return 2
     except (ValueError, KeyError) as e:
-        err.print(f"[bold red]zbuf report: error:[/bold red] {e}", highlight=False)
+        print_error("report", str(e))
         return 2
     except OSError as e:
-        err.print(f"[bold red]zbuf report: error:[/bold red] cannot write plots to "
-                  f"{out_dir}: {e.strerror}", highlight=False)
+        print_error("report", f"cannot write plots to {out_dir}: {e.strerror}")
         return 2
     console = Console()
     table = schedule_table(record)

@@ -20,7 +20,7 @@ from rich.console import Console
 from .config import ConfigError, Engine, TrainConfig, check_output_path
 from .engines import EngineUnavailable, check_available
 from .launcher import Interrupted, launch_group, under_torchrun
-from .progress import comparison_table, summary_table
+from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, write_record
 
 __all__ = ["run"]
@@ -81,7 +81,6 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
     interrupt."""
     console = console or Console()
-    err = Console(stderr=True)
     bench = command == "bench"
     try:
         cfg.validate()
@@ -98,7 +97,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
                 unavailable[engine] = str(e)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
-            err.print(f"[bold red]zbuf {command}: error:[/bold red] {e}", highlight=False)
+            print_error(command, str(e))
         return 2
 
     if under_torchrun():
@@ -111,7 +110,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     try:
         for engine in cfg.engines:
             if engine in unavailable:
-                err.print(f"[yellow]skipping {engine.value}:[/yellow] {unavailable[engine]}")
+                print_error(command, f"skipping {engine.value}: {unavailable[engine]}")
                 engines_out.append(_failure(engine, "unavailable", unavailable[engine]))
                 status = 1
                 continue
@@ -121,11 +120,11 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
             engines_out.extend(partial["engines"])
             if code:
                 status = 1
-                err.print(f"[bold red]engine {engine.value} failed[/bold red] (exit {code})")
+                print_error(command, f"engine {engine.value} failed (exit {code})")
                 if not bench:
                     break
     except Interrupted as e:
-        err.print(f"[bold red]zbuf {command}: interrupted ({e}); all workers stopped[/bold red]")
+        print_error(command, f"interrupted ({e}); all workers stopped")
         return 130
     if not env:  # nothing ran: describe the machine from here
         import torch

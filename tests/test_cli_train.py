@@ -1,0 +1,176 @@
+"""``zbuf train`` / ``bench`` / ``report`` end to end on CPU (2 gloo ranks, tiny preset), as a
+user runs them: real processes through the console entry point.
+
+Kept to a few launches (each one starts 3 Python processes); sizes are the smallest that still
+show the loss falling.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ZBUF = [sys.executable, "-m", "zbuf.cli"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _run(args, timeout=400):
+    out = subprocess.run(ZBUF + args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return out
+
+
+def _check_record(record, engines, steps):
+    assert record["schema"] == "zbuf.run/1"
+    assert record["world_size"] == 2
+    assert record["config"]["preset"] == "tiny" and record["config"]["steps"] == steps
+    assert record["environment"]["torch"] and record["environment"]["device_type"] == "cpu"
+    assert record["model"]["params"] > 1e6
+    assert [e["engine"] for e in record["engines"]] == engines
+    for eng in record["engines"]:
+        assert eng["status"] == "ok", eng.get("error")
+        assert [s["step"] for s in eng["steps"]] == list(range(steps))
+        for s in eng["steps"]:
+            assert s["time_s"] > 0 and s["device_bytes"] > 0 and len(s["alloc_retries"]) == 2
+            assert s["tokens"] == 2 * record["config"]["micro_batch"] * record["config"]["seq_len"]
+        assert [r["rank"] for r in eng["per_rank"]] == [0, 1]
+        summary = eng["summary"]
+        for key in ("step_time_median_s", "step_time_min_s", "step_time_max_s",
+                    "tokens_per_s_per_gpu", "peak_device_bytes", "first_step_s", "final_loss"):
+            assert summary[key] > 0, key
+        assert summary["measured_steps"] == steps - record["config"]["warmup"]
+        assert summary["step_time_min_s"] <= summary["step_time_median_s"] <= \
+            summary["step_time_max_s"]
+
+
+def _png_has_plot(path):
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 300, img.shape
+    rgb = img[..., :3]
+    # A blank figure is one colour; a plot has axes, text and coloured data lines.
+    assert rgb.std() > 0.05
+    coloured = (rgb.max(axis=2) - rgb.min(axis=2)) > 0.25
+    assert coloured.mean() > 0.002, "no coloured (data) pixels"
+
+
+def test_train_default_engine_then_report(tmp_path):
+    out = tmp_path / "run.json"
+    steps = 24
+    res = _run(["train", "--steps", str(steps), "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads(out.read_text())
+    _check_record(record, ["zbuf"], steps)
+    eng = record["engines"][0]
+    losses = eng["summary"]["losses"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # visibly learning
+    assert eng["pool"]["hits"] > 0 and eng["summary"]["pool"]["high_water_bytes"] > 0
+    assert eng["schedule"]["graphs"], "the zbuf backend planned no graph"
+    assert eng["summary"]["schedule_budget_bytes"] >= eng["summary"]["schedule_peak_live_bytes"]
+    assert "loss first -> last" in res.stdout and "zbuf" in res.stdout  # summary table
+
+    plots = tmp_path / "plots"
+    rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    names = sorted(os.listdir(plots))
+    assert names == ["loss.png", "memory.png", "schedule_memory.png", "step_time.png"]
+    for name in names:
+        _png_has_plot(plots / name)
+    assert "peak live gathered" in rep.stdout  # the schedule table
+
+
+def test_bench_eager_fsdp2_ddp_agree(tmp_path):
+    out = tmp_path / "bench.json"
+    steps = 4
+    res = _run(["bench", "--engines", "zbuf-eager,fsdp2,ddp", "--steps", str(steps),
+                "--warmup", "1", "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads(out.read_text())
+    _check_record(record, ["zbuf-eager", "fsdp2", "ddp"], steps)
+    # Same seed, same data, fp32 on CPU: the three engines train the same model.
+    ref = record["engines"][1]["summary"]["losses"]
+    for eng in record["engines"]:
+        assert eng["summary"]["losses"] == pytest.approx(ref, rel=1e-4), eng["engine"]
+    assert ref[-1] < ref[0]
+    md = (tmp_path / "bench.md").read_text()
+    assert "| zbuf-eager |" in md and "| fsdp2 |" in md and "| ddp |" in md and "torch" in md
+    assert "relative to fsdp2" in res.stdout
+
+
+def test_runs_unchanged_under_torchrun(tmp_path):
+    out = tmp_path / "tr.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zbuf.cli", "train", "--engine", "zbuf-eager", "--steps", "3", "--warmup", "1",
+           "--out", str(out)]
+    env = dict(ENV, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_record(json.loads(out.read_text()), ["zbuf-eager"], 3)
+
+
+def _children(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_long_run(tmp_path):
+    proc = subprocess.Popen(
+        ZBUF + ["train", "--engine", "zbuf-eager", "--steps", "100000", "--out",
+                str(tmp_path / "never.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        start_new_session=True)  # its own process group, like a shell job
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # rank 0 prints this once every rank is set up and training
+        if "training 100000 steps" in line:
+            break
+        assert time.monotonic() < deadline, "training never started"
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    return proc, workers
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only"])
+def test_interrupt_leaves_no_orphans(tmp_path, how):
+    proc, workers = _start_long_run(tmp_path)
+    try:
+        if how == "ctrl-c":  # the terminal sends SIGINT to the whole foreground group
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130, rest
+        assert "interrupted" in rest
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], "orphaned workers"
+        assert not (tmp_path / "never.json").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
