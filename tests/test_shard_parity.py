@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_distributed
 
-VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS, MICRO = 37, 13, 6, 12, 10, 2
+VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS, MICRO = 37, 13, 6, 24, 10, 2  # 24: MICRO * world | batch
 RTOL, ATOL = 1e-5, 1e-6
 
 

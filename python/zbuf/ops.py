@@ -98,6 +98,24 @@ def pool_for(param_id: int, device: torch.device):
     return pool
 
 
+def _borrowed(buf: torch.Tensor) -> torch.Tensor:
+    """A view of ``buf``'s memory that does not keep ``buf``'s storage alive.
+
+    [Note: collective output lifetime]
+    A c10d work object keeps references to its output tensors and is destroyed on the backend's
+    own thread some time after ``wait()`` (gloo's worker; NCCL's watchdog, which polls). If the
+    collective wrote into the pool tensor itself, the pool block would come back whenever that
+    thread lets go: eager gathers would overlap in the pool and blocks return in a
+    timing-dependent order. The collective therefore writes through a non-owning alias. This is
+    safe because the gather is synchronous (gloo has finished; under NCCL the current stream waits
+    for the collective before the op returns) and a released block is reused only after its
+    release event on the stream, so nothing touches the memory through the alias after the
+    block goes back.
+    """
+    storage = torch._C._construct_storage_from_data_pointer(buf.data_ptr(), buf.device, buf.nbytes)
+    return buf.new_empty(0).set_(storage, 0, buf.shape, buf.stride())
+
+
 def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
@@ -127,7 +145,7 @@ def all_gather(
         if world == 1:
             buf.copy_(src)
         else:
-            dist.all_gather_into_tensor(buf, src, group=pg)
+            dist.all_gather_into_tensor(_borrowed(buf), src, group=pg)
         counters["all_gather"] += 1
         counters["all_gather_bytes"] += buf.numel() * buf.element_size()
         return unpad_full(buf, shape)
