@@ -15,8 +15,9 @@ A tensor from `acquire` goes back to the pool exactly once, whichever comes firs
 The deleter releases on the acquire stream: a tensor used on other streams must be released
 explicitly with the last stream that used it (the pool never calls `record_stream`).
 Releasing twice raises `DoubleReleaseError`, releasing a tensor from elsewhere
-`ForeignBufferError`; both leave the pool unchanged. `release` takes the tensor `acquire`
-returned or a view of it that starts at the same address.
+`ForeignBufferError`; both leave the pool unchanged (a stale tensor is recognised even after
+its block was re-leased: rust/pool/mod.rs, [Note: stale holders]). `release` takes the tensor
+`acquire` returned or any view of it.
 """
 
 from __future__ import annotations
