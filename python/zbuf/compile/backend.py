@@ -66,12 +66,11 @@ def zbuf_backend(
 
 
 def _shard_group(model: torch.nn.Module):
-    import torch.distributed as dist
 
-    for p in model.parameters():
-        spec = getattr(p, "_zbuf_spec", None) or getattr(p, "zbuf_spec", None)
-        if spec is not None:
-            return dist.distributed_c10d._resolve_process_group(spec.group_name)
+    for m in model.modules():
+        root = m.__dict__.get("_zbuf_root")
+        if root is not None:
+            return root.group
     return None
 
 

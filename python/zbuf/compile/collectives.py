@@ -16,12 +16,13 @@
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
-                       int pool_bytes, int param_id) -> ()``
+                       int[] buffer_sizes, int[] buffer_counts, int param_id) -> ()``
     First run of a compiled graph only: checks that every rank planned the same collective order
-    (fingerprint.py) and grows the pool of ``param_id``'s gathers to the plan's peak live gathered
-    bytes ``pool_bytes``, so that after warm-up no gather allocates; a no-op afterwards. Doing
-    this at run time (not at compile time) keeps it working when Inductor serves the graph from
-    its cache and no pass runs.
+    (fingerprint.py) and grows the pool of ``param_id``'s gathers so it can keep
+    ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
+    schedule.py): after warm-up no gather allocates. A no-op afterwards. Doing this at run time
+    (not at compile time) keeps it working when Inductor serves the graph from its cache and no
+    pass runs.
 
 Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
 auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
@@ -169,16 +170,24 @@ def _all_gather_release_fake(token, t):
 _FIRST_RUN_DONE: set[tuple[str, str]] = set()
 
 
-def _grow_pool(param_id: int, device: torch.device, nbytes: int) -> None:
+def _grow_pool(param_id: int, device: torch.device, sizes: Sequence[int], counts: Sequence[int]) -> None:
     pool = zops.pool_for(param_id, device)
+    capacity = getattr(pool, "capacity_for", lambda n: n)
+    need = sum(capacity(s) * c for s, c in zip(sizes, counts))
     current = pool.stats().budget_bytes
-    if current is None or current < nbytes:
-        pool.set_budget(nbytes)
+    if current is None or current < need:
+        pool.set_budget(need)
 
 
 @torch.library.custom_op("zbuf::check_schedule", mutates_args=("token",))
 def check_schedule(
-    token: torch.Tensor, group_name: str, fingerprint: str, collectives: str, pool_bytes: int, param_id: int
+    token: torch.Tensor,
+    group_name: str,
+    fingerprint: str,
+    collectives: str,
+    buffer_sizes: Sequence[int],
+    buffer_counts: Sequence[int],
+    param_id: int,
 ) -> None:
     key = (group_name, fingerprint)
     if key in _FIRST_RUN_DONE:
@@ -187,11 +196,11 @@ def check_schedule(
 
     with record_function("zbuf::check_schedule"):
         check_across_ranks(group_name, fingerprint, collectives)
-        if param_id >= 0 and pool_bytes > 0:
-            _grow_pool(param_id, token.device, pool_bytes)
+        if param_id >= 0 and buffer_sizes:
+            _grow_pool(param_id, token.device, buffer_sizes, buffer_counts)
         _FIRST_RUN_DONE.add(key)
 
 
 @check_schedule.register_fake
-def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_bytes, param_id):
+def _check_schedule_fake(token, group_name, fingerprint, collectives, buffer_sizes, buffer_counts, param_id):
     return None

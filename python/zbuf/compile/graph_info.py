@@ -35,6 +35,7 @@ __all__ = [
     "GraphIndex",
     "activation_peak_bytes",
     "tensor_bytes",
+    "gathered_nbytes",
 ]
 
 aten = torch.ops.aten
@@ -80,8 +81,10 @@ def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def localize_view_chains(graph: torch.fx.Graph, gather: torch.fx.Node) -> None:
-    """See [Note: view chains]."""
+def localize_view_chains(
+    graph: torch.fx.Graph, gather: torch.fx.Node, order: dict[torch.fx.Node, int]
+) -> None:
+    """See [Note: view chains]. ``order`` ranks the graph's nodes (new nodes need no entry)."""
     tree = view_tree(gather)
     if not tree:
         return
@@ -91,7 +94,6 @@ def localize_view_chains(graph: torch.fx.Graph, gather: torch.fx.Node) -> None:
         for u in v.users:
             if u not in members:
                 consumers[u] = None
-    order = {n: i for i, n in enumerate(graph.nodes)}
     for c in sorted(consumers, key=order.__getitem__):
         for a in list(dict.fromkeys(c.all_input_nodes)):
             if a not in members:
@@ -204,17 +206,26 @@ def _block_of(node: torch.fx.Node) -> str:
     return f"{group_name}|{param_dtype}|{'.'.join(parts)}"
 
 
+def gathered_nbytes(gather: torch.fx.Node) -> int:
+    """Bytes of the pool block a gather fills: ``world * shard_numel`` elements (padded)."""
+    shard, _param_id, _shape, group_name, param_dtype, _ = gather.args
+    sval = shard.meta["val"]
+    dtype = param_dtype if param_dtype is not None else sval.dtype
+    padded = _hint(sval.numel()) * _group_size(group_name)
+    return max(padded * dtype.itemsize, tensor_bytes(gather.meta["val"]))
+
+
 def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
     """Localize view chains of every gather, then read the planner's summary off the graph."""
     gathers = gather_nodes(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for g in gathers:
-        localize_view_chains(graph, g)
+        localize_view_chains(graph, g, order)
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     first_real = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
     specs = []
     for g in gathers:
-        shard, param_id, _shape_arg, group_name, param_dtype, _ = g.args
         tree = view_tree(g)
         members = {g, *tree}
         uses = {pos[v] for v in tree}
@@ -224,17 +235,14 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
                 if u not in members:
                     uses.add(pos[u])
                     escapes |= u.op == "output"
-        sval = shard.meta["val"]
-        dtype = param_dtype if param_dtype is not None else sval.dtype
-        padded = _hint(sval.numel()) * _group_size(group_name)
-        nbytes = max(padded * dtype.itemsize, tensor_bytes(g.meta["val"]))
+        nbytes = gathered_nbytes(g)
         # Inserted ops go after the placeholders (the schedule token is the first real node).
         earliest = max([first_real, *(pos[a] + 1 for a in g.all_input_nodes)])
         if not uses:
             continue
         specs.append(
             (g, GatherSpec(
-                key=str(param_id),
+                key=str(g.args[1]),
                 nbytes=nbytes,
                 uses=tuple(sorted(uses)),
                 earliest=min(earliest, min(uses)),

@@ -31,16 +31,14 @@ from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_st
 from . import report
 from .fingerprint import collective_order, fingerprint_of
 from .graph_info import (
-    GATHER_OP,
     activation_peak_bytes,
     gather_nodes,
+    gathered_nbytes,
     is_view,
     summarize,
-    tensor_bytes,
-    view_tree,
 )
 from .options import CompileOptions
-from .schedule import Schedule, plan_schedule
+from .schedule import Schedule, buffer_counts, plan_schedule
 
 __all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState"]
 
@@ -79,6 +77,7 @@ class PlanState:
         self.options = options
         self.persistent_bytes = 0
         self.persistent = 0
+        self.persistent_sizes: list[int] = []
 
     def uuid(self) -> str:
         agreed = json.dumps(sorted(budget_mod._AGREED.items()))
@@ -117,29 +116,33 @@ def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
     trees = {g: _view_and_cast_tree(g) for g in gathers}
     persist: set[torch.fx.Node] = set()
     state.persistent_bytes = state.persistent = 0
+    state.persistent_sizes = []
     opts = state.options
     if opts.persist and gathers:
         group_name, device = _group_and_device(joint)
         peak = activation_peak_bytes(joint)
         budget = budget_mod.graph_budget(opts, group_name, device, peak)
         # What one node needs at once is off limits; persistence may use a share of the rest.
-        need = max(
-            sum(tensor_bytes(g.meta["val"]) for g in gathers if n in g.users or any(n in v.users for v in trees[g]))
-            for n in joint.nodes
-        )
+        need: dict[torch.fx.Node, int] = {}
+        for g in gathers:
+            nbytes = gathered_nbytes(g)
+            for c in {u for v in [g, *trees[g]] for u in v.users}:
+                need[c] = need.get(c, 0) + nbytes
+        need = max(need.values(), default=0)
         cap = min(int(opts.persist_fraction * budget), budget - need)
         order = {n: i for i, n in enumerate(joint.nodes)}
         candidates = [
             g for g in gathers if any(u in bw for v in [g, *trees[g]] for u in v.users)
         ]
         # Communication saved per byte is latency/bytes + 1/bandwidth: smaller gathers first.
-        candidates.sort(key=lambda g: (tensor_bytes(g.meta["val"]), order[g]))
+        candidates.sort(key=lambda g: (gathered_nbytes(g), order[g]))
         for g in candidates:
-            nbytes = tensor_bytes(g.meta["val"])
+            nbytes = gathered_nbytes(g)
             if state.persistent_bytes + nbytes > cap:
                 break
             persist.add(g)
             state.persistent_bytes += nbytes
+            state.persistent_sizes.append(nbytes)
         state.persistent = len(persist)
     for g in gathers:
         g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
@@ -276,10 +279,15 @@ class GatherSchedulePass(CustomGraphPass):
                 token = self._token_for_collectives(graph)
             check_group = group_name if group_name is not None else self._group_of_collectives(graph)
             pool_param = int(index.gathers[0].args[1]) if index.gathers else -1
+            counts = buffer_counts(index.summary, sched) if sched else {}
+            if kind == "backward":
+                # Persisted weights come back to the pool during backward (see [Note: pool sizing]).
+                for nbytes in self.state.persistent_sizes:
+                    counts[nbytes] = counts.get(nbytes, 0) + 1
             with graph.inserting_after(token):
                 chk = graph.call_function(
                     zbuf.check_schedule.default,
-                    (token, check_group, fp, json.dumps(order), sched.peak_live_bytes if sched else 0, pool_param),
+                    (token, check_group, fp, json.dumps(order), list(counts), list(counts.values()), pool_param),
                 )
                 chk.meta["val"] = None
         graph.lint()
@@ -303,6 +311,13 @@ class GatherSchedulePass(CustomGraphPass):
                 planning_seconds=sched.planning_seconds if sched else 0.0,
                 num_nodes=index.summary.num_nodes,
                 param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
+                gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
+                op_order=tuple(
+                    n.target._schema.name.split("::")[-1]
+                    for n in graph.nodes
+                    if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"
+                ),
+                summary=index.summary,
             )
         )
 

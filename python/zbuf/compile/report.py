@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from .graph_model import GraphSummary
+
 __all__ = ["ScheduleRecord", "schedule_report", "record", "clear_records"]
 
 GraphKind = Literal["forward", "backward", "inference"]
@@ -43,9 +45,20 @@ class ScheduleRecord:
     planning_seconds: float
     num_nodes: int
     param_ids: tuple[int, ...]
+    gather_calls: int
+    """Gathered buffers filled per run of this graph (coalesced members and re-gathers count)."""
+    op_order: tuple[str, ...] = dataclasses.field(repr=False)
+    """The zbuf ops of the rewritten graph in planned order (``gather_buffer``, ``all_gather_start``,
+    ``all_gather_wait``, ``all_gather_release``, ``reduce_scatter``, ...), for checking that the
+    compiled code kept it."""
+    summary: GraphSummary | None = dataclasses.field(default=None, repr=False, compare=False)
+    """The planner's input, to re-plan the same graph under other budgets (``plan_schedule``)."""
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        d = dataclasses.asdict(self)
+        d.pop("summary")
+        d.pop("op_order")
+        return json.dumps(d, sort_keys=True)
 
 
 _RECORDS: list[ScheduleRecord] = []
@@ -72,11 +85,11 @@ def clear_records() -> None:
 
 
 def _param_ids_of(model: torch.nn.Module) -> set[int]:
-    ids = set()
-    for p in model.parameters():
-        spec = getattr(p, "_zbuf_spec", None) or getattr(p, "zbuf_spec", None)
-        if spec is not None:
-            ids.add(int(spec.param_id))
+    ids: set[int] = set()
+    for m in model.modules():
+        root = m.__dict__.get("_zbuf_root")
+        if root is not None:
+            ids.update(int(i) for i in root.specs)
     return ids
 
 
@@ -88,9 +101,5 @@ def schedule_report(model: torch.nn.Module | None = None) -> list[ScheduleRecord
     """
     if model is None:
         return list(_RECORDS)
-    own = getattr(model, "_zbuf_schedule_records", None)
     ids = _param_ids_of(getattr(model, "_orig_mod", model))
-    out = [r for r in _RECORDS if ids.intersection(r.param_ids)]
-    if own is not None:
-        out = [r for r in _RECORDS if r in own or r in out]
-    return out
+    return [r for r in _RECORDS if ids.intersection(r.param_ids)]

@@ -36,7 +36,7 @@ import numpy as np
 from .graph_model import GraphSummary
 from .options import CompileOptions
 
-__all__ = ["Segment", "Fetch", "Schedule", "plan_schedule", "live_gathered_bytes"]
+__all__ = ["Segment", "Fetch", "Schedule", "plan_schedule", "live_gathered_bytes", "buffer_counts"]
 
 
 class Segment(NamedTuple):
@@ -218,3 +218,26 @@ def live_gathered_bytes(summary: GraphSummary, schedule: Schedule) -> np.ndarray
             end = summary.num_nodes - 1 if m.release_after is None else m.release_after
             profile[f.start : end + 1] += summary.gathers[m.gather].nbytes
     return profile
+
+
+def buffer_counts(summary: GraphSummary, schedule: Schedule) -> dict[int, int]:
+    """{buffer bytes: most buffers of that size live at once} over the graph.
+
+    [Note: pool sizing]
+    A pool that keeps, for every size, as many blocks as are ever live at once serves every
+    acquire of a repeated step from an idle block of exactly that size (best fit finds it), so
+    after the first step no gather allocates. That is ``sum(capacity(size) * count)``, which the
+    first run of the graph passes to the pool (``zbuf::check_schedule``); it is at least the
+    peak live gathered bytes and usually equal for layered models, whose layers repeat one set
+    of sizes.
+    """
+    n = summary.num_nodes
+    by_size: dict[int, np.ndarray] = {}
+    for f in schedule.fetches:
+        for m in f.members:
+            nbytes = summary.gathers[m.gather].nbytes
+            end = n - 1 if m.release_after is None else m.release_after
+            d = by_size.setdefault(nbytes, np.zeros(n + 1, dtype=np.int64))
+            d[f.start] += 1
+            d[end + 1] -= 1
+    return {size: int(np.cumsum(d).max()) for size, d in sorted(by_size.items())}
