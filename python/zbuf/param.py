@@ -82,8 +82,15 @@ def local_shard_of(full: torch.Tensor, shard_numel: int, rank: int, *, device=No
 
 
 def unpad_full(padded: torch.Tensor, shape) -> torch.Tensor:
-    """The full tensor inside a padded flat gather (a view, no copy)."""
-    numel = math.prod(shape)
-    if padded.numel() == numel:
-        return padded.view(shape)
-    return padded[:numel].view(shape)
+    """The full tensor inside a padded flat gather: same storage, no copy, and not a view.
+
+    Built with ``set_`` rather than ``view``/slicing: a custom op's output that is a view of a
+    tensor created inside the op becomes an autograd "view created in a custom Function", which
+    forbids later in-place ops on it (``zbuf::release`` mutates its argument).
+    """
+    shape = tuple(shape)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return padded.new_empty(0).set_(padded.untyped_storage(), padded.storage_offset(), shape, tuple(reversed(strides)))
