@@ -225,11 +225,12 @@ def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
 
 def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=False)
-    options = {"inner": cfg.compiler}
-    if cfg.budget is not None:
-        options["budget_bytes"] = cfg.budget
+    compile_model = importlib.import_module("zbuf.compile.backend").compile_model
     whole = _WithLoss(model)
-    compiled = torch.compile(whole, backend="zbuf", fullgraph=not cfg.hf_model, options=options)
+    # compile_model, not torch.compile(backend="zbuf"): without --budget it agrees the
+    # rank-minimum free memory over the sharding group, so every rank plans the same schedule.
+    compiled = compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
+                             inner=cfg.compiler)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)
