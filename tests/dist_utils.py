@@ -56,6 +56,21 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env):
         results.put((rank, False, traceback.format_exc()))
 
 
+def _failure_report(fn, world_size, failures: dict[int, str], results, grace: float = 3.0) -> str:
+    # The first failure to arrive is often a peer's "connection closed" caused by the real one:
+    # wait briefly for the others and report every rank's traceback, lowest rank first.
+    deadline = time.monotonic() + grace
+    while len(failures) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if not ok:
+            failures[rank] = value
+    parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+    return f"{fn.__name__} failed on rank(s) {sorted(failures)} of {world_size}:\n" + "\n".join(parts)
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -115,7 +130,7 @@ def run_distributed(
                 else:
                     continue
             if not ok:
-                raise WorkerFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{value}")
+                raise WorkerFailed(_failure_report(fn, world_size, {rank: value}, results))
             out[rank] = value
     finally:
         for p in procs:
