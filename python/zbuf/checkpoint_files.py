@@ -135,7 +135,7 @@ def fsync_dir(path: Path) -> None:
 def write_json_durably(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        json.dump(obj, f, indent=1)  # insertion order: model order, optimizer key order
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

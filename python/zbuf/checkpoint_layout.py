@@ -160,10 +160,10 @@ def is_shard_shaped(value: Any, entry: ParamEntry) -> bool:
 
 def serialise(obj: Any, what: str) -> bytes:
     """``obj`` as bytes that ``torch.load(weights_only=True)`` reads back; fails now, not at load."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
     try:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - the message says what is wrong with obj
         raise LayoutError(
