@@ -16,11 +16,12 @@
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
-                       int[] buffer_sizes, int[] buffer_counts, int param_id) -> ()``
+                       int[] buffer_sizes, int[] buffer_counts, int param_id, str record) -> ()``
     First run of a compiled graph only: checks that every rank planned the same collective order
     (fingerprint.py) and grows the pool of ``param_id``'s gathers so it can keep
     ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
-    schedule.py): after warm-up no gather allocates. A no-op afterwards. Doing this at run time
+    schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
+    (report.py) if its compilation did not (a cache hit). A no-op afterwards. Doing this at run time
     (not at compile time) keeps it working when Inductor serves the graph from its cache and no
     pass runs.
 
@@ -166,7 +167,7 @@ def _all_gather_release_fake(token, t):
     return None
 
 
-# (group_name, fingerprint) of graphs whose first run is done; consumed only by check_schedule.
+# (group_name, fingerprint, record) of graphs whose first run is done; consumed only by check_schedule.
 _FIRST_RUN_DONE: set[tuple[str, str]] = set()
 
 
@@ -188,8 +189,9 @@ def check_schedule(
     buffer_sizes: Sequence[int],
     buffer_counts: Sequence[int],
     param_id: int,
+    record: str,
 ) -> None:
-    key = (group_name, fingerprint)
+    key = (group_name, fingerprint, record)
     if key in _FIRST_RUN_DONE:
         return
     from .fingerprint import check_across_ranks
@@ -198,9 +200,12 @@ def check_schedule(
         check_across_ranks(group_name, fingerprint, collectives)
         if param_id >= 0 and buffer_sizes:
             _grow_pool(param_id, token.device, buffer_sizes, buffer_counts)
+        from . import report
+
+        report.record(record)
         _FIRST_RUN_DONE.add(key)
 
 
 @check_schedule.register_fake
-def _check_schedule_fake(token, group_name, fingerprint, collectives, buffer_sizes, buffer_counts, param_id):
+def _check_schedule_fake(token, group_name, fingerprint, collectives, buffer_sizes, buffer_counts, param_id, record):
     return None

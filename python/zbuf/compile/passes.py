@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from typing import Any, Sequence
 
 import torch
@@ -274,6 +275,35 @@ class GatherSchedulePass(CustomGraphPass):
             token = rewrite(graph, index, sched)
         order = collective_order(graph)
         fp = fingerprint_of(order)
+        zbuf_ops = tuple(
+            n.target._schema.name.split("::")[-1]
+            for n in graph.nodes
+            if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"
+        )
+        rec = report.ScheduleRecord(
+            graph_id=-1,
+            uid=uuid.uuid4().hex,
+            kind=kind,
+            budget_bytes=sched.budget_bytes if sched else 0,
+            requested_budget_bytes=sched.requested_budget_bytes if sched else 0,
+            floor_bytes=sched.floor_bytes if sched else 0,
+            peak_live_gathered_bytes=sched.peak_live_bytes if sched else 0,
+            persistent_bytes=self.state.persistent_bytes,
+            activation_peak_bytes=peak_act,
+            gathers=len(index.gathers),
+            collectives=len(order),
+            coalesced_groups=sched.coalesced_groups if sched else 0,
+            prefetched=sched.prefetched if sched else 0,
+            regathers=sched.regathers if sched else 0,
+            persistent=sum(g.escapes for g in index.summary.gathers),
+            fingerprint=fp,
+            planning_seconds=sched.planning_seconds if sched else 0.0,
+            num_nodes=index.summary.num_nodes,
+            param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
+            gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
+            op_order=(("check_schedule",) if order else ()) + zbuf_ops,
+            summary=index.summary,
+        )
         if order:
             if token is None:
                 token = self._token_for_collectives(graph)
@@ -287,39 +317,12 @@ class GatherSchedulePass(CustomGraphPass):
             with graph.inserting_after(token):
                 chk = graph.call_function(
                     zbuf.check_schedule.default,
-                    (token, check_group, fp, json.dumps(order), list(counts), list(counts.values()), pool_param),
+                    (token, check_group, fp, json.dumps(order), list(counts), list(counts.values()),
+                     pool_param, rec.to_json()),
                 )
                 chk.meta["val"] = None
         graph.lint()
-        report.record(
-            report.ScheduleRecord(
-                graph_id=report.next_graph_id(),
-                kind=kind,
-                budget_bytes=sched.budget_bytes if sched else 0,
-                requested_budget_bytes=sched.requested_budget_bytes if sched else 0,
-                floor_bytes=sched.floor_bytes if sched else 0,
-                peak_live_gathered_bytes=sched.peak_live_bytes if sched else 0,
-                persistent_bytes=persistent_bytes if kind == "backward" else self.state.persistent_bytes,
-                activation_peak_bytes=peak_act,
-                gathers=len(index.gathers),
-                collectives=len(order),
-                coalesced_groups=sched.coalesced_groups if sched else 0,
-                prefetched=sched.prefetched if sched else 0,
-                regathers=sched.regathers if sched else 0,
-                persistent=sum(g.escapes for g in index.summary.gathers),
-                fingerprint=fp,
-                planning_seconds=sched.planning_seconds if sched else 0.0,
-                num_nodes=index.summary.num_nodes,
-                param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
-                gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
-                op_order=tuple(
-                    n.target._schema.name.split("::")[-1]
-                    for n in graph.nodes
-                    if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"
-                ),
-                summary=index.summary,
-            )
-        )
+        report.record(rec)
 
     @staticmethod
     def _group_of_collectives(graph: torch.fx.Graph) -> str:

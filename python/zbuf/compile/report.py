@@ -1,7 +1,8 @@
 """Schedule diagnostics: one record per compiled graph, ``schedule_report``, ``ZBUF_LOG=schedule``.
 
-Records are made when a graph is planned (compile time). A graph served from Inductor's FX-graph
-cache is not planned again in this process and so has no record.
+Records are made when a graph is planned (compile time); a graph served from Inductor's FX-graph
+cache is not planned again, so its record, embedded in the graph's ``zbuf::check_schedule`` call,
+is registered by the graph's first run instead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ GraphKind = Literal["forward", "backward", "inference"]
 @dataclass(frozen=True)
 class ScheduleRecord:
     graph_id: int
-    """Process-wide sequence number of planned graphs."""
+    """Process-wide sequence number of recorded graphs (assigned by ``record``)."""
+    uid: str
+    """Identity of the compiled graph: the record made at compile time and the one its first
+    run registers (for graphs served from Inductor's cache) are the same record."""
     kind: GraphKind
     budget_bytes: int
     """The budget planned against (the request raised to the feasible floor if needed)."""
@@ -57,18 +61,28 @@ class ScheduleRecord:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d.pop("summary")
-        d.pop("op_order")
         return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ScheduleRecord":
+        d = json.loads(text)
+        d["param_ids"] = tuple(d["param_ids"])
+        d["op_order"] = tuple(d["op_order"])
+        return cls(**d)
 
 
 _RECORDS: list[ScheduleRecord] = []
+_UIDS: set[str] = set()
 
 
-def next_graph_id() -> int:
-    return len(_RECORDS)
-
-
-def record(rec: ScheduleRecord) -> None:
+def record(rec: ScheduleRecord | str) -> None:
+    """Keep ``rec`` (or its JSON) unless a record of the same graph is already kept."""
+    if isinstance(rec, str):
+        rec = ScheduleRecord.from_json(rec)
+    if rec.uid in _UIDS:
+        return
+    rec = dataclasses.replace(rec, graph_id=len(_RECORDS))
+    _UIDS.add(rec.uid)
     _RECORDS.append(rec)
     if "schedule" in os.environ.get("ZBUF_LOG", "").split(","):
         path = os.environ.get("ZBUF_LOG_FILE")
@@ -82,6 +96,7 @@ def record(rec: ScheduleRecord) -> None:
 
 def clear_records() -> None:
     _RECORDS.clear()
+    _UIDS.clear()
 
 
 def _param_ids_of(model: torch.nn.Module) -> set[int]:
