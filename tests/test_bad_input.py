@@ -268,6 +268,10 @@ def test_roundtrip_in_process(saved):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+        for st in opt.state.values():
+            for v in st.values():
+                v.add_(1.0)
+    assert not _unchanged(expected, model, opt)
     info = ckpt.load_checkpoint(saved, model, opt)
     assert (info.step, info.world_size, info.extra) == (7, 1, {"lr": 0.5})
     assert _unchanged(expected, model, opt)

@@ -135,7 +135,8 @@ def mesh_for(group: dist.ProcessGroup, device: torch.device):
 
     key = (group.group_name, device.type)
     mesh = _MESHES.get(key)
-    if mesh is None:
+    # a group name is reused after destroy_process_group + init: the mesh must be of this group
+    if mesh is None or mesh.get_group() is not group:
         mesh = DeviceMesh.from_group(group, device.type)
         _MESHES[key] = mesh
     return mesh
