@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import zbuf.clip
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from dist_utils import run_distributed
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS, MICRO = 37, 13, 6, 24, 10, 2  # 24: MICRO * world | batch
 RTOL, ATOL = 1e-5, 1e-6
+MAX_NORM = 0.8
 
 
 class Block(nn.Module):
@@ -70,9 +72,12 @@ def ce(logits, targets):
 
 
 def train(model, batches, rank, world, *, sharded):
-    """10 AdamW steps of MICRO accumulated micro-batches; returns per-step global mean losses."""
+    """10 AdamW steps of MICRO accumulated micro-batches, gradients clipped by their global norm.
+
+    Returns the per-step global mean losses and gradient norms (before clipping).
+    """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-    losses = []
+    losses, norms = [], []
     for tokens, targets in batches:
         if sharded:  # this rank's slice of the global batch
             tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
@@ -81,13 +86,22 @@ def train(model, batches, rank, world, *, sharded):
             loss = ce(model(t), y) / MICRO
             loss.backward()
             step_loss += loss.detach()
+        if sharded:  # a max norm that clips in most steps
+            norm = zbuf.clip.clip_grad_norm_(_root(model), MAX_NORM)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(norm.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if sharded:
             dist.all_reduce(step_loss)
             step_loss /= world
         losses.append(step_loss.item())
-    return losses
+    return losses, norms
+
+
+def _root(model):
+    return getattr(model, "_orig_mod", model)
 
 
 def assert_state_matches(full_sd, ref, what, *, per_tensor=False):
@@ -117,7 +131,8 @@ def _parity_worker(rank, world, modes):
     init = ParityNet()
     batches = make_batches()
     ref = copy.deepcopy(init)
-    ref_losses = train(ref, batches, rank, world, sharded=False)
+    ref_losses, ref_norms = train(ref, batches, rank, world, sharded=False)
+    assert sum(n > MAX_NORM for n in ref_norms) >= STEPS // 2, ref_norms  # clipping is exercised
     report = {}
     for mode in modes:
         torch._dynamo.reset()
@@ -125,9 +140,11 @@ def _parity_worker(rank, world, modes):
         frozen = model.frozen._parameters["weight"]
         step = model if mode == "eager" else torch.compile(model, backend=mode, fullgraph=True)
         before = dict(zbuf.ops.counters)
-        losses = train(step, batches, rank, world, sharded=True)
+        losses, norms = train(step, batches, rank, world, sharded=True)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0,
                                    msg=lambda m: f"{mode} losses: {m}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=RTOL, atol=0,
+                                   msg=lambda m: f"{mode} gradient norms: {m}")
         assert_state_matches(full_state_dict(model), ref, mode)
         assert frozen.grad is None and not frozen.requires_grad
         n_shards = {p.numel() for p in model.parameters()}
