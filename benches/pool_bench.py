@@ -3,8 +3,6 @@
 For gather-sized buffers (1 MiB .. 1 GiB) it measures, per acquire+release pair, the host time
 of:
   * ``core_pair``:  the Rust core alone (lock, best fit, release event; no tensor);
-  * ``bindings_pair``: ``PoolCore.acquire`` + ``PoolCore.release`` called directly (the pyo3
-    layer and torch tensor, without the Python wrapper of zbuf.pool);
   * ``pool_pair``:  ``pool.acquire`` + ``pool.release`` (the full Python path, torch tensor
     included): the number the <= 2 us target is about;
   * ``pool_drop``:  ``pool.acquire`` + dropping the tensor (the DLPack deleter returns it);
@@ -84,11 +82,6 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
         def pool_pair():
             pool.release(pool.acquire(shape, torch.float32))
 
-        core_acquire, core_release = pool._core.acquire, pool._core.release
-
-        def bindings_pair():
-            core_release(core_acquire(shape, 0, stream), stream)
-
         def pool_drop():
             pool.acquire(shape, torch.float32)
 
@@ -105,7 +98,6 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
             "iters": n,
             "core_pair_ns": statistics.median(
                 pool._core._bench_core_pair(size, n, stream) for _ in range(repeats)),
-            "bindings_pair_ns": per_iter_ns(bindings_pair, n, repeats),
             "pool_pair_ns": per_iter_ns(pool_pair, n, repeats),
             "pool_drop_ns": per_iter_ns(pool_drop, n, repeats),
             "torch_empty_ns": per_iter_ns(torch_empty, n, repeats),
@@ -149,14 +141,13 @@ def to_markdown(result: dict) -> str:
         "Per acquire+release pair, microseconds of host time (median of "
         f"{m['repeats']} runs); every pair is a hit after warm-up.",
         "",
-        "| size | Rust core pair | bindings pair | pool acquire+release | pool acquire+drop | "
+        "| size | Rust core pair | pool acquire+release | pool acquire+drop | "
         "torch.empty+drop | DLPack floor | pool pair / torch | pool drop / torch |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['bytes'] // MiB} MiB | {r['core_pair_ns'] / 1e3:.2f} | {r['bindings_pair_ns'] / 1e3:.2f} | "
-            f"{r['pool_pair_ns'] / 1e3:.2f} | "
+            f"| {r['bytes'] // MiB} MiB | {r['core_pair_ns'] / 1e3:.2f} | {r['pool_pair_ns'] / 1e3:.2f} | "
             f"{r['pool_drop_ns'] / 1e3:.2f} | {r['torch_empty_ns'] / 1e3:.2f} | "
             f"{r['dlpack_floor_ns'] / 1e3:.2f} | "
             f"{r['pool_pair_vs_torch']:.2f} | {r['pool_drop_vs_torch']:.2f} |"

@@ -60,7 +60,7 @@ def test_bf16_export_round_trip(pool):
 
 @pytest.mark.parametrize("versioned", [True, False])
 def test_raw_capsules_versioned_and_legacy(pool, versioned):
-    cap = pool._core.acquire_capsule([8, 2], 2, 0, versioned)  # bf16
+    cap = pool._core.acquire_capsule([8, 2], torch.bfloat16, None, versioned)
     assert type(cap).__name__ == "PyCapsule"
     assert pool.stats().checked_out == 1
     t = torch.utils.dlpack.from_dlpack(cap)
@@ -99,7 +99,7 @@ def test_dlpack_protocol_object(pool):
 
 
 def test_unconsumed_capsule_returns_its_lease(pool):
-    cap = pool._core.acquire_capsule([16], 0, 0)
+    cap = pool._core.acquire_capsule([16], torch.float32)
     assert pool.stats().checked_out == 1
     del cap
     assert pool.stats().checked_out == 0
@@ -271,8 +271,14 @@ def test_invalid_requests(pool):
         pool.acquire((4,), torch.float8_e4m3fn)
     with pytest.raises(E.InvalidRequestError, match="negative"):
         pool.acquire((4, -1), torch.float32)
-    with pytest.raises(E.InvalidRequestError):
-        pool.acquire(("a",), torch.float32)
+    for bad in (("a",), "ab", None, 2.5, [1, "x"]):
+        with pytest.raises(E.InvalidRequestError, match="must be an int or a sequence of ints"):
+            pool.acquire(bad, torch.float32)
+    with pytest.raises(E.UnsupportedDtypeError):
+        pool.acquire(4, "float32")
+    assert pool.acquire([2, 3], torch.float32).shape == (2, 3)
+    assert pool.acquire(torch.Size([4]), torch.float32).shape == (4,)
+    assert pool.acquire(5, torch.float32).shape == (5,)
     with pytest.raises(E.InvalidRequestError, match="fit in memory"):
         pool.acquire((1 << 40, 1 << 40), torch.float32)
     assert pool.stats().checked_out == 0

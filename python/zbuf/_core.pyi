@@ -1,7 +1,7 @@
 """Type stub of the Rust extension `zbuf._core` (rust/python/). Use `zbuf.pool` instead: this
 is the thin layer under `GatherBufferPool`."""
 
-from typing import Any, final
+from typing import Any, Sequence, final
 
 import torch
 
@@ -28,16 +28,16 @@ class PoolCore:
     @property
     def device(self) -> tuple[str, int]:
         """(device_type, index)."""
-    def acquire(self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int) -> torch.Tensor:
-        """Checks out a block as a contiguous tensor (zero copy). `dtype_code` indexes the table
-        in rust/python/dlpack.rs; `stream` is a raw stream handle (0 on the host)."""
+    def acquire(self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None) -> torch.Tensor:
+        """Checks out a block as a contiguous tensor (zero copy). `stream`: a torch.cuda.Stream,
+        a raw handle, or None for the current stream (ignored on the host)."""
     def acquire_capsule(
-        self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int, versioned: bool = True
+        self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None, versioned: bool = True
     ) -> Any:
         """Checks out a block as a DLPack capsule ("dltensor_versioned" or legacy "dltensor")."""
-    def acquire_buffer(self, shape: tuple[int, ...] | list[int], dtype_code: int, stream: int) -> DLPackBuffer:
+    def acquire_buffer(self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None) -> DLPackBuffer:
         """Checks out a block as a DLPack protocol object."""
-    def release(self, tensor: torch.Tensor, stream: int | None = None) -> None:
+    def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Returns the block of `tensor` (or of the tensor it is a view of)."""
     def owns(self, tensor: torch.Tensor) -> bool: ...
     def set_budget(self, nbytes: int) -> int: ...

@@ -23,36 +23,15 @@ its block was re-leased: rust/pool/mod.rs, [Note: stale holders]). `release` tak
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from zbuf import _core
-from zbuf.errors import InvalidDeviceError, InvalidRequestError, UnsupportedDtypeError
+from zbuf.errors import InvalidDeviceError, InvalidRequestError
 
 __all__ = ["GatherBufferPool", "PoolStats", "default_pool"]
-
-# Index into the dtype table in rust/python/dlpack.rs (keep in sync).
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    torch.float64: 3,
-    torch.int8: 4,
-    torch.uint8: 5,
-    torch.int16: 6,
-    torch.int32: 7,
-    torch.int64: 8,
-    torch.bool: 9,
-    torch.complex64: 10,
-    torch.complex128: 11,
-    torch.uint16: 12,
-    torch.uint32: 13,
-    torch.uint64: 14,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
@@ -150,8 +129,26 @@ class GatherBufferPool:
             recovery.
     """
 
-    __slots__ = ("_core", "device", "_stream_index", "_is_cuda", "_acquire_core", "_release_core",
-                 "_current_stream")
+    # [Note: hot-path methods]
+    # `acquire` and `release` are the Rust methods themselves, bound per instance into slots:
+    # a Python wrapper around them cost about 0.5 us per acquire+release pair (benches/
+    # pool_bench.py, "bindings pair" vs "pool acquire+release"), a fifth of the whole path.
+    # Arguments are validated in Rust with the same errors. Their docs:
+    #
+    # acquire(shape, dtype, stream=None) -> torch.Tensor
+    #     A contiguous tensor of `shape` (int or sequence of ints) and `dtype` backed by a pool
+    #     block: zero copy, a fresh lease, contents undefined. `stream` (a torch.cuda.Stream or
+    #     raw handle; default the current stream) is where it is used first: if the block was
+    #     last released on another stream, that stream now waits for the release on the device
+    #     (no host sync). Raises UnsupportedDtypeError, InvalidRequestError,
+    #     PoolOutOfMemoryError.
+    # release(tensor, stream=None) -> None
+    #     Returns the block of `tensor` (or of the tensor it is a view of) now; see [Note:
+    #     release contract]. `stream`: the last stream that used it (default: the current
+    #     stream). Raises ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
+    __slots__ = ("_core", "device", "acquire", "release")
+    acquire: Callable[..., torch.Tensor]
+    release: Callable[..., None]
 
     def __init__(
         self,
@@ -177,15 +174,8 @@ class GatherBufferPool:
             kind, index, budget_bytes, hard_cap_bytes, event_log_capacity, recovery_retry_threshold
         )
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
-        self._is_cuda = kind == "cuda"
-        self._stream_index = index
-        # Bound once: the hot path makes no attribute lookups it can avoid.
-        self._acquire_core = self._core.acquire
-        self._release_core = self._core.release
-        # Raw handle of the current stream; the host backend has only stream 0 (`int()` == 0).
-        self._current_stream = (
-            functools.partial(torch._C._cuda_getCurrentRawStream, index) if kind == "cuda" else int
-        )
+        self.acquire = self._core.acquire  # [Note: hot-path methods]
+        self.release = self._core.release
 
     def __repr__(self) -> str:
         s = self._core.stats()
@@ -194,49 +184,7 @@ class GatherBufferPool:
             f"charged_bytes={s['charged_bytes']}, checked_out={s['checked_out']})"
         )
 
-    # -- streams ----------------------------------------------------------------------------
-
-    def _stream_handle(self, stream: Any) -> int:
-        """Raw stream handle (`cudaStream_t` as int) for `stream`; 0 on the host."""
-        if not self._is_cuda:
-            return 0
-        if stream is None:
-            return torch._C._cuda_getCurrentRawStream(self._stream_index)
-        if isinstance(stream, int):
-            return stream
-        handle = getattr(stream, "cuda_stream", None)
-        if handle is None:
-            raise InvalidRequestError(
-                f"stream {stream!r} is not a torch.cuda.Stream or a raw stream handle (int)"
-            )
-        return handle
-
-    # -- the hot path -----------------------------------------------------------------------
-
-    def acquire(
-        self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None
-    ) -> torch.Tensor:
-        """Checks out a contiguous tensor of `shape` and `dtype` backed by a pool block.
-
-        Zero copy, fresh lease, contents undefined. `stream` (default: the current stream) is
-        where the tensor will be used first; if the block was last released on another stream,
-        that stream has been made to wait for the release on the device (no host sync).
-        """
-        code = _DTYPE_CODES.get(dtype)
-        if code is None:
-            raise UnsupportedDtypeError(
-                f"dtype {dtype!r} cannot be exported by the pool: use one of "
-                f"{sorted(str(d) for d in _DTYPE_CODES)}"
-            )
-        if shape.__class__ is int:
-            shape = (shape,)
-        s = self._current_stream() if stream is None else self._stream_handle(stream)
-        try:
-            return self._acquire_core(shape, code, s)
-        except TypeError as e:
-            raise InvalidRequestError(
-                f"shape {shape!r} must be an int or a sequence of ints ({e})"
-            ) from e
+    # -- other consumers ---------------------------------------------------------------------
 
     def acquire_dlpack(
         self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None
@@ -248,35 +196,11 @@ class GatherBufferPool:
         otherwise), makes the consumer's stream wait for the block's previous release, and
         returns the lease if dropped unexported. The consumer's tensor returns it when freed.
         """
-        code = _DTYPE_CODES.get(dtype)
-        if code is None:
-            raise UnsupportedDtypeError(f"dtype {dtype!r} cannot be exported by the pool")
-        if shape.__class__ is int:
-            shape = (shape,)
-        s = self._current_stream() if stream is None else self._stream_handle(stream)
-        return self._core.acquire_buffer(shape, code, s)
-
-    def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
-        """Returns `tensor`'s block to the pool now (see [Note: release contract]).
-
-        `stream` is the last stream that used the tensor (default: the current stream on CUDA).
-        Raises ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
-        """
-        s = self._current_stream() if stream is None else self._stream_handle(stream)
-        try:
-            self._release_core(tensor, s)
-        except TypeError as e:
-            if isinstance(tensor, torch.Tensor):
-                raise
-            raise InvalidRequestError(
-                f"release() takes a torch.Tensor from acquire(), got {type(tensor).__name__}"
-            ) from e
+        return self._core.acquire_buffer(shape, dtype, stream)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a buffer currently checked out from this pool."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
-            return False
-        return self._core.owns(tensor)
+        return self._core.owns(tensor) if isinstance(tensor, torch.Tensor) else False
 
     # -- sizing -----------------------------------------------------------------------------
 
@@ -320,7 +244,7 @@ class GatherBufferPool:
         `observe_pressure`. When the recovery starts it also empties torch's cache, so the memory
         the pool drained goes back to the device. On the host backend (no caching allocator) it
         only reports "none"."""
-        if not self._is_cuda:
+        if self.device.type != "cuda":
             return "none"
         stats = torch.cuda.memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)

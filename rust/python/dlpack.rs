@@ -99,8 +99,7 @@ const KDL_BFLOAT: u8 = 4;
 const KDL_COMPLEX: u8 = 5;
 const KDL_BOOL: u8 = 6;
 
-/// The dtype codes the Python layer passes (index into this table) -> (DLPack type, bytes).
-/// Keep in sync with `_DTYPE_CODES` in python/zbuf/pool.py.
+/// Supported dtypes: (DLPack type, bytes), indexed like `TORCH_DTYPE_NAMES`.
 const DTYPES: [(DLDataType, u64); 15] = [
     (DLDataType { code: KDL_FLOAT, bits: 32, lanes: 1 }, 4),    // 0 float32
     (DLDataType { code: KDL_FLOAT, bits: 16, lanes: 1 }, 2),    // 1 float16
@@ -117,6 +116,12 @@ const DTYPES: [(DLDataType, u64); 15] = [
     (DLDataType { code: KDL_UINT, bits: 16, lanes: 1 }, 2),     // 12 uint16
     (DLDataType { code: KDL_UINT, bits: 32, lanes: 1 }, 4),     // 13 uint32
     (DLDataType { code: KDL_UINT, bits: 64, lanes: 1 }, 8),     // 14 uint64
+];
+
+/// `torch.<name>` of each `DTYPES` entry, same order.
+pub const TORCH_DTYPE_NAMES: [&str; 15] = [
+    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+    "complex64", "complex128", "uint16", "uint32", "uint64",
 ];
 
 /// Looks up a dtype code; None if unknown.

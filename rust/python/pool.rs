@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::buffer::DLPackBuffer;
 use super::dlpack::{self, DLDevice, ExportRequest, Layout};
@@ -21,6 +21,20 @@ pub const DEFAULT_BUDGET_DIVISOR: u64 = 32;
 pub const DEFAULT_HARD_CAP_DIVISOR: u64 = 4;
 /// Host total assumed when /proc/meminfo is unreadable.
 const FALLBACK_HOST_TOTAL: u64 = 16 << 30;
+
+/// A shape argument as dims: an int, or a tuple / torch.Size / list of ints. None if malformed.
+fn parse_shape(shape: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
+    if let Ok(t) = shape.cast::<PyTuple>() {
+        return t.iter().map(|d| d.extract::<i64>().ok()).collect();
+    }
+    if shape.is_instance_of::<PyInt>() {
+        return shape.extract::<i64>().ok().map(|n| vec![n]);
+    }
+    if shape.is_instance_of::<PyString>() || shape.is_instance_of::<PyBytes>() {
+        return None;
+    }
+    shape.extract::<Vec<i64>>().ok()
+}
 
 /// `tensor.untyped_storage().data_ptr()`: the block start for views and empty tensors.
 fn storage_ptr(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -48,18 +62,55 @@ pub struct PoolCore {
     /// `torch._C._storage_address`, cached: identity of a tensor's StorageImpl (shared by
     /// views, unique among live storages), the holder key of [Note: stale holders].
     storage_address: Py<PyAny>,
+    /// The torch dtype objects in `dlpack::DTYPES` order: dtypes are matched by identity.
+    dtypes: Vec<Py<PyAny>>,
+    /// `torch._C._cuda_getCurrentRawStream` on CUDA pools: the default stream of a call.
+    current_stream: Option<Py<PyAny>>,
+    /// `torch.Tensor`, for error messages.
+    tensor_type: Py<PyAny>,
 }
 
 impl PoolCore {
-    fn layout(&self, py: Python<'_>, shape: &[i64], dtype_code: u32) -> PyResult<(dlpack::DLDataType, Layout)> {
-        let (dt, itemsize) = dlpack::dtype(dtype_code)
-            .ok_or_else(|| raise(py, "UnsupportedDtypeError", format!("unknown dtype code {dtype_code}")))?;
-        let layout = Layout::contiguous(shape, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
+    /// Validated layout of a request: `shape` an int or a sequence of ints, `dtype` a torch
+    /// dtype the DLPack export supports.
+    fn layout(&self, py: Python<'_>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<(dlpack::DLDataType, Layout)> {
+        let code = self
+            .dtypes
+            .iter()
+            .position(|d| d.as_ptr() == dtype.as_ptr())
+            .ok_or_else(|| {
+                raise(py, "UnsupportedDtypeError", format!(
+                    "dtype {dtype} cannot be exported by the pool: use one of {}",
+                    dlpack::TORCH_DTYPE_NAMES.join(", ")
+                ))
+            })?;
+        let (dt, itemsize) = dlpack::dtype(code as u32).expect("tables have the same length");
+        let dims = parse_shape(shape).ok_or_else(|| {
+            raise(py, "InvalidRequestError", format!("shape {shape} must be an int or a sequence of ints"))
+        })?;
+        let layout = Layout::contiguous(&dims, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
         Ok((dt, layout))
     }
 
-    fn export<'py>(&self, py: Python<'py>, shape: &[i64], dtype_code: u32, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, crate::pool::LeaseId)> {
-        let (dtype, layout) = self.layout(py, shape, dtype_code)?;
+    /// Raw stream handle for a call's `stream` argument: None = torch's current stream; a
+    /// `torch.cuda.Stream` or a raw handle (int). Always 0 on the host.
+    fn stream_handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let Some(current) = &self.current_stream else { return Ok(0) };
+        let bad = || raise(py, "InvalidRequestError", format!(
+            "stream {} is not a torch.cuda.Stream or a raw stream handle (int >= 0)",
+            stream.map_or("None".to_string(), |s| s.to_string())
+        ));
+        match stream {
+            None => current.bind(py).call1((self.device.index,))?.extract(),
+            Some(s) => match s.extract::<u64>() {
+                Ok(h) => Ok(h),
+                Err(_) => s.getattr(pyo3::intern!(py, "cuda_stream")).map_err(|_| bad())?.extract().map_err(|_| bad()),
+            },
+        }
+    }
+
+    fn export<'py>(&self, py: Python<'py>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, crate::pool::LeaseId)> {
+        let (dtype, layout) = self.layout(py, shape, dtype)?;
         let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
         let req = ExportRequest {
             shared: Arc::clone(&self.shared),
@@ -119,13 +170,22 @@ impl PoolCore {
             recovery_retry_threshold,
         };
         let pool = GatherPool::new(backend, config).map_err(to_py)?;
+        let torch = py.import("torch")?;
         let torch_c = py.import("torch._C")?;
+        let dtypes = dlpack::TORCH_DTYPE_NAMES.iter().map(|n| torch.getattr(*n).map(Bound::unbind)).collect::<PyResult<Vec<_>>>()?;
+        let current_stream = match kind {
+            DeviceKind::Cuda => Some(torch_c.getattr("_cuda_getCurrentRawStream")?.unbind()),
+            DeviceKind::Host => None,
+        };
         Ok(PoolCore {
             shared: Shared::new(pool),
             device,
             dl_device: DLDevice::of(device),
             from_dlpack: torch_c.getattr("_from_dlpack")?.unbind(),
             storage_address: torch_c.getattr("_storage_address")?.unbind(),
+            dtypes,
+            current_stream,
+            tensor_type: torch.getattr("Tensor")?.unbind(),
         })
     }
 
@@ -138,10 +198,17 @@ impl PoolCore {
         }
     }
 
-    /// Checks out a block and returns it as a torch tensor (zero copy, contents undefined).
-    /// The hot path: capsule built here and handed straight to `torch._C._from_dlpack`.
-    fn acquire<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64) -> PyResult<Bound<'py, PyAny>> {
-        let (capsule, _lease) = self.export(py, &shape, dtype_code, stream, true)?;
+    /// acquire(shape, dtype, stream=None) -> torch.Tensor
+    ///
+    /// Checks out a contiguous tensor of `shape` (an int or a sequence of ints) and `dtype`
+    /// backed by a pool block: zero copy, a fresh lease, contents undefined. `stream` (default:
+    /// the current stream) is where it is used first; if the block was last released on
+    /// another stream, that stream has been made to wait for the release on the device (no
+    /// host sync). The hot path: validated, built and handed to `torch._C._from_dlpack` here.
+    #[pyo3(signature = (shape, dtype, stream=None))]
+    fn acquire<'py>(&self, py: Python<'py>, shape: &Bound<'py, PyAny>, dtype: &Bound<'py, PyAny>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let stream = self.stream_handle(py, stream)?;
+        let (capsule, _lease) = self.export(py, shape, dtype, stream, true)?;
         // On failure the unconsumed capsule's destructor returns the lease.
         self.from_dlpack.bind(py).call1((capsule,))
     }
@@ -149,23 +216,40 @@ impl PoolCore {
     /// Checks out a block as a raw DLPack capsule ("dltensor_versioned", or the legacy
     /// "dltensor" with `versioned=False`). The lease comes back when the consumer frees the
     /// tensor, or when the capsule dies unconsumed.
-    #[pyo3(signature = (shape, dtype_code, stream, versioned=true))]
-    fn acquire_capsule<'py>(&self, py: Python<'py>, shape: Vec<i64>, dtype_code: u32, stream: u64, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
-        Ok(self.export(py, &shape, dtype_code, stream, versioned)?.0)
+    #[pyo3(signature = (shape, dtype, stream=None, versioned=true))]
+    fn acquire_capsule<'py>(&self, py: Python<'py>, shape: &Bound<'py, PyAny>, dtype: &Bound<'py, PyAny>, stream: Option<&Bound<'py, PyAny>>, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+        let stream = self.stream_handle(py, stream)?;
+        Ok(self.export(py, shape, dtype, stream, versioned)?.0)
     }
 
     /// Checks out a block as a `DLPackBuffer` (the DLPack protocol object, exported once).
-    fn acquire_buffer(&self, py: Python<'_>, shape: Vec<i64>, dtype_code: u32, stream: u64) -> PyResult<DLPackBuffer> {
-        let (dtype, layout) = self.layout(py, &shape, dtype_code)?;
+    #[pyo3(signature = (shape, dtype, stream=None))]
+    fn acquire_buffer(&self, py: Python<'_>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<DLPackBuffer> {
+        let stream = self.stream_handle(py, stream)?;
+        let (dtype, layout) = self.layout(py, shape, dtype)?;
         let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
         Ok(DLPackBuffer::new(Arc::clone(&self.shared), self.dl_device, lease.id, lease.ptr, dtype, layout.dims, stream))
     }
 
-    /// Returns `tensor`'s block (`tensor` may be the acquired tensor or any view of it).
-    /// `stream`: the last stream that used it (None: the acquire stream).
+    /// release(tensor, stream=None) -> None
+    ///
+    /// Returns `tensor`'s block to the pool now (`tensor`: what acquire returned, or any view
+    /// of it), even though the tensor object lives on: it must not be used afterwards.
+    /// `stream`: the last stream that used it (default: the current stream). Raises
+    /// ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
     #[pyo3(signature = (tensor, stream=None))]
-    fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<()> {
-        let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
+    fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = Some(self.stream_handle(py, stream)?);
+        let key: u64 = match self.storage_address.bind(py).call1((tensor,)) {
+            Ok(k) => k.extract()?,
+            Err(e) if !tensor.is_instance(self.tensor_type.bind(py))? => {
+                let _ = e;
+                return Err(raise(py, "InvalidRequestError", format!(
+                    "release() takes a torch.Tensor from acquire(), got {}", tensor.get_type().name()?
+                )));
+            }
+            Err(e) => return Err(e),
+        };
         let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
         let first = self.shared.lock().release_ptr(ptr, key, stream);
         match first {
@@ -185,6 +269,9 @@ impl PoolCore {
 
     /// Whether `tensor` (or the tensor it is a view of) is checked out from this pool.
     fn owns(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if !tensor.is_instance(self.tensor_type.bind(py))? {
+            return Ok(false);
+        }
         let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
         let base = storage_ptr(py, tensor)?;
         Ok(self.shared.lock().owns_ptr(base, key))

@@ -45,7 +45,7 @@ def test_dlpack_round_trip(pool):
     u = pool.acquire((512, 1024), torch.float32)  # same bytes, other dtype: same block
     assert u.data_ptr() == ptr
     for versioned in (True, False):
-        cap = pool._core.acquire_capsule([4, 4], 0, torch.cuda.current_stream().cuda_stream, versioned)
+        cap = pool._core.acquire_capsule([4, 4], torch.float32, None, versioned)
         v = torch.utils.dlpack.from_dlpack(cap)
         assert v.is_cuda and v.shape == (4, 4)
         v.fill_(3.0)
@@ -171,3 +171,7 @@ def test_errors_on_cuda(pool):
     assert big.stats().checked_out == 0
     with pytest.raises(E.ForeignBufferError):
         pool.release(torch.empty(16, device="cuda"))
+    with pytest.raises(E.InvalidRequestError, match="not a torch.cuda.Stream"):
+        pool.acquire(4, torch.float32, stream="side")
+    t = pool.acquire(4, torch.float32, stream=torch.cuda.current_stream().cuda_stream)
+    pool.release(t, stream=torch.cuda.current_stream())
