@@ -90,9 +90,4 @@ impl EventLog {
     pub fn iter(&self) -> impl Iterator<Item = &PoolEvent> {
         self.entries.iter()
     }
-
-    /// Events ever logged (retained or dropped).
-    pub fn total(&self) -> u64 {
-        self.next_seq
-    }
 }

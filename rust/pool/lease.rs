@@ -18,16 +18,6 @@ impl LeaseId {
     pub(crate) fn slot(self) -> usize {
         (self.0 >> 32) as usize
     }
-
-    /// The packed value (for handing across FFI).
-    pub fn raw(self) -> u64 {
-        self.0
-    }
-
-    /// Rebuilds an id from [`LeaseId::raw`].
-    pub fn from_raw(raw: u64) -> Self {
-        LeaseId(raw)
-    }
 }
 
 /// A checked-out buffer.

@@ -208,10 +208,6 @@ impl<B: Backend> GatherPool<B> {
         &mut self.backend
     }
 
-    pub fn config(&self) -> &PoolConfig {
-        &self.config
-    }
-
     /// Block capacity serving a request of `nbytes` (rounded up to the alignment; 0 -> one unit).
     pub fn capacity_for(&self, nbytes: u64) -> Result<u64, PoolError> {
         let n = nbytes.max(1);

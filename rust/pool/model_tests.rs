@@ -441,6 +441,7 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
     }
     pool.trim();
     assert_eq!(pool.backend().live_bytes(), 0, "a buffer was lost");
+    assert!(pool.backend().live_events() <= MAX_SPARE_EVENTS, "events leak: {}", pool.backend().live_events());
 }
 
 proptest! {
