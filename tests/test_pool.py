@@ -408,3 +408,41 @@ def test_deleter_runs_on_another_thread(pool):
     th.start()
     th.join()
     assert pool.stats().checked_out == 0
+
+
+def test_deleter_runs_without_the_gil_on_a_foreign_thread(pool):
+    """Calls the capsule's DLPack deleter the way a C++ consumer would: from another thread,
+    through ctypes (which releases the GIL for the call), while this thread keeps using the
+    pool. The lease must come back exactly once."""
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_SetName.restype = ctypes.c_int
+    api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    managed = []
+    for _ in range(32):
+        cap = pool._core.acquire_capsule([64], torch.float32)
+        ptr = api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
+        assert api.PyCapsule_SetName(cap, b"used_dltensor_versioned") == 0  # we own it now
+        # DLManagedTensorVersioned: version (8 bytes), manager_ctx (8), deleter (8), ...
+        deleter = deleter_type(ctypes.c_void_p.from_address(ptr + 16).value)
+        managed.append((deleter, ptr))
+        del cap
+    assert pool.stats().checked_out == 32
+
+    def run_deleters():
+        for deleter, ptr in managed:
+            deleter(ptr)
+
+    th = threading.Thread(target=run_deleters)
+    th.start()
+    for _ in range(200):  # keep the GIL busy with pool traffic meanwhile
+        pool.release(pool.acquire((128,), torch.float32))
+    th.join(timeout=30)
+    assert not th.is_alive(), "a deleter deadlocked"
+    s = pool.stats()
+    assert s.checked_out == 0 and s.releases == 232
