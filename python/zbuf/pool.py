@@ -27,6 +27,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from zbuf import _core
 from zbuf.errors import InvalidDeviceError, InvalidRequestError
@@ -133,7 +134,9 @@ class GatherBufferPool:
     # `acquire` and `release` are the Rust methods themselves, bound per instance into slots:
     # a Python wrapper around them cost about 0.5 us per acquire+release pair (benches/
     # pool_bench.py, "bindings pair" vs "pool acquire+release"), a fifth of the whole path.
-    # Arguments are validated in Rust with the same errors. Their docs:
+    # Arguments are validated in Rust with the same errors. (No `record_function` here either:
+    # it would cost more than the call; the custom ops that call them carry the labels.)
+    # Their docs:
     #
     # acquire(shape, dtype, stream=None) -> torch.Tensor
     #     A contiguous tensor of `shape` (int or sequence of ints) and `dtype` backed by a pool
@@ -213,11 +216,13 @@ class GatherBufferPool:
         nbytes = _check_size("nbytes", nbytes)
         if nbytes is None:
             raise InvalidRequestError("set_budget() needs a number of bytes, got None")
-        return self._core.set_budget(nbytes)
+        with record_function("zbuf::pool::set_budget"):
+            return self._core.set_budget(nbytes)
 
     def trim(self) -> int:
         """Frees every idle block (waiting for their release events); returns the bytes freed."""
-        return self._core.trim()
+        with record_function("zbuf::pool::trim"):
+            return self._core.trim()
 
     # -- allocator pressure -----------------------------------------------------------------
 
@@ -246,12 +251,13 @@ class GatherBufferPool:
         only reports "none"."""
         if self.device.type != "cuda":
             return "none"
-        stats = torch.cuda.memory_stats(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        action = self.observe_pressure(int(stats.get("num_alloc_retries", 0)), free, total)
-        if action == "recover":
-            torch.cuda.empty_cache()
-        return action
+        with record_function("zbuf::pool::observe_torch_allocator"):
+            stats = torch.cuda.memory_stats(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            action = self.observe_pressure(int(stats.get("num_alloc_retries", 0)), free, total)
+            if action == "recover":
+                torch.cuda.empty_cache()
+            return action
 
     # -- telemetry --------------------------------------------------------------------------
 
