@@ -66,6 +66,7 @@ __all__ = [
     "release",
     "counters",
     "register_pool",
+    "unregister_pool",
     "pool_for",
 ]
 
@@ -86,6 +87,11 @@ def register_pool(param_id: int, pool) -> None:
     _POOL_BY_PARAM[param_id] = pool
     if not any(p is pool for p in _KNOWN_POOLS):
         _KNOWN_POOLS.append(pool)
+
+
+def unregister_pool(param_id: int) -> None:
+    """Forget ``param_id`` (its shard parameter died)."""
+    _POOL_BY_PARAM.pop(param_id, None)
 
 
 def pool_for(param_id: int, device: torch.device):
@@ -117,7 +123,39 @@ def _borrowed(buf: torch.Tensor) -> torch.Tensor:
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        raise RuntimeError(
+            f"zbuf: process group '{group_name}' that this parameter is sharded over has been "
+            f"destroyed (or never existed in this process); collectives of a sharded model need "
+            f"its group alive: destroy the process group only after the last forward/backward"
+        ) from None
+
+
+def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, param_dtype) -> None:
+    numel = math.prod(shape)
+    expected = max(1, -(-numel // world))
+    if shard.dim() != 1:
+        raise ValueError(
+            f"zbuf::all_gather: the shard must be 1-D (a flat zbuf shard), got shape "
+            f"{list(shard.shape)} (param_id {param_id})"
+        )
+    if not shard.is_contiguous():
+        raise ValueError(
+            f"zbuf::all_gather: the shard must be contiguous (param_id {param_id}); pass the "
+            f"shard parameter itself, not a strided view of it"
+        )
+    if shard.numel() != expected:
+        raise ValueError(
+            f"zbuf::all_gather: shape {list(shape)} does not belong to this shard: over {world} "
+            f"ranks its shards have ceil({numel} / {world}) = {expected} elements, this one has "
+            f"{shard.numel()} (param_id {param_id})"
+        )
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise ValueError(
+            f"zbuf::all_gather: param_dtype must be a floating-point dtype or None, got {param_dtype}"
+        )
 
 
 @torch.library.custom_op("zbuf::all_gather", mutates_args=())
@@ -132,13 +170,9 @@ def all_gather(
     with record_function("zbuf::all_gather"):
         pg = _group(group_name)
         world = pg.size()
+        _check_gather_args(shard, shape, world, param_id, param_dtype)
         dtype = param_dtype if param_dtype is not None else shard.dtype
         padded = world * shard.numel()
-        if math.prod(shape) > padded:
-            raise ValueError(
-                f"zbuf::all_gather: shape {list(shape)} has more elements than {world} shards of "
-                f"{shard.numel()}; the shape does not belong to this shard (param_id {param_id})"
-            )
         buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
         # [Note: collectives on gloo]: same call on every backend. Cast first: bf16 on the wire.
         src = shard.to(dtype).contiguous()
@@ -188,6 +222,11 @@ def reduce_scatter(
         pg = _group(group_name)
         world = pg.size()
         rdtype = reduce_dtype if reduce_dtype is not None else grad.dtype
+        if not rdtype.is_floating_point:
+            raise ValueError(
+                f"zbuf::reduce_scatter: reduce_dtype must be a floating-point dtype or None, got "
+                f"{reduce_dtype} (param_id {param_id})"
+            )
         flat = grad.reshape(-1).to(rdtype)
         padded = world * shard_numel
         if flat.numel() > padded:

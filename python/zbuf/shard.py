@@ -30,6 +30,7 @@ register submodules in the order they build them (``zbuf.models`` does).
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -49,6 +50,11 @@ __all__ = [
     "is_sharded",
     "sharded_parameters",
 ]
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - torch built without distributed
+    _FSDPModule = None
 
 # process-wide, so ids are unique across models; rank-invariant as long as every rank shards the
 # same modules in the same order (SPMD), which collective-order checks rely on.
@@ -77,6 +83,9 @@ class ShardedRoot:
     """param_id -> spec, in the order parameters were sharded (``named_parameters`` order)."""
     shards: dict[int, nn.Parameter]
     """param_id -> the shard parameter."""
+    shard_ids: frozenset = frozenset()
+    """ids of the shard parameters (alive as long as ``shards`` holds them): the eager forward
+    checks that no parameter was added or replaced after sharding."""
     hook_stack: list = field(default_factory=list)
     """Saved-tensor-hook contexts entered by nested root forwards (producer: forward pre-hook,
     consumer: forward post-hook); see [Note: eager re-gather] in ``regather.py``."""
@@ -223,7 +232,7 @@ def _check_module(module: nn.Module) -> None:
                 f"{where} is already sharded by zbuf.shard; shard a model once, at its root "
                 f"(nested or repeated zbuf.shard calls are not supported)"
             )
-        if type(sub).__name__.startswith("FSDP") and hasattr(sub, "reshard"):
+        if _FSDPModule is not None and isinstance(sub, _FSDPModule):
             raise ShardingError(f"{where} is already sharded by FSDP (fully_shard); use one of the two")
     try:
         from torch.distributed.tensor import DTensor
@@ -252,6 +261,11 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
         )
     if device is not None:
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ShardingError(
+                f"device={device} but CUDA is not available in this process (no GPU or driver); "
+                f"use device='cpu' with a gloo group, or run on a machine with a GPU"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if real and next(iter(real)) != device:
@@ -271,9 +285,27 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_unchanged(module: nn.Module) -> None:
+    """Every parameter under the root is still one of its shards (eager forwards only)."""
+    shards = module._zbuf_root.shard_ids
+    late = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name, p in sub._parameters.items()
+        if p is not None and id(p) not in shards
+    ]
+    if late:
+        raise ShardingError(
+            f"parameters {late} were added or replaced after zbuf.shard: they are not sharded, "
+            f"so every rank would train its own copy with unsynchronised gradients. Build the "
+            f"whole model (adapters, new heads) before calling zbuf.shard"
+        )
+
+
 def _enter_regather(module, args):
     if torch.compiler.is_compiling():
         return
+    _check_unchanged(module)
     ctx = regather.regather_hooks()
     ctx.__enter__()
     module._zbuf_root.hook_stack.append(ctx)
@@ -370,6 +402,7 @@ def shard(
             sub._parameters[name] = new
             sub.__dict__.setdefault("_zbuf_specs", {})[name] = spec
         _ops.register_pool(spec.param_id, pool)
+        weakref.finalize(new, _ops.unregister_pool, spec.param_id)
         root.specs[spec.param_id] = spec
         root.shards[spec.param_id] = new
 
@@ -387,6 +420,7 @@ def shard(
         if specs:
             sub.__class__ = _sharded_class(type(sub), frozenset(specs))
             _state_dict.install_hooks(sub)
+    root.shard_ids = frozenset(id(p) for p in root.shards.values())
     module.__dict__["_zbuf_root"] = root
     module.register_forward_pre_hook(_enter_regather)
     module.register_forward_hook(_exit_regather, always_call=True)
