@@ -172,8 +172,8 @@ def save_checkpoint(
         if rank == 0:
             try:
                 files.prepare_tmp_dir(path)
-            except OSError as e:
-                problem = f"cannot create the temporary directory next to {path}: {e}"
+            except Exception as e:  # noqa: BLE001 - shared with every rank, see _raise_if_any
+                problem = f"cannot create the temporary directory next to {path}: {type(e).__name__}: {e}"
         _raise_if_any(group, problem, CheckpointError, f"saving {path} failed before writing")
     tmp = files.tmp_dir_for(path)
 
@@ -183,9 +183,16 @@ def save_checkpoint(
 
     with record_function("zbuf::checkpoint::checksum"):
         names = _from_rank0(group, files.data_files(tmp) if rank == 0 else None)
-        mine = {n: list(files.file_record(tmp / n)) for i, n in enumerate(names) if i % world == rank}
-        shares: list[Optional[dict]] = [None] * world
+        try:
+            mine: dict | str = {n: list(files.file_record(tmp / n)) for i, n in enumerate(names) if i % world == rank}
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            mine = f"reading back what was written failed: {type(e).__name__}: {e}"
+        shares: list[Any] = [None] * world
         dist.all_gather_object(shares, mine, group=group)
+        failed = [(r, s) for r, s in enumerate(shares) if isinstance(s, str)]
+        if failed:
+            raise CheckpointError(f"saving {path} failed; the previous checkpoint is intact: "
+                                  + "; ".join(f"rank {r}: {s}" for r, s in failed))
 
     with record_function("zbuf::checkpoint::commit"):
         problem = None
@@ -196,8 +203,8 @@ def save_checkpoint(
                 files.write_json_durably(tmp / files.MANIFEST_NAME, manifest)
                 faults.fault_point("checkpoint.before_commit")
                 files.commit(tmp, path)
-            except OSError as e:
-                problem = f"committing {tmp} as {path} failed: {e}"
+            except Exception as e:  # noqa: BLE001 - shared with every rank, see _raise_if_any
+                problem = f"committing {tmp} as {path} failed: {type(e).__name__}: {e}"
         _raise_if_any(group, problem, CheckpointError, f"saving {path} failed; the previous checkpoint is intact")
     return path
 
@@ -368,6 +375,8 @@ def load_checkpoint(
                 found = (None, None, ("notfound", str(e)))
             except ValueError as e:
                 found = (None, None, ("corrupt", f"the checkpoint at {resolved} is damaged: {e}"))
+            except Exception as e:  # noqa: BLE001 - every rank must learn it, not wait for rank 0
+                found = (None, None, ("corrupt", f"cannot read the checkpoint at {path}: {type(e).__name__}: {e}"))
         resolved_str, manifest, failure = _from_rank0(group, found)
         if failure is not None:
             kind, message = failure
@@ -376,7 +385,10 @@ def load_checkpoint(
 
         problems = _check_manifest_version(manifest)
         if not problems:
-            problems = files.check_files(resolved, manifest["files"], rank, world, checksums=verify)
+            try:
+                problems = files.check_files(resolved, manifest["files"], rank, world, checksums=verify)
+            except Exception as e:  # noqa: BLE001 - shared with every rank below
+                problems = [f"reading its files failed ({type(e).__name__}: {e})"]
         metadata = None
         if not problems:
             try:
