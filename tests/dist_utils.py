@@ -1,4 +1,4 @@
-"""Run a function in N gloo worker processes (CPU) and collect what each returns.
+"""Run a function in N gloo worker processes (CPU; NCCL for GPU tests) and collect what each returns.
 
     from dist_utils import run_distributed
 
@@ -37,7 +37,7 @@ class WorkerFailed(RuntimeError):
     """A worker raised, died or timed out; the message holds its traceback."""
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env):
+def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env, backend):
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
@@ -45,8 +45,10 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env):
 
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -78,9 +80,12 @@ def run_distributed(
     timeout: float = 240.0,
     threads: int = 1,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
     **kwargs,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo by default).
+
+    ``backend="nccl"`` (GPU tests) binds rank r to ``cuda:r`` before initialising the group.
 
     Returns the per-rank return values, indexed by rank. ``fn`` must be importable by name (a
     module-level function of a test module or package). ``env`` is added to each worker's
@@ -98,7 +103,8 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, store.port, args, kwargs, results, threads, dict(env or {})),
+            args=(fn, rank, world_size, store.port, args, kwargs, results, threads, dict(env or {}),
+                  backend),
             name=f"zbuf-rank{rank}",
             daemon=True,
         )
