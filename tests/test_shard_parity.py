@@ -81,7 +81,7 @@ def train(model, batches, rank, world, *, sharded):
     for tokens, targets in batches:
         if sharded:  # this rank's slice of the global batch
             tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=tokens.device)
         for t, y in zip(tokens.chunk(MICRO), targets.chunk(MICRO)):
             loss = ce(model(t), y) / MICRO
             loss.backward()
