@@ -242,8 +242,7 @@ impl PoolCore {
         let stream = Some(self.stream_handle(py, stream)?);
         let key: u64 = match self.storage_address.bind(py).call1((tensor,)) {
             Ok(k) => k.extract()?,
-            Err(e) if !tensor.is_instance(self.tensor_type.bind(py))? => {
-                let _ = e;
+            Err(_) if !tensor.is_instance(self.tensor_type.bind(py))? => {
                 return Err(raise(py, "InvalidRequestError", format!(
                     "release() takes a torch.Tensor from acquire(), got {}", tensor.get_type().name()?
                 )));
