@@ -43,7 +43,7 @@ def _net(hidden: int = 5) -> nn.Module:
 def _sharded(hidden: int = 5):
     import zbuf.shard
 
-    model = zbuf.shard.shard(_net(hidden))
+    model = zbuf.shard(_net(hidden))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
@@ -110,8 +110,8 @@ def test_reduce_scatter_integer_reduce_dtype():
 def test_shard_rejects_integer_param_dtype():
     import zbuf.shard
 
-    with pytest.raises(zbuf.shard.ShardingError, match="param_dtype must be a floating-point"):
-        zbuf.shard.shard(_net(), param_dtype=torch.int32)
+    with pytest.raises(zbuf.ShardingError, match="param_dtype must be a floating-point"):
+        zbuf.shard(_net(), param_dtype=torch.int32)
 
 
 def test_release_of_foreign_tensor():
@@ -152,7 +152,7 @@ def test_compile_budget_below_largest_gather_is_raised_and_reported():
     import zbuf.shard
     from zbuf.compile.report import clear_records, schedule_report
 
-    model = zbuf.shard.shard(_net(hidden=64))
+    model = zbuf.shard(_net(hidden=64))
     largest = max(s.gathered_nbytes for s in model._zbuf_root.specs.values())
     clear_records()
     compiled = zbuf.compile(model, budget_bytes=1, inner="aot_eager")
@@ -190,7 +190,7 @@ def test_forward_refuses_parameter_added_after_shard():
     model, _ = _sharded()
     model[0].register_parameter("late", nn.Parameter(torch.randn(3)))
     # otherwise each rank trains its own copy of 'late' with unsynchronised gradients
-    with pytest.raises(zbuf.shard.ShardingError, match="after zbuf.shard"):
+    with pytest.raises(zbuf.ShardingError, match="after zbuf.shard"):
         model(torch.randn(2, 4))
 
 
@@ -198,8 +198,8 @@ def test_forward_refuses_parameter_added_after_shard():
 def test_shard_to_cuda_without_gpu():
     import zbuf.shard
 
-    with pytest.raises(zbuf.shard.ShardingError, match="(?i)cuda"):
-        zbuf.shard.shard(_net(), device="cuda")
+    with pytest.raises(zbuf.ShardingError, match="(?i)cuda"):
+        zbuf.shard(_net(), device="cuda")
 
 
 def test_checkpoint_refuses_unsharded_model(tmp_path):
@@ -330,7 +330,7 @@ def test_nothing_at_path(tmp_path):
 def test_checkpoint_of_a_wider_model(saved):
     import zbuf.shard
 
-    model = zbuf.shard.shard(_net(hidden=6))
+    model = zbuf.shard(_net(hidden=6))
     opt = torch.optim.AdamW(model.parameters())
     before = _state(model, opt)
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"shape mismatch: 0.weight: checkpoint \(5, 4\), model \(6, 4\)"):
@@ -342,14 +342,14 @@ def test_checkpoint_of_a_model_with_other_layers(saved):
     import zbuf.shard
 
     torch.manual_seed(0)
-    model = zbuf.shard.shard(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 3, bias=False)))
+    model = zbuf.shard(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 3, bias=False)))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     before = _state(model, sgd)
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"parameters missing from the checkpoint: 3.weight"):
         ckpt.load_checkpoint(saved, model)
     assert _unchanged(before, model, sgd)
 
-    smaller = zbuf.shard.shard(nn.Sequential(nn.Linear(4, 5)))
+    smaller = zbuf.shard(nn.Sequential(nn.Linear(4, 5)))
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"unexpected parameters in the checkpoint \(not in this model\): 2.weight, 2.bias"):
         ckpt.load_checkpoint(saved, smaller)
 
@@ -409,7 +409,7 @@ def test_latest_skips_unfinished_and_prune_keeps_newest(tmp_path):
 def test_call_after_process_group_destroyed():
     import zbuf.shard
 
-    model = zbuf.shard.shard(_net())
+    model = zbuf.shard(_net())
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(2, 4)
     compiled(x)
