@@ -1,13 +1,14 @@
 """The zbuf backend on several gloo ranks (issue 4, "Must show").
 
 One launch per world size does every check, so process start-up is paid once:
-* world 2: the built-in ``tiny`` decoder compiled with zbuf (aot_eager) matches eager zbuf and the
-  unsharded reference over 10 AdamW steps (1e-5 relative), with and without activation
-  checkpointing, under a roomy and a tight budget; each step gathers exactly what the plans say
-  (so guard evaluation gathers nothing); a model with a graph break trains correctly; a second
-  input shape recompiles without a hang; ranks handed different graphs both stop with
-  ``ScheduleMismatchError`` within seconds; and one Inductor run of the decoder.
-* world 3: the decoder and a Hugging Face Qwen3 (random weights, no download) match as well.
+* world 2: the built-in ``tiny`` decoder compiled with zbuf (aot_eager, default options) matches
+  eager zbuf and the unsharded reference over 10 AdamW steps (1e-5 relative); each step gathers
+  exactly what the plans say (so guard evaluation gathers nothing); a model with a graph break
+  trains correctly and a second input shape recompiles it without a hang; ranks handed different
+  graphs both stop with ``ScheduleMismatchError`` within seconds; with ``ZBUF_TEST_INDUCTOR=1``,
+  the decoder under Inductor too.
+* world 3: the decoder with activation checkpointing under a tight budget (prefetch, re-gathers),
+  and a Hugging Face Qwen3 (random weights, no download), match as well.
 """
 
 from __future__ import annotations
@@ -63,13 +64,15 @@ def _batches(vocab, world, seq=8, steps=STEPS, seed=3):
     ]
 
 
-def _check_model(full_sd, ref, what):
-    ref_sd = ref.state_dict()
+def _check_model(full_sd, ref, what, *, rtol=RTOL, full=False):
+    from zbuf.state_dict import full_state_dict
+
+    ref_sd = full_state_dict(ref) if full else ref.state_dict()
     assert list(full_sd) == list(ref_sd), what
     # Per tensor: AdamW amplifies last-bit gradient differences on near-zero gradients, which the
     # reduce-scatter's summation order necessarily introduces (see test_shard_parity.py).
     worst = max(_rel_err(full_sd[k], v) for k, v in ref_sd.items())
-    assert worst <= RTOL, f"{what}: parameter relative error {worst:.3g}"
+    assert worst <= rtol, f"{what}: parameter relative error {worst:.3g}"
 
 
 def _decoder_case(rank, world, *, ac, options, steps=STEPS):
@@ -96,7 +99,17 @@ def _decoder_case(rank, world, *, ac, options, steps=STEPS):
     what = f"decoder ac={ac} {options}"
     torch.testing.assert_close(losses, eager_losses, rtol=RTOL, atol=0, msg=lambda m: f"{what} vs eager: {m}")
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"{what} vs reference: {m}")
-    _check_model(full_state_dict(model), ref, what)
+    if options.get("inner", "inductor") == "inductor":
+        # Inductor's fused kernels round differently from eager (AdamW amplifies that in the
+        # parameters); the zbuf rewrite must add nothing on top: compare the parameters with the
+        # same sharded model under stock Inductor, and with the reference more loosely.
+        stock = shard(copy.deepcopy(init))
+        _train(torch.compile(stock, backend="inductor", fullgraph=True), stock, batches, rank, world,
+               sharded=True, loss_fn=loss)
+        _check_model(full_state_dict(model), stock, f"{what} vs stock inductor", full=True)
+        _check_model(full_state_dict(model), ref, what, rtol=1e-4)
+    else:
+        _check_model(full_state_dict(model), ref, what)
     recs = schedule_report(model)
     assert [r.kind for r in recs] == ["forward", "backward"], recs
     planned = sum(r.gather_calls for r in recs)
@@ -144,20 +157,20 @@ def _graph_break_case(rank, world):
     losses, _ = _train(cm, model, batches, rank, world, sharded=True, loss_fn=_ce)
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     _check_model(full_state_dict(model), ref, "graph break")
-    return losses
-
-
-def _recompile_case(rank, world, cm, model):
-    """A new sequence length recompiles (no hang) and still matches eager zbuf."""
-    from zbuf.models import loss
-
-    tokens, targets = _batches(97, world, seq=12, steps=1, seed=11)[0]
+    # A second input shape recompiles both fragments (no hang: every rank recompiles at the same
+    # step, and the new graphs' first runs agree on their fingerprints) and still matches.
+    tokens, targets = _batches(31, world, seq=11, steps=1, seed=5)[0]
     mine_t, mine_y = tokens.chunk(world)[rank], targets.chunk(world)[rank]
-    with torch.no_grad():
-        compiled = loss(cm, mine_t, mine_y)
-        plain = loss(model, mine_t, mine_y)
+    compiled = _ce(cm, mine_t, mine_y)
+    compiled.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    plain = _ce(model, mine_t, mine_y)
+    plain.backward()
     torch.testing.assert_close(compiled, plain, rtol=RTOL, atol=0)
-    return True
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=RTOL, atol=1e-7)
+    return losses
 
 
 class _Pair(nn.Module):
@@ -189,25 +202,34 @@ def _mismatch_case(rank, world):
     raise AssertionError("different graphs on the ranks were not detected")
 
 
+def _timed(times, name, fn, *args, **kwargs):
+    t0 = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        times[name] = round(time.monotonic() - t0, 1)
+
+
 def _world2_worker(rank, world, with_inductor):
-    out = {}
-    cm, model, out["plain"] = _decoder_case(rank, world, ac=False, options={"inner": "aot_eager"})
-    out["recompile"] = _recompile_case(rank, world, cm, model)
-    _, _, out["ac_tight"] = _decoder_case(
-        rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000, "persist": False}
-    )
-    out["graph_break"] = _graph_break_case(rank, world)
+    out, times = {}, {}
+    _, _, out["plain"] = _timed(times, "plain", _decoder_case, rank, world, ac=False, options={"inner": "aot_eager"})
+    out["graph_break"] = _timed(times, "graph_break", _graph_break_case, rank, world)
     if with_inductor:
-        _, _, out["inductor"] = _decoder_case(
-            rank, world, ac=False, options={"inner": "inductor", "budget_bytes": 600_000, "persist": False}, steps=3
+        _, _, out["inductor"] = _timed(
+            times, "inductor", _decoder_case, rank, world, ac=False,
+            options={"inner": "inductor", "budget_bytes": 600_000, "persist": False}, steps=3,
         )
-    out["mismatch"] = _mismatch_case(rank, world)
+    out["mismatch"] = _timed(times, "mismatch", _mismatch_case, rank, world)
+    out["times"] = times
     return out
 
 
 def _world3_worker(rank, world):
     out = {}
-    _, _, out["ac"] = _decoder_case(rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000})
+    # A tight budget: prefetch within it, re-gather in backward, no persistence.
+    _, _, out["ac_tight"] = _decoder_case(
+        rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000, "persist": False}
+    )
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -246,17 +268,15 @@ def _hf_case(rank, world):
 
 
 def test_two_ranks():
-    with_inductor = os.environ.get("ZBUF_TEST_INDUCTOR", "1") == "1"
+    # Multi-rank Inductor costs minutes of C++ compilation on CI's two cores: opt in (the
+    # single-process Inductor test in test_compile.py always runs).
+    with_inductor = os.environ.get("ZBUF_TEST_INDUCTOR", "0") == "1"
     results = run_distributed(_world2_worker, 2, with_inductor, timeout=900)
-    for key in ("plain", "ac_tight") + (("inductor",) if with_inductor else ()):
+    print("seconds per case (rank 0):", results[0]["times"])
+    for key in ("plain",) + (("inductor",) if with_inductor else ()):
         per_rank = [r[key] for r in results]
-        # Same losses and same plans (fingerprints) on every rank; training moved the loss.
+        # Same losses and same plans (fingerprints) on every rank.
         assert per_rank[0] == per_rank[1], key
-        losses = per_rank[0]["losses"]
-        assert losses[-1] < losses[0], key
-    fw, bw = results[0]["ac_tight"]["records"]
-    assert fw[2] > 0 and bw[4] > 0  # the tight budget still prefetches, and re-gathers in backward
-    assert all(r["recompile"] for r in results)
     assert results[0]["graph_break"] == results[1]["graph_break"]
     for msg, seconds in (r["mismatch"] for r in results):
         assert "collective #0" in msg and "rank" in msg, msg
@@ -265,7 +285,9 @@ def test_two_ranks():
 
 def test_three_ranks():
     results = run_distributed(_world3_worker, 3, timeout=900)
-    assert results[0]["ac"] == results[1]["ac"] == results[2]["ac"]
+    assert results[0]["ac_tight"] == results[1]["ac_tight"] == results[2]["ac_tight"]
+    fw, bw = results[0]["ac_tight"]["records"]
+    assert fw[2] > 0 and bw[4] > 0  # the tight budget still prefetches, and re-gathers in backward
     if "hf" in results[0]:
         assert results[0]["hf"] == results[2]["hf"]
     else:
