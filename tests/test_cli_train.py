@@ -46,6 +46,38 @@ def _check_record(record, engines, steps):
             summary["step_time_max_s"]
 
 
+def _reference_losses(steps, micro_batch=8, seq_len=64, world=2):
+    """Single-process, unsharded fp32 training on the same initial model and global batches: what
+    every engine must reproduce (to float rounding) on CPU."""
+    import torch
+
+    from zbuf.models import loss
+    from zbuf.train.config import TrainConfig
+    from zbuf.train.data import global_batch
+    from zbuf.train.engines import build_base_model
+
+    cfg = TrainConfig().resolve(cuda=False, world=world, bench=False)
+    model = build_base_model(cfg, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    out = []
+    for step in range(steps):
+        tokens, targets = global_batch(cfg.task, cfg.seed, step, micro_batch * world, seq_len,
+                                       model.config.vocab_size)
+        value = loss(model, tokens, targets)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        out.append(value.item())
+    return out
+
+
+def _assert_matches_reference(losses, ref):
+    # Float rounding differs (reduction order); AdamW amplifies it step by step, so the bar is
+    # tight over the first ten steps and looser over the whole trajectory.
+    assert losses[:10] == pytest.approx(ref[:10], rel=1e-5)
+    assert losses == pytest.approx(ref, rel=1e-3)
+
+
 def _png_has_plot(path):
     import matplotlib.image as mpimg
     import numpy as np
@@ -61,7 +93,7 @@ def _png_has_plot(path):
 
 def test_train_default_engine_then_report(tmp_path):
     out = tmp_path / "run.json"
-    steps = 24
+    steps = 20
     res = _run(["train", "--steps", str(steps), "--out", str(out)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -69,6 +101,7 @@ def test_train_default_engine_then_report(tmp_path):
     eng = record["engines"][0]
     losses = eng["summary"]["losses"]
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # visibly learning
+    _assert_matches_reference(losses, _reference_losses(steps))
     assert eng["pool"]["hits"] > 0 and eng["summary"]["pool"]["high_water_bytes"] > 0
     assert eng["schedule"]["graphs"], "the zbuf backend planned no graph"
     assert eng["summary"]["schedule_budget_bytes"] >= eng["summary"]["schedule_peak_live_bytes"]
@@ -84,33 +117,36 @@ def test_train_default_engine_then_report(tmp_path):
     assert "peak live gathered" in rep.stdout  # the schedule table
 
 
-def test_bench_eager_fsdp2_ddp_agree(tmp_path):
+def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
     out = tmp_path / "bench.json"
     steps = 4
-    res = _run(["bench", "--engines", "zbuf-eager,fsdp2,ddp", "--steps", str(steps),
-                "--warmup", "1", "--out", str(out)])
+    res = _run(["bench", "--engines", "fsdp2,ddp", "--steps", str(steps), "--warmup", "1",
+                "--out", str(out)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads(out.read_text())
-    _check_record(record, ["zbuf-eager", "fsdp2", "ddp"], steps)
-    # Same seed, same data, fp32 on CPU: the three engines train the same model.
-    ref = record["engines"][1]["summary"]["losses"]
+    _check_record(record, ["fsdp2", "ddp"], steps)
+    # Same seed, same data, fp32 on CPU: every engine trains the unsharded reference model.
+    ref = _reference_losses(steps)
     for eng in record["engines"]:
-        assert eng["summary"]["losses"] == pytest.approx(ref, rel=1e-4), eng["engine"]
-    assert ref[-1] < ref[0]
+        _assert_matches_reference(eng["summary"]["losses"], ref)
     md = (tmp_path / "bench.md").read_text()
-    assert "| zbuf-eager |" in md and "| fsdp2 |" in md and "| ddp |" in md and "torch" in md
+    assert "| fsdp2 |" in md and "| ddp |" in md and "torch 2." in md
     assert "relative to fsdp2" in res.stdout
 
 
-def test_runs_unchanged_under_torchrun(tmp_path):
+def test_runs_unchanged_under_torchrun_with_a_hugging_face_model(tmp_path):
+    pytest.importorskip("transformers")
     out = tmp_path / "tr.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "zbuf.cli", "train", "--engine", "zbuf-eager", "--steps", "3", "--warmup", "1",
-           "--out", str(out)]
+           "-m", "zbuf.cli", "train", "--engine", "zbuf-eager", "--model", "hf:qwen3",
+           "--steps", "3", "--warmup", "1", "--out", str(out)]
     env = dict(ENV, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    _check_record(json.loads(out.read_text()), ["zbuf-eager"], 3)
+    record = json.loads(out.read_text())
+    _check_record(record, ["zbuf-eager"], 3)
+    assert record["model"]["name"].startswith("hf:qwen3")
+    assert record["engines"][0]["pool"]["hits"] > 0  # the HF model's weights went through zbuf
 
 
 def _children(pid):

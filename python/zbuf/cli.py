@@ -80,12 +80,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64 on "
                    "CPU, 2048 on GPU)")
     t.add_argument("--steps", type=_positive_int, help="steps per engine, warm-up included "
-                   "(default: train 40, bench 30)")
+                   "(default 30)")
     t.add_argument("--warmup", type=int, help="steps left out of the timing statistics "
                    "(default: train 3, bench 10)")
     t.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                    help="activation checkpointing per block (default: on with GPUs)")
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    t.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3 for tiny, "
+                   "3e-4 for the Qwen3 presets)")
     t.add_argument("--task", choices=[x.value for x in Task], default=Task.STRIDE.value,
                    help="synthetic task (default stride: learnable in tens of steps)")
     t.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
