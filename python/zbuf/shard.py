@@ -30,6 +30,8 @@ register submodules in the order they build them (``zbuf.models`` does).
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -452,3 +454,18 @@ def _materialise(prefix: str, sub: nn.Module, device: torch.device, init_fn, loc
         init_fn(sub)
     else:
         sub.reset_parameters()
+
+
+class _CallableModule(types.ModuleType):
+    """``zbuf.shard`` is this module and also callable as the function: ``zbuf.shard(model)``.
+
+    The package re-exports the module (not the function) under that name, so both
+    ``zbuf.shard(model, ...)`` and ``zbuf.shard.sharded_parameters(...)`` work, and
+    ``import zbuf.shard as m`` gives the module (``zbuf.compile`` does the same).
+    """
+
+    def __call__(self, *args, **kwargs):
+        return shard(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
