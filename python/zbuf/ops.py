@@ -26,6 +26,13 @@ Dynamo and AOTAutograd trace them without running a collective.
     read afterwards. Declared as mutating ``t`` so that Inductor keeps it (an op that mutates
     nothing and returns nothing is dead code to Inductor). Without an explicit release a gathered
     buffer returns to the pool when its last reference dies, which is what eager mode relies on.
+    For eager code and post-grad graph passes (``zbuf.compile`` inserts its releases there): in
+    user code that Dynamo traces, functionalization drops a release of a graph intermediate (the
+    mutation is unobservable), so the buffer then returns when the compiled code frees it.
+
+Every op checks its arguments (1-D contiguous shard of ``ceil(numel / world)`` elements,
+floating dtypes, a live process group) and raises ``ValueError``/``RuntimeError`` naming the
+parameter id and the fix.
 
 [Note: collectives on gloo]
 torch 2.11's gloo backend implements ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on
