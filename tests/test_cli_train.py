@@ -7,6 +7,7 @@ show the loss falling.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import time
 
 import pytest
 
-ZBUF = [sys.executable, "-m", "zbuf.cli"]
+# The installed console script, as a user runs it (python -m zbuf.cli from a bare checkout).
+ZBUF = [shutil.which("zbuf")] if shutil.which("zbuf") else [sys.executable, "-m", "zbuf.cli"]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 

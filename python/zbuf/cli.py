@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated, in run order (default zbuf,zbuf-eager,fsdp2,ddp)")
     bench.add_argument("--out", metavar="RUN.json", help="JSON record (default "
                        "zbuf-bench.json; the markdown table goes next to it as .md)")
+    bench.add_argument("--merge", nargs="+", metavar="RUN.json",
+                       help="run nothing: merge these records of one configuration (e.g. one "
+                            "engine per job) into --out and its markdown table")
     _add_run_options(bench)
     report = sub.add_parser("report", help="plots and the schedule table of a run record",
                             description="Write PNG plots of a run record and print its "
@@ -163,7 +166,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return report_main(args.record, args.out_dir)
     from .train.progress import print_error
-    from .train.runner import run
+    from .train.runner import merge, run
+
+    if args.command == "bench" and args.merge:
+        return merge(args.merge, args.out or "zbuf-bench.json")
 
     try:
         cfg = config_from_args(args)

@@ -26,7 +26,8 @@ from typing import Any, Optional
 from .. import models
 from .config import TrainConfig, format_bytes
 
-__all__ = ["SCHEMA", "summarize", "make_record", "write_record", "load_record", "markdown"]
+__all__ = ["SCHEMA", "summarize", "make_record", "write_record", "load_record", "markdown",
+           "merge_records"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -160,3 +161,34 @@ def markdown(record: dict[str, Any]) -> str:
             f"{','.join(map(str, s['alloc_retries_per_rank']))} | {s['first_step_s']:.2f} | "
             f"{s['final_loss']:.4f} |")
     return "\n".join(lines) + "\n"
+
+
+# Config fields that may differ between records merged into one comparison.
+_MERGE_FREE = {"engines", "out", "progress", "extra", "budget"}
+
+
+def merge_records(paths: list[str]) -> dict[str, Any]:
+    """One bench record from several runs of the same configuration (e.g. one engine per job
+    when a job's time limit cannot hold them all). Refuses records whose configuration,
+    world size or hardware differ: their ratios would compare different things."""
+    records = [load_record(p) for p in paths]
+    base = records[0]
+    key = lambda r: ({k: v for k, v in r["config"].items() if k not in _MERGE_FREE},
+                     r["world_size"], r["environment"].get("gpu"),
+                     r["environment"].get("torch"))
+    for path, r in zip(paths[1:], records[1:]):
+        if key(r) != key(base):
+            a, b = key(base)[0], key(r)[0]
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise ValueError(f"{path} does not match {paths[0]} (config fields {diff}, world "
+                             f"size, GPU or torch version differ); merge only runs of one "
+                             f"configuration")
+    merged = dict(base)
+    merged["command"] = "bench"
+    merged["engines"] = [e for r in records for e in r["engines"]]
+    names = [e["engine"] for e in merged["engines"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"engines repeat across the merged records: {names}")
+    merged["config"] = dict(base["config"], engines=names)
+    merged["merged_from"] = [os.path.abspath(p) for p in paths]
+    return merged

@@ -147,19 +147,20 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
         fig, axes = plt.subplots(len(profiles), 1, figsize=(9, 3.2 * len(profiles)),
                                  squeeze=False)
         for ax, (eng, g, live) in zip(axes[:, 0], profiles):
-            x = range(len(live))
-            ax.fill_between(x, [v / _GIB for v in live], step="mid", alpha=0.5,
-                            label="live gathered bytes")
             act = _profile(g, "activation_profile", "activation_bytes_per_node")
+            top = max([*live, *(act or []), g["budget_bytes"]])
+            scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
+            ax.fill_between(range(len(live)), [v / scale for v in live], step="mid", alpha=0.5,
+                            label="live gathered bytes")
             if act is not None:
-                ax.plot(range(len(act)), [v / _GIB for v in act], color="tab:green",
+                ax.plot(range(len(act)), [v / scale for v in act], color="tab:green",
                         label="projected activations")
-            ax.axhline(g["budget_bytes"] / _GIB, color="tab:red", linestyle="--",
+            ax.axhline(g["budget_bytes"] / scale, color="tab:red", linestyle="--",
                        label="budget")
             ax.set_title(f"{eng['engine']}: graph {g.get('graph_id', '?')} "
                          f"({g.get('kind', '?')}), {len(live)} nodes")
             ax.set_xlabel("graph node (execution order)")
-            ax.set_ylabel("GiB")
+            ax.set_ylabel(unit)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
     else:

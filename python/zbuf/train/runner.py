@@ -21,9 +21,9 @@ from .config import ConfigError, Engine, TrainConfig, check_output_path
 from .engines import EngineUnavailable, check_available
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
-from .record import make_record, markdown, write_record
+from .record import make_record, markdown, merge_records, write_record
 
-__all__ = ["run"]
+__all__ = ["run", "merge"]
 
 
 def _machine(cfg: TrainConfig) -> tuple[bool, int]:
@@ -86,7 +86,8 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
         cfg.validate()
         cuda, world = _machine(cfg)
         cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
-        cfg.out = check_output_path(cfg.out)
+        if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
+            cfg.out = check_output_path(cfg.out)
         unavailable = {}
         for engine in cfg.engines:
             try:
@@ -169,4 +170,28 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
     else:
         console.print(f"record: {cfg.out}  (plots: zbuf report {cfg.out})", highlight=False)
     sys.stdout.flush()
+    return 0
+
+
+def merge(paths: list[str], out: str, console: Console | None = None) -> int:
+    """``zbuf bench --merge``: one comparison from records of the same configuration."""
+    console = console or Console()
+    try:
+        out = check_output_path(out)
+        record = merge_records(paths)
+    except FileNotFoundError as e:
+        print_error("bench", f"no such file: {e.filename}")
+        return 2
+    except (ConfigError, ValueError, KeyError) as e:
+        print_error("bench", str(e))
+        return 2
+    write_record(record, out)
+    md_path = os.path.splitext(out)[0] + ".md"
+    with open(md_path, "w") as f:
+        f.write(markdown(record))
+    console.print(summary_table(record))
+    table = comparison_table(record)
+    if table is not None:
+        console.print(table)
+    console.print(f"record: {out}\ntable:  {md_path}", highlight=False)
     return 0

@@ -1,0 +1,100 @@
+"""Run records without running anything: summaries, markdown, merging, and the report's plots
+(including the per-node schedule profile that CPU runs may not produce)."""
+
+import json
+
+import pytest
+
+from zbuf.cli import main
+from zbuf.train.config import Engine, TrainConfig
+from zbuf.train.record import SCHEMA, make_record, markdown, merge_records
+from zbuf.train.report import make_plots, schedule_table
+
+
+def _engine(name, times, losses, pool=False, schedule=None):
+    steps = [{"step": i, "loss": l, "time_s": t, "tokens": 2048, "device_bytes": (1 + i) << 28,
+              "peak_device_bytes": (2 + i) << 28, "pool_bytes": (64 << 20) if pool else 0,
+              "alloc_retries": [0, i]} for i, (t, l) in enumerate(zip(times, losses))]
+    per_rank = [{"rank": r, "peak_device_bytes": (3 + r) << 30, "allocated_peak_bytes": 1 << 30,
+                 "pool_high_water_bytes": (64 << 20) if pool else 0, "alloc_retries_total": r * 3,
+                 "alloc_retries_measured": r * 2, "measured_steps": len(times) - 2}
+                for r in range(2)]
+    return {"engine": name, "status": "ok", "steps": steps, "per_rank": per_rank,
+            "setup_seconds": 1.0, "memory_cap": None, "schedule": schedule,
+            "pool": {"hits": 90, "misses": 10, "high_water_bytes": 64 << 20,
+                     "budget_bytes": 1 << 30} if pool else {}}
+
+
+def _record(engines, cfg=None):
+    cfg = cfg or TrainConfig(engines=tuple(Engine(e["engine"]) for e in engines), warmup=2,
+                             steps=6, micro_batch=1, seq_len=1024).resolve(cuda=True, world=2,
+                                                                           bench=True)
+    env = {"device_type": "cuda", "torch": "2.11.0", "gpu": "NVIDIA H200", "gpu_count": 2,
+           "nccl": "2.28", "driver": "580", "cuda": "13.0"}
+    return make_record("bench", cfg, env, engines, peak_flops=989e12)
+
+
+SCHEDULE = {"graphs": [
+    {"graph_id": 0, "kind": "forward", "budget_bytes": 3 << 20, "peak_live_gathered_bytes": 2 << 20,
+     "activation_peak_bytes": 5 << 20, "persistent_bytes": 1 << 20, "num_nodes": 5,
+     "live_gathered_profile": [0, 1 << 20, 2 << 20, 1 << 20, 0],
+     "activation_profile": [1 << 20, 2 << 20, 5 << 20, 3 << 20, 1 << 20]},
+    {"graph_id": 1, "kind": "backward", "budget_bytes": 3 << 20, "peak_live_gathered_bytes": 1 << 20,
+     "num_nodes": 3, "live_gathered_profile": [1 << 20, 0, 0]}]}
+
+
+def test_summary_statistics_and_markdown():
+    times = [30.0, 2.0, 1.0, 1.2, 0.9, 1.1]
+    rec = _record([_engine("fsdp2", times, [5, 4, 3, 2.5, 2.2, 2.0]),
+                   _engine("zbuf", [t * 0.9 for t in times], [5, 4, 3, 2.5, 2.2, 2.1],
+                           pool=True, schedule=SCHEDULE)])
+    s = rec["engines"][0]["summary"]
+    assert s["measured_steps"] == 4 and s["step_time_median_s"] == pytest.approx(1.05)
+    assert (s["step_time_min_s"], s["step_time_max_s"], s["first_step_s"]) == (0.9, 1.2, 30.0)
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(1024 / 1.05)
+    fpt = rec["model"]["flops_per_token"]
+    assert s["mfu"] == pytest.approx(fpt * 1024 / 1.05 / 989e12)
+    assert s["peak_device_bytes"] == 4 << 30 and s["alloc_retries_per_rank"] == [0, 2]
+    z = rec["engines"][1]["summary"]
+    assert z["schedule_budget_bytes"] == 3 << 20 and z["schedule_peak_live_bytes"] == 2 << 20
+    assert z["pool"]["hits"] == 90
+    md = markdown(rec)
+    assert "2 x NVIDIA H200" in md and "NCCL 2.28" in md and "2 warm-up + 4 measured" in md
+    assert md.count("\n| ") == 4  # header, rule, two engines
+    json.dumps(rec)  # the record is plain JSON
+
+
+def test_report_plots_schedule_profiles(tmp_path):
+    rec = _record([_engine("zbuf", [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2], pool=True,
+                           schedule=SCHEDULE)])
+    paths = make_plots(rec, str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
+        "loss.png", "memory.png", "schedule_memory.png", "step_time.png"]
+    assert schedule_table(rec).row_count == 15
+    failed = dict(rec, engines=[{"engine": "zbuf", "status": "failed", "error": "OOM"}])
+    with pytest.raises(ValueError, match="no engine that completed"):
+        make_plots(failed, str(tmp_path))
+    assert "failed: OOM" in markdown(failed)
+
+
+def test_merge_records(tmp_path, capsys):
+    a = _record([_engine("fsdp2", [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 1])])
+    b = _record([_engine("zbuf", [3, 1, 1, 1, 1, 0.9], [5, 4, 3, 2, 1, 1], pool=True)])
+    pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    merged = merge_records([str(pa), str(pb)])
+    assert merged["schema"] == SCHEMA and [e["engine"] for e in merged["engines"]] == ["fsdp2",
+                                                                                       "zbuf"]
+    assert main(["bench", "--merge", str(pa), str(pb), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["engines"] == ["fsdp2", "zbuf"]
+    assert "| zbuf |" in (tmp_path / "all.md").read_text()
+    assert "relative to fsdp2" in capsys.readouterr().out
+
+    other = dict(b, config=dict(b["config"], seq_len=2048))
+    po = tmp_path / "other.json"
+    po.write_text(json.dumps(other))
+    assert main(["bench", "--merge", str(pa), str(po), "--out", str(out)]) == 2
+    assert "seq_len" in capsys.readouterr().err
+    assert main(["bench", "--merge", str(pa), str(pa), "--out", str(out)]) == 2
+    assert "repeat" in capsys.readouterr().err
