@@ -145,12 +145,12 @@ def save_checkpoint(
     Args:
         path: the checkpoint directory; ``zbuf.checkpoint_path(root, step)`` gives the
             conventional ``root/step_<N>`` that ``latest_checkpoint(root)`` finds.
-        model: the module ``zbuf.shard`` returned (not a ``torch.compile`` wrapper).
+        model: the module ``zbuf.shard`` returned (or its ``torch.compile`` wrapper).
         optimizer: an optimizer over the model's parameters, or None to save the model only.
         step: the training step this state belongs to (a non-negative int, the same on every
             rank); returned by ``load_checkpoint``.
         extra: anything else to resume with ([Note: what is not in a checkpoint]); must be the
-            same on every rank (rank 0's copy is stored).
+            same on every rank (DCP stores one rank's copy).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -182,7 +182,13 @@ def save_checkpoint(
     faults.fault_point("checkpoint.after_data")
 
     with record_function("zbuf::checkpoint::checksum"):
-        names = _from_rank0(group, files.data_files(tmp) if rank == 0 else None)
+        try:
+            listed: list[str] | str | None = files.data_files(tmp) if rank == 0 else None
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            listed = f"listing {tmp} failed: {type(e).__name__}: {e}"
+        names = _from_rank0(group, listed)
+        if isinstance(names, str):
+            raise CheckpointError(f"saving {path} failed; the previous checkpoint is intact: rank 0: {names}")
         try:
             mine: dict | str = {n: list(files.file_record(tmp / n)) for i, n in enumerate(names) if i % world == rank}
         except Exception as e:  # noqa: BLE001 - shared with every rank below
