@@ -57,6 +57,7 @@ matrices that are tied in practice. The compile pass sees both reduce-scatters o
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -69,7 +70,10 @@ from .param import unpad_full
 
 __all__ = [
     "all_gather",
+    "all_gather_impl",
     "reduce_scatter",
+    "reduce_scatter_impl",
+    "EagerAllGather",
     "release",
     "counters",
     "register_pool",
@@ -165,6 +169,31 @@ def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, pa
         )
 
 
+def _label(name: str):
+    # record_function costs tens of microseconds even with no profiler running; label only then.
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Tensor:
+    """The body of ``zbuf::all_gather`` (also run directly by the eager fast path)."""
+    with _label("zbuf::all_gather"):
+        pg = _group(group_name)
+        world = pg.size()
+        _check_gather_args(shard, shape, world, param_id, param_dtype)
+        dtype = param_dtype if param_dtype is not None else shard.dtype
+        padded = world * shard.numel()
+        buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
+        # [Note: collectives on gloo]: same call on every backend. Cast first: bf16 on the wire.
+        src = shard.detach().to(dtype).contiguous()
+        if world == 1:
+            buf.copy_(src)
+        else:
+            dist.all_gather_into_tensor(_borrowed(buf), src, group=pg)
+        counters["all_gather"] += 1
+        counters["all_gather_bytes"] += buf.numel() * buf.element_size()
+        return unpad_full(buf, shape)
+
+
 @torch.library.custom_op("zbuf::all_gather", mutates_args=())
 def all_gather(
     shard: torch.Tensor,
@@ -174,22 +203,7 @@ def all_gather(
     param_dtype: Optional[torch.dtype],
     reduce_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    with record_function("zbuf::all_gather"):
-        pg = _group(group_name)
-        world = pg.size()
-        _check_gather_args(shard, shape, world, param_id, param_dtype)
-        dtype = param_dtype if param_dtype is not None else shard.dtype
-        padded = world * shard.numel()
-        buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
-        # [Note: collectives on gloo]: same call on every backend. Cast first: bf16 on the wire.
-        src = shard.to(dtype).contiguous()
-        if world == 1:
-            buf.copy_(src)
-        else:
-            dist.all_gather_into_tensor(_borrowed(buf), src, group=pg)
-        counters["all_gather"] += 1
-        counters["all_gather_bytes"] += buf.numel() * buf.element_size()
-        return unpad_full(buf, shape)
+    return all_gather_impl(shard, param_id, shape, group_name, param_dtype)
 
 
 @all_gather.register_fake
@@ -216,16 +230,9 @@ def _all_gather_backward(ctx, grad):
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup_context)
 
 
-@torch.library.custom_op("zbuf::reduce_scatter", mutates_args=())
-def reduce_scatter(
-    grad: torch.Tensor,
-    param_id: int,
-    shard_numel: int,
-    group_name: str,
-    reduce_dtype: Optional[torch.dtype],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    with record_function("zbuf::reduce_scatter"):
+def reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype) -> torch.Tensor:
+    """The body of ``zbuf::reduce_scatter`` (also run directly by the eager fast path)."""
+    with _label("zbuf::reduce_scatter"):
         pg = _group(group_name)
         world = pg.size()
         rdtype = reduce_dtype if reduce_dtype is not None else grad.dtype
@@ -262,14 +269,52 @@ def reduce_scatter(
         return out.to(out_dtype)
 
 
+@torch.library.custom_op("zbuf::reduce_scatter", mutates_args=())
+def reduce_scatter(
+    grad: torch.Tensor,
+    param_id: int,
+    shard_numel: int,
+    group_name: str,
+    reduce_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype)
+
+
 @reduce_scatter.register_fake
 def _reduce_scatter_fake(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype):
     return grad.new_empty((shard_numel,), dtype=out_dtype)
 
 
+class EagerAllGather(torch.autograd.Function):
+    """``zbuf::all_gather`` with its autograd formula, minus the dispatcher (eager only).
+
+    [Note: eager fast path]
+    A ``torch.library`` custom op costs a few hundred microseconds of Python per call in eager
+    mode (argument normalisation, the generated autograd wrapper, a redispatch); parameter
+    access pays it for every weight, forward and re-gather. Outside tracing the accessor calls
+    this Function instead: the same ``all_gather_impl`` / ``reduce_scatter_impl`` bodies, so eager
+    and compiled runs compute the same thing, and the parity tests run both.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, spec):
+        ctx.spec = spec
+        return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        return (
+            reduce_scatter_impl(grad, spec.param_id, spec.shard_numel, spec.group_name,
+                                spec.reduce_dtype, spec.dtype),
+            None,
+        )
+
+
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))
 def release(t: torch.Tensor) -> None:
-    with record_function("zbuf::release"):
+    with _label("zbuf::release"):
         for pool in _KNOWN_POOLS:
             if pool.owns(t):
                 pool.release(t)

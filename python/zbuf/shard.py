@@ -100,10 +100,12 @@ class ShardedRoot:
 
 def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bool = True) -> torch.Tensor:
     """The full tensor of a sharded parameter (the body of the parameter property)."""
-    full = torch.ops.zbuf.all_gather(
-        shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype
-    )
-    if track_for_backward and not torch.compiler.is_compiling() and torch.is_grad_enabled():
+    if torch.compiler.is_compiling():
+        return torch.ops.zbuf.all_gather(
+            shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype
+        )
+    full = _ops.EagerAllGather.apply(shard, spec)  # [Note: eager fast path] in ops.py
+    if track_for_backward and torch.is_grad_enabled():
         regather.track(full, shard, spec)
     return full
 
