@@ -11,7 +11,9 @@ The public surface:
 - ``models``: the built-in Qwen3-shaped decoder presets.
 """
 
-from . import compile, models  # noqa: A004  (zbuf.compile is a callable module)
+# zbuf.compile and zbuf.shard are callable modules: zbuf.shard(model) and zbuf.shard.<helper>
+# both work.
+from . import compile, models, shard  # noqa: A004
 from .checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -34,7 +36,7 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .pool import GatherBufferPool, PoolStats, default_pool
-from .shard import ShardingError, shard
+from .shard import ShardingError
 from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
