@@ -40,10 +40,10 @@ SAVE_AT, STOP_AT = 5, 10
 
 def _make(world: int):
     """The sharded model and its optimizer, identical on every rank and in every launch."""
-    import zbuf.shard
+    from zbuf.shard import shard
 
     torch.manual_seed(0)
-    model = zbuf.shard.shard(build_model(CFG))
+    model = shard(build_model(CFG))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, betas=(0.9, 0.95))
     return model, opt
 

@@ -25,10 +25,10 @@ def world1():
 
 
 def _make():
-    import zbuf.shard
+    from zbuf.shard import shard
 
     torch.manual_seed(0)
-    model = zbuf.shard.shard(nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 2)))
+    model = shard(nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 2)))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -32,7 +32,7 @@ def _worker(mode: str, rank: int, world: int, port: int, timeout_s: float) -> No
     import torch.distributed as dist
 
     import zbuf.faults as faults
-    import zbuf.shard
+    from zbuf.shard import shard
     from zbuf.models import ModelConfig, build_model, loss
     from zbuf.train.data import Task, global_batch
 
@@ -48,7 +48,7 @@ def _worker(mode: str, rank: int, world: int, port: int, timeout_s: float) -> No
         cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                           head_dim=8, ffn_hidden_size=24, tie_embeddings=True, max_seq_len=16)
         torch.manual_seed(0)
-        model = zbuf.shard.shard(build_model(cfg))
+        model = shard(build_model(cfg))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(FAULT_STEP + 3):
             b = global_batch(Task.STRIDE, 0, step, 2 * world, 8, cfg.vocab_size)
@@ -148,7 +148,7 @@ def pairs():
 
 
 def _released(err: str, pg: str) -> bool:
-    return f"zbuf: released resources: 1 pool(s) trimmed" in err and f"process group {pg}" in err
+    return "zbuf: released resources: 1 pool(s) trimmed" in err and f"process group {pg}" in err
 
 
 def _check_survivor(pair: _Job, max_wait: float, min_wait: float = 0.0) -> None:

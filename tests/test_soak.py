@@ -47,13 +47,13 @@ def _soak(rank, world, steps, root):
     import torch.distributed as dist
 
     import zbuf.checkpoint as ckpt
-    import zbuf.shard
+    from zbuf.shard import shard
     from zbuf import regather
     from zbuf.models import build_model, loss
     from zbuf.train.data import Task, rank_batch
 
     torch.manual_seed(0)
-    model = zbuf.shard.shard(build_model("tiny"))
+    model = shard(build_model("tiny"))
     pool = model._zbuf_root.pool
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     samples = []

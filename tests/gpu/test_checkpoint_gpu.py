@@ -26,7 +26,7 @@ def _worker(out_dir: str) -> None:
 
     import zbuf.checkpoint as ckpt
     import zbuf.faults as faults
-    import zbuf.shard
+    from zbuf.shard import ShardingError, shard
     from zbuf.models import build_model, loss
     from zbuf.train.data import Task, rank_batch
 
@@ -39,7 +39,7 @@ def _worker(out_dir: str) -> None:
     with faults.supervised():
         def make():
             torch.manual_seed(0)
-            model = zbuf.shard.shard(build_model("tiny", device=device))
+            model = shard(build_model("tiny", device=device))
             return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def train(model, opt, start, stop):
@@ -74,8 +74,8 @@ def _worker(out_dir: str) -> None:
 
         mixed = nn.Sequential(nn.Linear(4, 4).to(device), nn.Linear(4, 4))
         try:
-            zbuf.shard.shard(mixed)
-        except zbuf.shard.ShardingError as e:
+            shard(mixed)
+        except ShardingError as e:
             assert "several devices" in str(e), e
         else:
             raise AssertionError("a module on CPU and CUDA was sharded")
@@ -102,7 +102,7 @@ def _killed_peer_worker(timeout_s: float) -> None:
     import torch.distributed as dist
 
     import zbuf.faults as faults
-    import zbuf.shard
+    from zbuf.shard import shard
     from zbuf.models import build_model, loss
     from zbuf.train.data import Task, rank_batch
 
@@ -114,7 +114,7 @@ def _killed_peer_worker(timeout_s: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with faults.supervised():
         torch.manual_seed(0)
-        model = zbuf.shard.shard(build_model("tiny", device=device))
+        model = shard(build_model("tiny", device=device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(6):
             b = rank_batch(Task.STRIDE, 0, step, 2, world, rank, 32, 256, device)
