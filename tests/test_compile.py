@@ -240,3 +240,24 @@ def test_mismatch_message_names_the_first_difference():
     msg = _first_difference([mine, other], 0)
     assert "collective #1" in msg and "reduce_scatter[b]" in msg and "rank 1" in msg
     assert issubclass(ScheduleMismatchError, RuntimeError)
+
+
+def test_zbuf_compile_agrees_on_free_memory_and_trains():
+    import zbuf.compile
+    from zbuf.compile import budget
+
+    eager, model = _sharded_pair()
+    batches = _batches(2)
+    ref_losses, _, _ = _train(eager, eager, batches)
+    cm = zbuf.compile(model, inner="aot_eager", persist=False)
+    group = dist.group.WORLD.group_name
+    agreed = budget.agreed_free_memory(group)
+    assert agreed is not None and agreed > 0
+    losses, _, _ = _train(model, cm, batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+    fw, bw = schedule_report(model)
+    # The budget derives from the agreed free memory minus the graph's activation peak.
+    expected = int(agreed * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
+    assert fw.budget_bytes == max(expected, fw.floor_bytes)
+    with pytest.raises(TypeError):
+        zbuf.compile(model, no_such_option=1)

@@ -67,8 +67,11 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
     return free
 
 
-def agreed_free_memory(group_name: str) -> int | None:
-    return _AGREED.get(group_name, _AGREED.get("") if len(_AGREED) == 1 and "" in _AGREED else None)
+def agreed_free_memory(group_name: str | None) -> int | None:
+    """The value ``agree_free_memory`` agreed for this group ("" : no process group), if any."""
+    if group_name is not None and group_name in _AGREED:
+        return _AGREED[group_name]
+    return _AGREED.get("")
 
 
 def graph_budget(options: CompileOptions, group_name: str, device: torch.device, activation_peak: int) -> int:
