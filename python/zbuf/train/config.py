@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..models import PRESETS
@@ -39,10 +39,6 @@ class Engine(str, enum.Enum):
     @property
     def uses_zbuf(self) -> bool:
         return self in (Engine.ZBUF, Engine.ZBUF_EAGER)
-
-    @property
-    def compiles(self) -> bool:
-        return self is not Engine.ZBUF_EAGER
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -124,8 +120,6 @@ class TrainConfig:
     """Peak dense bf16 TFLOP/s per GPU for MFU; default from the GPU name (H100/H200: 989)."""
     progress: bool = True
     """Live progress bar on rank 0."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form notes stored in the record (e.g. what the benchmark was for)."""
 
     # ---------------------------------------------------------------------------------------
     def validate(self) -> None:

@@ -164,7 +164,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 # Config fields that may differ between records merged into one comparison.
-_MERGE_FREE = {"engines", "out", "progress", "extra", "budget"}
+_MERGE_FREE = {"engines", "out", "progress", "budget"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:
