@@ -9,8 +9,19 @@ token ([Note: schedule token]) and adding the first-run rank check ([Note: colle
 
 [Note: pass uuid]
 Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
-output could: it hashes this package's compile sources, the options, the planning inputs that are
-not in the graph (agreed free memory, world sizes are in the graph's op args), and torch's version.
+output could: it hashes this package's compile sources (and ops.py, param.py), the options, the
+planning input that is not in the graph (the agreed free memory; the world size shows in the shard
+shapes), and torch's version.
+
+[Note: selective persistence]
+A gathered weight that backward reads (``grad_input = grad_out @ W``) is either re-gathered in
+backward (one more collective) or kept from forward (its bytes stay live through the end of
+forward and backward). The partitioner keeps the smallest candidates first (communication time
+saved per byte is ``latency / bytes + 1 / bandwidth``, highest for small gathers) until they fill
+``persist_fraction`` of the budget, never eating into what a single node needs at once. Kept
+bytes are charged to the backward graph's budget as live throughout. Candidates are the gathers
+with a backward consumer in the joint graph; gathers that backward re-runs only because the
+partitioner recomputes their forward consumers (activation checkpointing) are not candidates.
 """
 
 from __future__ import annotations
@@ -71,7 +82,8 @@ class PlanState:
     """What the partitioner hands to the post-grad pass of the same compile.
 
     One instance per Dynamo graph (the backend creates it), shared by the partitioner (producer
-    of ``persistent_bytes``) and the schedule pass (consumer; it also owns ``forward_done``).
+    of the ``persistent*`` fields, see [Note: selective persistence]) and the schedule pass of
+    the forward and backward graphs (consumer).
     """
 
     def __init__(self, options: CompileOptions) -> None:
@@ -111,7 +123,8 @@ def _view_and_cast_tree(g: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
-    """Recompute tags on the joint graph; picks the persistent gathers (see the module doc)."""
+    """Recompute tags on the joint graph; picks the persistent gathers ([Note: selective
+    persistence])."""
     bw = _is_backward_node_set(joint)
     gathers = gather_nodes(joint)
     trees = {g: _view_and_cast_tree(g) for g in gathers}
