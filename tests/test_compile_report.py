@@ -31,6 +31,7 @@ def _trace_and_replan(preset: str, num_layers: int | None, world: int, seq: int)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     import zbuf.shard as zshard
     from zbuf.compile import CompileOptions, schedule_report
+    from zbuf.compile.report import graph_summary
     from zbuf.compile.schedule import plan_schedule
     from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 
@@ -64,13 +65,14 @@ def _trace_and_replan(preset: str, num_layers: int | None, world: int, seq: int)
     low = max(layer_bytes, largest)
     budgets = sorted({low, low + layer_bytes, low + 4 * layer_bytes, model_bytes // 2, model_bytes})
     for r in records:
+        summary = graph_summary(r)
         for b in budgets:
-            s = plan_schedule(r.summary, b, CompileOptions(persist=False))
+            s = plan_schedule(summary, b, CompileOptions(persist=False))
             out["replans"].append({
                 "kind": r.kind, "budget": b, "effective_budget": s.budget_bytes, "floor": s.floor_bytes,
                 "peak": s.peak_live_bytes, "prefetched": s.prefetched, "regathers": s.regathers,
                 "fetches": len(s.fetches), "planning_seconds": s.planning_seconds,
-                "num_nodes": r.summary.num_nodes,
+                "num_nodes": summary.num_nodes,
             })
     return out
 

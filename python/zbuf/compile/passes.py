@@ -315,7 +315,6 @@ class GatherSchedulePass(CustomGraphPass):
             param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
             gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
             op_order=(("check_schedule",) if order else ()) + zbuf_ops,
-            summary=index.summary,
         )
         if order:
             if token is None:
@@ -335,7 +334,7 @@ class GatherSchedulePass(CustomGraphPass):
                 )
                 chk.meta["val"] = None
         graph.lint()
-        report.record(rec)
+        report.record(rec, index.summary)
 
     @staticmethod
     def _group_of_collectives(graph: torch.fx.Graph) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from .graph_model import GraphSummary
 
-__all__ = ["ScheduleRecord", "schedule_report", "record", "clear_records"]
+__all__ = ["ScheduleRecord", "schedule_report", "record", "clear_records", "graph_summary"]
 
 GraphKind = Literal["forward", "backward", "inference"]
 
@@ -55,13 +55,9 @@ class ScheduleRecord:
     """The zbuf ops of the rewritten graph in planned order (``gather_buffer``, ``all_gather_start``,
     ``all_gather_wait``, ``all_gather_release``, ``reduce_scatter``, ...), for checking that the
     compiled code kept it."""
-    summary: GraphSummary | None = dataclasses.field(default=None, repr=False, compare=False)
-    """The planner's input, to re-plan the same graph under other budgets (``plan_schedule``)."""
 
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
-        d.pop("summary")
-        return json.dumps(d, sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ScheduleRecord":
@@ -73,12 +69,22 @@ class ScheduleRecord:
 
 _RECORDS: list[ScheduleRecord] = []
 _UIDS: set[str] = set()
+# uid -> the planner's input for graphs planned in this process (not for cache hits).
+_SUMMARIES: dict[str, GraphSummary] = {}
 
 
-def record(rec: ScheduleRecord | str) -> None:
+def graph_summary(rec: ScheduleRecord) -> GraphSummary | None:
+    """The planner's input of a recorded graph, to re-plan it under other budgets with
+    ``plan_schedule``; None for graphs this process did not plan (served from the cache)."""
+    return _SUMMARIES.get(rec.uid)
+
+
+def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> None:
     """Keep ``rec`` (or its JSON) unless a record of the same graph is already kept."""
     if isinstance(rec, str):
         rec = ScheduleRecord.from_json(rec)
+    if summary is not None:
+        _SUMMARIES[rec.uid] = summary
     if rec.uid in _UIDS:
         return
     rec = dataclasses.replace(rec, graph_id=len(_RECORDS))
@@ -97,6 +103,7 @@ def record(rec: ScheduleRecord | str) -> None:
 def clear_records() -> None:
     _RECORDS.clear()
     _UIDS.clear()
+    _SUMMARIES.clear()
 
 
 def _param_ids_of(model: torch.nn.Module) -> set[int]:
