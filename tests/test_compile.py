@@ -160,9 +160,10 @@ def test_aot_eager_matches_eager_and_gathers_only_what_it_planned(plan):
     if plan == "coalesced":
         assert fw.coalesced_groups > 0 and fw.collectives < fw.gather_calls
     if plan == "persist_all":
-        # Every weight backward reads is kept; backward gathers only what it recomputes (the
-        # embedding lookup, the checkpointed block's bias), and biases are not kept.
-        assert 0 < fw.persistent < fw.gathers and bw.gather_calls == 2
+        # Every weight backward reads is kept (the checkpointed block's bias too, its recompute
+        # reads it); backward gathers only for the embedding lookup the partitioner chose to
+        # recompute. Biases outside the checkpointed block are not read by backward: not kept.
+        assert 0 < fw.persistent < fw.gathers and bw.gather_calls == 1
         assert bw.persistent_bytes > 0
     else:
         assert fw.persistent == 0 and bw.gather_calls > 0

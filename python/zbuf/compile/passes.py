@@ -20,8 +20,10 @@ forward and backward). The partitioner keeps the smallest candidates first (comm
 saved per byte is ``latency / bytes + 1 / bandwidth``, highest for small gathers) until they fill
 ``persist_fraction`` of the budget, never eating into what a single node needs at once. Kept
 bytes are charged to the backward graph's budget as live throughout. Candidates are the gathers
-with a backward consumer in the joint graph; gathers that backward re-runs only because the
-partitioner recomputes their forward consumers (activation checkpointing) are not candidates.
+with a backward consumer in the joint graph, or a consumer that activation checkpointing tags for
+recompute (backward re-runs it, so it needs the weight again). A gather that backward re-runs
+only because the partitioner itself chose to recompute a cheap consumer (an embedding lookup,
+say) is not known before partitioning and is re-gathered.
 """
 
 from __future__ import annotations
@@ -145,8 +147,11 @@ def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
         need = max(need.values(), default=0)
         cap = min(int(opts.persist_fraction * budget), budget - need)
         order = {n: i for i, n in enumerate(joint.nodes)}
+        recomputed = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
         candidates = [
-            g for g in gathers if any(u in bw for v in [g, *trees[g]] for u in v.users)
+            g for g in gathers
+            if any(u in bw or (u not in trees[g] and u.meta.get("recompute") in recomputed)
+                   for v in [g, *trees[g]] for u in v.users)
         ]
         # Communication saved per byte is latency/bytes + 1/bandwidth: smaller gathers first.
         candidates.sort(key=lambda g: (gathered_nbytes(g), order[g]))
