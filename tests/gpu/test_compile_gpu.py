@@ -104,7 +104,8 @@ def _gpu_worker(rank, world):
         recs = schedule_report(model)
         assert [r.kind for r in recs] == ["forward", "backward"]
         for code, rec in zip(codes, recs):
-            assert re.findall(r"torch\.ops\.zbuf\.(\w+)\.default\(", code) == list(rec.op_order)
+            emitted = re.findall(r"torch\.ops\.zbuf\.(\w+)\.default\(", code)
+            assert emitted == list(rec.op_order), (rec.kind, emitted, list(rec.op_order))
         assert misses[1:] == [0] * (STEPS - 1), misses
         assert pool.stats().checked_out == 0
         tol = 1e-5 if dtype is None else 2e-2
