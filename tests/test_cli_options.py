@@ -25,14 +25,39 @@ from zbuf.train.config import ConfigError, Engine, TrainConfig, parse_bytes
     (["train", "--seq-len", "2"], "at least 4"),
     (["train", "--seq-len", "4096"], "max_seq_len"),
     (["train", "--model", "tiny", "--preset", "qwen3-8b"], "disagree"),
+    (["train", "--save-every", "3"], "need --checkpoint-dir"),
+    (["train", "--resume"], "need --checkpoint-dir"),
+    (["train", "--engine", "ddp", "--checkpoint-dir", "{tmp}/ck"], "engine(s) ddp cannot use"),
+    (["train", "--engine", "fsdp2", "--checkpoint-dir", "{tmp}/ck", "--resume"],
+     "engine(s) fsdp2 cannot use"),
+    (["train", "--checkpoint-dir", "{tmp}/ck", "--save-every", "50", "--steps", "10"],
+     "never saves"),
+    (["train", "--checkpoint-dir", "/proc/zbuf-ckpt", "--save-every", "5"], "cannot write there"),
+    (["train", "--checkpoint-dir", "{tmp}/file", "--resume"], "not a directory"),
 ])
 def test_bad_option_clear_message_nonzero_exit(argv, needle, capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     if "--out" not in argv:
         argv = argv + ["--out", str(tmp_path / "run.json")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in " ".join(err.split()), err
     assert not (tmp_path / "run.json").exists()
+    assert not (tmp_path / "ck").exists()  # refused before anything was created
+
+
+def test_bench_refuses_checkpoints(tmp_path, capsys):
+    from zbuf.train.runner import run
+
+    cfg = TrainConfig(engines=(Engine.ZBUF_EAGER, Engine.ZBUF), checkpoint_dir=str(tmp_path),
+                      save_every=2, out=str(tmp_path / "b.json"))
+    assert run("bench", cfg) == 2
+    assert "use zbuf train --checkpoint-dir" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        TrainConfig(collective_timeout_s=0).validate()
+    with pytest.raises(ConfigError, match="keep_last"):
+        TrainConfig(checkpoint_dir=str(tmp_path), keep_checkpoints=0).validate()
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -42,6 +67,10 @@ def test_bad_option_clear_message_nonzero_exit(argv, needle, capsys, tmp_path):
     (["train", "--engine", "deepspeed"], "invalid choice"),
     (["bench", "--engines", "zbuf,megatron"], "unknown engine(s) megatron"),
     (["train", "--budget", "lots"], "byte count"),
+    (["train", "--save-every", "0"], "positive integer"),
+    (["train", "--collective-timeout", "0"], "positive number"),
+    (["train", "--collective-timeout", "soon"], "positive number"),
+    (["bench", "--checkpoint-dir", "ck"], "unrecognized arguments"),
 ])
 def test_argparse_level_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -5,6 +5,7 @@ Kept to a few launches (each one starts 3 Python processes); sizes are the small
 show the loss falling.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -48,9 +49,20 @@ def _check_record(record, engines, steps):
             summary["step_time_max_s"]
 
 
-def _reference_losses(steps, micro_batch=8, seq_len=64, world=2):
+_TRAIN_STEPS = 16  # the fewest in which the tiny preset's loss falls by well over 1.0 (1.45)
+
+
+def _reference_losses(steps):
     """Single-process, unsharded fp32 training on the same initial model and global batches: what
-    every engine must reproduce (to float rounding) on CPU."""
+    every engine must reproduce (to float rounding) on CPU. Computed once for the longest run and
+    sliced (a reference step costs about a second of CPU)."""
+    assert steps <= _TRAIN_STEPS
+    return _reference_trajectory()[:steps]
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_trajectory(micro_batch=8, seq_len=64, world=2):
+    steps = _TRAIN_STEPS
     import torch
 
     from zbuf.models import loss
@@ -95,7 +107,7 @@ def _png_has_plot(path):
 
 def test_train_default_engine_then_report(tmp_path):
     out = tmp_path / "run.json"
-    steps = 20
+    steps = _TRAIN_STEPS
     res = _run(["train", "--steps", str(steps), "--out", str(out)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -136,19 +148,89 @@ def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
     assert "relative to fsdp2" in res.stdout
 
 
-def test_runs_unchanged_under_torchrun_with_a_hugging_face_model(tmp_path):
+def _dcp_tensors(path, tmp_path):
+    """Every tensor of a DCP checkpoint (parameters and optimizer state), read without a
+    process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{path.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, capsys):
+    """Save at steps 3 and 6 (plain launcher); fresh processes under torchrun resume from the
+    step-3 checkpoint alone and must reproduce steps 3..5 bit for bit: the same per-step losses
+    and the same parameters and optimizer state in the step-6 checkpoint.
+
+    One test for three requirements, to keep CI short: ``zbuf train`` runs unchanged under
+    torchrun, ``--model hf:...`` trains through zbuf, and ``--checkpoint-dir/--save-every/
+    --resume`` loses nothing."""
     pytest.importorskip("transformers")
-    out = tmp_path / "tr.json"
+    import torch
+
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    common = ["train", "--engine", "zbuf-eager", "--model", "hf:qwen3", "--steps", "6",
+              "--warmup", "1", "--save-every", "3"]
+    res = _run(common + ["--checkpoint-dir", str(full_dir), "--collective-timeout", "120",
+                         "--out", str(tmp_path / "full.json")])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    full = json.loads((tmp_path / "full.json").read_text())
+    _check_record(full, ["zbuf-eager"], 6)
+    assert full["environment"]["collective_timeout_s"] == 120.0  # applied in the workers
+    eng = full["engines"][0]
+    assert eng["start_step"] == 0 and [c["step"] for c in eng["checkpoints"]] == [3, 6]
+    assert sorted(os.listdir(full_dir)) == ["step_00000003", "step_00000006"]
+
+    # Fresh processes that know only the step-3 checkpoint, launched by torchrun.
+    resumed_dir.mkdir()
+    shutil.copytree(full_dir / "step_00000003", resumed_dir / "step_00000003")
+    out = tmp_path / "resumed.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "zbuf.cli", "train", "--engine", "zbuf-eager", "--model", "hf:qwen3",
-           "--steps", "3", "--warmup", "1", "--out", str(out)]
+           "-m", "zbuf.cli", *common, "--resume", "--checkpoint-dir", str(resumed_dir),
+           "--out", str(out)]
     env = dict(ENV, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shown = " ".join(res.stdout.split())  # rich wraps the table title on a narrow console
+    assert "resuming after step 3" in shown and "resumed at step 3" in shown
     record = json.loads(out.read_text())
-    _check_record(record, ["zbuf-eager"], 3)
     assert record["model"]["name"].startswith("hf:qwen3")
-    assert record["engines"][0]["pool"]["hits"] > 0  # the HF model's weights went through zbuf
+    assert record["environment"]["collective_timeout_s"] == 600.0  # the documented default
+    eng = record["engines"][0]
+    assert eng["status"] == "ok", eng.get("error")
+    assert eng["start_step"] == 3 and [s["step"] for s in eng["steps"]] == [3, 4, 5]
+    assert eng["pool"]["hits"] > 0  # the HF model's weights went through zbuf
+    assert eng["summary"]["measured_steps"] == 2
+    assert [s["loss"] for s in eng["steps"]] == [s["loss"] for s in full["engines"][0]["steps"][3:]]
+    assert [c["step"] for c in eng["checkpoints"]] == [6]
+    a = _dcp_tensors(full_dir / "step_00000006", tmp_path)
+    b = _dcp_tensors(resumed_dir / "step_00000006", tmp_path)
+    assert a.keys() == b.keys() and any(k.startswith("optim") for k in a), sorted(a)[:5]
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+    # Restarting a finished run does nothing, successfully; a checkpoint past --steps is refused.
+    from zbuf.cli import main
+
+    args = ["train", "--engine", "zbuf-eager", "--model", "hf:qwen3", "--resume",
+            "--checkpoint-dir", str(full_dir)]
+    assert main(args + ["--steps", "6", "--out", str(tmp_path / "again.json")]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert not (tmp_path / "again.json").exists()
+    assert main(args + ["--steps", "5", "--out", str(tmp_path / "again.json")]) == 2
+    assert "past --steps 5" in " ".join(capsys.readouterr().err.split())
+
+    # A damaged latest checkpoint stops every rank with the checkpoint's error and status 2.
+    shard = resumed_dir / "step_00000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res = _run(common + ["--steps", "9", "--nproc", "1", "--resume", "--checkpoint-dir", str(resumed_dir),
+                         "--out", str(tmp_path / "bad.json")])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "CheckpointCorruptError" in res.stderr and "Traceback" not in res.stderr
 
 
 def _children(pid):

@@ -2,6 +2,7 @@
 
     zbuf train                      # CPU: 2 gloo ranks, tiny preset; GPU: every GPU over NCCL
     zbuf train --engine fsdp2 --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac
+    zbuf train --checkpoint-dir ckpt --save-every 100 --resume   # same line starts and restarts
     zbuf bench --engines zbuf,fsdp2,ddp --preset qwen3-8b --mem-frac 0.68
     zbuf report zbuf-train.json -o plots/
     torchrun --nproc_per_node 8 -m zbuf.cli train ...   # multi-node / external launcher
@@ -41,6 +42,16 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(
             f"{value} is out of range: a fraction of the GPU's memory in (0, 1], e.g. 0.68")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
 
 
@@ -119,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", metavar="RUN.json", help="JSON record (default "
                        "zbuf-train.json)")
     _add_run_options(train)
+    c = train.add_argument_group("checkpoints and faults (zbuf engines)")
+    c.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="root of sharded step_<N> checkpoints (created if missing; the last 2 "
+                        "are kept)")
+    c.add_argument("--save-every", type=_positive_int, metavar="N",
+                   help="save a checkpoint after every N steps (needs --checkpoint-dir)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir, if "
+                        "any (bit-identical to an uninterrupted run)")
+    c.add_argument("--collective-timeout", type=_positive_float, metavar="SECONDS",
+                   help="a rank waiting longer than this for a peer stops with a clear message "
+                        "and exit status 75 (default 600; raise it if saves or first compiles "
+                        "take longer)")
     bench = sub.add_parser("bench", help="one configuration under several engines",
                            description="Run one configuration under several engines, side by "
                                        "side, and compare.")
@@ -150,13 +174,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         else:
             preset = args.model
     engines = args.engines if args.command == "bench" else (Engine(args.engine),)
+    train = args.command == "train"  # checkpoint and timeout options exist on train only
     return TrainConfig(
         engines=engines, preset=preset, hf_model=hf, micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
         warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,
         seed=args.seed, nproc=args.nproc, out=args.out, dtype=args.dtype,
         compiler=args.compiler, lr=args.lr, task=Task(args.task), device=args.device,
-        peak_tflops=args.peak_tflops, progress=not args.no_progress)
+        peak_tflops=args.peak_tflops, progress=not args.no_progress,
+        checkpoint_dir=args.checkpoint_dir if train else None,
+        save_every=args.save_every if train else None, resume=train and args.resume,
+        **({"collective_timeout_s": args.collective_timeout}
+           if train and args.collective_timeout is not None else {}))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 from ..models import PRESETS
 from .data import Task
 
@@ -120,6 +121,24 @@ class TrainConfig:
     """Peak dense bf16 TFLOP/s per GPU for MFU; default from the GPU name (H100/H200: 989)."""
     progress: bool = True
     """Live progress bar on rank 0."""
+    checkpoint_dir: Optional[str] = None
+    """Root of the run's ``step_<N>`` checkpoints (``zbuf.checkpoint``); None: no checkpoints.
+    zbuf engines only (``zbuf``, ``zbuf-eager``): the checkpoint format is zbuf's sharded one."""
+    save_every: Optional[int] = None
+    """Save a checkpoint after every this many completed steps (needs ``checkpoint_dir``);
+    None: never save."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint under ``checkpoint_dir`` when there is one
+    (a fresh start otherwise, so one command line serves the first run and every restart). The
+    data of step ``s`` is a pure function of ``s``, so a resumed run is bit-identical to an
+    uninterrupted one."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept under ``checkpoint_dir``; older ones are deleted after a save
+    (two: if the newest turns out damaged, its predecessor is still there)."""
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    """Seconds a collective may wait for a peer before the rank gives up with a clear message
+    and exit status 75 (``zbuf.faults``); NCCL's own default. It must exceed the longest
+    legitimate wait of a fast rank for a slow one: a checkpoint save or a first compile."""
 
     # ---------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -160,6 +179,28 @@ class TrainConfig:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+        if isinstance(self.collective_timeout_s, bool) or not isinstance(
+                self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
+            raise ConfigError(f"--collective-timeout must be a positive number of seconds, got "
+                              f"{self.collective_timeout_s!r}")
+        self.checkpoint_policy()
+        if self.checkpoint_dir is not None:
+            other = [e.value for e in self.engines if not e.uses_zbuf]
+            if other:
+                raise ConfigError(
+                    f"--checkpoint-dir saves zbuf's sharded checkpoints; engine(s) "
+                    f"{', '.join(other)} cannot use them. Use --engine zbuf or zbuf-eager, or "
+                    f"drop the checkpoint options")
+
+    def checkpoint_policy(self):
+        """The ``zbuf.checkpoint_policy.CheckpointPolicy`` of these options (validates them)."""
+        from ..checkpoint_policy import CheckpointPolicy
+
+        try:
+            return CheckpointPolicy(self.checkpoint_dir, self.save_every, self.resume,
+                                    self.keep_checkpoints)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def resolve(self, *, cuda: bool, world: int, bench: bool) -> "TrainConfig":
         """Fill every ``None`` for this machine and world size; check what depends on them."""
@@ -183,6 +224,18 @@ class TrainConfig:
         c.global_batch = c.micro_batch * world
         c.seq_len = c.seq_len or (2048 if cuda else 64)
         c.steps = c.steps or 30
+        if c.checkpoint_dir is not None:
+            if bench:
+                raise ConfigError(
+                    "zbuf bench compares engines from the same start and keeps no checkpoints; "
+                    "use zbuf train --checkpoint-dir DIR for a run that saves and resumes")
+            c.checkpoint_dir = os.path.abspath(c.checkpoint_dir)
+            if os.path.exists(c.checkpoint_dir) and not os.path.isdir(c.checkpoint_dir):
+                raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: exists and is not a "
+                                  f"directory; give a directory (it is created if missing)")
+        if c.save_every is not None and c.save_every > c.steps:
+            raise ConfigError(f"--save-every {c.save_every} with --steps {c.steps} never saves; "
+                              f"use --save-every {c.steps} or less")
         c.warmup = (10 if bench else 3) if c.warmup is None else c.warmup
         if c.warmup >= c.steps:
             raise ConfigError(f"--warmup {c.warmup} leaves no measured step out of --steps "

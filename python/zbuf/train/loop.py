@@ -7,6 +7,14 @@ costs one host round-trip per step for every engine alike. Step ``s`` of the rec
 slowest rank's time (the step cannot finish before its last rank); loss is the mean over ranks.
 All cross-rank reduction happens once, after the last step, so measuring adds no collective to
 the steps being measured.
+
+[Note: resumed runs]
+With ``--resume`` the run starts at the step of the latest checkpoint (``CheckpointPolicy``),
+loaded after the engine is built and before the clock starts. Its rows cover steps
+``start..steps-1`` only; the record says where it resumed (``start_step``). Warm-up counts from
+the first step this process runs (that is the step that compiles), shortened so that at least one
+step is measured. Checkpoint saves run after a step's clock stopped, so step times never include
+them; their durations go to the record's ``checkpoints`` list.
 """
 
 from __future__ import annotations
@@ -63,6 +71,14 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the full model the shards were cut from
     setup_seconds = time.perf_counter() - t0
+    policy = cfg.checkpoint_policy()
+    t0 = time.perf_counter()
+    with record_function("zbuf.train.resume"):
+        start = policy.resume_step(setup.model, setup.optimizer)
+    resume_seconds = time.perf_counter() - t0
+    if start >= cfg.steps:  # the launcher checks this before starting workers; a race is left
+        raise RuntimeError(f"the checkpoint under {cfg.checkpoint_dir} is at step {start}, at or "
+                           f"past --steps {cfg.steps}: nothing to train")
     memory_cap = _cap_memory(cfg, device, None)
     probe = MemoryProbe(device, setup.pool)
     probe.reset()
@@ -70,11 +86,12 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
 
     mcfg_vocab = _vocab(setup.model)
     rows: list[list[float]] = []  # per step: time, loss, device, peak, alloc_peak, pool, pool_hw, retries
-    progress.start_engine(engine.value, cfg.steps)
-    for step in range(cfg.steps):
+    saves: list[dict[str, Any]] = []
+    progress.start_engine(engine.value, cfg.steps, start)
+    for step in range(start, cfg.steps):
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                            mcfg_vocab, device)
-        start = time.perf_counter()
+        t_step = time.perf_counter()
         with record_function("zbuf.train.step"):
             with record_function("zbuf.train.forward"):
                 loss = setup.step_loss(batch)
@@ -85,25 +102,31 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
                 setup.optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - t_step
         value = loss.item()
         probe.feed_pool()
-        if step == 0 and setup.pool is not None and cfg.mem_frac is not None:
+        if step == start and setup.pool is not None and cfg.mem_frac is not None:
             memory_cap = _cap_memory(cfg, device, setup.pool)
         m = probe.sample()
         rows.append([elapsed, value, m.device_bytes, m.peak_device_bytes,
                      m.allocated_peak_bytes, m.pool_bytes, m.pool_high_water_bytes,
                      m.alloc_retries])
         progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
+        t0 = time.perf_counter()
+        with record_function("zbuf.train.checkpoint"):
+            path = policy.after_step(step + 1, setup.model, setup.optimizer)
+        if path is not None:
+            saves.append({"step": step + 1, "path": str(path),
+                          "seconds": time.perf_counter() - t0})
     progress.end_engine()
 
     schedule = setup.schedule_report()
     pool_stats = probe.pool_stats()
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, rows)
-    result = _combine(engine, cfg, everyone, world)
+    result = _combine(engine, cfg, everyone, world, start)
     result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule,
-                  memory_cap=memory_cap)
+                  memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves)
     del setup, loss
     gc.collect()
     if cuda:
@@ -119,13 +142,16 @@ def _vocab(model: torch.nn.Module) -> int:
 
 
 def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[list[float]]],
-             world: int) -> dict:
+             world: int, start: int = 0) -> dict:
+    """Rows of steps ``start..cfg.steps-1`` from every rank -> the engine's record entry."""
+    n = cfg.steps - start
+    warmup = min(cfg.warmup, n - 1)  # [Note: resumed runs]
+    measured = slice(warmup, n)
     steps = []
-    measured = slice(cfg.warmup, cfg.steps)
-    for s in range(cfg.steps):
-        col = [r[s] for r in per_rank]
+    for i in range(n):
+        col = [r[i] for r in per_rank]
         steps.append({
-            "step": s,
+            "step": start + i,
             "loss": sum(c[1] for c in col) / world,
             "time_s": max(c[0] for c in col),
             "tokens": cfg.micro_batch * cfg.seq_len * world,
@@ -137,7 +163,7 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[list[float]]]
     ranks = []
     for r, rows in enumerate(per_rank):
         last = rows[-1]
-        before = rows[cfg.warmup - 1][7] if cfg.warmup > 0 else 0
+        before = rows[warmup - 1][7] if warmup > 0 else 0
         ranks.append({
             "rank": r,
             "peak_device_bytes": int(max(row[3] for row in rows)),
@@ -147,4 +173,5 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[list[float]]]
             "alloc_retries_measured": int(last[7] - before),
             "measured_steps": len(rows[measured]),
         })
-    return {"engine": engine.value, "status": "ok", "steps": steps, "per_rank": ranks}
+    return {"engine": engine.value, "status": "ok", "start_step": start,
+            "warmup_steps": warmup, "steps": steps, "per_rank": ranks}

@@ -28,7 +28,7 @@ def print_error(command: str, message: str) -> None:
 class NullProgress:
     """Ranks other than 0 report nothing."""
 
-    def start_engine(self, name: str, total: int) -> None:
+    def start_engine(self, name: str, total: int, start: int = 0) -> None:
         pass
 
     def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
@@ -47,7 +47,7 @@ class TrainProgress(NullProgress):
         self._name = ""
         self._total = 0
 
-    def start_engine(self, name: str, total: int) -> None:
+    def start_engine(self, name: str, total: int, start: int = 0) -> None:
         self._name, self._total = name, total
         if self.console.is_terminal:
             self._progress = Progress(
@@ -55,9 +55,11 @@ class TrainProgress(NullProgress):
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                 TextColumn("{task.fields[mem]}"), TimeElapsedColumn(), console=self.console)
             self._progress.start()
-            self._task = self._progress.add_task(name, total=total, loss="-", tps="-", mem="-")
+            self._task = self._progress.add_task(name, total=total, completed=start, loss="-",
+                                                 tps="-", mem="-")
         else:
-            self.console.print(f"[{name}] training {total} steps", markup=False)
+            resumed = f" (resuming after step {start})" if start else ""
+            self.console.print(f"[{name}] training {total} steps{resumed}", markup=False)
 
     def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
         if self._progress is not None:
@@ -82,11 +84,15 @@ def summary_table(record: dict[str, Any]) -> Table:
     """Metrics down, engines across: fits a narrow terminal and compares side by side."""
     cuda = record["environment"].get("device_type") == "cuda"
     cfg = record["config"]
+    engines = record["engines"]
+    summaries = [e["summary"] for e in engines if e.get("summary")]
+    measured = {s["measured_steps"] for s in summaries} or {cfg["steps"] - cfg["warmup"]}
+    starts = {s.get("start_step", 0) for s in summaries} - {0}
     table = Table(title=f"zbuf {record['command']}: {record['model']['name']}, "
                         f"{record['world_size']} ranks, {cfg['micro_batch']} x {cfg['seq_len']} "
-                        f"tokens/rank, {cfg['steps'] - cfg['warmup']} measured steps")
+                        f"tokens/rank, {'/'.join(map(str, sorted(measured)))} measured steps"
+                        + (f", resumed at step {min(starts)}" if starts else ""))
     table.add_column("")
-    engines = record["engines"]
     for eng in engines:
         table.add_column(eng["engine"], justify="right")
 

@@ -8,6 +8,9 @@ Record layout (``schema: zbuf.run/1``)::
     environment    torch / CUDA / NCCL / driver versions, GPU kind and count, host
     world_size     ranks
     engines[]      engine, status ("ok" | "failed"), error, setup_seconds,
+                   start_step (0, or the checkpoint step a --resume run continued from),
+                   warmup_steps (warm-up actually left out of the statistics),
+                   resume_seconds, checkpoints[] (step, path, seconds: saves of this run),
                    steps[] (step, loss [mean over ranks], time_s [slowest rank], tokens,
                             device_bytes, peak_device_bytes, pool_bytes, alloc_retries[per rank]),
                    per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
@@ -55,14 +58,16 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
               peak_flops: Optional[float]) -> dict[str, Any]:
     """Statistics over the measured steps (those after ``cfg.warmup``)."""
     steps = result["steps"]
-    measured = steps[cfg.warmup:]
+    warmup = result.get("warmup_steps", cfg.warmup)  # shorter in a short resumed run
+    measured = steps[warmup:]
     times = [s["time_s"] for s in measured]
     median = statistics.median(times)
     tps_gpu = cfg.micro_batch * cfg.seq_len / median
     mfu = (flops_per_token * tps_gpu / peak_flops) if flops_per_token and peak_flops else None
     return {
         "measured_steps": len(measured),
-        "warmup_steps": cfg.warmup,
+        "warmup_steps": warmup,
+        "start_step": result.get("start_step", 0),
         "step_time_median_s": median,
         "step_time_min_s": min(times),
         "step_time_max_s": max(times),
@@ -164,7 +169,8 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 # Config fields that may differ between records merged into one comparison.
-_MERGE_FREE = {"engines", "out", "progress", "budget"}
+_MERGE_FREE = {"engines", "out", "progress", "budget", "checkpoint_dir", "save_every",
+               "keep_checkpoints", "collective_timeout_s"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:

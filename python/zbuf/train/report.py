@@ -72,12 +72,17 @@ def _loss_plot(record, out_dir) -> str:
 def _step_time_plot(record, out_dir) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    warmup = record["config"]["warmup"]
+    shaded = False
     for eng in _ok(record):
         ax.plot([s["step"] for s in eng["steps"]], [s["time_s"] * 1e3 for s in eng["steps"]],
                 marker=".", label=eng["engine"])
-    if warmup:
-        ax.axvspan(-0.5, warmup - 0.5, color="grey", alpha=0.15, label="warm-up (not measured)")
+        # A resumed run starts at its checkpoint's step; its warm-up starts there too.
+        start = eng.get("start_step", 0)
+        warmup = eng.get("warmup_steps", record["config"]["warmup"])
+        if warmup:
+            ax.axvspan(start - 0.5, start + warmup - 0.5, color="grey", alpha=0.15,
+                       label=None if shaded else "warm-up (not measured)")
+            shaded = True
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, slowest rank, log scale)")

@@ -46,6 +46,40 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
     return cuda, world
 
 
+def _resume_point(cfg: TrainConfig) -> int:
+    """Check the checkpoint options against the file system before any worker starts; the step
+    a ``--resume`` run will continue from (0: a fresh start). ``ConfigError`` if they cannot
+    work: a directory that cannot be created or written, or a checkpoint already past
+    ``--steps``. Reads files only (no process group), so every torchrun rank may call it."""
+    if cfg.checkpoint_dir is None:
+        return 0
+    from ..checkpoint import latest_checkpoint, read_checkpoint_info
+    from ..checkpoint_errors import CheckpointError
+
+    root = cfg.checkpoint_dir
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".zbuf-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {root}: cannot write there ({e.strerror}); choose "
+                          f"another directory") from None
+    if not cfg.resume:
+        return 0
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return 0
+    try:
+        step = read_checkpoint_info(latest).step
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    if step > cfg.steps:
+        raise ConfigError(f"--resume: the latest checkpoint ({latest}) is at step {step}, past "
+                          f"--steps {cfg.steps}; pass --steps {step + 1} or more to continue it, "
+                          f"or another --checkpoint-dir to start afresh")
+    return step
+
+
 def _failure(engine: Engine, status: str, error: str) -> dict[str, Any]:
     return {"engine": engine.value, "status": status, "error": error}
 
@@ -88,6 +122,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
         cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
             cfg.out = check_output_path(cfg.out)
+        start = _resume_point(cfg)
         unavailable = {}
         for engine in cfg.engines:
             try:
@@ -101,6 +136,13 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
             print_error(command, str(e))
         return 2
 
+    if start == cfg.steps:
+        # A restart of a finished run (a requeued job): nothing to do, and that is success.
+        if not under_torchrun() or os.environ.get("RANK") == "0":
+            console.print(f"zbuf {command}: the latest checkpoint under {cfg.checkpoint_dir} is "
+                          f"at step {start} = --steps; nothing to train (raise --steps to "
+                          f"continue)", highlight=False, markup=False)
+        return 0
     if under_torchrun():
         return _run_in_process(command, cfg, unavailable, console)
 
@@ -120,7 +162,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
             peak = partial.get("peak_flops", peak)
             engines_out.extend(partial["engines"])
             if code:
-                status = 1
+                status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
                 print_error(command, f"engine {engine.value} failed (exit {code})")
                 if not bench:
                     break
@@ -141,10 +183,19 @@ def _run_in_process(command: str, cfg: TrainConfig, unavailable: dict, console: 
 
     from .worker import run_engines
 
+    from .. import faults
+
+    from ..checkpoint_errors import CheckpointError
+
     runnable = tuple(e for e in cfg.engines if e not in unavailable)
-    partial = run_engines(cfg, runnable, cfg.progress)
-    rank = dist.get_rank()
-    dist.destroy_process_group()
+    rank = int(os.environ["RANK"])
+    try:
+        with faults.supervised():  # releases the pools and the process group on every way out
+            partial = run_engines(cfg, runnable, cfg.progress)
+    except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
+        if rank == 0:
+            print_error(command, f"{type(e).__name__}: {e}")
+        return 2
     if rank != 0:
         return 0
     by_name = {e["engine"]: e for e in partial["engines"]}

@@ -1,7 +1,10 @@
 """One rank: join the process group, run the engines, hand rank 0's results back.
 
 Entry points: ``python -m zbuf.train.worker SPEC.json`` (started by ``launcher.launch_group``),
-or ``run_engines`` called in-process when the CLI itself runs under torchrun.
+or ``run_engines`` called in-process when the CLI itself runs under torchrun. Both run it inside
+``zbuf.faults.supervised()``: a dead or stuck peer ends the rank within ``--collective-timeout``
+with one clear line and exit status 75, and every exit path releases the pools and the process
+group ([Note: rank-failure exit] in ``zbuf/faults.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import faults
+from ..checkpoint_errors import CheckpointError
 from .config import Engine, TrainConfig
 from .launcher import die_with_parent
 from .loop import run_engine
@@ -34,12 +39,17 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
-    """Join the default process group (NCCL on GPU, gloo on CPU) from the torchrun env."""
+    """Join the default process group (NCCL on GPU, gloo on CPU) from the torchrun env.
+
+    Rendezvous keeps a fixed 10 minutes (slow process start-up is not a dead peer); the
+    collectives after it get ``cfg.collective_timeout_s``.
+    """
     device = _device(cfg)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
                                 timeout=timedelta(minutes=10))
+    faults.configure_timeout(cfg.collective_timeout_s)
     if dist.get_world_size() != cfg.nproc:
         raise RuntimeError(f"process group has {dist.get_world_size()} ranks, config expects "
                            f"{cfg.nproc}")
@@ -57,8 +67,10 @@ def run_engines(cfg: TrainConfig, engines: tuple[Engine, ...],
     for engine in engines:
         torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
         results.append(run_engine(engine, cfg, device, shown))
+    env = environment(device)
+    env["collective_timeout_s"] = faults.collective_timeout_s()  # what the ranks really applied
     return {
-        "environment": environment(device),
+        "environment": env,
         "peak_flops": peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype),
         "engines": results,
     }
@@ -74,13 +86,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.device == "cpu":
         torch.set_num_threads(int(spec["threads"]))
     try:
-        partial = run_engines(cfg, tuple(Engine(e) for e in spec["engines"]), cfg.progress)
+        with faults.supervised():
+            partial = run_engines(cfg, tuple(Engine(e) for e in spec["engines"]), cfg.progress)
         if rank == 0:
             with open(spec["partial"], "w") as f:
                 json.dump(partial, f)
         return 0
     except KeyboardInterrupt:
-        return 130
+        return faults.INTERRUPTED_EXIT_CODE
+    except SystemExit as e:  # supervised(): Ctrl-C (130), SIGTERM from the launcher (143)
+        return e.code if isinstance(e.code, int) else 1
+    except CheckpointError as e:
+        # Every rank raises the same error (checkpoint.py agrees on verdicts): one clean
+        # message, no traceback; a bad checkpoint is the user's input, so status 2.
+        with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
+            f.write(str(e))
+        if rank == 0:
+            from .progress import print_error
+
+            print_error("train", f"{type(e).__name__}: {e}")
+        return 2
     except BaseException:  # noqa: BLE001 - the launcher reports it
         text = traceback.format_exc()
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
