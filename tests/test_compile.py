@@ -196,6 +196,8 @@ def test_inductor_code_keeps_the_planned_order():
     for code, rec in zip(codes, (fw, bw)):
         in_code = _zbuf_calls(code)
         assert in_code == list(rec.op_order)
+        if rec.kind == "backward":
+            assert "reduce_scatter_ordered" in in_code and "reduce_scatter" not in in_code
         # Prefetch survived Inductor's scheduling: some started gathers wait only after compute
         # kernels that the plan put between start and wait.
         lines = code.splitlines()
@@ -262,3 +264,129 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains():
     assert fw.budget_bytes == max(expected, fw.floor_bytes)
     with pytest.raises(TypeError):
         zbuf.compile(model, no_such_option=1)
+
+
+def _capture_rewritten_graphs(monkeypatch) -> list[torch.fx.Graph]:
+    """The forward/backward graphs as the schedule pass leaves them."""
+    from zbuf.compile.passes import GatherSchedulePass
+
+    graphs = []
+    original = GatherSchedulePass.plan_and_rewrite
+
+    def keep(self, graph):
+        # param_id of every functional reduce-scatter autograd traced, kept on the graph object.
+        graph._traced_reduce_scatters = [
+            n.args[1] for n in graph.nodes if n.target is torch.ops.zbuf.reduce_scatter.default
+        ]
+        original(self, graph)
+        graphs.append(graph)
+
+    monkeypatch.setattr(GatherSchedulePass, "plan_and_rewrite", keep)
+    return graphs
+
+
+def _writes_token(node: torch.fx.Node, token: torch.fx.Node) -> bool:
+    first = node.target._schema.arguments[0]
+    return node.args[0] is token and first.alias_info is not None and first.alias_info.is_write
+
+
+def test_every_collective_is_on_the_token_chain_in_plan_order(monkeypatch):
+    """A reduce-scatter off the token chain is placed by data dependencies alone (Inductor on CUDA
+    moved them all after the releases): after the pass every zbuf op, reduce-scatters included,
+    must mutate the one token, and the fingerprinted order must be that chain's order."""
+    from zbuf.compile.fingerprint import collective_nodes, collective_order
+    from zbuf.shard import shard
+
+    graphs = _capture_rewritten_graphs(monkeypatch)
+    torch.manual_seed(0)
+    model = shard(Net(n_blocks=2, ckpt=False))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", persist=False, coalesce=False))
+    _train(model, cm, _batches(1))
+    fw, bw = schedule_report(model)
+    assert len(graphs) == 2
+    for graph, rec in zip(graphs, (fw, bw)):
+        tokens = [n for n in graph.nodes if n.name.startswith("zbuf_token")]
+        assert len(tokens) == 1
+        token = tokens[0]
+        zbuf_nodes = [n for n in graph.nodes
+                      if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"]
+        assert all(_writes_token(n, token) for n in zbuf_nodes), [n.format_node() for n in zbuf_nodes]
+        assert [n.target._schema.name.split("::")[1] for n in zbuf_nodes] == list(rec.op_order)
+        comms = collective_nodes(graph)
+        assert comms and set(comms) <= set(zbuf_nodes)
+        # The fingerprinted order is the chain's order (graph order of token-mutating ops).
+        chain_pos = {n: i for i, n in enumerate(zbuf_nodes)}
+        assert [chain_pos[n] for n in comms] == sorted(chain_pos[n] for n in comms)
+        assert len(collective_order(graph)) == rec.collectives == len(comms)
+    # The backward plan interleaves releases and reduce-scatters (what Inductor on CUDA broke), and
+    # none of the functional reduce-scatters autograd traced is left.
+    names = list(bw.op_order)
+    traced = graphs[1]._traced_reduce_scatters
+    # 2 blocks x (up.weight, up.bias, down.weight) and the tied embedding/head, which autograd
+    # reduces once per use (the pass may merge those, tied.py): none may be lost or left functional.
+    assert len(set(traced)) == 7 and len(traced) == 8
+    assert "reduce_scatter" not in names
+    assert 7 <= names.count("reduce_scatter_ordered") <= 8
+    first_rs = names.index("reduce_scatter_ordered")
+    assert "all_gather_release" in names[first_rs:]
+
+
+def test_token_chain_check_catches_an_unordered_reduce_scatter():
+    from zbuf.compile.fingerprint import collective_order
+    from zbuf.compile.passes import check_token_chain, thread_reduce_scatters
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    grad = graph.placeholder("grad")
+    grad.meta["val"] = torch.empty(3, 4)
+    rs = graph.call_function(torch.ops.zbuf.reduce_scatter.default, (grad, 0, 12, group, None, torch.float32))
+    rs.meta["val"] = torch.empty(12)
+    graph.output((rs,))
+    with pytest.raises(AssertionError, match="not on the schedule token chain"):
+        check_token_chain(graph, None)
+    token = thread_reduce_scatters(graph, None)
+    assert check_token_chain(graph, token)[0].target is torch.ops.zbuf.reduce_scatter_ordered.default
+    assert collective_order(graph)[0].startswith("zbuf::reduce_scatter_ordered[")
+    # Same numerics as the functional op it replaced.
+    g = torch.randn(3, 4)
+    out = torch.fx.GraphModule(torch.nn.Module(), graph)(g)[0]
+    torch.testing.assert_close(out, torch.ops.zbuf.reduce_scatter(g, 0, 12, group, None, torch.float32),
+                               rtol=0, atol=0)
+
+
+def test_records_carry_per_node_memory_profiles():
+    from zbuf.compile.report import PROFILE_POINTS, ScheduleRecord
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(Net(n_blocks=2, ckpt=False))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", persist=False, budget_bytes=4096))
+    _train(model, cm, _batches(1))
+    for rec in schedule_report(model):
+        live, act = rec.live_gathered_profile, rec.activation_profile
+        assert len(live) == len(act) == min(rec.num_nodes, PROFILE_POINTS) > 0
+        assert max(live) == rec.peak_live_gathered_bytes <= rec.budget_bytes
+        assert max(act) == rec.activation_peak_bytes > 0
+        assert min(live) >= 0 and min(act) >= 0
+        # Plain JSON, and the record survives the round trip (graphs served from the cache).
+        data = json.loads(rec.to_json())
+        assert all(type(v) is int for v in data["live_gathered_profile"] + data["activation_profile"])
+        assert ScheduleRecord.from_json(rec.to_json()) == rec
+
+
+def test_profiles_are_down_sampled_keeping_peaks():
+    import numpy as np
+
+    from zbuf.compile.report import downsample_peaks
+
+    assert downsample_peaks([3, 1, 2]) == (3, 1, 2)
+    assert downsample_peaks(np.arange(2000)) == tuple(range(2000))
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 1 << 40, size=4999)
+    out = downsample_peaks(values)
+    assert len(out) == 2000 and all(type(v) is int for v in out)
+    assert max(out) == int(values.max())
+    # Every point is the maximum of one run of consecutive nodes; the runs cover the input.
+    bounds = [i * 4999 // 2000 for i in range(2000)] + [4999]
+    assert list(out) == [int(values[a:b].max()) for a, b in zip(bounds, bounds[1:])]
+    assert downsample_peaks([], 10) == ()

@@ -100,6 +100,9 @@ def test_qwen3_8b_fake_trace_report(num_layers):
         assert r["peak_live_gathered_bytes"] <= r["budget_bytes"]
         assert r["gathers"] > 0 and r["collectives"] > 0 and r["fingerprint"]
         assert r["planning_seconds"] < 5.0
+        live, act = r["live_gathered_profile"], r["activation_profile"]
+        assert len(live) == len(act) == min(r["num_nodes"], 2000)
+        assert max(live) == r["peak_live_gathered_bytes"] and max(act) == r["activation_peak_bytes"]
     assert out["replans"]
     for p in out["replans"]:
         # The floor is what one node needs at once: never more than the largest gather here.

@@ -106,6 +106,8 @@ def _gpu_worker(rank, world):
         for code, rec in zip(codes, recs):
             emitted = re.findall(r"torch\.ops\.zbuf\.(\w+)\.default\(", code)
             assert emitted == list(rec.op_order), (rec.kind, emitted, list(rec.op_order))
+            # Every reduce-scatter is the token-ordered form ([Note: schedule token]).
+            assert "reduce_scatter" not in emitted, emitted
         assert misses[1:] == [0] * (STEPS - 1), misses
         assert pool.stats().checked_out == 0
         tol = 1e-5 if dtype is None else 2e-2

@@ -1,4 +1,4 @@
-"""The split all-gather ops the compile pass inserts: buffer, start, wait, release, check.
+"""The ops the compile pass puts in graphs: gather buffer, start, wait, release, reduce, check.
 
 ``zbuf::gather_buffer(Tensor(a!) token, Tensor shard, int param_id, SymInt[] shape, str group_name,
                       ScalarType? param_dtype) -> Tensor``
@@ -15,6 +15,12 @@
     Waits for the start that filled ``gathered`` (found by the first buffer's storage).
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
+``zbuf::reduce_scatter_ordered(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
+                               str group_name, ScalarType? reduce_dtype, ScalarType out_dtype)
+                               -> Tensor``
+    ``zbuf::reduce_scatter`` (ops.py) with the token: the same body (``reduce_scatter_impl``), so
+    the same numerics, but its place in the collective order is pinned ([Note: schedule token]).
+    The pass substitutes it for every ``zbuf::reduce_scatter`` that autograd put in a graph.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
                        int[] buffer_sizes, int[] buffer_counts, int param_id, str record) -> ()``
     First run of a compiled graph only: checks that every rank planned the same collective order
@@ -34,6 +40,11 @@ Every op above mutates one small ``token`` tensor that the pass creates at the t
 Mutations of one buffer are never reordered, so the token pins the relative order of all zbuf
 ops exactly as planned, whatever Inductor's scheduler does with the compute around them (the
 fingerprint's collective order then is the executed order). The token carries no data.
+It only works if *every* collective is on the chain: an op outside it is placed by data
+dependencies alone. The functional ``zbuf::reduce_scatter`` was (on CUDA, Inductor's fusion
+choices moved all of a backward's reduce-scatters after all of its releases), so the pass
+replaces it with ``zbuf::reduce_scatter_ordered`` and ``check_token_chain`` (passes.py) refuses a
+graph in which any collective does not mutate the token.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ __all__ = [
     "all_gather_start",
     "all_gather_wait",
     "all_gather_release",
+    "reduce_scatter_ordered",
     "check_schedule",
     "pending",
 ]
@@ -165,6 +177,25 @@ def all_gather_release(token: torch.Tensor, t: torch.Tensor) -> None:
 @all_gather_release.register_fake
 def _all_gather_release_fake(token, t):
     return None
+
+
+@torch.library.custom_op("zbuf::reduce_scatter_ordered", mutates_args=("token",))
+def reduce_scatter_ordered(
+    token: torch.Tensor,
+    grad: torch.Tensor,
+    param_id: int,
+    shard_numel: int,
+    group_name: str,
+    reduce_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    with record_function("zbuf::reduce_scatter_ordered"):
+        return zops.reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype)
+
+
+@reduce_scatter_ordered.register_fake
+def _reduce_scatter_ordered_fake(token, grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype):
+    return grad.new_empty((shard_numel,), dtype=out_dtype)
 
 
 # (group_name, fingerprint, record) of graphs whose first run is done; consumed only by check_schedule.

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-__all__ = ["ScheduleMismatchError", "collective_order", "fingerprint_of", "check_across_ranks"]
+__all__ = [
+    "ScheduleMismatchError",
+    "collective_order",
+    "collective_nodes",
+    "fingerprint_of",
+    "check_across_ranks",
+]
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -28,7 +34,9 @@ class ScheduleMismatchError(RuntimeError):
 
 
 # Ops of the zbuf namespace that communicate (start carries the gather; wait/release do not).
-_COLLECTIVE_OPS = ("all_gather_start", "all_gather", "reduce_scatter")
+# ``all_gather`` and ``reduce_scatter`` are the functional forms autograd traces; the pass replaces
+# them, and check_token_chain (passes.py) refuses a graph in which one is left.
+_COLLECTIVE_OPS = ("all_gather_start", "reduce_scatter_ordered", "all_gather", "reduce_scatter")
 
 # (group_name, fingerprint) pairs every rank agreed on; filled by check_across_ranks.
 _CHECKED: set[tuple[str, str]] = set()
@@ -64,6 +72,11 @@ def _describe(node: torch.fx.Node) -> str | None:
         # Name the parameters: the buffers' producers carry their ids.
         args.append([b.args[2] if isinstance(b, torch.fx.Node) else "?" for b in node.args[1]])
     return f"{ns}::{name}{json.dumps(args, default=str, separators=(',', ':'))}"
+
+
+def collective_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's communicating nodes, in graph order."""
+    return [n for n in graph.nodes if _describe(n) is not None]
 
 
 def collective_order(graph: torch.fx.Graph) -> list[str]:

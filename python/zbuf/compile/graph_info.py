@@ -19,6 +19,7 @@ import math
 import operator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -34,6 +35,7 @@ __all__ = [
     "summarize",
     "GraphIndex",
     "activation_peak_bytes",
+    "activation_profile",
     "tensor_bytes",
     "gathered_nbytes",
 ]
@@ -259,8 +261,15 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
 
 
 def activation_peak_bytes(graph: torch.fx.Graph) -> int:
-    """Static liveness of every non-gathered tensor: peak of bytes alive at once.
+    """Static liveness of every non-gathered tensor: peak of bytes alive at once."""
+    profile = activation_profile(graph)
+    return int(profile.max()) if len(profile) else 0
 
+
+def activation_profile(graph: torch.fx.Graph) -> np.ndarray:
+    """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
+
+    Static liveness: a tensor is alive from the node that makes it to its last reader.
     Placeholders count from the start (in a backward graph they are the saved activations),
     graph outputs to the end; views and the gathered buffers (and views of them) count nothing.
     """
@@ -282,8 +291,4 @@ def activation_peak_bytes(graph: torch.fx.Graph) -> int:
             last = len(nodes) - 1
         delta[0 if n.op == "placeholder" else pos[n]] += nbytes
         delta[last + 1] -= nbytes
-    peak = live = 0
-    for d in delta:
-        live += d
-        peak = max(peak, live)
-    return peak
+    return np.cumsum(np.asarray(delta[:-1], dtype=np.int64))

@@ -4,8 +4,9 @@
 ``MUST_RECOMPUTE`` so backward re-gathers instead of saving full weights, except the gathers
 selective persistence keeps (``MUST_SAVE``), then runs ``min_cut_rematerialization_partition``.
 ``GatherSchedulePass`` (forward and backward graphs, post-grad): plans (schedule.py) and rewrites
-each ``zbuf::all_gather`` into start / wait / release (collectives.py), threading the schedule
-token ([Note: schedule token]) and adding the first-run rank check ([Note: collective order check]).
+each ``zbuf::all_gather`` into start / wait / release and each ``zbuf::reduce_scatter`` into its
+ordered form (collectives.py), threading the schedule token through all of them ([Note: schedule
+token]), and adds the first-run rank check ([Note: collective order check]).
 
 [Note: pass uuid]
 Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
@@ -46,6 +47,7 @@ from . import report
 from .fingerprint import collective_order, fingerprint_of
 from .graph_info import (
     activation_peak_bytes,
+    activation_profile,
     gather_nodes,
     gathered_nbytes,
     is_view,
@@ -54,7 +56,7 @@ from .graph_info import (
 from .options import CompileOptions
 from .schedule import Schedule, buffer_counts, plan_schedule
 
-__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState"]
+__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "thread_reduce_scatters", "check_token_chain"]
 
 aten = torch.ops.aten
 zbuf = torch.ops.zbuf
@@ -197,7 +199,72 @@ def _fake_empty(like: torch.Tensor, device) -> torch.Tensor:
         return torch.empty(1, dtype=torch.uint8, device=device)
 
 
-def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> None:
+def _new_token(graph: torch.fx.Graph, like: torch.Tensor, device) -> torch.fx.Node:
+    """The schedule token ([Note: schedule token]), the graph's first non-placeholder node."""
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_real):
+        token = graph.create_node(
+            "call_function", aten.empty.memory_format, ([1],), {"dtype": torch.uint8, "device": device},
+            name="zbuf_token",
+        )
+    token.meta["val"] = _fake_empty(like, device)
+    return token
+
+
+def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -> torch.fx.Node | None:
+    """Put every reduce-scatter on the token chain, where the graph order puts it.
+
+    Autograd traces the functional ``zbuf::reduce_scatter``, which Inductor may move anywhere its
+    data dependencies allow (it did, on CUDA); ``zbuf::reduce_scatter_ordered`` runs the same body
+    but mutates the token. Creates the token if the graph has none yet (no gathers: all persisted,
+    or a graph that only reduces). Returns the token (None when the graph has no collective).
+    """
+    nodes = [n for n in graph.nodes if n.target is zbuf.reduce_scatter.default]
+    if not nodes:
+        return token
+    if token is None:
+        val = nodes[0].args[0].meta["val"]
+        token = _new_token(graph, val, val.device)
+    for rs in nodes:
+        with graph.inserting_before(rs):
+            ordered = graph.call_function(zbuf.reduce_scatter_ordered.default, (token, *rs.args), dict(rs.kwargs))
+        ordered.meta.update(rs.meta)
+        if "eager_input_vals" in rs.meta:
+            # Inductor constrains a custom op's inputs to these example strides; keep the
+            # reduce-scatter's and add the token's.
+            args, kwargs = rs.meta["eager_input_vals"]
+            ordered.meta["eager_input_vals"] = ((token.meta["val"], *args), kwargs)
+        rs.replace_all_uses_with(ordered)
+        graph.erase_node(rs)
+    return token
+
+
+def check_token_chain(graph: torch.fx.Graph, token: torch.fx.Node | None) -> list[torch.fx.Node]:
+    """Refuse a graph in which a zbuf op or a zbuf collective is off the token chain.
+
+    On the chain means: the token is the op's first argument and its schema declares that
+    argument written, which is what makes Inductor keep the graph order between such ops
+    ([Note: schedule token]). Returns the chain (graph order = issue order). Collectives of
+    ``_c10d_functional`` (user code) are fingerprinted but not chained: they are not zbuf's to
+    rewrite, and stay ordered by their data dependencies only.
+    """
+    chain = []
+    for n in graph.nodes:
+        t = n.target
+        if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "zbuf"):
+            continue
+        first = t._schema.arguments[0] if t._schema.arguments else None
+        writes = first is not None and first.alias_info is not None and first.alias_info.is_write
+        if token is None or not n.args or n.args[0] is not token or not writes:
+            raise AssertionError(
+                f"zbuf: {n.format_node()} is not on the schedule token chain, so the compiled code "
+                "may issue it out of the planned order; this is a zbuf bug"
+            )
+        chain.append(n)
+    return chain
+
+
+def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
     """Split every planned gather into start / wait / release at the planned slots."""
     nodes, gathers = index.nodes, index.gathers
     by_slot: dict[int, list] = {}
@@ -209,13 +276,7 @@ def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> None:
                 by_slot.setdefault(m.release_after + 1, []).append(("release", (f, m)))
     rank = {"release": 0, "start": 1, "wait": 2}
     group_name, device = _group_and_device(graph)
-    first_real = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first_real):
-        token = graph.create_node(
-            "call_function", aten.empty.memory_format, ([1],), {"dtype": torch.uint8, "device": device},
-            name="zbuf_token",
-        )
-    token.meta["val"] = _fake_empty(gathers[0].meta["val"], device)
+    token = _new_token(graph, gathers[0].meta["val"], device)
 
     buffers: dict[tuple[int, int], torch.fx.Node] = {}  # (fetch index, member index) -> buffer
     fetch_index = {id(f): i for i, f in enumerate(sched.fetches)}
@@ -281,7 +342,8 @@ class GatherSchedulePass(CustomGraphPass):
                 graph.erase_node(g)
         index = summarize(graph, opts)
         group_name, device = _group_and_device(graph)
-        peak_act = activation_peak_bytes(graph)
+        act_profile = activation_profile(graph)
+        peak_act = int(act_profile.max()) if len(act_profile) else 0
         token = None
         sched = None
         persistent_bytes = self.state.persistent_bytes if kind == "backward" else 0
@@ -291,6 +353,7 @@ class GatherSchedulePass(CustomGraphPass):
             requested = max(1, requested - persistent_bytes)
             sched = plan_schedule(index.summary, requested, opts)
             token = rewrite(graph, index, sched)
+        token = thread_reduce_scatters(graph, token)
         order = collective_order(graph)
         fp = fingerprint_of(order)
         zbuf_ops = tuple(
@@ -319,11 +382,11 @@ class GatherSchedulePass(CustomGraphPass):
             num_nodes=index.summary.num_nodes,
             param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
             gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
-            op_order=(("check_schedule",) if order else ()) + zbuf_ops,
+            op_order=(("check_schedule",) if order and token is not None else ()) + zbuf_ops,
+            live_gathered_profile=report.downsample_peaks(sched.profile if sched else [0] * len(act_profile)),
+            activation_profile=report.downsample_peaks(act_profile),
         )
-        if order:
-            if token is None:
-                token = self._token_for_collectives(graph)
+        if order and token is not None:
             check_group = group_name if group_name is not None else self._group_of_collectives(graph)
             pool_param = int(index.gathers[0].args[1]) if index.gathers else -1
             counts = buffer_counts(index.summary, sched) if sched else {}
@@ -338,26 +401,13 @@ class GatherSchedulePass(CustomGraphPass):
                      pool_param, rec.to_json()),
                 )
                 chk.meta["val"] = None
+        check_token_chain(graph, token)
         graph.lint()
         report.record(rec, index.summary)
 
     @staticmethod
     def _group_of_collectives(graph: torch.fx.Graph) -> str:
         for n in graph.nodes:
-            if n.target is zbuf.reduce_scatter.default:
-                return n.args[3]
+            if n.target is zbuf.reduce_scatter_ordered.default:
+                return n.args[4]
         raise AssertionError("collectives without a zbuf group; this is a zbuf bug")
-
-    @staticmethod
-    def _token_for_collectives(graph: torch.fx.Graph) -> torch.fx.Node:
-        """A token for a graph with collectives but no gathers (all persisted, or reduce only)."""
-        rs = next(n for n in graph.nodes if n.target is zbuf.reduce_scatter.default)
-        val = rs.args[0].meta["val"]
-        first_real = next(n for n in graph.nodes if n.op != "placeholder")
-        with graph.inserting_before(first_real):
-            token = graph.create_node(
-                "call_function", aten.empty.memory_format, ([1],),
-                {"dtype": torch.uint8, "device": val.device}, name="zbuf_token",
-            )
-        token.meta["val"] = _fake_empty(val, val.device)
-        return token

@@ -14,11 +14,20 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .graph_model import GraphSummary
 
-__all__ = ["ScheduleRecord", "schedule_report", "record", "clear_records", "graph_summary"]
+__all__ = [
+    "ScheduleRecord",
+    "schedule_report",
+    "record",
+    "clear_records",
+    "graph_summary",
+    "downsample_peaks",
+    "PROFILE_POINTS",
+]
 
 GraphKind = Literal["forward", "backward", "inference"]
 
@@ -55,6 +64,16 @@ class ScheduleRecord:
     """The zbuf ops of the rewritten graph in planned order (``gather_buffer``, ``all_gather_start``,
     ``all_gather_wait``, ``all_gather_release``, ``reduce_scatter``, ...), for checking that the
     compiled code kept it."""
+    live_gathered_profile: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    """Planned live gathered bytes per graph node, in graph order before the rewrite (the
+    planner's profile, [Note: live gathered bytes]; never above ``budget_bytes``; gathers kept
+    from forward are not in a backward profile, they come off its budget). Down-sampled by
+    ``downsample_peaks`` to at most ``PROFILE_POINTS`` entries (all zero when nothing is gathered;
+    empty only in records written before the field existed)."""
+    activation_profile: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    """Projected bytes of non-gathered tensors alive at each node of the same graph (static
+    liveness, ``graph_info.activation_profile``; its peak is ``activation_peak_bytes``),
+    down-sampled like ``live_gathered_profile`` (the two always have the same length)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -64,7 +83,25 @@ class ScheduleRecord:
         d = json.loads(text)
         d["param_ids"] = tuple(d["param_ids"])
         d["op_order"] = tuple(d["op_order"])
+        for name in ("live_gathered_profile", "activation_profile"):
+            d[name] = tuple(d.get(name, ()))
         return cls(**d)
+
+
+PROFILE_POINTS = 2000
+"""Most entries a record's per-node profile keeps (large graphs have 10^4-10^5 nodes)."""
+
+
+def downsample_peaks(values, points: int = PROFILE_POINTS) -> tuple[int, ...]:
+    """``values`` as plain ints, cut into at most ``points`` consecutive equal-as-possible runs,
+    each kept as its maximum: peaks survive, so a down-sampled profile still shows whether the
+    budget held. Shorter inputs come back unchanged."""
+    arr = np.asarray(values, dtype=np.int64).reshape(-1)
+    if arr.size > points:
+        # Run i covers [bounds[i], bounds[i + 1]); every run is non-empty since size > points.
+        bounds = (np.arange(points) * arr.size) // points
+        arr = np.maximum.reduceat(arr, bounds)
+    return tuple(int(v) for v in arr)
 
 
 _RECORDS: list[ScheduleRecord] = []
