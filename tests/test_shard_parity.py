@@ -201,8 +201,11 @@ def test_parity_eager_and_compiled(world):
         # every rank saw the same global losses, and training moved them
         assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
         assert per_rank[0]["losses"][-1] < per_rank[0]["losses"][0]
-        # tied head + embedding are two use sites: one reduce-scatter each; frozen: none.
-        # trainable uses per forward: embed, head(=embed), 2 blocks x 4 params = 10 per micro-batch
-        assert per_rank[0]["reduce_scatters"] == STEPS * MICRO * 10, per_rank[0]["reduce_scatters"]
+        # One reduce-scatter per trainable parameter per micro-batch in eager (tied embedding/head
+        # reduced once: [Note: reduce once]): 2 blocks x 4 + 1 = 9; frozen: none. Stock compiled
+        # backends keep one per use site (10): merging them is a pass of the zbuf backend
+        # ([Note: merging reduce-scatters], tested in test_shard_tied.py).
+        per_micro = 9 if mode == "eager" else 10
+        assert per_rank[0]["reduce_scatters"] == STEPS * MICRO * per_micro, per_rank[0]["reduce_scatters"]
     if world == 2:
         assert all(r["tiny"] for r in reports)

@@ -44,14 +44,18 @@ the sum, so the sum cannot overflow.
 
 [Note: tied parameters]
 A parameter reachable under several names (tied embeddings) is one shard ``nn.Parameter``. Each
-access gathers (so the full tensor lives only as long as that use site needs it) and each gather's
-backward reduce-scatters its own gradient contribution; autograd sums the shard-sized results at
-the shard's AccumulateGrad, so ``shard.grad`` receives the gradient exactly once per backward. This
-costs one reduce-scatter per use site instead of one for the summed full gradient; the alternative,
-keeping a full-size gradient accumulator alive from the first use's backward to the last, costs a
-full parameter of memory for the whole backward, which is the wrong trade for the vocab-sized
-matrices that are tied in practice. The compile pass sees both reduce-scatters of the same
-``param_id`` in one backward graph and may sum before reducing when the two are adjacent.
+access gathers (so the full tensor lives only as long as that use site needs it), and the
+gradient contributions of all use sites are summed at full size, then reduce-scattered once:
+one collective per parameter per forward, not per use, and the unsharded reference's arithmetic
+(autograd sums the full gradient). Eager: ``EagerAllGather`` counts its uses and its backward
+holds contributions in an accumulator until the last one arrives ([Note: reduce once] in
+``reduce_once.py``, which also covers micro-batches, checkpoint recompute, dropped forwards, and
+the memory trade: the padded accumulator lives from the first contribution to the last).
+Compiled with ``backend="zbuf"``: the backward graph has one ``zbuf::reduce_scatter`` per use of
+the same ``param_id`` and a pass sums their inputs into one ([Note: merging reduce-scatters] in
+``compile/tied.py``). The op's own autograd formula below stays one reduce-scatter per use, so
+stock backends (``torch.compile(backend="aot_eager" / "inductor")`` without the zbuf passes) and
+direct calls of ``torch.ops.zbuf.all_gather`` keep that (exact, one more collective per use).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from . import reduce_once
 from .param import unpad_full
 
 __all__ = [
@@ -84,7 +89,10 @@ __all__ = [
 counters: collections.Counter = collections.Counter()
 """Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
 and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
-bytes of the padded reduce input). Tests and reports read it; nothing else depends on it."""
+bytes of the padded reduce input); eager gradient contributions held for a later reduction
+(``grad_accumulate``) and reductions made at the end of a backward (``reduce_scatter_flush``, also
+counted in ``reduce_scatter``), see [Note: reduce once]. Tests and reports read it; nothing else
+depends on it."""
 
 # param_id -> the pool its gathers draw from. Only the real implementations consult it, at run
 # time; fake implementations never do (see the module docstring).
@@ -298,18 +306,16 @@ class EagerAllGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shard, spec):
-        ctx.spec = spec
+    def forward(ctx, shard, spec, generation):
+        # generation: from reduce_once.count_use, None when this use is not counted ([Note:
+        # reduce once]). The shard is kept for an end-of-backward flush, which writes its .grad.
+        ctx.spec, ctx.generation, ctx.shard = spec, generation, shard
         return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        spec = ctx.spec
-        return (
-            reduce_scatter_impl(grad, spec.param_id, spec.shard_numel, spec.group_name,
-                                spec.reduce_dtype, spec.dtype),
-            None,
-        )
+        with _label("zbuf::reduce_once"):
+            return reduce_once.contribute(grad, ctx.shard, ctx.spec, ctx.generation), None, None
 
 
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))

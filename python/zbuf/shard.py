@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops as _ops  # registers torch.ops.zbuf.*
-from . import regather
+from . import reduce_once, regather
 from .param import ShardSpec, local_shard_of, shard_numel_for
 
 __all__ = [
@@ -104,7 +104,10 @@ def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bo
         return torch.ops.zbuf.all_gather(
             shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype
         )
-    full = _ops.EagerAllGather.apply(shard, spec)  # [Note: eager fast path] in ops.py
+    # [Note: eager fast path] in ops.py; [Note: reduce once] in reduce_once.py
+    recorded = torch.is_grad_enabled() and shard.requires_grad
+    generation = reduce_once.count_use(spec) if recorded else None
+    full = _ops.EagerAllGather.apply(shard, spec, generation)
     if track_for_backward and torch.is_grad_enabled():
         regather.track(full, shard, spec)
     return full
@@ -310,6 +313,8 @@ def _enter_regather(module, args):
     if torch.compiler.is_compiling():
         return
     _check_unchanged(module)
+    if not module._zbuf_root.hook_stack:
+        reduce_once.new_forward()
     ctx = regather.regather_hooks()
     ctx.__enter__()
     module._zbuf_root.hook_stack.append(ctx)
