@@ -55,6 +55,7 @@ from .graph_info import (
 )
 from .options import CompileOptions
 from .schedule import Schedule, buffer_counts, plan_schedule
+from .tied import merge_reduce_scatters
 
 __all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "thread_reduce_scatters", "check_token_chain"]
 
@@ -335,6 +336,7 @@ class GatherSchedulePass(CustomGraphPass):
     def plan_and_rewrite(self, graph: torch.fx.Graph) -> None:
         opts = self.state.options
         kind = "backward" if _is_backward_graph(graph) else "forward"
+        merge_reduce_scatters(graph)  # tied weights: [Note: merging reduce-scatters] in tied.py
         gathers = gather_nodes(graph)
         # Dead gathers (unused outputs) cost a collective for nothing; drop them first.
         for g in gathers:
