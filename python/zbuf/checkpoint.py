@@ -451,36 +451,30 @@ def _check_manifest_version(manifest: dict) -> list[str]:
     return []
 
 
-def _check_model(manifest: dict, inv: layout.ModelInventory, metadata) -> list[str]:
-    saved = manifest["model"]["params"]
-    saved_buffers = manifest["model"].get("buffers", {})
+def _compare_entries(kind: str, saved: dict, current: dict) -> list[str]:
+    """Problems between a checkpoint's ``{fqn: {"shape": [...]}}`` and a model's ``{fqn: shape}``."""
     out = []
-    missing = [f for f in inv.params if f not in saved]
-    unexpected = [f for f in saved if f not in inv.params]
+    missing = [f for f in current if f not in saved]
+    unexpected = [f for f in saved if f not in current]
     if missing:
-        out.append(f"parameters missing from the checkpoint: {_listing(missing)}")
+        out.append(f"{kind}s missing from the checkpoint: {_listing(missing)}")
     if unexpected:
-        out.append(f"unexpected parameters in the checkpoint (not in this model): {_listing(unexpected)}")
+        out.append(f"unexpected {kind}s in the checkpoint (not in this model): {_listing(unexpected)}")
     shapes = [
-        f"{f}: checkpoint {tuple(saved[f]['shape'])}, model {e.spec.shape}"
-        for f, e in inv.params.items()
-        if f in saved and tuple(saved[f]["shape"]) != e.spec.shape
+        f"{f}: checkpoint {tuple(saved[f]['shape'])}, model {shape}"
+        for f, shape in current.items()
+        if f in saved and tuple(saved[f]["shape"]) != shape
     ]
     if shapes:
-        out.append(f"shape mismatch: {_listing(shapes)}")
-    bmissing = [f for f in inv.buffers if f not in saved_buffers]
-    bunexpected = [f for f in saved_buffers if f not in inv.buffers]
-    if bmissing:
-        out.append(f"buffers missing from the checkpoint: {_listing(bmissing)}")
-    if bunexpected:
-        out.append(f"unexpected buffers in the checkpoint: {_listing(bunexpected)}")
-    bshapes = [
-        f"{f}: checkpoint {tuple(saved_buffers[f]['shape'])}, model {tuple(b.shape)}"
-        for f, b in inv.buffers.items()
-        if f in saved_buffers and tuple(saved_buffers[f]["shape"]) != tuple(b.shape)
-    ]
-    if bshapes:
-        out.append(f"buffer shape mismatch: {_listing(bshapes)}")
+        out.append(f"{kind} shape mismatch: {_listing(shapes)}")
+    return out
+
+
+def _check_model(manifest: dict, inv: layout.ModelInventory, metadata) -> list[str]:
+    out = _compare_entries("parameter", manifest["model"]["params"],
+                           {f: e.spec.shape for f, e in inv.params.items()})
+    out += _compare_entries("buffer", manifest["model"].get("buffers", {}),
+                            {f: tuple(b.shape) for f, b in inv.buffers.items()})
     if out:
         return out
     # The manifest agrees with the model; DCP's own metadata must agree with the manifest.
