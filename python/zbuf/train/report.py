@@ -153,15 +153,23 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                                  squeeze=False)
         for ax, (eng, g, live) in zip(axes[:, 0], profiles):
             act = _profile(g, "activation_profile", "activation_bytes_per_node")
-            top = max([*live, *(act or []), g["budget_bytes"]])
+            budget = g["budget_bytes"]
+            data_top = max([*live, *(act or []), 1])
+            # A budget far above the data (a roomy card, the CPU default) would flatten the curves
+            # to the axis: then the axis follows the data and the budget is written, not drawn.
+            budget_on_scale = budget <= 4 * data_top
+            top = max(data_top, budget) if budget_on_scale else data_top
             scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
             ax.fill_between(range(len(live)), [v / scale for v in live], step="mid", alpha=0.5,
                             label="live gathered bytes")
             if act is not None:
                 ax.plot(range(len(act)), [v / scale for v in act], color="tab:green",
                         label="projected activations")
-            ax.axhline(g["budget_bytes"] / scale, color="tab:red", linestyle="--",
-                       label="budget")
+            if budget_on_scale:
+                ax.axhline(budget / scale, color="tab:red", linestyle="--", label="budget")
+            else:
+                ax.text(0.01, 0.04, f"budget {budget / _GIB:.2f} GiB (off scale)",
+                        transform=ax.transAxes, va="bottom", color="tab:red", fontsize="small")
             ax.set_title(f"{eng['engine']}: graph {g.get('graph_id', '?')} "
                          f"({g.get('kind', '?')}), {len(live)} nodes")
             ax.set_xlabel("graph node (execution order)")
