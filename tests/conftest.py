@@ -21,3 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A 1-rank gloo default group for single-process tests; yields its group name.
+
+    Created only if none exists, and destroyed at the module's end only if created here (a test
+    may destroy and re-create it in between to exercise a destroyed group).
+    """
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield dist.group.WORLD.group_name
+    if created and dist.is_initialized():
+        dist.destroy_process_group()

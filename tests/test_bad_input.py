@@ -21,14 +21,7 @@ import zbuf.ops  # noqa: F401 - registers torch.ops.zbuf.*
 from zbuf.checkpoint_files import MANIFEST_NAME
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world1():
-    if dist.is_initialized():
-        pytest.skip("needs to own the default process group")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 
 def _group_name() -> str:

@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zbuf.checkpoint as ckpt
 from zbuf.checkpoint_policy import CheckpointPolicy
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world1():
-    if dist.is_initialized():
-        pytest.skip("needs to own the default process group")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 
 def _make():

@@ -24,15 +24,7 @@ from zbuf.compile.report import clear_records
 VOCAB, DIM, HIDDEN = 23, 12, 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-        created = True
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -15,14 +15,7 @@ from zbuf.shard import ShardingError, shard, sharded_parameters
 from zbuf.state_dict import full_state_dict
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 
 
 def test_shards_keep_names_keys_and_module_types():

@@ -248,14 +248,6 @@ def test_tied_weight_reduced_once_eager_and_compiled():
 # The graph rewrite on hand-built backward graphs (one process, a 1-rank group).
 
 
-@pytest.fixture
-def one_rank_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield dist.group.WORLD.group_name
-    if created:
-        dist.destroy_process_group()
 
 
 def _rs_graph(group, n_uses, *, reduce_dtype=None, extra_use=False):
