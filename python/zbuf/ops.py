@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import reduce_once
+from .errors import DoubleReleaseError, ForeignBufferError
 from .param import unpad_full
 
 __all__ = [
@@ -321,11 +322,15 @@ class EagerAllGather(torch.autograd.Function):
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))
 def release(t: torch.Tensor) -> None:
     with _label("zbuf::release"):
+        # Release straight away and skip the pools that do not hold `t`: asking `owns` first
+        # would look the buffer up twice on every release.
         for pool in _KNOWN_POOLS:
-            if pool.owns(t):
+            try:
                 pool.release(t)
-                counters["release"] += 1
-                return
+            except (ForeignBufferError, DoubleReleaseError):
+                continue
+            counters["release"] += 1
+            return
         raise ValueError(
             "zbuf::release: this tensor is not a live buffer of any zbuf pool; only the output of "
             "zbuf::all_gather can be released, and only once"
