@@ -116,6 +116,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="what compiles the graphs (default: inductor on GPU, aot_eager on CPU)")
     s.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per GPU for MFU "
                    "(default: from the GPU name)")
+    s.add_argument("--profile-dir", metavar="DIR", help="after the measured steps, profile 2 "
+                   "more per engine with torch.profiler: each rank's trace and a summary of "
+                   "exposed communication go to DIR")
     s.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
@@ -181,7 +184,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,
         seed=args.seed, nproc=args.nproc, out=args.out, dtype=args.dtype,
         compiler=args.compiler, lr=args.lr, task=Task(args.task), device=args.device,
-        peak_tflops=args.peak_tflops, progress=not args.no_progress,
+        peak_tflops=args.peak_tflops, profile_dir=args.profile_dir,
+        progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir if train else None,
         save_every=args.save_every if train else None, resume=train and args.resume,
         **({"collective_timeout_s": args.collective_timeout}

@@ -119,6 +119,10 @@ class TrainConfig:
     """``auto`` (CUDA if present), ``cpu`` or ``cuda``."""
     peak_tflops: Optional[float] = None
     """Peak dense bf16 TFLOP/s per GPU for MFU; default from the GPU name (H100/H200: 989)."""
+    profile_dir: Optional[str] = None
+    """Run 2 extra steps per engine under ``torch.profiler`` after the measured ones and write
+    each rank's gzipped Chrome trace and a summary of device busy / exposed communication / idle
+    time there (``zbuf.train.profile``); None: no profiling."""
     progress: bool = True
     """Live progress bar on rank 0."""
     checkpoint_dir: Optional[str] = None
@@ -253,6 +257,11 @@ class TrainConfig:
             raise ConfigError(f"--seq-len {c.seq_len} exceeds preset {c.preset}'s max_seq_len "
                               f"{max_seq}")
         c.out = c.out or ("zbuf-bench.json" if bench else "zbuf-train.json")
+        if c.profile_dir is not None:
+            c.profile_dir = os.path.abspath(c.profile_dir)
+            if os.path.exists(c.profile_dir) and not os.path.isdir(c.profile_dir):
+                raise ConfigError(f"--profile-dir {self.profile_dir}: exists and is not a "
+                                  f"directory; give a directory (it is created if missing)")
         return c
 
     def to_json(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
 from .metrics import MemoryProbe
+from .profile import PROFILED_STEPS, StepProfiler
 
 __all__ = ["run_engine"]
 
@@ -92,14 +93,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                            mcfg_vocab, device)
         t_step = time.perf_counter()
-        with record_function("zbuf.train.step"):
-            with record_function("zbuf.train.forward"):
-                loss = setup.step_loss(batch)
-            with record_function("zbuf.train.backward"):
-                loss.backward()
-            with record_function("zbuf.train.optimizer"):
-                setup.optimizer.step()
-                setup.optimizer.zero_grad(set_to_none=True)
+        loss = _train_step(setup, batch)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t_step
@@ -119,6 +113,13 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
             saves.append({"step": step + 1, "path": str(path),
                           "seconds": time.perf_counter() - t0})
     progress.end_engine()
+    if cfg.profile_dir is not None:
+        with record_function("zbuf.train.profile"), StepProfiler(cfg.profile_dir, engine.value, rank):
+            for step in range(cfg.steps, cfg.steps + PROFILED_STEPS):  # [Note: profiled steps]
+                loss = _train_step(setup, rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch,
+                                                     world, rank, cfg.seq_len, mcfg_vocab, device))
+            if cuda:
+                torch.cuda.synchronize(device)
 
     schedule = setup.schedule_report()
     pool_stats = probe.pool_stats()
@@ -132,6 +133,19 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def _train_step(setup, batch) -> torch.Tensor:
+    """Forward + loss, backward, optimizer step; returns the loss (not synchronized)."""
+    with record_function("zbuf.train.step"):
+        with record_function("zbuf.train.forward"):
+            loss = setup.step_loss(batch)
+        with record_function("zbuf.train.backward"):
+            loss.backward()
+        with record_function("zbuf.train.optimizer"):
+            setup.optimizer.step()
+            setup.optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def _vocab(model: torch.nn.Module) -> int:
