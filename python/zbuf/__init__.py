@@ -11,6 +11,18 @@ The public surface:
 - ``models``: the built-in Qwen3-shaped decoder presets.
 """
 
+import os as _os
+
+# [Note: no record_stream on pool memory]
+# An async NCCL collective makes c10d call ``record_stream`` on its tensors unless this is set,
+# and the caching allocator then holds the cast shards (and any allocator-backed output) until
+# the comm stream passes that point: blocks freed late, reused late, the churn the pool exists to
+# avoid. With it, c10d stashes the tensors in its Work instead, until ``wait()``. Pool buffers
+# never need record_stream (their reuse is ordered by release events). ProcessGroupNCCL reads it
+# when a group is created, so it applies to every group created after ``import zbuf``; an
+# explicit setting by the user wins.
+_os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+
 # zbuf.compile and zbuf.shard are callable modules: zbuf.shard(model) and zbuf.shard.<helper>
 # both work.
 from . import compile, models, shard  # noqa: A004
