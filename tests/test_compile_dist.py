@@ -2,8 +2,9 @@
 
 One launch per world size does every check, so process start-up is paid once:
 * world 2: the built-in ``tiny`` decoder compiled with zbuf (aot_eager, default options) matches
-  eager zbuf and the unsharded reference over 10 AdamW steps (1e-5 relative); each step gathers
-  exactly what the plans say (so guard evaluation gathers nothing); a model with a graph break
+  eager zbuf and the unsharded reference over 10 AdamW steps (losses, first-step gradients and
+  final parameters, each tensor to 1e-5 relative); each step gathers exactly what the plans say
+  (so guard evaluation gathers nothing); a model with a graph break
   trains correctly and a second input shape recompiles it without a hang; ranks handed different
   graphs both stop with ``ScheduleMismatchError`` within seconds; with ``ZBUF_TEST_INDUCTOR=1``,
   the decoder under Inductor too.
@@ -31,8 +32,10 @@ fp32 reference itself missed the float64 truth by 2x the bar, so comparing again
 elements the sign step amplified. Starting the warm-up at lr 0 (``get_linear_schedule_with_warmup``'s
 convention) leaves the first gradient in Adam's moments but takes no sign step; the same runs then
 measure 2.2e-7 for both the fp32 reference and fp32 zbuf against float64, and 1.3e-7 / 1.6e-7 for
-zbuf against the fp32 reference (2 / 3 ranks): the fp32 comparison is well-conditioned, 1e-5 holds
-with a 50x margin, and any error zbuf adds shows.
+zbuf against the fp32 reference (2 / 3 ranks): the fp32 comparison is well-conditioned and 1e-5
+holds with a 50x margin. Adam is also nearly blind to a gradient's scale (every reduce-scatter
+output made 1.5x too large still left losses and parameters within 3.8e-7), so the first step's
+full gradients, computed from the same parameters on both sides, are compared directly too.
 """
 
 from __future__ import annotations
@@ -172,21 +175,19 @@ def _decoder_case(rank, world, *, ac, options, steps=STEPS):
         "grads vs reference": _check_grads(run, ref_run, what),
     }
     if options.get("inner", "inductor") == "inductor":
-        # Inductor's fused kernels round differently from eager (AdamW amplifies that in the
-        # parameters); the zbuf rewrite must add nothing on top: compare the parameters with the
-        # same sharded model under stock Inductor, and with the reference more loosely.
+        # Inductor's fused kernels round differently from eager ones; the zbuf rewrite must add
+        # nothing on top of that: the same sharded model under stock Inductor is its twin.
         stock = shard(copy.deepcopy(init))
         _train(torch.compile(stock, backend="inductor", fullgraph=True), stock, batches, rank, world,
                sharded=True, loss_fn=loss)
         errors["vs stock inductor"] = _check_model(full_state_dict(model), stock, f"{what} vs stock inductor",
                                                    full=True)
-        errors["vs reference"] = _check_model(full_state_dict(model), ref, what, rtol=1e-4)
     else:
         # aot_eager runs the eager kernels: the rewrite may add no error of its own.
         errors["vs eager"] = _check_model(full_state_dict(model), eager, f"{what} vs eager zbuf", full=True,
                                           rtol=1e-6)
-        errors["eager vs reference"] = _check_model(full_state_dict(eager), ref, f"{what}: eager zbuf vs reference")
-        errors["vs reference"] = _check_model(full_state_dict(model), ref, what)
+    errors["eager vs reference"] = _check_model(full_state_dict(eager), ref, f"{what}: eager zbuf vs reference")
+    errors["vs reference"] = _check_model(full_state_dict(model), ref, what)
     recs = schedule_report(model)
     assert [r.kind for r in recs] == ["forward", "backward"], recs
     planned = sum(r.gather_calls for r in recs)
