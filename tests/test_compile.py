@@ -189,7 +189,7 @@ def test_inductor_code_keeps_the_planned_order():
         in_code = _zbuf_calls(code)
         assert in_code == list(rec.op_order)
         if rec.kind == "backward":
-            assert "reduce_scatter_ordered" in in_code and "reduce_scatter" not in in_code
+            assert "reduce_scatter_start" in in_code and "reduce_scatter" not in in_code
         # Prefetch survived Inductor's scheduling: some started gathers wait only after compute
         # kernels that the plan put between start and wait.
         lines = code.splitlines()
@@ -318,8 +318,8 @@ def test_every_collective_is_on_the_token_chain_in_plan_order(monkeypatch):
     # reduces once per use (the pass may merge those, tied.py): none may be lost or left functional.
     assert len(set(traced)) == 7 and len(traced) == 8
     assert "reduce_scatter" not in names
-    assert 7 <= names.count("reduce_scatter_ordered") <= 8
-    first_rs = names.index("reduce_scatter_ordered")
+    assert 7 <= names.count("reduce_scatter_start") == names.count("reduce_scatter_wait") <= 8
+    first_rs = names.index("reduce_scatter_start")
     assert "all_gather_release" in names[first_rs:]
 
 
@@ -337,13 +337,53 @@ def test_token_chain_check_catches_an_unordered_reduce_scatter():
     with pytest.raises(AssertionError, match="not on the schedule token chain"):
         check_token_chain(graph, None)
     token = thread_reduce_scatters(graph, None)
-    assert check_token_chain(graph, token)[0].target is torch.ops.zbuf.reduce_scatter_ordered.default
-    assert collective_order(graph)[0].startswith("zbuf::reduce_scatter_ordered[")
+    assert [n.target for n in check_token_chain(graph, token)] == [torch.ops.zbuf.reduce_scatter_start.default, torch.ops.zbuf.reduce_scatter_wait.default]
+    assert collective_order(graph)[0].startswith("zbuf::reduce_scatter_start[")
     # Same numerics as the functional op it replaced.
     g = torch.randn(3, 4)
     out = torch.fx.GraphModule(torch.nn.Module(), graph)(g)[0]
     torch.testing.assert_close(out, torch.ops.zbuf.reduce_scatter(g, 0, 12, group, None, torch.float32),
                                rtol=0, atol=0)
+
+
+def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
+    """[Note: reduce-scatter overlap]: waits follow start order, as late as the in-flight limit
+    and the first reader allow; a narrower output dtype is cast after the wait."""
+    from zbuf.compile import passes
+
+    group = dist.group.WORLD.group_name
+    graph = torch.fx.Graph()
+    grads = [graph.placeholder(f"g{i}") for i in range(3)]
+    outs = []
+    for i, g in enumerate(grads):
+        g.meta["val"] = torch.empty(4, 4, dtype=torch.bfloat16)
+        rs = graph.call_function(torch.ops.zbuf.reduce_scatter.default,
+                                 (g, i, 16, group, torch.float32, torch.bfloat16 if i == 2 else torch.float32))
+        rs.meta["val"] = torch.empty(16, dtype=torch.bfloat16 if i == 2 else torch.float32)
+        outs.append(rs)
+    early = graph.call_function(torch.ops.aten.neg.default, (outs[0],))  # reads result 0 early
+    early.meta["val"] = torch.empty(16)
+    graph.output((*outs, early))
+    monkeypatch.setattr(passes, "RS_IN_FLIGHT_BYTES", 2 * 16 * 4)  # two fp32 inputs in flight
+    token = passes.thread_reduce_scatters(graph, None)
+    # (op, param_id of the reduce-scatter it starts or waits for), in chain order
+    order = [(n.target._schema.name.split("::")[1], (n.args[1] if "wait" in str(n.target) else n).args[2])
+             for n in passes.check_token_chain(graph, token)]
+    assert order == [("reduce_scatter_start", 0), ("reduce_scatter_start", 1),
+                     ("reduce_scatter_wait", 0),  # forced by the limit, before the early reader
+                     ("reduce_scatter_start", 2),
+                     ("reduce_scatter_wait", 1), ("reduce_scatter_wait", 2)]
+    casts = [n for n in graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert len(casts) == 1 and casts[0].args[1] is torch.bfloat16
+    g = [torch.randn(4, 4).bfloat16() for _ in range(3)]
+    got = torch.fx.GraphModule(torch.nn.Module(), graph)(*g)
+    for i in range(3):
+        want = torch.ops.zbuf.reduce_scatter(g[i], i, 16, group, torch.float32,
+                                             torch.bfloat16 if i == 2 else torch.float32)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[3], -got[0], rtol=0, atol=0)
+    from zbuf.compile.collectives import pending
+    assert pending() == 0
 
 
 def test_records_carry_per_node_memory_profiles():

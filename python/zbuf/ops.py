@@ -64,7 +64,7 @@ import collections
 import contextlib
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -239,43 +239,71 @@ def _all_gather_backward(ctx, grad):
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup_context)
 
 
+class ReduceScatterLaunch(NamedTuple):
+    """A reduce-scatter issued by ``reduce_scatter_launch``, finished by ``reduce_scatter_finish``."""
+
+    out: torch.Tensor
+    """This rank's summed slice in the reduce dtype; valid once ``work`` completed."""
+    work: Optional[dist.Work]
+    """The in-flight collective (None: already complete). It also holds the padded input alive
+    until ``wait`` (c10d stashes the tensors of async collectives instead of record_stream)."""
+    divide_by: int
+    """Divisor still to apply to ``out`` (1 when the input was divided before the sum)."""
+
+
+def reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype, *,
+                          async_op: bool) -> ReduceScatterLaunch:
+    """Cast, pad and issue the reduce-scatter of ``grad`` (the first half of ``zbuf::reduce_scatter``)."""
+    pg = _group(group_name)
+    world = pg.size()
+    rdtype = reduce_dtype if reduce_dtype is not None else grad.dtype
+    if not rdtype.is_floating_point:
+        raise ValueError(
+            f"zbuf::reduce_scatter: reduce_dtype must be a floating-point dtype or None, got "
+            f"{reduce_dtype} (param_id {param_id})"
+        )
+    flat = grad.reshape(-1).to(rdtype)
+    padded = world * shard_numel
+    if flat.numel() > padded:
+        raise ValueError(
+            f"zbuf::reduce_scatter: gradient of {flat.numel()} elements does not fit {world} "
+            f"shards of {shard_numel} (param_id {param_id})"
+        )
+    if flat.numel() < padded:
+        inp = flat.new_zeros(padded)
+        inp[: flat.numel()].copy_(flat)
+    else:
+        inp = flat.contiguous()
+    # [Note: collectives on gloo]: divide before a narrow sum, after a wide one.
+    pre_divide = world > 1 and rdtype.itemsize < 4
+    if pre_divide:
+        inp = inp / world
+    out = inp.new_empty(shard_numel)
+    work = None
+    if world == 1:
+        out.copy_(inp)
+    else:
+        work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+    counters["reduce_scatter"] += 1
+    counters["reduce_scatter_bytes"] += inp.numel() * inp.element_size()
+    return ReduceScatterLaunch(out, work if async_op else None, 1 if pre_divide else world)
+
+
+def reduce_scatter_finish(launch: ReduceScatterLaunch) -> torch.Tensor:
+    """Wait for ``launch`` (device-side: the current stream waits) and average in place."""
+    if launch.work is not None:
+        launch.work.wait()
+    if launch.divide_by != 1:
+        launch.out.div_(launch.divide_by)
+    return launch.out
+
+
 def reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype) -> torch.Tensor:
     """The body of ``zbuf::reduce_scatter`` (also run directly by the eager fast path)."""
     with _label("zbuf::reduce_scatter"):
-        pg = _group(group_name)
-        world = pg.size()
-        rdtype = reduce_dtype if reduce_dtype is not None else grad.dtype
-        if not rdtype.is_floating_point:
-            raise ValueError(
-                f"zbuf::reduce_scatter: reduce_dtype must be a floating-point dtype or None, got "
-                f"{reduce_dtype} (param_id {param_id})"
-            )
-        flat = grad.reshape(-1).to(rdtype)
-        padded = world * shard_numel
-        if flat.numel() > padded:
-            raise ValueError(
-                f"zbuf::reduce_scatter: gradient of {flat.numel()} elements does not fit {world} "
-                f"shards of {shard_numel} (param_id {param_id})"
-            )
-        if flat.numel() < padded:
-            inp = flat.new_zeros(padded)
-            inp[: flat.numel()].copy_(flat)
-        else:
-            inp = flat.contiguous()
-        # [Note: collectives on gloo]: divide before a narrow sum, after a wide one.
-        pre_divide = world > 1 and rdtype.itemsize < 4
-        if pre_divide:
-            inp = inp / world
-        out = inp.new_empty(shard_numel)
-        if world == 1:
-            out.copy_(inp)
-        else:
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=pg)
-            if not pre_divide:
-                out.div_(world)
-        counters["reduce_scatter"] += 1
-        counters["reduce_scatter_bytes"] += inp.numel() * inp.element_size()
-        return out.to(out_dtype)
+        launch = reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
+                                       async_op=False)
+        return reduce_scatter_finish(launch).to(out_dtype)
 
 
 @torch.library.custom_op("zbuf::reduce_scatter", mutates_args=())

@@ -15,12 +15,15 @@
     Waits for the start that filled ``gathered`` (found by the first buffer's storage).
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
-``zbuf::reduce_scatter_ordered(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
-                               str group_name, ScalarType? reduce_dtype, ScalarType out_dtype)
-                               -> Tensor``
-    ``zbuf::reduce_scatter`` (ops.py) with the token: the same body (``reduce_scatter_impl``), so
-    the same numerics, but its place in the collective order is pinned ([Note: schedule token]).
-    The pass substitutes it for every ``zbuf::reduce_scatter`` that autograd put in a graph.
+``zbuf::reduce_scatter_start(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
+                             str group_name, ScalarType? reduce_dtype) -> Tensor``
+    The first half of ``zbuf::reduce_scatter`` (ops.py): casts and pads ``grad`` and issues the
+    collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
+    are valid only after the matching wait. The pass substitutes a start/wait pair for every
+    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: reduce-scatter overlap]).
+``zbuf::reduce_scatter_wait(Tensor(a!) token, Tensor(b!) started) -> ()``
+    Makes the current stream wait for the start that returned ``started`` and averages it in
+    place: the same arithmetic as ``zbuf::reduce_scatter``.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
                        int[] buffer_sizes, int[] buffer_counts, int param_id, str record) -> ()``
     First run of a compiled graph only: checks that every rank planned the same collective order
@@ -43,8 +46,18 @@ fingerprint's collective order then is the executed order). The token carries no
 It only works if *every* collective is on the chain: an op outside it is placed by data
 dependencies alone. The functional ``zbuf::reduce_scatter`` was (on CUDA, Inductor's fusion
 choices moved all of a backward's reduce-scatters after all of its releases), so the pass
-replaces it with ``zbuf::reduce_scatter_ordered`` and ``check_token_chain`` (passes.py) refuses a
-graph in which any collective does not mutate the token.
+replaces it with ``zbuf::reduce_scatter_start`` / ``_wait`` and ``check_token_chain`` (passes.py)
+refuses a graph in which any collective does not mutate the token.
+
+[Note: reduce-scatter overlap]
+A synchronous reduce-scatter runs on the compute stream (torch 2.11's ProcessGroupNCCL issues
+``async_op=False`` collectives on the current stream), so backward compute stops for every one:
+on 2x H200 that was 23 ms of a 483 ms qwen3-1.7b step with nothing else running. The start
+issues it on NCCL's stream instead, after the compute that produced the gradient; the wait puts
+the compute stream behind it only where the result is needed, which the pass places later
+(``thread_reduce_scatters``): before the first reader of the gradient, or once the padded
+inputs of the reduce-scatters in flight would exceed ``RS_IN_FLIGHT_BYTES`` (c10d keeps each
+input alive until its wait, so this bounds the extra memory).
 """
 
 from __future__ import annotations
@@ -65,7 +78,8 @@ __all__ = [
     "all_gather_start",
     "all_gather_wait",
     "all_gather_release",
-    "reduce_scatter_ordered",
+    "reduce_scatter_start",
+    "reduce_scatter_wait",
     "check_schedule",
     "pending",
 ]
@@ -73,11 +87,14 @@ __all__ = [
 # First buffer's storage pointer -> the in-flight collective (None when it completed at once).
 # Produced by all_gather_start, consumed (popped) by all_gather_wait.
 _PENDING: dict[int, Optional[dist.Work]] = {}
+# The started slice's storage pointer -> its launch. Produced by reduce_scatter_start, consumed
+# (popped) by reduce_scatter_wait.
+_PENDING_RS: dict[int, zops.ReduceScatterLaunch] = {}
 
 
 def pending() -> int:
-    """Started gathers not yet waited for (tests check that this drains)."""
-    return len(_PENDING)
+    """Started gathers and reduce-scatters not yet waited for (tests check that this drains)."""
+    return len(_PENDING) + len(_PENDING_RS)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -179,23 +196,42 @@ def _all_gather_release_fake(token, t):
     return None
 
 
-@torch.library.custom_op("zbuf::reduce_scatter_ordered", mutates_args=("token",))
-def reduce_scatter_ordered(
+@torch.library.custom_op("zbuf::reduce_scatter_start", mutates_args=("token",))
+def reduce_scatter_start(
     token: torch.Tensor,
     grad: torch.Tensor,
     param_id: int,
     shard_numel: int,
     group_name: str,
     reduce_dtype: Optional[torch.dtype],
-    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    with record_function("zbuf::reduce_scatter_ordered"):
-        return zops.reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype)
+    with record_function("zbuf::reduce_scatter_start"):
+        launch = zops.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
+                                            async_op=True)
+        _PENDING_RS[launch.out.untyped_storage().data_ptr()] = launch
+        return launch.out
 
 
-@reduce_scatter_ordered.register_fake
-def _reduce_scatter_ordered_fake(token, grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype):
-    return grad.new_empty((shard_numel,), dtype=out_dtype)
+@reduce_scatter_start.register_fake
+def _reduce_scatter_start_fake(token, grad, param_id, shard_numel, group_name, reduce_dtype):
+    return grad.new_empty((shard_numel,), dtype=reduce_dtype if reduce_dtype is not None else grad.dtype)
+
+
+@torch.library.custom_op("zbuf::reduce_scatter_wait", mutates_args=("token", "started"))
+def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
+    with record_function("zbuf::reduce_scatter_wait"):
+        launch = _PENDING_RS.pop(started.untyped_storage().data_ptr(), None)
+        if launch is None:
+            raise RuntimeError(
+                "zbuf::reduce_scatter_wait: no started reduce-scatter owns this tensor (waited "
+                "twice, or the graph was rewritten wrongly); this is a zbuf bug"
+            )
+        zops.reduce_scatter_finish(launch)
+
+
+@reduce_scatter_wait.register_fake
+def _reduce_scatter_wait_fake(token, started):
+    return None
 
 
 # (group_name, fingerprint, record) of graphs whose first run is done; consumed only by check_schedule.

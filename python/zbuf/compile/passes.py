@@ -61,6 +61,7 @@ __all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "thread_reduce_
 
 aten = torch.ops.aten
 zbuf = torch.ops.zbuf
+prims = torch.ops.prims
 
 _CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 
@@ -212,13 +213,26 @@ def _new_token(graph: torch.fx.Graph, like: torch.Tensor, device) -> torch.fx.No
     return token
 
 
+RS_IN_FLIGHT_BYTES = 1 << 30
+"""Padded reduce-scatter inputs allowed in flight at once ([Note: reduce-scatter overlap]); a
+single larger one is still issued alone."""
+
+
+RS_IN_FLIGHT_BYTES = 1 << 30
+"""Padded reduce-scatter inputs allowed in flight at once ([Note: reduce-scatter overlap] in
+collectives.py); a single larger one is still issued, alone."""
+
+
 def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -> torch.fx.Node | None:
-    """Put every reduce-scatter on the token chain, where the graph order puts it.
+    """Split every reduce-scatter into start / wait on the token chain, where the graph order puts it.
 
     Autograd traces the functional ``zbuf::reduce_scatter``, which Inductor may move anywhere its
-    data dependencies allow (it did, on CUDA); ``zbuf::reduce_scatter_ordered`` runs the same body
-    but mutates the token. Creates the token if the graph has none yet (no gathers: all persisted,
-    or a graph that only reduces). Returns the token (None when the graph has no collective).
+    data dependencies allow (it did, on CUDA); the start and wait mutate the token, so their order
+    is the graph's. The start stays where the reduce-scatter was; waits follow start order and go
+    as late as the first reader of a result and the in-flight limit allow ([Note: reduce-scatter
+    overlap] in collectives.py). Creates the token if the graph has none yet (no gathers: all
+    persisted, or a graph that only reduces). Returns the token (None when the graph has no
+    collective).
     """
     nodes = [n for n in graph.nodes if n.target is zbuf.reduce_scatter.default]
     if not nodes:
@@ -226,17 +240,45 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
     if token is None:
         val = nodes[0].args[0].meta["val"]
         token = _new_token(graph, val, val.device)
-    for rs in nodes:
-        with graph.inserting_before(rs):
-            ordered = graph.call_function(zbuf.reduce_scatter_ordered.default, (token, *rs.args), dict(rs.kwargs))
-        ordered.meta.update(rs.meta)
-        if "eager_input_vals" in rs.meta:
+    in_flight: list[tuple[torch.fx.Node, torch.fx.Node, int]] = []  # (reduce-scatter, start, input bytes)
+
+    def wait_oldest(before: torch.fx.Node) -> None:
+        rs, started, _ = in_flight.pop(0)
+        out_dtype = rs.args[5]
+        with graph.inserting_before(before):
+            graph.call_function(zbuf.reduce_scatter_wait.default, (token, started)).meta["val"] = None
+            result = started
+            if started.meta["val"].dtype != out_dtype:
+                result = graph.call_function(prims.convert_element_type.default, (started, out_dtype))
+                result.meta["val"] = rs.meta["val"]
+        rs.replace_all_uses_with(result)
+        graph.erase_node(rs)
+
+    for n in list(graph.nodes):
+        while in_flight and any(n in rs.users for rs, _, _ in in_flight):
+            wait_oldest(n)  # n reads a result: wait for it (and, in order, for those before it)
+        if n.target is not zbuf.reduce_scatter.default:
+            continue
+        grad, param_id, shard_numel, group_name, reduce_dtype, _out_dtype = n.args
+        gval = grad.meta["val"]
+        rdtype = reduce_dtype if reduce_dtype is not None else gval.dtype
+        nbytes = gval.numel() * rdtype.itemsize
+        while in_flight and sum(b for *_, b in in_flight) + nbytes > RS_IN_FLIGHT_BYTES:
+            wait_oldest(n)
+        with graph.inserting_before(n):
+            started = graph.call_function(
+                zbuf.reduce_scatter_start.default, (token, grad, param_id, shard_numel, group_name, reduce_dtype)
+            )
+        started.meta["val"] = n.meta["val"].new_empty(n.meta["val"].shape, dtype=rdtype)
+        if "eager_input_vals" in n.meta:
             # Inductor constrains a custom op's inputs to these example strides; keep the
             # reduce-scatter's and add the token's.
-            args, kwargs = rs.meta["eager_input_vals"]
-            ordered.meta["eager_input_vals"] = ((token.meta["val"], *args), kwargs)
-        rs.replace_all_uses_with(ordered)
-        graph.erase_node(rs)
+            args, kwargs = n.meta["eager_input_vals"]
+            started.meta["eager_input_vals"] = ((token.meta["val"], *args[:5]), kwargs)
+        in_flight.append((n, started, nbytes))
+    if in_flight:
+        raise AssertionError("zbuf: a reduce-scatter result has no reader (not even the graph "
+                             "output); this is a zbuf bug")
     return token
 
 
@@ -410,6 +452,6 @@ class GatherSchedulePass(CustomGraphPass):
     @staticmethod
     def _group_of_collectives(graph: torch.fx.Graph) -> str:
         for n in graph.nodes:
-            if n.target is zbuf.reduce_scatter_ordered.default:
+            if n.target is zbuf.reduce_scatter_start.default:
                 return n.args[4]
         raise AssertionError("collectives without a zbuf group; this is a zbuf bug")

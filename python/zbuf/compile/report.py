@@ -62,7 +62,7 @@ class ScheduleRecord:
     """Gathered buffers filled per run of this graph (coalesced members and re-gathers count)."""
     op_order: tuple[str, ...] = dataclasses.field(repr=False)
     """The zbuf ops of the rewritten graph in planned order (``gather_buffer``, ``all_gather_start``,
-    ``all_gather_wait``, ``all_gather_release``, ``reduce_scatter_ordered``, ...), for checking that the
+    ``all_gather_wait``, ``all_gather_release``, ``reduce_scatter_start``, ...), for checking that the
     compiled code kept it."""
     live_gathered_profile: tuple[int, ...] = dataclasses.field(default=(), repr=False)
     """Planned live gathered bytes per graph node, in graph order before the rewrite (the
