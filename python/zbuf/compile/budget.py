@@ -39,9 +39,18 @@ def _host_bytes(kind: str) -> int:
 
 
 def local_free_bytes(device: torch.device) -> int:
-    """Free memory on this rank's device (CUDA: driver free bytes; CPU: available host memory)."""
+    """Memory this rank could still allocate (CPU: available host memory).
+
+    CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
+    out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
+    nothing of that cap, and a budget planned past it would turn into allocator retries.
+    """
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        cap = torch.cuda.get_per_process_memory_fraction(device) * total
+        return max(0, int(min(available, cap - allocated)))
     return _host_bytes("free")
 
 

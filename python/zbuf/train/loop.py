@@ -64,6 +64,8 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
+    # Capped before the engine is built, so the zbuf engines' rank-agreed budget sees the cap.
+    memory_cap = _cap_memory(cfg, device, None)
     t0 = time.perf_counter()
     with record_function(f"zbuf.train.setup[{engine.value}]"):
         setup = build_engine(engine, cfg, device)
@@ -80,7 +82,6 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     if start >= cfg.steps:  # the launcher checks this before starting workers; a race is left
         raise RuntimeError(f"the checkpoint under {cfg.checkpoint_dir} is at step {start}, at or "
                            f"past --steps {cfg.steps}: nothing to train")
-    memory_cap = _cap_memory(cfg, device, None)
     probe = MemoryProbe(device, setup.pool)
     probe.reset()
     dist.barrier()
