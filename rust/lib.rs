@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod budget;
+pub mod hash;
 pub mod pool;
 
 #[cfg(feature = "python")]

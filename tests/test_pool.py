@@ -153,6 +153,66 @@ def test_double_release_is_typed_and_changes_nothing(pool):
     assert pool.stats() == before and pool.owns(u) and not pool.owns(t)
 
 
+def test_stale_views_cannot_release_a_re_leased_block(pool):
+    # [Note: stale holders]: the first release needs no owner key (no stale holder exists);
+    # once one does, a checkout of its block records the new holder's key and every release of
+    # that block is checked against it, whichever tensor or view presents it.
+    t = pool.acquire((8, 8), torch.float32)
+    v = t[2:, 1:]  # data_ptr inside the block: named through its storage
+    pool.release(t)
+    u = pool.acquire((8, 8), torch.float32)
+    assert u.data_ptr() == t.data_ptr()
+    before = pool.stats()
+    for stale in (t, v, t[0], t.view(torch.int32)):
+        with pytest.raises(E.DoubleReleaseError):
+            pool.release(stale)
+    assert pool.stats() == before and pool.owns(u) and not pool.owns(v)
+    pool.release(u[1:])  # the holder's view releases it
+    assert pool.stats().checked_out == 0
+    assert pool._core._stale_holders() == 2  # t's and u's storages live on
+    del t, v, stale
+    assert pool._core._stale_holders() == 1
+    w = pool.acquire((8, 8), torch.float32)  # u's storage still lives: checked again
+    with pytest.raises(E.DoubleReleaseError):
+        pool.release(u)
+    pool.release(w)
+    del u, w
+    assert pool._core._stale_holders() == 0
+    # No stale holder left: releases need no key again, and still return exactly once.
+    x = pool.acquire((8, 8), torch.float32)
+    pool.release(x)
+    del x
+    s = pool.stats()
+    assert (s.checked_out, s.releases) == (0, 4)
+
+
+def test_release_accepts_tensor_subclasses(pool):
+    t = pool.acquire((16,), torch.float32)
+    p = torch.nn.Parameter(t, requires_grad=False)  # same storage, another Python type
+    assert type(p) is not torch.Tensor
+    pool.release(p)
+    assert pool.stats().checked_out == 0
+
+
+def test_dlpack_export_next_to_a_stale_holder_is_unverifiable(pool):
+    t = pool.acquire((64,), torch.float32)
+    pool.release(t)  # t stays alive: a stale holder of the block
+    x = torch.from_dlpack(pool.acquire_dlpack((64,), torch.float32))  # same block, no holder key
+    assert x.data_ptr() == t.data_ptr()
+    before = pool.stats()
+    with pytest.raises(E.UnverifiableReleaseError, match="cannot verify"):
+        pool.release(x)
+    with pytest.raises(E.UnverifiableReleaseError, match="cannot verify"):
+        pool.release(t)
+    assert pool.stats() == before and not pool.owns(x)
+    del t  # the stale holder dies: x can be told apart again
+    assert pool.owns(x)
+    pool.release(x)
+    assert pool.stats().checked_out == 0
+    del x
+    assert pool.stats().releases == 2
+
+
 def test_foreign_buffers_are_typed_errors(pool):
     other = GatherBufferPool("cpu", budget_bytes=MiB)
     t = other.acquire((64,), torch.float32)

@@ -212,6 +212,11 @@ class Live:
     stamp: int
 
 
+def _offset_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t` starting after its first element (`t` itself if it has fewer than 2)."""
+    return t[1:] if t.numel() > 1 else t
+
+
 class PoolMachine(RuleBasedStateMachine):
     inject_oom = False
 
@@ -262,11 +267,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.live_items.append(item)
         return item
 
-    @rule(item=consumes(live), target=stale)
-    def release(self, item):
+    @rule(item=consumes(live), target=stale, via_view=st.booleans())
+    def release(self, item, via_view):
         if item is None:
             return None
-        self.pool.release(item.tensor)
+        # A view with an offset names the block through its storage (data_ptr is inside it).
+        self.pool.release(_offset_view(item.tensor) if via_view else item.tensor)
         self.model.release(item.block)
         self.live_items.remove(item)
         self.stale_items.append(item)
@@ -280,13 +286,13 @@ class PoolMachine(RuleBasedStateMachine):
         del item.tensor  # the DLPack deleter returns the lease
         self.model.release(item.block)
 
-    @rule(item=stale)
-    def release_again(self, item):
+    @rule(item=stale, via_view=st.booleans())
+    def release_again(self, item, via_view):
         if item is None:
             return
         before = self.pool.stats()
         with pytest.raises((DoubleReleaseError, ForeignBufferError)):
-            self.pool.release(item.tensor)
+            self.pool.release(_offset_view(item.tensor) if via_view else item.tensor)
         assert self.pool.stats() == before
 
     @precondition(lambda self: self.pool is not None)

@@ -38,7 +38,8 @@ class PoolCore:
     def acquire_buffer(self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None) -> DLPackBuffer:
         """Checks out a block as a DLPack protocol object."""
     def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
-        """Returns the block of `tensor` (or of the tensor it is a view of)."""
+        """Returns the block of `tensor` (or of the tensor it is a view of). Raises
+        ForeignBufferError, DoubleReleaseError, UnverifiableReleaseError."""
     def owns(self, tensor: torch.Tensor) -> bool: ...
     def set_budget(self, nbytes: int) -> int: ...
     def trim(self) -> int: ...
@@ -53,6 +54,8 @@ class PoolCore:
         """Mean ns of an acquire+release pair through the Rust core alone."""
     def _inject_oom(self, count: int) -> bool:
         """Testing hook: the next `count` allocations fail (host backend only)."""
+    def _stale_holders(self) -> int:
+        """Testing hook: explicitly released tensors whose storage is still alive."""
 
 @final
 class DLPackBuffer:

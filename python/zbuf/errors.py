@@ -10,6 +10,7 @@ __all__ = [
     "PoolError",
     "ForeignBufferError",
     "DoubleReleaseError",
+    "UnverifiableReleaseError",
     "PoolOutOfMemoryError",
     "NoCudaDriverError",
     "InvalidDeviceError",
@@ -29,6 +30,14 @@ class ForeignBufferError(PoolError, ValueError):
 
 class DoubleReleaseError(PoolError):
     """A tensor's buffer was already returned (by `release` or by the tensor being freed)."""
+
+
+class UnverifiableReleaseError(PoolError):
+    """`release` cannot tell whether the tensor holds its block or is a stale alias of it.
+
+    Only for buffers from `acquire_dlpack` (which records no holder) while a tensor released
+    earlier from the same memory is still alive; the pool is unchanged, and dropping the tensor
+    still returns the block."""
 
 
 class PoolOutOfMemoryError(PoolError, MemoryError):

@@ -17,7 +17,11 @@ explicitly with the last stream that used it (the pool never calls `record_strea
 Releasing twice raises `DoubleReleaseError`, releasing a tensor from elsewhere
 `ForeignBufferError`; both leave the pool unchanged (a stale tensor is recognised even after
 its block was re-leased: rust/pool/mod.rs, [Note: stale holders]). `release` takes the tensor
-`acquire` returned or any view of it.
+`acquire` returned or any view of it. The stale-tensor check costs a torch call only while a
+released tensor is still alive; the rest of the time a release costs one `data_ptr()` call
+plus the pool's bookkeeping. (A buffer from `acquire_dlpack` records no holder: releasing it
+explicitly while a released tensor of the same memory lives raises
+`UnverifiableReleaseError`, pool unchanged; dropping it always works.)
 """
 
 from __future__ import annotations
@@ -132,8 +136,8 @@ class GatherBufferPool:
 
     # [Note: hot-path methods]
     # `acquire` and `release` are the Rust methods themselves, bound per instance into slots:
-    # a Python wrapper around them cost about 0.5 us per acquire+release pair (benches/
-    # pool_bench.py, "bindings pair" vs "pool acquire+release"), a fifth of the whole path.
+    # a Python wrapper around them cost about 0.5 us per acquire+release pair (measured with
+    # benches/pool_bench.py when the wrapper existed), a fifth of the whole path then.
     # Arguments are validated in Rust with the same errors. (No `record_function` here either:
     # it would cost more than the call; the custom ops that call them carry the labels.)
     # Their docs:
@@ -148,7 +152,8 @@ class GatherBufferPool:
     # release(tensor, stream=None) -> None
     #     Returns the block of `tensor` (or of the tensor it is a view of) now; see [Note:
     #     release contract]. `stream`: the last stream that used it (default: the current
-    #     stream). Raises ForeignBufferError / DoubleReleaseError, leaving the pool unchanged.
+    #     stream). Raises ForeignBufferError / DoubleReleaseError (UnverifiableReleaseError for
+    #     `acquire_dlpack` buffers, see the note), leaving the pool unchanged.
     __slots__ = ("_core", "device", "acquire", "release")
     acquire: Callable[..., torch.Tensor]
     release: Callable[..., None]

@@ -12,6 +12,9 @@ pub enum PoolError {
     ForeignBuffer { ptr: u64 },
     /// The buffer was already returned (explicitly or by its tensor's deleter).
     DoubleRelease { ptr: u64 },
+    /// The releasing tensor may be a stale holder of the block or its current one, and the pool
+    /// cannot tell which (see [Note: stale holders] in pool/mod.rs).
+    UnverifiableHolder { ptr: u64 },
     /// The device (even after freeing every idle block) cannot hold the request.
     OutOfMemory { nbytes: u64, detail: String },
     /// A CUDA pool was requested but no usable driver exists.
@@ -30,6 +33,7 @@ impl PoolError {
         match self {
             PoolError::ForeignBuffer { .. } => "ForeignBufferError",
             PoolError::DoubleRelease { .. } => "DoubleReleaseError",
+            PoolError::UnverifiableHolder { .. } => "UnverifiableReleaseError",
             PoolError::OutOfMemory { .. } => "PoolOutOfMemoryError",
             PoolError::NoCudaDriver { .. } => "NoCudaDriverError",
             PoolError::InvalidDevice { .. } => "InvalidDeviceError",
@@ -63,6 +67,14 @@ impl fmt::Display for PoolError {
                 f,
                 "buffer at {ptr:#x} was already released (by release() or by its tensor being \
                  freed): release each acquired tensor exactly once and do not use it afterwards"
+            ),
+            PoolError::UnverifiableHolder { ptr } => write!(
+                f,
+                "cannot verify that this tensor holds the buffer checked out at {ptr:#x} rather than \
+                 an older checkout of the same memory that release() already returned and whose \
+                 tensor is still alive (the buffer came from acquire_dlpack, which records no \
+                 holder): drop the tensor instead (its last reference returns the buffer), or \
+                 free the released tensor first"
             ),
             PoolError::OutOfMemory { nbytes, detail } => write!(
                 f,

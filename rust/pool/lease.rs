@@ -33,4 +33,7 @@ pub struct Lease {
     pub outside: bool,
     /// Served by an idle block.
     pub hit: bool,
+    /// A stale holder could name this block: record the new holder's owner key with
+    /// `GatherPool::set_holder_key` (see [Note: stale holders] in pool/mod.rs).
+    pub verify_holder: bool,
 }

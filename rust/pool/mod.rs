@@ -29,13 +29,29 @@
 //! [Note: stale holders]
 //! A torch tensor outlives its explicit `release` (compiled graphs release before the tensor
 //! object dies), and its block may be re-leased to a new tensor at the same address. Releasing
-//! the stale tensor again must be a `DoubleRelease`, not a release of the new lease. The binding
-//! identifies holders by an owner key (the address of the tensor's StorageImpl, shared by views
-//! and unique among live storages): an explicit release remembers the key until the lease's
-//! DLPack deleter runs (the storage died, so its address may be reused). A release whose key is
-//! remembered is stale. Keys cost nothing on acquire; the set holds only released tensors that
-//! are still alive.
+//! the stale tensor again must be a `DoubleRelease`, not a release of the new lease. Holders are
+//! told apart by an owner key: the address of the tensor's StorageImpl, shared by views and
+//! unique among live storages. Computing it costs a pybind call (~0.3 us, as much as the rest of
+//! a release), so the pool asks for it only when a stale holder could exist:
+//! * An explicit release records the checkout as *stale* (with its key if the caller had it)
+//!   until the lease's DLPack deleter runs (the storage died, so no tensor names it any more).
+//! * A stale tensor, or a view of it, names an address inside its old block. So at checkout the
+//!   pool notes whether any stale block covers the new block's start (`Cover`). While this
+//!   checkout is out, new stale entries come only from releasing checkouts live alongside it,
+//!   whose memory is disjoint from its block: every entry that can name the block was already
+//!   there at checkout.
+//! * Nothing covered it (`HolderCheck::NotNeeded`, the common case): every tensor naming the
+//!   block holds this checkout; the release needs no key.
+//! * Something did: the binding records the new tensor's key right after the checkout
+//!   (`set_holder_key`), and a release must present the same key (`release_ptr` answers
+//!   `NeedKey` first). A DLPack-protocol export has no tensor to take the key from
+//!   (`HolderCheck::Unknown`): its release is accepted if the key is not a stale one, unless a
+//!   stale holder with an unknown key covers the block: then the pool cannot tell and refuses
+//!   (`UnverifiableHolder`, state unchanged; the tensor's deleter still returns the block).
 //!
+//! The stale set is empty whenever released tensors have died, which is the steady state of a
+//! training step; the check is then a length test.
+
 //! [Note: one-shot recovery]
 //! Started by sustained allocator pressure (see [`crate::budget`]), once per pool:
 //! 1. remember the hot set: the capacities (with multiplicity) of the pool blocks checked out
@@ -49,17 +65,20 @@
 pub mod config;
 pub mod error;
 pub mod events;
+mod holders;
 mod lease;
 pub mod stats;
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::backend::{Backend, BackendError, EventHandle, StreamHandle};
 use crate::budget::{PressureAction, PressureTracker};
 pub use config::PoolConfig;
 pub use error::PoolError;
 pub use events::{EventKind, EventLog, PoolEvent};
+use crate::hash::IntMap;
+use holders::{Cover, StaleHolders};
 pub use lease::{Lease, LeaseId};
 pub use stats::PoolStats;
 
@@ -82,7 +101,29 @@ enum BlockState {
         lease: LeaseId,
         /// Stream given at acquire; the deleter releases on it.
         stream: StreamHandle,
+        /// How a release proves it comes from this checkout's holder.
+        holder: HolderCheck,
     },
+}
+
+/// What a release must prove about the releasing tensor. See [Note: stale holders].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HolderCheck {
+    /// No stale holder covered the block at checkout: any tensor naming it holds this lease.
+    NotNeeded,
+    /// A stale holder covered it; this is the holder's owner key (`set_holder_key`).
+    Key(u64),
+    /// A stale holder covered it and the holder's key is unknown (DLPack-protocol exports, or
+    /// the moment between checkout and `set_holder_key`).
+    Unknown,
+}
+
+/// Result of [`GatherPool::release_ptr`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    Released(LeaseId),
+    /// Nothing changed: the block's holder must be verified; call again with the owner key.
+    NeedKey,
 }
 
 #[derive(Debug)]
@@ -147,7 +188,7 @@ pub struct GatherPool<B: Backend> {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     /// Address -> slot, for every live block (idle or checked out, pool or outside).
-    by_ptr: HashMap<u64, u32>,
+    by_ptr: IntMap<u64, u32>,
     /// Idle blocks by (capacity, most recent release first, slot): the best-fit index.
     idle_by_size: BTreeSet<(u64, Reverse<u64>, u32)>,
     /// Idle blocks by (last release, slot): the eviction order.
@@ -164,10 +205,8 @@ pub struct GatherPool<B: Backend> {
     hot_set: BTreeMap<u64, u64>,
     /// After the recovery: pool blocks that may still be created, per capacity.
     admission: Option<BTreeMap<u64, u64>>,
-    /// Owner keys of explicitly released holders that are still alive (see [Note: stale
-    /// holders]): key -> lease, and the reverse map for the deleter.
-    stale_keys: HashMap<u64, LeaseId>,
-    stale_leases: HashMap<LeaseId, u64>,
+    /// Explicitly released checkouts whose storage is still alive ([Note: stale holders]).
+    stale: StaleHolders,
 }
 
 impl<B: Backend> GatherPool<B> {
@@ -183,7 +222,7 @@ impl<B: Backend> GatherPool<B> {
             alignment,
             slots: Vec::new(),
             free_slots: Vec::new(),
-            by_ptr: HashMap::new(),
+            by_ptr: IntMap::default(),
             idle_by_size: BTreeSet::new(),
             idle_lru: BTreeSet::new(),
             pending: Vec::new(),
@@ -195,8 +234,7 @@ impl<B: Backend> GatherPool<B> {
             retired_outstanding: 0,
             hot_set: BTreeMap::new(),
             admission: None,
-            stale_keys: HashMap::new(),
-            stale_leases: HashMap::new(),
+            stale: StaleHolders::default(),
         })
     }
 
@@ -242,7 +280,9 @@ impl<B: Backend> GatherPool<B> {
         let s = &mut self.slots[slot as usize];
         s.generation = s.generation.wrapping_add(1);
         let id = LeaseId::new(slot, s.generation);
-        s.block.as_mut().expect("just inserted").state = BlockState::CheckedOut { lease: id, stream };
+        let holder = self.holder_check(ptr);
+        let s = &mut self.slots[slot as usize];
+        s.block.as_mut().expect("just inserted").state = BlockState::CheckedOut { lease: id, stream, holder };
         self.stats.misses += 1;
         self.stats.allocations += 1;
         self.stats.checked_out += 1;
@@ -263,7 +303,7 @@ impl<B: Backend> GatherPool<B> {
         };
         self.update_high_water();
         self.log_event(kind, capacity, ptr, stream);
-        Ok(Lease { id, ptr, capacity, outside: residency == Residency::Outside, hit: false })
+        Ok(Lease { id, ptr, capacity, outside: residency == Residency::Outside, hit: false, verify_holder: holder != HolderCheck::NotNeeded })
     }
 
     fn best_fit(&self, capacity: u64, stream: StreamHandle) -> Option<u32> {
@@ -291,11 +331,12 @@ impl<B: Backend> GatherPool<B> {
         self.tick += 1;
         self.idle_by_size.remove(&(capacity, Reverse(last_release), slot));
         self.idle_lru.remove(&(last_release, slot));
+        let holder = self.holder_check(ptr);
         let s = &mut self.slots[slot as usize];
         s.generation = s.generation.wrapping_add(1);
         let id = LeaseId::new(slot, s.generation);
         let b = s.block.as_mut().expect("idle index names a live block");
-        b.state = BlockState::CheckedOut { lease: id, stream };
+        b.state = BlockState::CheckedOut { lease: id, stream, holder };
         b.hits += 1;
         self.stats.idle_bytes -= capacity;
         self.stats.checked_out_bytes += capacity;
@@ -303,7 +344,16 @@ impl<B: Backend> GatherPool<B> {
         self.stats.hits += 1;
         self.update_high_water();
         self.log_event(EventKind::Hit, capacity, ptr, stream);
-        Ok(Lease { id, ptr, capacity, outside: false, hit: true })
+        Ok(Lease { id, ptr, capacity, outside: false, hit: true, verify_holder: holder != HolderCheck::NotNeeded })
+    }
+
+    /// The holder check of a checkout of the block at `ptr` ([Note: stale holders]).
+    fn holder_check(&self, ptr: u64) -> HolderCheck {
+        if self.stale.len() == 0 || self.stale.covering(ptr) == Cover::Nothing {
+            HolderCheck::NotNeeded
+        } else {
+            HolderCheck::Unknown
+        }
     }
 
     fn admits_pool_block(&self, capacity: u64) -> bool {
@@ -381,31 +431,53 @@ impl<B: Backend> GatherPool<B> {
         }
     }
 
-    /// Returns the lease whose block starts at `ptr`, held by the object identified by
-    /// `owner_key` (0: unknown). See [Note: stale holders].
-    pub fn release_ptr(&mut self, ptr: u64, owner_key: u64, stream: Option<StreamHandle>) -> Result<LeaseId, PoolError> {
+    /// Returns the lease whose block starts at `ptr`, on behalf of a holder with owner key `key`
+    /// (None: not computed yet). `NeedKey` (state unchanged) asks for the key when a stale
+    /// holder could name the block. A key of a stale holder, or one that is not the recorded
+    /// holder's, is a `DoubleRelease`. See [Note: stale holders].
+    pub fn release_ptr(&mut self, ptr: u64, key: Option<u64>, stream: Option<StreamHandle>) -> Result<ReleaseOutcome, PoolError> {
         let slot = *self.by_ptr.get(&ptr).ok_or(PoolError::ForeignBuffer { ptr })?;
-        let lease = match self.block(slot).state {
-            BlockState::Idle => return Err(PoolError::DoubleRelease { ptr }),
-            BlockState::CheckedOut { .. } if owner_key != 0 && self.stale_keys.contains_key(&owner_key) => {
+        let (lease, holder, capacity) = match self.block(slot) {
+            Block { state: BlockState::CheckedOut { lease, holder, .. }, capacity, .. } => (*lease, *holder, *capacity),
+            _ => return Err(PoolError::DoubleRelease { ptr }),
+        };
+        if let Some(k) = key {
+            if self.stale.is_stale_key(k) {
                 return Err(PoolError::DoubleRelease { ptr });
             }
-            BlockState::CheckedOut { lease, .. } => lease,
-        };
-        self.release_slot(slot, stream)?;
-        if owner_key != 0 {
-            self.stale_keys.insert(owner_key, lease);
-            self.stale_leases.insert(lease, owner_key);
         }
-        Ok(lease)
+        match (holder, key) {
+            (HolderCheck::NotNeeded, _) => {}
+            (_, None) => return Ok(ReleaseOutcome::NeedKey),
+            (HolderCheck::Key(h), Some(k)) if h != k => return Err(PoolError::DoubleRelease { ptr }),
+            (HolderCheck::Key(_), Some(_)) => {}
+            (HolderCheck::Unknown, Some(_)) => {
+                if self.stale.covering(ptr) == Cover::UnknownKey {
+                    return Err(PoolError::UnverifiableHolder { ptr });
+                }
+            }
+        }
+        self.release_slot(slot, stream)?;
+        self.stale.insert(lease, ptr, ptr.saturating_add(capacity), key);
+        Ok(ReleaseOutcome::Released(lease))
+    }
+
+    /// Records the owner key of `lease`'s holder, taken right after a checkout that returned
+    /// `verify_holder`. Ignored unless the lease is current and waits for it.
+    pub fn set_holder_key(&mut self, lease: LeaseId, key: u64) {
+        if let Some(slot) = self.current_lease_slot(lease) {
+            if let BlockState::CheckedOut { holder: h @ HolderCheck::Unknown, .. } = &mut self.block_mut(slot).state {
+                *h = HolderCheck::Key(key);
+            }
+        }
     }
 
     /// The deleter path: returns `lease` on its acquire stream if it is still checked out;
-    /// otherwise (released explicitly before) forgets its holder's key. Returns whether it
+    /// otherwise (released explicitly before) forgets its stale holder. Returns whether it
     /// released.
     pub fn release_if_current(&mut self, lease: LeaseId) -> Result<bool, PoolError> {
-        if let Some(key) = self.stale_leases.remove(&lease) {
-            self.stale_keys.remove(&key);
+        if self.stale.remove(lease) {
+            return Ok(false);
         }
         match self.current_lease_slot(lease) {
             Some(slot) => self.release_slot(slot, None).map(|()| true),
@@ -413,16 +485,24 @@ impl<B: Backend> GatherPool<B> {
         }
     }
 
-    /// Whether `ptr` starts a buffer checked out from this pool to the holder `owner_key`
-    /// (0: any holder).
-    pub fn owns_ptr(&self, ptr: u64, owner_key: u64) -> bool {
-        let checked_out = matches!(self.by_ptr.get(&ptr).map(|&s| self.block(s).state), Some(BlockState::CheckedOut { .. }));
-        checked_out && (owner_key == 0 || !self.stale_keys.contains_key(&owner_key))
+    /// Whether `ptr` starts a buffer checked out from this pool to the holder with owner key
+    /// `key`. False when that cannot be verified (see [Note: stale holders]).
+    pub fn owns_ptr(&self, ptr: u64, key: u64) -> bool {
+        let Some(&slot) = self.by_ptr.get(&ptr) else { return false };
+        let BlockState::CheckedOut { holder, .. } = self.block(slot).state else { return false };
+        if self.stale.is_stale_key(key) {
+            return false;
+        }
+        match holder {
+            HolderCheck::NotNeeded => true,
+            HolderCheck::Key(h) => h == key,
+            HolderCheck::Unknown => self.stale.covering(ptr) != Cover::UnknownKey,
+        }
     }
 
     /// Holders released explicitly whose storage is still alive (diagnostics).
     pub fn stale_holders(&self) -> usize {
-        self.stale_keys.len()
+        self.stale.len()
     }
 
     /// Makes `stream` wait for the release that preceded `lease`'s checkout, as `acquire` did

@@ -12,7 +12,7 @@
 //!
 //! Cases: PROPTEST_CASES (default 256).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use proptest::prelude::*;
 
@@ -25,11 +25,14 @@ const THRESHOLD: u64 = 3;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Acquire { units: u64, stream: u64 },
+    /// `keyless`: a DLPack-protocol export (no holder key recorded after the checkout).
+    Acquire { units: u64, stream: u64, keyless: bool },
     Release { pick: usize, stream: Option<u64> },
     /// Deleter path on a lease (current or stale).
     DeleterRelease { pick: usize },
     ReleaseStale { pick: usize },
+    /// A stale holder's storage dies (its deleter runs).
+    StaleDies { pick: usize },
     ReleaseForeign,
     SetBudget { units: u64 },
     Trim,
@@ -41,11 +44,12 @@ enum Op {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        30 => (prop_oneof![1u64..=4, Just(8u64), Just(16u64), 1u64..=24], 0u64..3)
-            .prop_map(|(units, stream)| Op::Acquire { units, stream }),
+        30 => (prop_oneof![1u64..=4, Just(8u64), Just(16u64), 1u64..=24], 0u64..3, proptest::bool::weighted(0.1))
+            .prop_map(|(units, stream, keyless)| Op::Acquire { units, stream, keyless }),
         25 => (any::<usize>(), proptest::option::of(0u64..3)).prop_map(|(pick, stream)| Op::Release { pick, stream }),
         5 => any::<usize>().prop_map(|pick| Op::DeleterRelease { pick }),
         3 => any::<usize>().prop_map(|pick| Op::ReleaseStale { pick }),
+        3 => any::<usize>().prop_map(|pick| Op::StaleDies { pick }),
         1 => Just(Op::ReleaseForeign),
         4 => (0u64..=80).prop_map(|units| Op::SetBudget { units }),
         2 => Just(Op::Trim),
@@ -293,12 +297,15 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
     let mut model = Model { budget: (initial_budget_units * ALIGN).min(HARD_CAP), ..Model::default() };
     let mut released: Vec<(LeaseId, u64)> = Vec::new(); // stale leases and their ptrs
     let mut retries = 0u64;
+    // Simulated owner keys (StorageImpl addresses): one per checkout, unique; kept while the
+    // checkout's storage lives (until its deleter runs).
     let mut next_key = 1u64;
     let mut keys: HashMap<LeaseId, u64> = HashMap::new();
+    let mut keyless: std::collections::HashSet<LeaseId> = Default::default();
 
     for op in ops {
         match op {
-            Op::Acquire { units, stream } => {
+            Op::Acquire { units, stream, keyless: no_key } => {
                 let nbytes = units * ALIGN - (units % 7); // not always aligned
                 let cap = pool.capacity_for(nbytes).unwrap();
                 assert_eq!(cap, units * ALIGN);
@@ -311,6 +318,19 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
                 pool.backend_mut().take_trace();
                 let result = pool.acquire(nbytes, stream);
                 let trace = pool.backend_mut().take_trace();
+                if let Ok(lease) = &result {
+                    // The binding's protocol ([Note: stale holders]).
+                    let covered = released.iter().any(|(l, p)| keys.contains_key(l) && *p == lease.ptr);
+                    assert!(lease.verify_holder || !covered, "a stale holder names the block but no key is asked for");
+                    keys.insert(lease.id, next_key);
+                    if lease.verify_holder && !no_key {
+                        pool.set_holder_key(lease.id, next_key);
+                    }
+                    if no_key {
+                        keyless.insert(lease.id);
+                    }
+                    next_key += 1;
+                }
                 model.tick += 1;
                 match fit {
                     Some(i) => {
@@ -379,13 +399,23 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
                 let i = live[pick % live.len()];
                 let (lease, ptr) = (model.blocks[i].lease.unwrap(), model.blocks[i].ptr);
                 if let Op::Release { stream, .. } = op {
-                    let key = next_key;
-                    next_key += 1;
-                    keys.insert(lease, key);
-                    assert_eq!(pool.release_ptr(ptr, key, stream), Ok(lease));
+                    let key = keys[&lease];
+                    let r = match pool.release_ptr(ptr, None, stream) {
+                        Ok(ReleaseOutcome::NeedKey) => pool.release_ptr(ptr, Some(key), stream),
+                        r => r,
+                    };
+                    match r {
+                        Ok(ReleaseOutcome::Released(l)) => assert_eq!(l, lease),
+                        Err(PoolError::UnverifiableHolder { .. }) if keyless.contains(&lease) => {
+                            check_invariants(&pool, &model, pool.events().filter(|e| e.kind == EventKind::RecoveryStart).count());
+                            continue;
+                        }
+                        r => panic!("the holder's release failed: {r:?}"),
+                    }
                     model.release(i, stream);
                 } else {
                     assert_eq!(pool.release_if_current(lease), Ok(true));
+                    keys.remove(&lease); // the storage died
                     model.release(i, None);
                 }
                 released.push((lease, ptr));
@@ -395,15 +425,29 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
                 let before = pool.stats();
                 assert!(matches!(pool.release(lease, None), Err(PoolError::DoubleRelease { .. })));
                 if let Some(&key) = keys.get(&lease) {
-                    // The stale holder still lives: its key is remembered.
-                    let r = pool.release_ptr(ptr, key, None);
-                    assert!(matches!(r, Err(PoolError::DoubleRelease { .. }) | Err(PoolError::ForeignBuffer { .. })), "{r:?}");
+                    // The stale holder still lives: it must never release what is at its address now.
+                    let r = match pool.release_ptr(ptr, None, None) {
+                        Ok(ReleaseOutcome::NeedKey) => pool.release_ptr(ptr, Some(key), None),
+                        r => r,
+                    };
+                    assert!(
+                        matches!(r, Err(PoolError::DoubleRelease { .. } | PoolError::ForeignBuffer { .. } | PoolError::UnverifiableHolder { .. })),
+                        "a stale holder's release was accepted: {r:?}"
+                    );
                 }
                 assert_eq!(pool.stats(), before, "a rejected release changed the pool");
             }
+            Op::StaleDies { pick } if released.iter().any(|(l, _)| keys.contains_key(l)) => {
+                let alive: Vec<LeaseId> = released.iter().map(|(l, _)| *l).filter(|l| keys.contains_key(l)).collect();
+                let lease = alive[pick % alive.len()];
+                let before = pool.stats();
+                assert_eq!(pool.release_if_current(lease), Ok(false));
+                assert_eq!(pool.stats(), before, "a stale holder's deleter changed the pool");
+                keys.remove(&lease);
+            }
             Op::ReleaseForeign => {
                 let before = pool.stats();
-                assert_eq!(pool.release_ptr(8, 0, None), Err(PoolError::ForeignBuffer { ptr: 8 }));
+                assert_eq!(pool.release_ptr(8, None, None), Err(PoolError::ForeignBuffer { ptr: 8 }));
                 assert_eq!(pool.stats(), before);
             }
             Op::SetBudget { units } => {
@@ -439,6 +483,12 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
     for l in pool.leases() {
         pool.release(l.id, None).unwrap();
     }
+    for (lease, _) in &released {
+        if keys.remove(lease).is_some() {
+            assert_eq!(pool.release_if_current(*lease), Ok(false));
+        }
+    }
+    assert_eq!(pool.stale_holders(), 0, "stale holders outlive their storage");
     pool.trim();
     assert_eq!(pool.backend().live_bytes(), 0, "a buffer was lost");
     assert!(pool.backend().live_events() <= MAX_SPARE_EVENTS, "events leak: {}", pool.backend().live_events());

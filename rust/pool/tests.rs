@@ -39,22 +39,74 @@ fn over_budget_goes_outside_and_is_freed_on_release() {
 
 #[test]
 fn foreign_and_stale_pointers_are_rejected() {
+    use ReleaseOutcome::{NeedKey, Released};
     let mut p = pool(1 << 20);
-    assert_eq!(p.release_ptr(0x1234, 0, None), Err(PoolError::ForeignBuffer { ptr: 0x1234 }));
+    assert_eq!(p.release_ptr(0x1234, None, None), Err(PoolError::ForeignBuffer { ptr: 0x1234 }));
     let a = p.acquire(10, 0).unwrap();
-    p.release_ptr(a.ptr, 77, None).unwrap();
-    assert_eq!(p.release_ptr(a.ptr, 77, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    assert!(!a.verify_holder);
+    // No stale holder can name the block: released without a key.
+    assert_eq!(p.release_ptr(a.ptr, None, None), Ok(Released(a.id)));
+    assert_eq!(p.release_ptr(a.ptr, None, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    assert_eq!(p.stale_holders(), 1);
+    // Re-leased while the stale holder lives: the new holder's key must be recorded.
     let b = p.acquire(10, 0).unwrap();
-    assert_eq!(b.ptr, a.ptr);
-    // The stale holder (key 77) cannot release the new lease.
-    assert_eq!(p.release_ptr(a.ptr, 77, None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
+    assert!(b.ptr == a.ptr && b.verify_holder);
+    p.set_holder_key(b.id, 88);
+    assert_eq!(p.release_ptr(a.ptr, None, None), Ok(NeedKey));
+    assert_eq!(p.release_ptr(a.ptr, Some(77), None), Err(PoolError::DoubleRelease { ptr: a.ptr }));
     assert!(p.owns_ptr(b.ptr, 88) && !p.owns_ptr(b.ptr, 77));
-    // The stale holder dies: its deleter forgets key 77, which may now name a new storage.
+    assert_eq!(p.stats().checked_out, 1, "rejected releases changed nothing");
+    // The stale holder dies: later checkouts need no key again.
     assert_eq!(p.release_if_current(a.id), Ok(false));
     assert_eq!(p.stale_holders(), 0);
-    assert!(p.owns_ptr(b.ptr, 77));
-    assert_eq!(p.release_if_current(b.id), Ok(true));
+    assert_eq!(p.release_ptr(b.ptr, Some(88), None), Ok(Released(b.id)));
+    // b was released with its key: a stale key is a double release even before the check.
+    let c = p.acquire(10, 0).unwrap();
+    assert!(c.verify_holder);
+    assert_eq!(p.release_ptr(c.ptr, Some(88), None), Err(PoolError::DoubleRelease { ptr: c.ptr }));
     assert_eq!(p.release_if_current(b.id), Ok(false));
+    assert_eq!(p.release_if_current(c.id), Ok(true));
+    assert_eq!(p.release_if_current(c.id), Ok(false));
+    assert_eq!((p.stale_holders(), p.stats().checked_out), (0, 0));
+}
+
+#[test]
+fn stale_holder_covers_blocks_reallocated_inside_its_memory() {
+    // An outside block is freed at release; its memory comes back inside a later block. A stale
+    // view pointing into the old memory must not release the new lease.
+    let mut p = pool(0);
+    let a = p.acquire(4096, 0).unwrap();
+    assert!(a.outside);
+    assert_eq!(p.release_ptr(a.ptr, None, None), Ok(ReleaseOutcome::Released(a.id)));
+    p.trim();
+    let b = p.acquire(4096, 0).unwrap();
+    if b.ptr >= a.ptr && b.ptr < a.ptr + 4096 {
+        assert!(b.verify_holder, "a block inside stale memory must verify its holder");
+    }
+    let far = p.acquire(1 << 16, 0).unwrap();
+    assert_eq!(far.verify_holder, far.ptr >= a.ptr && far.ptr < a.ptr + 4096);
+}
+
+#[test]
+fn holder_of_a_keyless_export_is_unverifiable_next_to_an_unknown_stale_key() {
+    let mut p = pool(1 << 20);
+    let a = p.acquire(10, 0).unwrap();
+    p.release_ptr(a.ptr, None, None).unwrap(); // stale, key never computed
+    let b = p.acquire(10, 0).unwrap(); // a DLPack-protocol export: no set_holder_key
+    assert!(b.verify_holder);
+    assert_eq!(p.release_ptr(b.ptr, None, None), Ok(ReleaseOutcome::NeedKey));
+    assert_eq!(p.release_ptr(b.ptr, Some(5), None), Err(PoolError::UnverifiableHolder { ptr: b.ptr }));
+    assert!(!p.owns_ptr(b.ptr, 5));
+    assert_eq!(p.stats().checked_out, 1);
+    // Once the stale holder is gone the release is accepted.
+    p.release_if_current(a.id).unwrap();
+    assert!(p.owns_ptr(b.ptr, 5));
+    assert_eq!(p.release_ptr(b.ptr, Some(5), None), Ok(ReleaseOutcome::Released(b.id)));
+    // With only known stale keys, a keyless export's release is checked against them.
+    let c = p.acquire(10, 0).unwrap();
+    assert!(c.verify_holder); // b (key 5) is stale and alive
+    assert_eq!(p.release_ptr(c.ptr, Some(5), None), Err(PoolError::DoubleRelease { ptr: c.ptr }));
+    assert_eq!(p.release_ptr(c.ptr, Some(6), None), Ok(ReleaseOutcome::Released(c.id)));
 }
 
 #[test]
@@ -146,6 +198,16 @@ fn hot_path_pair_timing() {
     }
     let ns = t.elapsed().as_nanos() as f64 / n as f64;
     println!("rust_core_pair_ns={ns:.1}");
+    // What the binding does for `t = acquire(); release(t); del t`: checkout, release by address
+    // (no key needed), then the deleter forgets the stale holder.
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        let l = p.acquire(1 << 20, 0).unwrap();
+        assert_eq!(p.release_ptr(l.ptr, None, None), Ok(ReleaseOutcome::Released(l.id)));
+        assert_eq!(p.release_if_current(l.id), Ok(false));
+    }
+    let ns = t.elapsed().as_nanos() as f64 / n as f64;
+    println!("rust_core_explicit_pair_ns={ns:.1}");
 }
 
 /// A host backend whose event calls fail on demand (a lost device).

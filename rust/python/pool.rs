@@ -13,7 +13,7 @@ use super::shared::Shared;
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Device, DeviceKind};
 use crate::budget::PressureAction;
-use crate::pool::{GatherPool, PoolConfig, PoolError};
+use crate::pool::{GatherPool, Lease, PoolConfig, PoolError, ReleaseOutcome};
 
 /// Default budget: device (or host RAM) total / 32, the reference system's pool size.
 pub const DEFAULT_BUDGET_DIVISOR: u64 = 32;
@@ -60,13 +60,15 @@ pub struct PoolCore {
     /// `torch._C._from_dlpack`, cached: turns a capsule into a tensor.
     from_dlpack: Py<PyAny>,
     /// `torch._C._storage_address`, cached: identity of a tensor's StorageImpl (shared by
-    /// views, unique among live storages), the holder key of [Note: stale holders].
+    /// views, unique among live storages), the owner key of [Note: stale holders] in
+    /// pool/mod.rs. A pybind call (~0.3 us): made only when the pool asks for the key.
     storage_address: Py<PyAny>,
     /// The torch dtype objects in `dlpack::DTYPES` order: dtypes are matched by identity.
     dtypes: Vec<Py<PyAny>>,
-    /// `torch._C._cuda_getCurrentRawStream` on CUDA pools: the default stream of a call.
-    current_stream: Option<Py<PyAny>>,
-    /// `torch.Tensor`, for error messages.
+    /// `torch._C._cuda_getCurrentRawStream` and its argument tuple `(device index,)` on CUDA
+    /// pools: the default stream of a call (the tuple is built once, not per call).
+    current_stream: Option<(Py<PyAny>, Py<PyTuple>)>,
+    /// `torch.Tensor`: `release` takes tensors (exact type checked first, by pointer).
     tensor_type: Py<PyAny>,
 }
 
@@ -95,13 +97,13 @@ impl PoolCore {
     /// Raw stream handle for a call's `stream` argument: None = torch's current stream; a
     /// `torch.cuda.Stream` or a raw handle (int). Always 0 on the host.
     fn stream_handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        let Some(current) = &self.current_stream else { return Ok(0) };
+        let Some((current, args)) = &self.current_stream else { return Ok(0) };
         let bad = || raise(py, "InvalidRequestError", format!(
             "stream {} is not a torch.cuda.Stream or a raw stream handle (int >= 0)",
             stream.map_or("None".to_string(), |s| s.to_string())
         ));
         match stream {
-            None => current.bind(py).call1((self.device.index,))?.extract(),
+            None => current.bind(py).call1(args.bind(py))?.extract(),
             Some(s) => match s.extract::<u64>() {
                 Ok(h) => Ok(h),
                 Err(_) => s.getattr(pyo3::intern!(py, "cuda_stream")).map_err(|_| bad())?.extract().map_err(|_| bad()),
@@ -109,7 +111,7 @@ impl PoolCore {
         }
     }
 
-    fn export<'py>(&self, py: Python<'py>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, crate::pool::LeaseId)> {
+    fn export<'py>(&self, py: Python<'py>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, Lease)> {
         let (dtype, layout) = self.layout(py, shape, dtype)?;
         let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
         let req = ExportRequest {
@@ -120,7 +122,21 @@ impl PoolCore {
             dtype,
             dims: layout.dims,
         };
-        Ok((dlpack::export_capsule(py, req, versioned)?, lease.id))
+        Ok((dlpack::export_capsule(py, req, versioned)?, lease))
+    }
+
+    /// Whether `obj` is a torch tensor: the exact type by pointer first (the hot path), then
+    /// `isinstance` for subclasses (nn.Parameter, ...).
+    fn is_tensor(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if obj.get_type_ptr() as *mut pyo3::ffi::PyObject == self.tensor_type.as_ptr() {
+            return Ok(true);
+        }
+        obj.is_instance(self.tensor_type.bind(py))
+    }
+
+    /// The owner key of `tensor`: its StorageImpl's address.
+    fn owner_key(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.storage_address.bind(py).call1((tensor,))?.extract()
     }
 }
 
@@ -174,7 +190,7 @@ impl PoolCore {
         let torch_c = py.import("torch._C")?;
         let dtypes = dlpack::TORCH_DTYPE_NAMES.iter().map(|n| torch.getattr(*n).map(Bound::unbind)).collect::<PyResult<Vec<_>>>()?;
         let current_stream = match kind {
-            DeviceKind::Cuda => Some(torch_c.getattr("_cuda_getCurrentRawStream")?.unbind()),
+            DeviceKind::Cuda => Some((torch_c.getattr("_cuda_getCurrentRawStream")?.unbind(), PyTuple::new(py, [index])?.unbind())),
             DeviceKind::Host => None,
         };
         Ok(PoolCore {
@@ -208,9 +224,16 @@ impl PoolCore {
     #[pyo3(signature = (shape, dtype, stream=None))]
     fn acquire<'py>(&self, py: Python<'py>, shape: &Bound<'py, PyAny>, dtype: &Bound<'py, PyAny>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         let stream = self.stream_handle(py, stream)?;
-        let (capsule, _lease) = self.export(py, shape, dtype, stream, true)?;
+        let (capsule, lease) = self.export(py, shape, dtype, stream, true)?;
         // On failure the unconsumed capsule's destructor returns the lease.
-        self.from_dlpack.bind(py).call1((capsule,))
+        let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+        if lease.verify_holder {
+            // A stale holder could name this block ([Note: stale holders]). On failure the
+            // tensor dies here and its deleter returns the lease.
+            let key = self.owner_key(py, &tensor)?;
+            self.shared.lock().set_holder_key(lease.id, key);
+        }
+        Ok(tensor)
     }
 
     /// Checks out a block as a raw DLPack capsule ("dltensor_versioned", or the legacy
@@ -240,38 +263,40 @@ impl PoolCore {
     #[pyo3(signature = (tensor, stream=None))]
     fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = Some(self.stream_handle(py, stream)?);
-        let key: u64 = match self.storage_address.bind(py).call1((tensor,)) {
-            Ok(k) => k.extract()?,
-            Err(_) if !tensor.is_instance(self.tensor_type.bind(py))? => {
-                return Err(raise(py, "InvalidRequestError", format!(
-                    "release() takes a torch.Tensor from acquire(), got {}", tensor.get_type().name()?
-                )));
-            }
-            Err(e) => return Err(e),
-        };
-        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
-        let first = self.shared.lock().release_ptr(ptr, key, stream);
-        match first {
-            Ok(_) => Ok(()),
-            // A view with an offset, or an empty tensor (data_ptr 0): try the storage's start.
-            Err(PoolError::ForeignBuffer { .. }) => {
-                let base = storage_ptr(py, tensor)?;
-                if base == ptr {
-                    return Err(to_py(PoolError::ForeignBuffer { ptr }));
-                }
-                let second = self.shared.lock().release_ptr(base, key, stream);
-                second.map(|_| ()).map_err(to_py)
-            }
-            Err(e) => Err(to_py(e)),
+        if !self.is_tensor(py, tensor)? {
+            return Err(raise(py, "InvalidRequestError", format!(
+                "release() takes a torch.Tensor from acquire(), got {}", tensor.get_type().name()?
+            )));
         }
+        let ptr: u64 = tensor.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let mut at = ptr;
+        let mut key = None;
+        // At most: the data pointer, the storage start, and each once more with the owner key.
+        for _ in 0..4 {
+            let outcome = self.shared.lock().release_ptr(at, key, stream);
+            match outcome {
+                Ok(ReleaseOutcome::Released(_)) => return Ok(()),
+                // A stale holder could name the block: prove which holder this is.
+                Ok(ReleaseOutcome::NeedKey) => key = Some(self.owner_key(py, tensor)?),
+                // A view with an offset, or an empty tensor (data_ptr 0): try the storage's start.
+                Err(PoolError::ForeignBuffer { .. }) if at == ptr => {
+                    at = storage_ptr(py, tensor)?;
+                    if at == ptr {
+                        return Err(to_py(PoolError::ForeignBuffer { ptr }));
+                    }
+                }
+                Err(e) => return Err(to_py(e)),
+            }
+        }
+        unreachable!("release_ptr asks for the owner key at most once per address")
     }
 
     /// Whether `tensor` (or the tensor it is a view of) is checked out from this pool.
     fn owns(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if !tensor.is_instance(self.tensor_type.bind(py))? {
+        if !self.is_tensor(py, tensor)? {
             return Ok(false);
         }
-        let key: u64 = self.storage_address.bind(py).call1((tensor,))?.extract()?;
+        let key = self.owner_key(py, tensor)?;
         let base = storage_ptr(py, tensor)?;
         Ok(self.shared.lock().owns_ptr(base, key))
     }
@@ -375,6 +400,12 @@ impl PoolCore {
             Ok(t0.elapsed().as_nanos() as f64 / iters.max(1) as f64)
         });
         r.map_err(to_py)
+    }
+
+    /// Testing hook: explicitly released tensors whose storage is still alive ([Note: stale
+    /// holders] in pool/mod.rs).
+    fn _stale_holders(&self) -> usize {
+        self.shared.lock().stale_holders()
     }
 
     /// Testing hook: the next `count` device allocations fail with out-of-memory. Returns False

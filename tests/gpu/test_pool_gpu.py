@@ -127,6 +127,26 @@ def test_deleter_release_is_stream_ordered(pool):
     del b
 
 
+def test_stale_holders_on_cuda(pool):
+    # rust/pool/mod.rs [Note: stale holders] with device pointers and a non-default stream.
+    t = pool.acquire((256, 1024), torch.float32)
+    v = t[1:]
+    pool.release(t)  # no stale holder existed: released without an owner key
+    u = pool.acquire((256, 1024), torch.float32)  # same block, new holder's key recorded
+    assert u.data_ptr() == t.data_ptr()
+    before = pool.stats()
+    for stale in (v, t):
+        with pytest.raises(E.DoubleReleaseError):
+            pool.release(stale)
+    assert pool.stats() == before
+    side = torch.cuda.Stream()
+    pool.release(u[2:], stream=side)
+    assert pool.stats().checked_out == 0
+    del t, v, u, stale
+    assert pool._core._stale_holders() == 0
+    torch.cuda.synchronize()
+
+
 def test_pool_memory_visible_in_mem_get_info_and_freed_by_trim(pool):
     torch.cuda.synchronize()
     free0, total = pool.memory_info()
