@@ -138,26 +138,27 @@ pub struct Layout {
 
 impl Layout {
     /// Validates a shape (non-negative dims, no overflow) for elements of `itemsize` bytes.
-    pub fn contiguous(shape: &[i64], itemsize: u64) -> Result<Self, String> {
+    /// `shape` becomes the `dims` buffer (the strides are appended in place: one allocation
+    /// per export).
+    pub fn contiguous(shape: Vec<i64>, itemsize: u64) -> Result<Self, String> {
         let ndim = shape.len();
-        let mut dims = Vec::with_capacity(2 * ndim);
-        dims.extend_from_slice(shape);
+        let mut dims = shape;
         dims.resize(2 * ndim, 0);
         let mut numel: u64 = 1;
         for i in (0..ndim).rev() {
-            let d = shape[i];
+            let d = dims[i];
             if d < 0 {
-                return Err(format!("shape {shape:?} has a negative dimension: pass sizes >= 0"));
+                return Err(format!("shape {:?} has a negative dimension: pass sizes >= 0", &dims[..ndim]));
             }
             dims[ndim + i] = numel.max(1) as i64;
             numel = numel
                 .checked_mul(d as u64)
-                .ok_or_else(|| format!("shape {shape:?} has more elements than fit in memory"))?;
+                .ok_or_else(|| format!("shape {:?} has more elements than fit in memory", &dims[..ndim]))?;
         }
         let nbytes = numel
             .checked_mul(itemsize)
             .filter(|n| *n <= i64::MAX as u64)
-            .ok_or_else(|| format!("shape {shape:?} needs more bytes than fit in memory"))?;
+            .ok_or_else(|| format!("shape {:?} needs more bytes than fit in memory", &dims[..ndim]))?;
         Ok(Layout { dims, nbytes })
     }
 }
@@ -316,11 +317,11 @@ mod tests {
 
     #[test]
     fn contiguous_layout() {
-        let l = Layout::contiguous(&[2, 3, 4], 2).unwrap();
+        let l = Layout::contiguous(vec![2, 3, 4], 2).unwrap();
         assert_eq!(l.dims, vec![2, 3, 4, 12, 4, 1]);
         assert_eq!(l.nbytes, 48);
-        assert!(Layout::contiguous(&[-1], 4).is_err());
-        assert!(Layout::contiguous(&[i64::MAX, 4], 4).is_err());
-        assert_eq!(Layout::contiguous(&[], 4).unwrap().nbytes, 4);
+        assert!(matches!(Layout::contiguous(vec![-1], 4), Err(m) if m.contains("[-1]")));
+        assert!(Layout::contiguous(vec![i64::MAX, 4], 4).is_err());
+        assert_eq!(Layout::contiguous(vec![], 4).unwrap().nbytes, 4);
     }
 }

@@ -23,9 +23,14 @@ pub const DEFAULT_HARD_CAP_DIVISOR: u64 = 4;
 const FALLBACK_HOST_TOTAL: u64 = 16 << 30;
 
 /// A shape argument as dims: an int, or a tuple / torch.Size / list of ints. None if malformed.
+/// Tuples (the hot path) get room for the strides `Layout::contiguous` appends.
 fn parse_shape(shape: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
     if let Ok(t) = shape.cast::<PyTuple>() {
-        return t.iter().map(|d| d.extract::<i64>().ok()).collect();
+        let mut dims = Vec::with_capacity(2 * t.len());
+        for d in t.iter() {
+            dims.push(d.extract::<i64>().ok()?);
+        }
+        return Some(dims);
     }
     if shape.is_instance_of::<PyInt>() {
         return shape.extract::<i64>().ok().map(|n| vec![n]);
@@ -34,6 +39,16 @@ fn parse_shape(shape: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return None;
     }
     shape.extract::<Vec<i64>>().ok()
+}
+
+/// `f(arg)` without building an argument tuple (vectorcall inside CPython; stable ABI).
+fn call_one<'py>(py: Python<'py>, f: &Py<PyAny>, arg: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: both are live objects (the GIL is held); the variadic list ends with NULL; the
+    // result is a new reference or NULL with an exception set.
+    unsafe {
+        let r = pyo3::ffi::PyObject_CallFunctionObjArgs(f.as_ptr(), arg.as_ptr(), std::ptr::null_mut::<pyo3::ffi::PyObject>());
+        Bound::from_owned_ptr_or_err(py, r)
+    }
 }
 
 /// `tensor.untyped_storage().data_ptr()`: the block start for views and empty tensors.
@@ -65,9 +80,9 @@ pub struct PoolCore {
     storage_address: Py<PyAny>,
     /// The torch dtype objects in `dlpack::DTYPES` order: dtypes are matched by identity.
     dtypes: Vec<Py<PyAny>>,
-    /// `torch._C._cuda_getCurrentRawStream` and its argument tuple `(device index,)` on CUDA
-    /// pools: the default stream of a call (the tuple is built once, not per call).
-    current_stream: Option<(Py<PyAny>, Py<PyTuple>)>,
+    /// `torch._C._cuda_getCurrentRawStream` and its argument (the device index as a Python
+    /// int, built once) on CUDA pools: the default stream of a call.
+    current_stream: Option<(Py<PyAny>, Py<PyAny>)>,
     /// `torch.Tensor`: `release` takes tensors (exact type checked first, by pointer).
     tensor_type: Py<PyAny>,
 }
@@ -90,20 +105,20 @@ impl PoolCore {
         let dims = parse_shape(shape).ok_or_else(|| {
             raise(py, "InvalidRequestError", format!("shape {shape} must be an int or a sequence of ints"))
         })?;
-        let layout = Layout::contiguous(&dims, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
+        let layout = Layout::contiguous(dims, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
         Ok((dt, layout))
     }
 
     /// Raw stream handle for a call's `stream` argument: None = torch's current stream; a
     /// `torch.cuda.Stream` or a raw handle (int). Always 0 on the host.
     fn stream_handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        let Some((current, args)) = &self.current_stream else { return Ok(0) };
+        let Some((current, index)) = &self.current_stream else { return Ok(0) };
         let bad = || raise(py, "InvalidRequestError", format!(
             "stream {} is not a torch.cuda.Stream or a raw stream handle (int >= 0)",
             stream.map_or("None".to_string(), |s| s.to_string())
         ));
         match stream {
-            None => current.bind(py).call1(args.bind(py))?.extract(),
+            None => call_one(py, current, index.bind(py))?.extract(),
             Some(s) => match s.extract::<u64>() {
                 Ok(h) => Ok(h),
                 Err(_) => s.getattr(pyo3::intern!(py, "cuda_stream")).map_err(|_| bad())?.extract().map_err(|_| bad()),
@@ -136,7 +151,7 @@ impl PoolCore {
 
     /// The owner key of `tensor`: its StorageImpl's address.
     fn owner_key(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u64> {
-        self.storage_address.bind(py).call1((tensor,))?.extract()
+        call_one(py, &self.storage_address, tensor)?.extract()
     }
 }
 
@@ -190,7 +205,7 @@ impl PoolCore {
         let torch_c = py.import("torch._C")?;
         let dtypes = dlpack::TORCH_DTYPE_NAMES.iter().map(|n| torch.getattr(*n).map(Bound::unbind)).collect::<PyResult<Vec<_>>>()?;
         let current_stream = match kind {
-            DeviceKind::Cuda => Some((torch_c.getattr("_cuda_getCurrentRawStream")?.unbind(), PyTuple::new(py, [index])?.unbind())),
+            DeviceKind::Cuda => Some((torch_c.getattr("_cuda_getCurrentRawStream")?.unbind(), index.into_pyobject(py)?.into_any().unbind())),
             DeviceKind::Host => None,
         };
         Ok(PoolCore {
@@ -226,7 +241,7 @@ impl PoolCore {
         let stream = self.stream_handle(py, stream)?;
         let (capsule, lease) = self.export(py, shape, dtype, stream, true)?;
         // On failure the unconsumed capsule's destructor returns the lease.
-        let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+        let tensor = call_one(py, &self.from_dlpack, &capsule)?;
         if lease.verify_holder {
             // A stale holder could name this block ([Note: stale holders]). On failure the
             // tensor dies here and its deleter returns the lease.
