@@ -207,7 +207,10 @@ class GatherBufferPool:
         return self._core.acquire_buffer(shape, dtype, stream)
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is a buffer currently checked out from this pool."""
+        """Whether `tensor` (or the tensor it is a view of) is a buffer currently checked out
+        from this pool to it: False for a released tensor even after its block was re-leased
+        (and for an `acquire_dlpack` buffer the pool cannot verify; see [Note: release
+        contract])."""
         return self._core.owns(tensor) if isinstance(tensor, torch.Tensor) else False
 
     # -- sizing -----------------------------------------------------------------------------

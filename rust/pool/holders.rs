@@ -66,8 +66,9 @@ impl StaleHolders {
     }
 
     /// Whether a stale holder's memory contains `ptr`, i.e. whether a stale tensor (or a view
-    /// of one) could name a block starting at `ptr`. Linear in the number of stale holders,
-    /// which is zero on the common path and small otherwise (released tensors die soon).
+    /// of one) could name a block starting at `ptr`. A scan: the set is empty on the common
+    /// path and holds only released tensors that are still alive otherwise (a few; an ordered
+    /// index was measured at +60 ns per explicit release for its insert and remove).
     pub fn covering(&self, ptr: u64) -> Cover {
         let mut cover = Cover::Nothing;
         for s in self.by_lease.values() {
@@ -99,5 +100,28 @@ mod tests {
         assert!(!s.is_stale_key(7));
         assert!(s.remove(b));
         assert_eq!((s.len(), s.unknown_keys, s.covering(160)), (0, 0, Cover::Nothing));
+    }
+
+    #[test]
+    fn cover_matches_a_scan() {
+        // Overlapping stale blocks of mixed sizes (memory freed and reused while they lived).
+        let mut s = StaleHolders::default();
+        let blocks = [(0u64, 4096u64, true), (1024, 1536, false), (2048, 10_000, true), (9000, 9512, true), (20_000, 20_256, false)];
+        for (i, &(start, end, known)) in blocks.iter().enumerate() {
+            s.insert(LeaseId::new(i as u32, 1), start, end, known.then_some(100 + i as u64));
+        }
+        for ptr in (0..21_000u64).step_by(128) {
+            let mut want = Cover::Nothing;
+            for &(start, end, known) in &blocks {
+                if start <= ptr && ptr < end {
+                    if !known {
+                        want = Cover::UnknownKey;
+                        break;
+                    }
+                    want = Cover::KnownKeys;
+                }
+            }
+            assert_eq!(s.covering(ptr), want, "ptr {ptr}");
+        }
     }
 }
