@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
@@ -88,6 +89,15 @@ __all__ = [
 ]
 
 counters: collections.Counter = collections.Counter()
+
+# [Note: poisoned releases]
+# A debugging aid (and what the compile tests run under): when set, every released gathered
+# buffer is filled with NaN before it returns to its pool. A reader that runs after the release
+# (a scheduling bug: [Note: release after the readers] in compile/collectives.py) then produces
+# NaN at once instead of plausible, slowly diverging numbers from a buffer that the next gather
+# may already be overwriting. Costs one fill per release; off by default. Environment:
+# ZBUF_POISON_RELEASES=1.
+POISON_RELEASES: bool = os.environ.get("ZBUF_POISON_RELEASES", "") == "1"
 """Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
 and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
 bytes of the padded reduce input); eager gradient contributions held for a later reduction
@@ -352,6 +362,8 @@ def release(t: torch.Tensor) -> None:
     with _label("zbuf::release"):
         # Release straight away and skip the pools that do not hold `t`: asking `owns` first
         # would look the buffer up twice on every release.
+        if POISON_RELEASES and t.is_floating_point():
+            t.fill_(float("nan"))
         for pool in _KNOWN_POOLS:
             try:
                 pool.release(t)

@@ -13,14 +13,23 @@
     parameter's padded block directly (one NCCL group; gloo implements it as well).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
     Waits for the start that filled ``gathered`` (found by the first buffer's storage).
-``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t) -> ()``
+``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, Tensor[] after) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
+    ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
 ``zbuf::reduce_scatter_start(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
                              str group_name, ScalarType? reduce_dtype) -> Tensor``
     The first half of ``zbuf::reduce_scatter`` (ops.py): casts and pads ``grad`` and issues the
     collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
     are valid only after the matching wait. The pass substitutes a start/wait pair for every
-    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: reduce-scatter overlap]).
+    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: release after the readers]
+Declaring ``t`` mutated does not stop Inductor from running a reader of ``t`` after the release:
+it fused a reader (an RMSNorm's weight multiply) with later nodes into one kernel and emitted
+that kernel after the release, so the kernel read a buffer the next gather was already reusing
+(found with poisoned releases; on CPU the losses drifted, on 2x H200 a memory-capped qwen3-8b
+trained visibly slower). The release therefore also takes the outputs of all of ``t``'s readers
+as inputs: a true data dependency, which no scheduling or fusion can reorder.
+
+[Note: reduce-scatter overlap]).
 ``zbuf::reduce_scatter_wait(Tensor(a!) token, Tensor(b!) started) -> ()``
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
@@ -187,12 +196,13 @@ def _all_gather_wait_fake(token, gathered):
 
 
 @torch.library.custom_op("zbuf::all_gather_release", mutates_args=("token", "t"))
-def all_gather_release(token: torch.Tensor, t: torch.Tensor) -> None:
+def all_gather_release(token: torch.Tensor, t: torch.Tensor, after: Sequence[torch.Tensor]) -> None:
+    # `after` is only read by the compiler: [Note: release after the readers].
     zops.release(t)
 
 
 @all_gather_release.register_fake
-def _all_gather_release_fake(token, t):
+def _all_gather_release_fake(token, t, after):
     return None
 
 

@@ -30,6 +30,7 @@ say) is not known before partitioning and is re-gathered.
 from __future__ import annotations
 
 import hashlib
+import operator
 import json
 import os
 import uuid
@@ -307,6 +308,26 @@ def check_token_chain(graph: torch.fx.Graph, token: torch.fx.Node | None) -> lis
     return chain
 
 
+def _readers(buf: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor-valued nodes that read ``buf``, through views ([Note: release after the
+    readers] in collectives.py): a view only aliases, so its own readers are the ones that count;
+    a reader returning several tensors counts by its ``getitem`` outputs."""
+    readers, seen, todo = [], set(), list(buf.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"):
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if is_view(n):
+            todo.extend(n.users)
+        elif isinstance(val, torch.Tensor):
+            readers.append(n)
+        elif isinstance(val, (tuple, list)):
+            todo.extend(u for u in n.users if u.target is operator.getitem)
+    return readers
+
+
 def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
     """Split every planned gather into start / wait / release at the planned slots."""
     nodes, gathers = index.nodes, index.gathers
@@ -321,6 +342,7 @@ def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
     group_name, device = _group_and_device(graph)
     token = _new_token(graph, gathers[0].meta["val"], device)
 
+    position = {n: i for i, n in enumerate(nodes)}
     buffers: dict[tuple[int, int], torch.fx.Node] = {}  # (fetch index, member index) -> buffer
     fetch_index = {id(f): i for i, f in enumerate(sched.fetches)}
     for slot in sorted(by_slot):
@@ -331,7 +353,12 @@ def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
                 if kind == "release":
                     f, m = payload
                     buf = buffers[(fetch_index[id(f)], f.members.index(m))]
-                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf))
+                    after = _readers(buf)
+                    if any(position[r] >= slot for r in after):
+                        raise AssertionError(
+                            f"zbuf plan releases {buf} at node {slot} before its reader(s) "
+                            f"{[r for r in after if position[r] >= slot]}; this is a zbuf bug")
+                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf, after))
                     n.meta["val"] = None
                 elif kind == "start":
                     f = payload
