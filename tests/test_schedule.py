@@ -148,6 +148,24 @@ def test_unbounded_budget_prefetches_everything_and_tight_budget_serialises():
         assert f.start == max(prev2.members[0].release_after + 1, f.wait - 11) or 10 <= f.wait - f.start
 
 
+def test_small_gather_does_not_pin_a_large_one_behind_it():
+    """[Note: prefetch order]: a tiny gather that needs no lead, read just before a large one,
+    still starts early enough for the large one to be covered, and starts stay in wait order."""
+    n = 40
+    compute = (1e-4,) * n  # 0.1 ms per node
+    small = GatherSpec("norm", 8, (29,), 0, block="a")
+    large = GatherSpec("mlp", 1000, (30,), 0, block="b")
+    opts = CompileOptions(coalesce=False, link_bytes_per_second=1e6, collective_latency_seconds=0.0)
+    sched = plan_schedule(GraphSummary(n, compute, (small, large)), 10**9, opts)
+    by_key = {f.members[0].gather: f for f in sched.fetches}
+    f_small, f_large = by_key[0], by_key[1]
+    assert f_small.start <= f_large.start  # issue order = wait order
+    assert f_large.wait - f_large.start >= 10  # 1 ms of communication, 0.1 ms nodes
+    # A tight budget still wins over the lead.
+    tight = plan_schedule(GraphSummary(n, compute, (small, large)), 1008, opts)
+    assert tight.peak_live_bytes <= 1008
+
+
 def test_budget_below_floor_is_raised_and_reported():
     g = (GatherSpec("a", 700, (1,), 0), GatherSpec("b", 500, (1, 3), 0))
     sched = plan_schedule(GraphSummary(5, (0.0,) * 5, g), 100)
