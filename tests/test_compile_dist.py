@@ -349,6 +349,48 @@ def _hf_case(rank, world):
     return {"losses": run.losses, "errors": {k: float(f"{v:.3g}") for k, v in errors.items()}}
 
 
+class _Deferred:
+    """A collective that runs only when waited for: the latest moment an async collective may
+    touch its tensors, so anything that writes its input or reads its output between start and
+    wait changes the result (deterministically, unlike a real race)."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def wait(self, *args, **kwargs):
+        self._run()
+        return True
+
+
+def _deferred_worker(rank, world):
+    """[Note: async inputs are zbuf's own] (ops.py): under Inductor, with every async collective
+    deferred to its wait, compiled training still equals eager zbuf and the reference."""
+    real_rs, real_ag = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+
+    def rs(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not async_op:
+            return real_rs(out, inp, op=op, group=group)
+        return _Deferred(lambda: real_rs(out, inp, op=op, group=group))
+
+    def ag(out, inp, group=None, async_op=False):
+        if not async_op:
+            return real_ag(out, inp, group=group)
+        return _Deferred(lambda: real_ag(out, inp, group=group))
+
+    dist.reduce_scatter_tensor, dist.all_gather_into_tensor = rs, ag
+    try:
+        _, _, out = _decoder_case(rank, world, ac=True, steps=2, options={
+            "inner": "inductor", "budget_bytes": 600_000, "persist": False, "coalesce": False})
+    finally:
+        dist.reduce_scatter_tensor, dist.all_gather_into_tensor = real_rs, real_ag
+    return out["losses"]
+
+
+def test_inductor_with_collectives_deferred_to_their_waits():
+    results = run_distributed(_deferred_worker, 2, timeout=900)
+    assert results[0] == results[1]
+
+
 def test_two_ranks():
     # Multi-rank Inductor costs minutes of C++ compilation on CI's two cores: opt in (the
     # single-process Inductor test in test_compile.py always runs).

@@ -249,6 +249,18 @@ def _all_gather_backward(ctx, grad):
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup_context)
 
 
+# [Note: async inputs are zbuf's own]
+# An async collective reads its input after the op that issued it has returned. In a compiled
+# graph the input may be a graph buffer (an fp32 gradient that needs no cast or padding), and
+# Inductor's generated code hands a dead buffer's memory to a later kernel ("reuse") the moment
+# its last use returns: no allocator call, so neither record_stream nor c10d's stashing can see
+# it, and the kernel overwrites the gradient while NCCL (or gloo's thread) still reads it. So an
+# async reduce-scatter always reads a tensor zbuf made (a clone when nothing else copied it).
+# test_compile_dist.py checks this with every async collective deferred to its wait: without
+# the clone, first-step gradients were off by a factor of ~4; on 2x H200 the CUDA compile test
+# drifted by 1e-3 in the loss.
+
+
 class ReduceScatterLaunch(NamedTuple):
     """A reduce-scatter issued by ``reduce_scatter_launch``, finished by ``reduce_scatter_finish``."""
 
@@ -288,6 +300,8 @@ def reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
     pre_divide = world > 1 and rdtype.itemsize < 4
     if pre_divide:
         inp = inp / world
+    if async_op and inp.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        inp = inp.clone()  # [Note: async inputs are zbuf's own]
     out = inp.new_empty(shard_numel)
     work = None
     if world == 1:
