@@ -13,15 +13,19 @@ The public surface:
 
 import os as _os
 
+import torch as _torch
+
 # [Note: no record_stream on pool memory]
-# An async NCCL collective makes c10d call ``record_stream`` on its tensors unless this is set,
-# and the caching allocator then holds the cast shards (and any allocator-backed output) until
-# the comm stream passes that point: blocks freed late, reused late, the churn the pool exists to
-# avoid. With it, c10d stashes the tensors in its Work instead, until ``wait()``. Pool buffers
-# never need record_stream (their reuse is ordered by release events). ProcessGroupNCCL reads it
-# when a group is created, so it applies to every group created after ``import zbuf``; an
-# explicit setting by the user wins.
-_os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+# An async NCCL collective makes c10d call ``record_stream`` on its tensors unless
+# TORCH_NCCL_AVOID_RECORD_STREAMS is on; the caching allocator then holds the cast shards (and
+# any allocator-backed output) until the comm stream passes that point: blocks freed late, reused
+# late, the churn the pool exists to avoid. With it, c10d stashes the tensors in its Work until
+# ``wait()``. Pool buffers never need record_stream (release events order their reuse). torch
+# 2.11 makes it the default (and warns when it is set), so it is set only for older torch, where
+# ProcessGroupNCCL reads it when a group is created: every group created after ``import zbuf``.
+# An explicit setting by the user wins.
+if tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 11):
+    _os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 
 # zbuf.compile and zbuf.shard are callable modules: zbuf.shard(model) and zbuf.shard.<helper>
 # both work.
@@ -46,6 +50,7 @@ from .errors import (
     PoolError,
     PoolOutOfMemoryError,
     UnsupportedDtypeError,
+    UnverifiableReleaseError,
 )
 from .pool import GatherBufferPool, PoolStats, default_pool
 from .shard import ShardingError
@@ -65,6 +70,7 @@ __all__ = [
     "InvalidDeviceError",
     "InvalidRequestError",
     "UnsupportedDtypeError",
+    "UnverifiableReleaseError",
     "PoolBackendError",
     "shard",
     "ShardingError",
