@@ -420,6 +420,20 @@ def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
     assert pending() == 0
 
 
+def test_backward_that_gathers_nothing_is_still_reported_for_the_model():
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", budget_bytes=1 << 30))
+    for _ in range(2):
+        cm(torch.randn(4, DIM)).square().mean().backward()
+    fw, bw = schedule_report(model)
+    assert (fw.kind, bw.kind) == ("forward", "backward")
+    assert bw.gathers == 0 and bw.persistent_bytes > 0  # every weight kept from forward
+    assert set(bw.param_ids) == set(fw.param_ids)  # it reduce-scatters them all
+
+
 def test_records_carry_per_node_memory_profiles():
     from zbuf.compile.report import PROFILE_POINTS, ScheduleRecord
     from zbuf.shard import shard

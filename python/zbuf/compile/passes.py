@@ -451,7 +451,10 @@ class GatherSchedulePass(CustomGraphPass):
             fingerprint=fp,
             planning_seconds=sched.planning_seconds if sched else 0.0,
             num_nodes=index.summary.num_nodes,
-            param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers})),
+            # Gathered or reduced: a backward whose weights were all kept from forward gathers
+            # nothing, and is still the model's graph.
+            param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers} | {
+                int(n.args[2]) for n in graph.nodes if n.target is zbuf.reduce_scatter_start.default})),
             gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
             op_order=(("check_schedule",) if order and token is not None else ()) + zbuf_ops,
             live_gathered_profile=report.downsample_peaks(sched.profile if sched else [0] * len(act_profile)),
