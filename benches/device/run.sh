@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
+# (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
+#   bash benches/device/run.sh tests      # every tests/gpu test            (~7 min)
+#   bash benches/device/run.sh pool       # pool GPU tests + pool benchmark (~1.5 min)
+#   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
+#   bash benches/device/run.sh 8b         # qwen3-8b: zbuf, fsdp2           (~6 min)
+#   bash benches/device/run.sh 8b-cap     # qwen3-8b --mem-frac 0.68        (~5 min)
+# Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source benches/device/env.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+COMMON=(--micro-batch 4 --seq-len 4096 --ac --steps 30 --warmup 10 --no-progress)
+
+summaries() {  # the per-rank profile summaries of one step, as one file
+  python3 - "$1" <<'EOF'
+import glob, json, os, sys
+out = {os.path.basename(p): json.load(open(p)) for p in sorted(glob.glob('/tmp/prof/*.summary.json'))}
+json.dump(out, open(os.path.join(os.environ['OUT'], sys.argv[1]), 'w'), indent=1)
+for k, v in out.items():
+    print(k, {x: round(v[x], 1) for x in v if x.endswith('per_step') and isinstance(v[x], float)})
+EOF
+}
+
+bench() {  # bench NAME ENGINE [extra args...]: one engine, its own record
+  local name=$1 engine=$2
+  shift 2
+  timeout 580 python3 -m zbuf.cli bench --engines "$engine" "${COMMON[@]}" "$@" \
+    --out "$OUT/${name}_${engine}.json" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/${name}_${engine}.log" | tail -20
+}
+
+case "${1:-}" in
+  tests)
+    ZBUF_POISON_RELEASES=1 timeout 590 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu \
+      --timeout 300 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  pool)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py 2>&1 | tail -5
+    timeout 120 python3 benches/pool_bench.py --device cuda --out "$OUT" 2>&1 | tail -20 ;;
+  17b)
+    timeout 590 python3 -m zbuf.cli bench --engines zbuf,ddp,fsdp2 --preset qwen3-1.7b "${COMMON[@]}" \
+      --profile-dir /tmp/prof --out "$OUT/train_step_qwen3-1.7b.json" 2>&1 | grep -v "Warning\|warn" | tail -40
+    summaries profile_qwen3-1.7b.json ;;
+  8b)
+    for e in zbuf fsdp2; do bench 8b "$e" --preset qwen3-8b --profile-dir /tmp/prof; done
+    summaries profile_qwen3-8b.json ;;
+  8b-cap)
+    for e in zbuf fsdp2; do bench 8bcap "$e" --preset qwen3-8b --mem-frac 0.68; done ;;
+  *)
+    echo "usage: $0 tests|pool|17b|8b|8b-cap" >&2
+    exit 2 ;;
+esac
