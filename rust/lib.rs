@@ -9,7 +9,6 @@
 
 pub mod backend;
 pub mod budget;
-pub mod hash;
 pub mod pool;
 
 #[cfg(feature = "python")]

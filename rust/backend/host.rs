@@ -7,7 +7,7 @@
 //! another stream only after that stream waited on its release event").
 
 use std::alloc::{alloc, dealloc, Layout};
-use crate::hash::IntMap;
+use rustc_hash::FxHashMap;
 
 use super::{Backend, BackendError, Device, DeviceKind, EventHandle, StreamHandle};
 
@@ -35,7 +35,7 @@ pub struct HostBackend {
     live_bytes: u64,
     next_event: EventHandle,
     /// Event -> completed?  Present while the event exists.
-    events: IntMap<EventHandle, bool>,
+    events: FxHashMap<EventHandle, bool>,
     /// When true, recorded events stay pending until [`HostBackend::complete_all_events`].
     defer_events: bool,
     trace: Option<Vec<HostOp>>,

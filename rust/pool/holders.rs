@@ -2,7 +2,7 @@
 //! holders] in mod.rs for the protocol; this file is the bookkeeping.
 
 use super::lease::LeaseId;
-use crate::hash::IntMap;
+use rustc_hash::FxHashMap;
 
 /// Whether the memory of some stale holder covers an address (see [`StaleHolders::covering`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,8 +28,8 @@ struct Stale {
 /// so possibly a tensor naming their old address, is still alive).
 #[derive(Debug, Default)]
 pub struct StaleHolders {
-    by_lease: IntMap<LeaseId, Stale>,
-    by_key: IntMap<u64, LeaseId>,
+    by_lease: FxHashMap<LeaseId, Stale>,
+    by_key: FxHashMap<u64, LeaseId>,
     unknown_keys: usize,
 }
 

@@ -77,7 +77,7 @@ use crate::budget::{PressureAction, PressureTracker};
 pub use config::PoolConfig;
 pub use error::PoolError;
 pub use events::{EventKind, EventLog, PoolEvent};
-use crate::hash::IntMap;
+use rustc_hash::FxHashMap;
 use holders::{Cover, StaleHolders};
 pub use lease::{Lease, LeaseId};
 pub use stats::PoolStats;
@@ -188,7 +188,7 @@ pub struct GatherPool<B: Backend> {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     /// Address -> slot, for every live block (idle or checked out, pool or outside).
-    by_ptr: IntMap<u64, u32>,
+    by_ptr: FxHashMap<u64, u32>,
     /// Idle blocks by (capacity, most recent release first, slot): the best-fit index.
     idle_by_size: BTreeSet<(u64, Reverse<u64>, u32)>,
     /// Idle blocks by (last release, slot): the eviction order.
@@ -222,7 +222,7 @@ impl<B: Backend> GatherPool<B> {
             alignment,
             slots: Vec::new(),
             free_slots: Vec::new(),
-            by_ptr: IntMap::default(),
+            by_ptr: FxHashMap::default(),
             idle_by_size: BTreeSet::new(),
             idle_lru: BTreeSet::new(),
             pending: Vec::new(),
