@@ -241,10 +241,15 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
     if token is None:
         val = nodes[0].args[0].meta["val"]
         token = _new_token(graph, val, val.device)
-    in_flight: list[tuple[torch.fx.Node, torch.fx.Node, int]] = []  # (reduce-scatter, start, input bytes)
+    # Started, not yet waited for, in start order: reduce-scatter -> (start node, input bytes).
+    in_flight: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = {}
+    in_flight_bytes = 0
 
     def wait_oldest(before: torch.fx.Node) -> None:
-        rs, started, _ = in_flight.pop(0)
+        nonlocal in_flight_bytes
+        rs = next(iter(in_flight))
+        started, nbytes = in_flight.pop(rs)
+        in_flight_bytes -= nbytes
         out_dtype = rs.args[5]
         with graph.inserting_before(before):
             graph.call_function(zbuf.reduce_scatter_wait.default, (token, started)).meta["val"] = None
@@ -256,15 +261,19 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
         graph.erase_node(rs)
 
     for n in list(graph.nodes):
-        while in_flight and any(n in rs.users for rs, _, _ in in_flight):
-            wait_oldest(n)  # n reads a result: wait for it (and, in order, for those before it)
+        read = [a for a in n.all_input_nodes if a in in_flight]
+        if read:
+            # n reads a result: wait for it and, in order, for those started before it.
+            order = list(in_flight)
+            for _ in range(max(order.index(a) for a in read) + 1):
+                wait_oldest(n)
         if n.target is not zbuf.reduce_scatter.default:
             continue
         grad, param_id, shard_numel, group_name, reduce_dtype, _out_dtype = n.args
         gval = grad.meta["val"]
         rdtype = reduce_dtype if reduce_dtype is not None else gval.dtype
         nbytes = gval.numel() * rdtype.itemsize
-        while in_flight and sum(b for *_, b in in_flight) + nbytes > RS_IN_FLIGHT_BYTES:
+        while in_flight and in_flight_bytes + nbytes > RS_IN_FLIGHT_BYTES:
             wait_oldest(n)
         with graph.inserting_before(n):
             started = graph.call_function(
@@ -276,7 +285,8 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
             # reduce-scatter's and add the token's.
             args, kwargs = n.meta["eager_input_vals"]
             started.meta["eager_input_vals"] = ((token.meta["val"], *args[:5]), kwargs)
-        in_flight.append((n, started, nbytes))
+        in_flight[n] = (started, nbytes)
+        in_flight_bytes += nbytes
     if in_flight:
         raise AssertionError("zbuf: a reduce-scatter result has no reader (not even the graph "
                              "output); this is a zbuf bug")
