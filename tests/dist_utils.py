@@ -28,7 +28,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["run_distributed", "WorkerFailed"]
+__all__ = ["run_distributed", "WorkerFailed", "global_mean"]
 
 _HOST = "127.0.0.1"
 
@@ -150,3 +150,15 @@ def run_distributed(
         results.close()
         del store
     return [out[r] for r in range(world_size)]
+
+
+def global_mean(loss, world: int, sharded: bool) -> float:
+    """A step's loss as the unsharded reference sees it: the mean over ranks of each rank's mean
+    (equal batch slices), or the loss itself for an unsharded run."""
+    import torch.distributed as dist
+
+    value = loss.detach().clone()
+    if sharded:
+        dist.all_reduce(value)
+        value /= world
+    return value.item()

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_utils import run_distributed
+from dist_utils import global_mean, run_distributed
 
 STEPS = 10
 RTOL = 1e-5
@@ -109,11 +109,7 @@ def _train(step_fn, model, batches, rank, world, *, sharded, loss_fn) -> _Run:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-            value /= world
-        losses.append(value.item())
+        losses.append(global_mean(loss, world, sharded))
     return _Run(losses, gathers, first_grads)
 
 

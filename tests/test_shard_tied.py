@@ -16,12 +16,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dist_utils import run_distributed
+from dist_utils import global_mean, run_distributed
 
 VOCAB, DIM, SEQ = 37, 13, 5  # primes: uneven shards
 RTOL, ATOL = 1e-5, 1e-6
@@ -167,11 +166,7 @@ def _train(step_model, model, batches, rank, world, *, sharded):
         per_step.append(_delta(before))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-            value /= world
-        losses.append(value.item())
+        losses.append(global_mean(loss, world, sharded))
     return losses, per_step
 
 
