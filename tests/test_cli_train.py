@@ -21,9 +21,19 @@ ZBUF = [shutil.which("zbuf")] if shutil.which("zbuf") else [sys.executable, "-m"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def _run(args, timeout=400):
-    out = subprocess.run(ZBUF + args, capture_output=True, text=True, timeout=timeout, env=ENV)
+def _run(args, timeout=400, env=None):
+    out = subprocess.run(ZBUF + args, capture_output=True, text=True, timeout=timeout,
+                         env=dict(ENV, **(env or {})))
     return out
+
+
+def _why(res, out=None):
+    """What a failed run said, including the failing rank's traceback from the record."""
+    text = res.stdout[-3000:] + res.stderr[-3000:]
+    if out is not None and os.path.exists(out):
+        with open(out) as f:
+            text += "".join(f"\n{e['engine']}: {e.get('error', '')}" for e in json.load(f)["engines"])
+    return text
 
 
 def _check_record(record, engines, steps):
@@ -94,7 +104,6 @@ def _assert_matches_reference(losses, ref):
 
 def _png_has_plot(path):
     import matplotlib.image as mpimg
-    import numpy as np
 
     img = mpimg.imread(path)
     assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 300, img.shape
@@ -105,11 +114,24 @@ def _png_has_plot(path):
     assert coloured.mean() > 0.002, "no coloured (data) pixels"
 
 
+def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
+    # Rank 1 dies after its first step; rank 0 notices in the next collective and exits first
+    # ("a peer died"). The error must name rank 1 and how it died ([Note: which rank failed]).
+    out = tmp_path / "run.json"
+    res = _run(["train", "--steps", "4", "--out", str(out)],
+               env={"ZBUF_FAULT": "train.step_done@1"})
+    assert res.returncode == 1, _why(res, out)
+    said = "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer, or a kill -9)"
+    assert f"engine zbuf failed (exit 1): {said} and left no traceback" in res.stderr, res.stderr
+    eng = json.loads(out.read_text())["engines"][0]
+    assert eng["status"] == "failed" and said in eng["error"]
+
+
 def test_train_default_engine_then_report(tmp_path):
     out = tmp_path / "run.json"
     steps = _TRAIN_STEPS
     res = _run(["train", "--steps", str(steps), "--out", str(out)])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, _why(res, out)
     record = json.loads(out.read_text())
     _check_record(record, ["zbuf"], steps)
     eng = record["engines"][0]
@@ -136,7 +158,7 @@ def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
     steps = 4
     res = _run(["bench", "--engines", "fsdp2,ddp", "--steps", str(steps), "--warmup", "1",
                 "--out", str(out)])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, _why(res, out)
     record = json.loads(out.read_text())
     _check_record(record, ["fsdp2", "ddp"], steps)
     # Same seed, same data, fp32 on CPU: every engine trains the unsharded reference model.
@@ -176,7 +198,7 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
               "--warmup", "1", "--save-every", "3"]
     res = _run(common + ["--checkpoint-dir", str(full_dir), "--collective-timeout", "120",
                          "--out", str(tmp_path / "full.json")])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, _why(res, tmp_path / "full.json")
     full = json.loads((tmp_path / "full.json").read_text())
     _check_record(full, ["zbuf-eager"], 6)
     assert full["environment"]["collective_timeout_s"] == 120.0  # applied in the workers
@@ -193,7 +215,7 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
            "--out", str(out)]
     env = dict(ENV, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, _why(res, out)
     shown = " ".join(res.stdout.split())  # rich wraps the table title on a narrow console
     assert "resuming after step 3" in shown and "resumed at step 3" in shown
     record = json.loads(out.read_text())

@@ -45,6 +45,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -259,6 +260,10 @@ def supervised() -> Iterator[None]:
             train()
     """
     install_exit_handlers()
+    if not faulthandler.is_enabled():
+        # A crash in native code (SIGSEGV, SIGABRT) otherwise ends the rank without a word, and
+        # its peers' "a peer died" is all anyone sees; this prints the Python stack it died in.
+        faulthandler.enable()
     try:
         yield
     except KeyboardInterrupt:

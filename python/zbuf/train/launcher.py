@@ -16,7 +16,15 @@ picks (no free-port race) and every rank connects to it as a client.
   parent dies (``PR_SET_PDEATHSIG``, set by the worker itself at start-up; see
   ``die_with_parent``).
 - A worker that fails: its peers would block in their next collective, so the launcher stops
-  them and reports the failed rank.
+  them and reports the failed rank ([Note: which rank failed]).
+
+[Note: which rank failed]
+A rank that dies takes its sockets with it, so its peers' next collective fails at once and they
+exit with ``RANK_FAILURE_EXIT_CODE`` ("a peer died"), often before the dead rank's own exit is
+visible here (a signal death is reaped later; a traceback takes time to print). Reporting the
+first exit seen would blame a survivor and hide the cause. So a peer-failure exit is only ever
+reported when no rank failed on its own: the launcher waits up to ``cause_wait`` seconds for the
+rank that did, and reports that one.
 """
 
 from __future__ import annotations
@@ -44,7 +52,21 @@ class GroupResult(NamedTuple):
     returncodes: list[int]
     """Exit status per rank (negative: killed by that signal)."""
     failed_rank: Optional[int]
-    """First rank that exited non-zero on its own, or None."""
+    """The rank whose failure stopped the group ([Note: which rank failed]), or None."""
+
+    def describe(self, rank: int) -> str:
+        """How ``rank`` ended, in words: ``exited with status 1``, ``was killed by SIGSEGV``."""
+        code = self.returncodes[rank]
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = {"SIGKILL": " (the kernel's out-of-memory killer, or a kill -9)",
+                    "SIGSEGV": " (a crash in native code)",
+                    "SIGABRT": " (an abort in native code)"}.get(name, "")
+            return f"was killed by {name}{hint}"
+        return f"exited with status {code}"
 
 
 def under_torchrun() -> bool:
@@ -71,8 +93,32 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signal.Signals(signum).name)
 
 
+def _own_failure(code: Optional[int]) -> bool:
+    from zbuf.faults import RANK_FAILURE_EXIT_CODE
+
+    return code not in (None, 0, RANK_FAILURE_EXIT_CODE)
+
+
+def _failed_rank(procs: list[subprocess.Popen], cause_wait: float) -> Optional[int]:
+    """Poll until every rank has exited or one failed; the rank to blame ([Note: which rank
+    failed])."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    deadline = time.monotonic() + cause_wait
+    while True:
+        codes = [p.poll() for p in procs]
+        own = [r for r, c in enumerate(codes) if _own_failure(c)]
+        if own:
+            return own[0]
+        if all(c is not None for c in codes) or time.monotonic() >= deadline:
+            return next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        time.sleep(0.05)
+
+
 def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] = None,
-                 grace: float = 10.0) -> GroupResult:
+                 grace: float = 10.0, cause_wait: float = 5.0) -> GroupResult:
     """Run ``python argv...`` as ranks 0..nproc-1 on this host and wait for all of them.
 
     Raises ``Interrupted`` (after stopping every worker) on SIGINT / SIGTERM.
@@ -91,15 +137,7 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
         for rank in range(nproc):
             child = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             procs.append(subprocess.Popen([sys.executable, *argv], env=child))
-        failed: Optional[int] = None
-        while failed is None and any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if p.returncode not in (None, 0):
-                    failed = rank
-                    break
-            time.sleep(0.1)
-        if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+        failed = _failed_rank(procs, cause_wait)
         return GroupResult([_stop(p, grace) for p in procs], failed)
     finally:
         # Runs on success (no-op: all exited), on failure and on Interrupted alike. A second

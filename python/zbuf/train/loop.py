@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .. import faults
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
@@ -107,6 +108,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
                      m.allocated_peak_bytes, m.pool_bytes, m.pool_high_water_bytes,
                      m.alloc_retries])
         progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
+        faults.fault_point("train.step_done")  # [Note: fault points]
         t0 = time.perf_counter()
         with record_function("zbuf.train.checkpoint"):
             path = policy.after_step(step + 1, setup.model, setup.optimizer)

@@ -8,7 +8,6 @@ them, with the compile cache reset and device memory emptied in between.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -100,15 +99,18 @@ def _spawned(cfg: TrainConfig, engine: Engine, console: Console) -> tuple[dict, 
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0
-        errors = sorted(glob.glob(os.path.join(tmp, "partial.json.rank*.err")))
-        text = ""
-        if errors:
-            with open(errors[0]) as f:
-                text = f.read()
         rank = group.failed_rank
-        code = group.returncodes[rank] if rank is not None else 1
-        msg = text or f"rank {rank} exited with status {code} and left no traceback"
-        return {"engines": [_failure(engine, "failed", msg)]}, code or 1
+        if rank is None:  # every rank exited 0 but rank 0 wrote no record
+            msg = "the ranks exited without a record (rank 0 wrote none)"
+            return {"engines": [_failure(engine, "failed", msg)]}, 1
+        err = os.path.join(tmp, f"{os.path.basename(partial_path)}.rank{rank}.err")
+        text = ""
+        if os.path.exists(err):
+            with open(err) as f:
+                text = f.read()
+        msg = text or f"rank {rank} {group.describe(rank)} and left no traceback"
+        code = group.returncodes[rank]
+        return {"engines": [_failure(engine, "failed", msg)]}, code if code > 0 else 1
 
 
 def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
@@ -163,7 +165,9 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
             engines_out.extend(partial["engines"])
             if code:
                 status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
-                print_error(command, f"engine {engine.value} failed (exit {code})")
+                error = partial["engines"][-1].get("error", "")
+                last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
+                print_error(command, f"engine {engine.value} failed (exit {code}): {last}")
                 if not bench:
                     break
     except Interrupted as e:
@@ -179,13 +183,9 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
 
 
 def _run_in_process(command: str, cfg: TrainConfig, unavailable: dict, console: Console) -> int:
-    import torch.distributed as dist
-
-    from .worker import run_engines
-
     from .. import faults
-
     from ..checkpoint_errors import CheckpointError
+    from .worker import run_engines
 
     runnable = tuple(e for e in cfg.engines if e not in unavailable)
     rank = int(os.environ["RANK"])
