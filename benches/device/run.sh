@@ -2,7 +2,7 @@
 # One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
 # (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
 #   bash benches/device/run.sh tests      # every tests/gpu test            (~7 min)
-#   bash benches/device/run.sh pool       # pool GPU tests + pool benchmark (~1.5 min)
+#   bash benches/device/run.sh pool       # pool GPU tests, pool and op-dispatch benchmarks (~2 min)
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
 #   bash benches/device/run.sh 8b         # qwen3-8b: zbuf, fsdp2           (~6 min)
 #   bash benches/device/run.sh 8b-cap     # qwen3-8b --mem-frac 0.68        (~5 min)
@@ -37,7 +37,8 @@ case "${1:-}" in
       --timeout 300 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
   pool)
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py 2>&1 | tail -5
-    timeout 120 python3 benches/pool_bench.py --device cuda --out "$OUT" 2>&1 | tail -20 ;;
+    timeout 120 python3 benches/pool_bench.py --device cuda --out "$OUT" 2>&1 | tail -20
+    timeout 120 python3 benches/op_dispatch_bench.py --device all --out "$OUT" 2>&1 | tail -20 ;;
   17b)
     timeout 590 python3 -m zbuf.cli bench --engines zbuf,ddp,fsdp2 --preset qwen3-1.7b "${COMMON[@]}" \
       --profile-dir /tmp/prof --out "$OUT/train_step_qwen3-1.7b.json" 2>&1 | grep -v "Warning\|warn" | tail -40

@@ -188,14 +188,14 @@ def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, pa
         )
 
 
-def _label(name: str):
+def label(name: str):
     # record_function costs tens of microseconds even with no profiler running; label only then.
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Tensor:
     """The body of ``zbuf::all_gather`` (also run directly by the eager fast path)."""
-    with _label("zbuf::all_gather"):
+    with label("zbuf::all_gather"):
         pg = _group(group_name)
         world = pg.size()
         _check_gather_args(shard, shape, world, param_id, param_dtype)
@@ -324,7 +324,7 @@ def reduce_scatter_finish(launch: ReduceScatterLaunch) -> torch.Tensor:
 
 def reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype) -> torch.Tensor:
     """The body of ``zbuf::reduce_scatter`` (also run directly by the eager fast path)."""
-    with _label("zbuf::reduce_scatter"):
+    with label("zbuf::reduce_scatter"):
         launch = reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                        async_op=False)
         return reduce_scatter_finish(launch).to(out_dtype)
@@ -367,13 +367,18 @@ class EagerAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with _label("zbuf::reduce_once"):
+        with label("zbuf::reduce_once"):
             return reduce_once.contribute(grad, ctx.shard, ctx.spec, ctx.generation), None, None
 
 
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))
 def release(t: torch.Tensor) -> None:
-    with _label("zbuf::release"):
+    release_buffer(t)
+
+
+def release_buffer(t: torch.Tensor) -> None:
+    """The body of ``zbuf::release``, for callers already inside an op."""
+    with label("zbuf::release"):
         # Release straight away and skip the pools that do not hold `t`: asking `owns` first
         # would look the buffer up twice on every release.
         if POISON_RELEASES and t.is_floating_point():

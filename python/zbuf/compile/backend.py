@@ -66,7 +66,6 @@ def zbuf_backend(
 
 
 def _shard_group(model: torch.nn.Module):
-
     for m in model.modules():
         root = m.__dict__.get("_zbuf_root")
         if root is not None:

@@ -21,15 +21,7 @@
     The first half of ``zbuf::reduce_scatter`` (ops.py): casts and pads ``grad`` and issues the
     collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
     are valid only after the matching wait. The pass substitutes a start/wait pair for every
-    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: release after the readers]
-Declaring ``t`` mutated does not stop Inductor from running a reader of ``t`` after the release:
-it fused a reader (an RMSNorm's weight multiply) with later nodes into one kernel and emitted
-that kernel after the release, so the kernel read a buffer the next gather was already reusing
-(found with poisoned releases; on CPU the losses drifted, on 2x H200 a memory-capped qwen3-8b
-trained visibly slower). The release therefore also takes the outputs of all of ``t``'s readers
-as inputs: a true data dependency, which no scheduling or fusion can reorder.
-
-[Note: reduce-scatter overlap]).
+    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: reduce-scatter overlap]).
 ``zbuf::reduce_scatter_wait(Tensor(a!) token, Tensor(b!) started) -> ()``
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
@@ -58,6 +50,14 @@ choices moved all of a backward's reduce-scatters after all of its releases), so
 replaces it with ``zbuf::reduce_scatter_start`` / ``_wait`` and ``check_token_chain`` (passes.py)
 refuses a graph in which any collective does not mutate the token.
 
+[Note: release after the readers]
+Declaring ``t`` mutated does not stop Inductor from running a reader of ``t`` after the release:
+it fused a reader (an RMSNorm's weight multiply) with later nodes into one kernel and emitted
+that kernel after the release, so the kernel read a buffer the next gather was already reusing
+(found with poisoned releases; on CPU the losses drifted, on 2x H200 a memory-capped qwen3-8b
+trained visibly slower). The release therefore also takes the outputs of all of ``t``'s readers
+as inputs: a true data dependency, which no scheduling or fusion can reorder.
+
 [Note: reduce-scatter overlap]
 A synchronous reduce-scatter runs on the compute stream (torch 2.11's ProcessGroupNCCL issues
 ``async_op=False`` collectives on the current stream), so backward compute stops for every one:
@@ -77,7 +77,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from .. import ops as zops
 from ..param import unpad_full
@@ -110,7 +109,44 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-@torch.library.custom_op("zbuf::gather_buffer", mutates_args=("token",))
+# [Note: lean dispatch]
+# These ops run once or more per gathered parameter per step, from the compiled graph's Python
+# wrapper, so their host cost adds up: on qwen3-1.7b the forward was host-bound. An op made with
+# ``torch.library.custom_op`` goes through Python autograd and ADInplaceOrView kernels and a
+# ``torch._dynamo.disable`` wrapper on every call even when, as here, it never needs autograd
+# (the pass inserts these ops after AOTAutograd, into graphs that run under no_grad). Defined
+# with ``torch.library.Library`` and one ``CompositeExplicitAutograd`` Python kernel (a single
+# C++ dispatch into Python), with the schemas ``custom_op`` would infer and a fake kernel each,
+# the same kernels cost 26-31 us less per call on a 2-core CPU (``benches/op_dispatch_bench.py``,
+# results/op_dispatch_cpu.md): a gather's buffer-start-wait-release cycle 86 us instead of 210.
+# qwen3-1.7b makes about 1,400 such calls per step.
+_LIB = torch.library.Library("zbuf", "FRAGMENT")
+
+
+def _op(schema: str):
+    """Define ``zbuf::<schema>`` with the decorated function as its kernel ([Note: lean dispatch]).
+
+    The fake kernel is registered with ``.register_fake`` on the returned function."""
+
+    def define(fn):
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+
+        def register_fake(fake):
+            torch.library.register_fake(f"zbuf::{name}", fake, lib=_LIB)
+            return fake
+
+        fn.register_fake = register_fake
+        return fn
+
+    return define
+
+
+@_op(
+    "gather_buffer(Tensor(a0!) token, Tensor shard, SymInt param_id, SymInt[] shape, "
+    "str group_name, ScalarType? param_dtype) -> Tensor"
+)
 def gather_buffer(
     token: torch.Tensor,
     shard: torch.Tensor,
@@ -141,14 +177,17 @@ def _padded_block(full: torch.Tensor, padded: int) -> torch.Tensor:
     return full.new_empty(0).set_(full.untyped_storage(), full.storage_offset(), (padded,), (1,))
 
 
-@torch.library.custom_op("zbuf::all_gather_start", mutates_args=("token", "gathered"))
+@_op(
+    "all_gather_start(Tensor(a0!) token, Tensor(a1!)[] gathered, Tensor[] shards, "
+    "str group_name) -> ()"
+)
 def all_gather_start(
     token: torch.Tensor,
     gathered: Sequence[torch.Tensor],
     shards: Sequence[torch.Tensor],
     group_name: str,
 ) -> None:
-    with record_function("zbuf::all_gather_start"):
+    with zops.label("zbuf::all_gather_start"):
         if len(gathered) != len(shards) or not shards:
             raise ValueError(
                 f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
@@ -176,9 +215,9 @@ def _all_gather_start_fake(token, gathered, shards, group_name):
     return None
 
 
-@torch.library.custom_op("zbuf::all_gather_wait", mutates_args=("token", "gathered"))
+@_op("all_gather_wait(Tensor(a0!) token, Tensor(a1!)[] gathered) -> ()")
 def all_gather_wait(token: torch.Tensor, gathered: Sequence[torch.Tensor]) -> None:
-    with record_function("zbuf::all_gather_wait"):
+    with zops.label("zbuf::all_gather_wait"):
         key = gathered[0].untyped_storage().data_ptr()
         if key not in _PENDING:
             raise RuntimeError(
@@ -195,10 +234,10 @@ def _all_gather_wait_fake(token, gathered):
     return None
 
 
-@torch.library.custom_op("zbuf::all_gather_release", mutates_args=("token", "t"))
+@_op("all_gather_release(Tensor(a0!) token, Tensor(a1!) t, Tensor[] after) -> ()")
 def all_gather_release(token: torch.Tensor, t: torch.Tensor, after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
-    zops.release(t)
+    zops.release_buffer(t)
 
 
 @all_gather_release.register_fake
@@ -206,7 +245,10 @@ def _all_gather_release_fake(token, t, after):
     return None
 
 
-@torch.library.custom_op("zbuf::reduce_scatter_start", mutates_args=("token",))
+@_op(
+    "reduce_scatter_start(Tensor(a0!) token, Tensor grad, SymInt param_id, SymInt shard_numel, "
+    "str group_name, ScalarType? reduce_dtype) -> Tensor"
+)
 def reduce_scatter_start(
     token: torch.Tensor,
     grad: torch.Tensor,
@@ -215,7 +257,7 @@ def reduce_scatter_start(
     group_name: str,
     reduce_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    with record_function("zbuf::reduce_scatter_start"):
+    with zops.label("zbuf::reduce_scatter_start"):
         launch = zops.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                             async_op=True)
         _PENDING_RS[launch.out.untyped_storage().data_ptr()] = launch
@@ -227,9 +269,9 @@ def _reduce_scatter_start_fake(token, grad, param_id, shard_numel, group_name, r
     return grad.new_empty((shard_numel,), dtype=reduce_dtype if reduce_dtype is not None else grad.dtype)
 
 
-@torch.library.custom_op("zbuf::reduce_scatter_wait", mutates_args=("token", "started"))
+@_op("reduce_scatter_wait(Tensor(a0!) token, Tensor(a1!) started) -> ()")
 def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
-    with record_function("zbuf::reduce_scatter_wait"):
+    with zops.label("zbuf::reduce_scatter_wait"):
         launch = _PENDING_RS.pop(started.untyped_storage().data_ptr(), None)
         if launch is None:
             raise RuntimeError(
@@ -257,7 +299,10 @@ def _grow_pool(param_id: int, device: torch.device, sizes: Sequence[int], counts
         pool.set_budget(need)
 
 
-@torch.library.custom_op("zbuf::check_schedule", mutates_args=("token",))
+@_op(
+    "check_schedule(Tensor(a0!) token, str group_name, str fingerprint, str collectives, "
+    "SymInt[] buffer_sizes, SymInt[] buffer_counts, SymInt param_id, str record) -> ()"
+)
 def check_schedule(
     token: torch.Tensor,
     group_name: str,
@@ -273,7 +318,7 @@ def check_schedule(
         return
     from .fingerprint import check_across_ranks
 
-    with record_function("zbuf::check_schedule"):
+    with zops.label("zbuf::check_schedule"):
         check_across_ranks(group_name, fingerprint, collectives)
         if param_id >= 0 and buffer_sizes:
             _grow_pool(param_id, token.device, buffer_sizes, buffer_counts)
