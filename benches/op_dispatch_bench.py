@@ -20,7 +20,6 @@ Writes op_dispatch_<device>.json and op_dispatch_<device>.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pool_bench import cpu_model, git_commit, interleaved_ns, warm_up  # noqa: E402
+from pool_bench import cpu_model, git_commit, interleaved_ns, parse_bench_args, warm_up  # noqa: E402
 
 from zbuf.compile import collectives as C  # noqa: E402
 
@@ -133,18 +132,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--iters", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
-    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
-    if "cuda" in devices and not torch.cuda.is_available():
-        if args.device == "cuda":
-            print("op_dispatch_bench: --device cuda needs a CUDA GPU", file=sys.stderr)
-            return 2
-        devices.remove("cuda")
+    args, devices = parse_bench_args(__doc__, iters=500, repeats=30)
     _CUSTOM.update(_custom_op_copies())
     os.makedirs(args.out, exist_ok=True)
     for device in devices:

@@ -239,19 +239,26 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_bench_args(doc: str, iters: int, repeats: int, argv=None):
+    """(args, devices) for a host-time benchmark's command line; exits 2 when ``--device cuda``
+    is asked for on a machine without one."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--repeats", type=int, default=repeats)
     args = ap.parse_args(argv)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         if args.device == "cuda":
             print("no CUDA device: run with --device cpu", file=sys.stderr)
-            return 2
+            raise SystemExit(2)
         devices.remove("cuda")
+    return args, devices
+
+
+def main(argv=None) -> int:
+    args, devices = parse_bench_args(__doc__, iters=2000, repeats=40, argv=argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for device in devices:
