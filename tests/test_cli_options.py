@@ -64,6 +64,7 @@ def test_bench_refuses_checkpoints(tmp_path, capsys):
     (["train", "--mem-frac", "1.5"], "out of range"),
     (["train", "--mem-frac", "0"], "out of range"),
     (["train", "--micro-batch", "0"], "positive integer"),
+    (["train", "--layers", "0"], "positive integer"),
     (["train", "--engine", "deepspeed"], "invalid choice"),
     (["bench", "--engines", "zbuf,megatron"], "unknown engine(s) megatron"),
     (["train", "--budget", "lots"], "byte count"),

@@ -1,6 +1,7 @@
 """Run records without running anything: summaries, markdown, merging, and the report's plots
 (including the per-node schedule profile that CPU runs may not produce)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -98,3 +99,27 @@ def test_merge_records(tmp_path, capsys):
     assert "seq_len" in capsys.readouterr().err
     assert main(["bench", "--merge", str(pa), str(pa), "--out", str(out)]) == 2
     assert "repeat" in capsys.readouterr().err
+
+
+def test_fewer_layers_of_a_preset_are_recorded_and_refuse_to_merge(tmp_path):
+    # A large preset's harness on a small machine: same layer shape, fewer layers, and a record
+    # that says so (and will not be merged with a run of the whole model).
+    base = dict(engines=(Engine.ZBUF,), warmup=2, steps=6, micro_batch=1, seq_len=1024,
+                preset="qwen3-14b")
+    cut = TrainConfig(layers=4, **base).resolve(cuda=True, world=2, bench=True)
+    full = TrainConfig(**base).resolve(cuda=True, world=2, bench=True)
+    shape = cut.model_config()
+    assert shape.num_layers == 4 and full.model_config().num_layers == 40
+    assert dataclasses.replace(shape, num_layers=40) == full.model_config()
+    eng = _engine("zbuf", [1.0] * 6, [5.0] * 6)
+    rec_cut, rec_full = _record([eng], cut), _record([dict(eng)], full)
+    assert rec_cut["model"]["name"] == "qwen3-14b, 4 layers"
+    assert rec_cut["model"]["shape"]["num_layers"] == 4
+    assert rec_cut["model"]["params"] < rec_full["model"]["params"] / 5
+    assert TrainConfig.from_json(rec_cut["config"]) == cut
+    paths = []
+    for name, rec in (("cut", rec_cut), ("full", rec_full)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="layers"):
+        merge_records([str(p) for p in paths])

@@ -6,6 +6,9 @@
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
 #   bash benches/device/run.sh 8b         # qwen3-8b: zbuf, fsdp2           (~6 min)
 #   bash benches/device/run.sh 8b-cap     # qwen3-8b --mem-frac 0.68        (~5 min)
+#   bash benches/device/run.sh 14b zbuf   # qwen3-14b on nvidia-h200-x8, one engine per call;
+#                                           14b-cap: --mem-frac 0.57 (issue 8)
+#   bash benches/device/run.sh 14b-x2     # qwen3-14b shape, 8 layers, on x2; 14b-x2-cap capped
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,7 +51,15 @@ case "${1:-}" in
     summaries profile_qwen3-8b.json ;;
   8b-cap)
     for e in zbuf fsdp2; do bench 8bcap "$e" --preset qwen3-8b --mem-frac 0.68; done ;;
+  14b|14b-cap)  # nvidia-h200-x8, issue 8's reference run: the engines named after it, or all
+    cap=(); [ "$1" = 14b-cap ] && cap=(--mem-frac 0.57)
+    engines=("${@:2}"); [ ${#engines[@]} -eq 0 ] && engines=(zbuf fsdp2 zbuf-eager)
+    for e in "${engines[@]}"; do bench "$1" "$e" --preset qwen3-14b "${cap[@]}"; done ;;
+  14b-x2|14b-x2-cap)  # nvidia-h200-x2: qwen3-14b's layer shape, 8 of its 40 layers (about the
+    # per-rank state of the whole model on 8 GPUs), when the x8 kind is not lent
+    cap=(); [ "$1" = 14b-x2-cap ] && cap=(--mem-frac 0.57)
+    for e in zbuf fsdp2 zbuf-eager; do bench "$1" "$e" --preset qwen3-14b --layers 8 "${cap[@]}"; done ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap" >&2
     exit 2 ;;
 esac

@@ -82,6 +82,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="hf:<model_type> builds a transformers causal LM (e.g. hf:qwen3, "
                         "hf:llama) with the preset's shape and random weights, no download; a "
                         "plain name is the same as --preset")
+    m.add_argument("--layers", type=_positive_int, metavar="N",
+                   help="N decoder layers of the preset's shape instead of its own count (a "
+                        "large preset's harness on fewer GPUs)")
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch", type=_positive_int, help="sequences per rank per step "
                    "(default 8 on CPU, 4 on GPU)")
@@ -179,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     engines = args.engines if args.command == "bench" else (Engine(args.engine),)
     train = args.command == "train"  # checkpoint and timeout options exist on train only
     return TrainConfig(
-        engines=engines, preset=preset, hf_model=hf, micro_batch=args.micro_batch,
+        engines=engines, preset=preset, hf_model=hf, layers=args.layers,
+        micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
         warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,
         seed=args.seed, nproc=args.nproc, out=args.out, dtype=args.dtype,

@@ -300,7 +300,7 @@ def reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
     pre_divide = world > 1 and rdtype.itemsize < 4
     if pre_divide:
         inp = inp / world
-    if async_op and inp.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+    if async_op and world > 1 and inp.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
         inp = inp.clone()  # [Note: async inputs are zbuf's own]
     out = inp.new_empty(shard_numel)
     work = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..faults import DEFAULT_COLLECTIVE_TIMEOUT_S
-from ..models import PRESETS
+from ..models import PRESETS, ModelConfig, resolve_config
 from .data import Task
 
 __all__ = ["ConfigError", "Engine", "TrainConfig", "parse_bytes", "format_bytes"]
@@ -80,6 +80,10 @@ class TrainConfig:
     hf_model: Optional[str] = None
     """``--model hf:<model_type>``: a Hugging Face ``transformers`` causal LM of that type built
     locally with random weights and the preset's shape (no download)."""
+    layers: Optional[int] = None
+    """Decoder layers instead of the preset's count, each of the preset's shape: a large
+    preset's harness, memory cap and per-layer behaviour on a machine too small for all of it.
+    Default: the preset's own count."""
     micro_batch: Optional[int] = None
     """Sequences per rank per step; default 8 on CPU, 4 on GPU."""
     global_batch: Optional[int] = None
@@ -155,7 +159,7 @@ class TrainConfig:
         if self.hf_model is not None and not re.fullmatch(r"[a-z0-9_]+", self.hf_model):
             raise ConfigError(f"--model hf:{self.hf_model}: expected a transformers model type "
                               f"such as hf:qwen3 or hf:llama")
-        for name in ("micro_batch", "global_batch", "seq_len", "steps", "nproc"):
+        for name in ("layers", "micro_batch", "global_batch", "seq_len", "steps", "nproc"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -263,6 +267,11 @@ class TrainConfig:
                 raise ConfigError(f"--profile-dir {self.profile_dir}: exists and is not a "
                                   f"directory; give a directory (it is created if missing)")
         return c
+
+    def model_config(self) -> ModelConfig:
+        """The model's shape: the preset's, with ``layers`` decoder layers when that is set."""
+        mcfg = resolve_config(self.preset)
+        return mcfg if self.layers is None else dataclasses.replace(mcfg, num_layers=self.layers)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -112,7 +112,7 @@ def _hf_model(model_type: str, cfg: models.ModelConfig, device) -> nn.Module:
 
 def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``."""
-    mcfg = models.resolve_config(cfg.preset)
+    mcfg = cfg.model_config()
     torch.manual_seed(cfg.seed)
     if cfg.hf_model:
         model = _hf_model(cfg.hf_model, mcfg, device)

@@ -26,7 +26,6 @@ import os
 import statistics
 from typing import Any, Optional
 
-from .. import models
 from .config import TrainConfig, format_bytes
 
 __all__ = ["SCHEMA", "summarize", "make_record", "write_record", "load_record", "markdown",
@@ -94,11 +93,9 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
 
 def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],
                 engines: list[dict[str, Any]], peak_flops: Optional[float]) -> dict[str, Any]:
-    if cfg.hf_model:
-        name = f"hf:{cfg.hf_model} ({cfg.preset} shape)"
-    else:
-        name = cfg.preset
-    mcfg = models.resolve_config(cfg.preset)
+    mcfg = cfg.model_config()
+    shape = cfg.preset if cfg.layers is None else f"{cfg.preset}, {cfg.layers} layers"
+    name = f"hf:{cfg.hf_model} ({shape} shape)" if cfg.hf_model else shape
     fpt = mcfg.flops_per_token(cfg.seq_len)
     for eng in engines:
         if eng.get("status") == "ok":
