@@ -420,6 +420,55 @@ def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
     assert pending() == 0
 
 
+class DeepNet(nn.Module):
+    """Every block checkpointed, an untied head: backward needs the head's weight first, then
+    the blocks' from the last to the first."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_persistence_keeps_what_backward_needs_first():
+    """[Note: selective persistence]: with room for the head and three of six blocks, the
+    weights backward needs first (the head, then the last blocks) are kept from forward and the
+    first blocks are re-gathered, where the backward of the blocks after them can hide it."""
+    from zbuf.compile.report import graph_summary
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    reference = DeepNet(6)
+    model = shard(DeepNet(6))
+    model.load_state_dict(reference.state_dict())
+    block_bytes = sum(p.numel() * 4 for p in reference.blocks[0].parameters())
+    head_bytes = reference.head.weight.numel() * 4
+    # Every gather bandwidth-bound (no latency in the cost model): the order decides, not size.
+    # The cap is the budget less the most any one node reads (the head's weight).
+    cm = torch.compile(model, backend="zbuf", fullgraph=True, options=dict(
+        inner="aot_eager", collective_latency_seconds=0.0, persist_fraction=1.0,
+        budget_bytes=2 * head_bytes + 3 * block_bytes))
+    tokens, targets = _batches(1)[0]
+    F.cross_entropy(cm(tokens).flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten()).backward()
+    fqn = {s.param_id: s.fqn for s in model._zbuf_root.specs.values()}
+    fw, bw = schedule_report(model)
+    assert fw.persistent_bytes == head_bytes + 3 * block_bytes
+    regathered = {fqn[int(g.key)].rsplit(".", 1)[0] for g in graph_summary(bw).gathers}
+    assert regathered == {f"blocks.{i}.{m}" for i in range(3) for m in ("up", "down")}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, p in reference.named_parameters():
+        got = grads[n].reshape(-1)[: p.numel()].view_as(p)  # one rank's shard: the whole, flat
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
 def test_backward_that_gathers_nothing_is_still_reported_for_the_model():
     from zbuf.shard import shard
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from zbuf.compile.graph_model import GatherSpec, GraphSummary
 from zbuf.compile.options import CompileOptions
-from zbuf.compile.schedule import live_gathered_bytes, plan_schedule
+from zbuf.compile.schedule import exposed_seconds, live_gathered_bytes, plan_schedule
 
 MAX_EXAMPLES = int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150"))
 
@@ -132,10 +133,20 @@ def test_unbounded_budget_prefetches_everything_and_tight_budget_serialises():
     summary = _chain(4, 3, 1000)
     opts = CompileOptions(coalesce=False, link_bytes_per_second=1e6, collective_latency_seconds=0.0)
     loose = plan_schedule(summary, 10**9, opts)
-    # 1000 B at 1 MB/s is 1 ms: ten 0.1 ms nodes of lead (float rounding may add one), or as
-    # many as exist before the first use.
-    for f in loose.fetches:
+    # 1000 B at 1 MB/s is 1 ms per gather on a serial link, one read every 0.3 ms of compute:
+    # the link is the bottleneck, so with no budget limit the exposure is the serial lower bound
+    # (the link busy from the start; [Note: prefetch order]), whatever the starts.
+    assert loose.fetches[0].start == 0
+    bound = max((i + 1) * 1e-3 - 1e-4 * f.wait for i, f in enumerate(loose.fetches))
+    assert exposed_seconds(summary, loose, opts) == pytest.approx(max(bound, 0.0))
+    # Reads 1.2 ms apart: the link keeps up, each gather starts ten 0.1 ms nodes ahead (float
+    # rounding may add one) or as early as the graph allows, and nothing is exposed.
+    spaced = GraphSummary(60, (1e-4,) * 60, tuple(
+        GatherSpec(f"w{k}", 1000, (12 * k + 11,), 0, block=f"l{k}") for k in range(5)))
+    sched = plan_schedule(spaced, 10**9, opts)
+    for f in sched.fetches:
         assert 10 <= f.wait - f.start <= 11 or f.start == 0
+    assert exposed_seconds(spaced, sched, opts) == 0.0
     tight = plan_schedule(summary, 1000, opts)
     assert tight.peak_live_bytes == 1000 and tight.budget_bytes == 1000
     # One buffer: each start waits for the previous release (and uses the idle nodes after it).
@@ -164,6 +175,36 @@ def test_small_gather_does_not_pin_a_large_one_behind_it():
     # A tight budget still wins over the lead.
     tight = plan_schedule(GraphSummary(n, compute, (small, large)), 1008, opts)
     assert tight.peak_live_bytes <= 1008
+
+
+def test_modelled_exposure():
+    """[Note: modelled exposure]: what the compute stream waits for, with one serial
+    communication stream."""
+    opts = CompileOptions(coalesce=False, link_bytes_per_second=1e6, collective_latency_seconds=0.0)
+    compute = (1e-4,) * 40  # 0.1 ms per node
+    # Read by the first node: nothing to hide behind, the whole 1 ms is exposed.
+    first = GraphSummary(40, compute, (GatherSpec("w", 1000, (0,), 0),))
+    assert exposed_seconds(first, plan_schedule(first, 10**9, opts), opts) == pytest.approx(1e-3)
+    # Read by node 30 and free to start at 0: fully hidden; without prefetch, fully exposed.
+    late = GraphSummary(40, compute, (GatherSpec("w", 1000, (30,), 0),))
+    assert exposed_seconds(late, plan_schedule(late, 10**9, opts), opts) == 0.0
+    no_prefetch = dataclasses.replace(opts, prefetch=False)
+    assert exposed_seconds(late, plan_schedule(late, 10**9, no_prefetch), opts) == pytest.approx(1e-3)
+    # Two gathers of 1 ms each needed at 1.5 ms: the link is serial, so 0.5 ms is exposed (the
+    # second finishes at 2 ms), and a stall delays everything after it.
+    pair = GraphSummary(40, compute, (GatherSpec("a", 1000, (15,), 0), GatherSpec("b", 1000, (15,), 0)))
+    assert exposed_seconds(pair, plan_schedule(pair, 10**9, opts), opts) == pytest.approx(5e-4)
+
+
+@given(summary=graphs(), opts=options(), budget=st.integers(1, 1 << 14))
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_modelled_exposure_is_bounded(summary, opts, budget):
+    # Never negative, never more than all communication run back to back with no overlap.
+    sched = plan_schedule(summary, budget, opts)
+    exposed = exposed_seconds(summary, sched, opts)
+    serial = sum(opts.collective_latency_seconds + f.nbytes / opts.link_bytes_per_second
+                 for f in sched.fetches)
+    assert 0.0 <= exposed <= serial * (1 + 1e-9) + 1e-12
 
 
 def test_budget_below_floor_is_raised_and_reported():

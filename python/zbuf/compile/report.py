@@ -74,6 +74,11 @@ class ScheduleRecord:
     """Projected bytes of non-gathered tensors alive at each node of the same graph (static
     liveness, ``graph_info.activation_profile``; its peak is ``activation_peak_bytes``),
     down-sampled like ``live_gathered_profile`` (the two always have the same length)."""
+    modelled_compute_seconds: float = 0.0
+    """The graph's compute time under the planner's cost model (``CompileOptions`` rates)."""
+    modelled_exposed_seconds: float = 0.0
+    """Gather time the compute stream would wait for under the same model
+    (``schedule.exposed_seconds``, [Note: modelled exposure]); 0 when every gather is hidden."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

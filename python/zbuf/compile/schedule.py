@@ -32,10 +32,14 @@ gather of 96 MiB covered by 0.27 ms of compute for 1.04 ms of estimated communic
 norm weight's gather of a few KiB): on 2x H200 those gathers ran fully exposed. So every fetch's
 target is the earliest of its own and all later fetches' targets (a suffix minimum), and the
 budget, applied in wait order, only ever moves a start later.
+The link is serial too: two 1 ms gathers read by one node, each started 1 ms ahead, leave the
+second 1 ms late. So targets are placed from the last fetch back, each finishing by its wait and
+by the time the next one must begin ([Note: modelled exposure] measures what is left exposed).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -45,7 +49,8 @@ import numpy as np
 from .graph_model import GraphSummary
 from .options import CompileOptions
 
-__all__ = ["Segment", "Fetch", "Schedule", "plan_schedule", "live_gathered_bytes", "buffer_counts"]
+__all__ = ["Segment", "Fetch", "Schedule", "plan_schedule", "live_gathered_bytes", "buffer_counts",
+           "exposed_seconds"]
 
 
 class Segment(NamedTuple):
@@ -191,12 +196,18 @@ def plan_schedule(
     sizes = [sum(gathers[m.gather].nbytes for m in members) for members in groups]
     target = list(waits)
     if options.prefetch:
-        for i, (wait, lo, nbytes) in enumerate(zip(waits, earliest, sizes)):
-            if lo < wait:
-                need = _comm_seconds(nbytes, options)
-                # Largest slot s with elapsed[wait] - elapsed[s] >= need: enough compute between.
-                s = int(np.searchsorted(elapsed, elapsed[wait] - need, side="right")) - 1
-                target[i] = min(max(s, lo), wait)
+        # Latest starts that still finish in time on one serial link, from the last fetch back
+        # ([Note: prefetch order]): a fetch must be done by its wait and before the next one's
+        # communication begins.
+        deadline = float("inf")
+        for i in range(len(groups) - 1, -1, -1):
+            wait, lo = waits[i], earliest[i]
+            finish = min(float(elapsed[wait]), deadline)
+            begin = finish - _comm_seconds(sizes[i], options)
+            # Largest slot s with elapsed[s] <= begin: enough compute between it and the finish.
+            s = int(np.searchsorted(elapsed, begin, side="right")) - 1
+            target[i] = min(max(s, lo), wait)
+            deadline = float(elapsed[target[i]])
         for i in range(len(target) - 2, -1, -1):
             target[i] = min(target[i], target[i + 1])
     fetches: list[Fetch] = []
@@ -255,3 +266,35 @@ def buffer_counts(summary: GraphSummary, schedule: Schedule) -> dict[int, int]:
             d[f.start] += 1
             d[end + 1] -= 1
     return {size: int(np.cumsum(d).max()) for size, d in sorted(by_size.items())}
+
+
+def exposed_seconds(summary: GraphSummary, schedule: Schedule,
+                    options: CompileOptions | None = None) -> float:
+    """Communication time the compute stream waits for under the cost model.
+
+    [Note: modelled exposure]
+    One communication stream runs the fetches in issue order, each for ``_comm_seconds`` of its
+    bytes, starting when it is issued (its start slot, on the compute timeline) and the one
+    before it has finished; the compute stream runs the nodes' ``compute_seconds`` and stops at
+    each wait until its fetch is done. The sum of those stops is what this returns: zero when
+    every gather is hidden. The same model places the prefetches, so this measures what the
+    budget, the graph's order and persistence leave exposed, not the model's accuracy.
+    """
+    options = options or CompileOptions()
+    elapsed = np.concatenate(([0.0], np.cumsum(np.asarray(summary.compute_seconds, dtype=np.float64))))
+    # (wait slot, total stall up to and including that wait), waits in non-decreasing order.
+    stall_slots: list[int] = []
+    stall_totals: list[float] = []
+    stalled = 0.0
+    comm_free = 0.0
+    for f in schedule.fetches:
+        before = bisect.bisect_right(stall_slots, f.start)
+        issued = elapsed[f.start] + (stall_totals[before - 1] if before else 0.0)
+        done = max(issued, comm_free) + _comm_seconds(f.nbytes, options)
+        comm_free = done
+        stop = done - (elapsed[f.wait] + stalled)
+        if stop > 0:
+            stalled += stop
+        stall_slots.append(f.wait)
+        stall_totals.append(stalled)
+    return stalled
