@@ -38,6 +38,7 @@ def _record(engines, cfg=None):
 SCHEDULE = {"graphs": [
     {"graph_id": 0, "kind": "forward", "budget_bytes": 3 << 20, "peak_live_gathered_bytes": 2 << 20,
      "activation_peak_bytes": 5 << 20, "persistent_bytes": 1 << 20, "num_nodes": 5,
+     "modelled_compute_seconds": 0.4, "modelled_exposed_seconds": 0.0125,
      "live_gathered_profile": [0, 1 << 20, 2 << 20, 1 << 20, 0],
      "activation_profile": [1 << 20, 2 << 20, 5 << 20, 3 << 20, 1 << 20]},
     {"graph_id": 1, "kind": "backward", "budget_bytes": 3 << 20, "peak_live_gathered_bytes": 1 << 20,
@@ -71,7 +72,10 @@ def test_report_plots_schedule_profiles(tmp_path):
     paths = make_plots(rec, str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
         "loss.png", "memory.png", "schedule_memory.png", "step_time.png"]
-    assert schedule_table(rec).row_count == 15
+    table = schedule_table(rec)
+    assert table.row_count == 17
+    forward = list(table.columns[1].cells)
+    assert "400.0 ms" in forward and "12.5 ms" in forward  # modelled compute, exposed gathers
     failed = dict(rec, engines=[{"engine": "zbuf", "status": "failed", "error": "OOM"}])
     with pytest.raises(ValueError, match="no engine that completed"):
         make_plots(failed, str(tmp_path))

@@ -224,8 +224,10 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
             ("kept forward->backward", "persistent"), ("bytes kept", "persistent_bytes"),
             ("budget", "budget_bytes"), ("requested budget", "requested_budget_bytes"),
             ("feasible floor", "floor_bytes"), ("peak live gathered", "peak_live_gathered_bytes"),
-            ("activation peak", "activation_peak_bytes"), ("planning time", "planning_seconds"),
-            ("fingerprint", "fingerprint")]
+            ("activation peak", "activation_peak_bytes"),
+            ("modelled compute", "modelled_compute_seconds"),
+            ("modelled exposed gathers", "modelled_exposed_seconds"),
+            ("planning time", "planning_seconds"), ("fingerprint", "fingerprint")]
     for label, key in rows:
         cells = []
         for _, g in graphs:
@@ -234,7 +236,7 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
                 cells.append("-")
             elif key.endswith("_bytes"):
                 cells.append(format_bytes(v))
-            elif key == "planning_seconds":
+            elif key.endswith("_seconds"):
                 cells.append(f"{v * 1e3:.1f} ms")
             else:
                 cells.append(str(v))
