@@ -22,16 +22,16 @@ budget (never eating into what a single node needs at once), in this order:
 1. latency-bound gathers (below ``collective_latency_seconds * link_bytes_per_second`` bytes):
    the communication time saved per byte, ``latency / bytes + 1 / bandwidth``, is highest there;
 2. then in the order backward needs them. What backward needs first has no backward compute to
-   hide behind: on qwen3-8b (2x H200) the old order, smallest first, kept the early layers and
-   re-gathered the output head and the last layers' MLP weights, all needed at the very start of
-   backward, and 25 ms of gathers per step ran exposed. Weights needed late are re-gathered
-   behind the backward of the layers after them, and kept weights that backward needs early are
-   released early, so the memory they hold is freed sooner.
-Kept bytes are charged to the backward graph's budget as live throughout. Candidates are the gathers
-with a backward consumer in the joint graph, or a consumer that activation checkpointing tags for
-recompute (backward re-runs it, so it needs the weight again). A gather that backward re-runs
-only because the partitioner itself chose to recompute a cheap consumer (an embedding lookup,
-say) is not known before partitioning and is re-gathered.
+   hide behind: on the qwen3-8b fake trace the old order, smallest first, kept the early layers
+   and re-gathered the output head and the last layers' MLP weights, all needed at the very
+   start of backward (the likely source of 25 ms per step of exposed backward gathers on 2x
+   H200). Weights needed late are re-gathered behind the backward of the layers after them, and
+   kept weights that backward needs early are released early, freeing their memory sooner.
+Kept bytes are charged to the backward graph's budget as live throughout. Candidates are the
+gathers with a backward consumer in the joint graph, or a consumer that activation
+checkpointing tags for recompute (backward re-runs it, so it needs the weight again). A gather
+that backward re-runs only because the partitioner itself chose to recompute a cheap consumer
+(an embedding lookup, say) is not known before partitioning and is re-gathered.
 """
 
 from __future__ import annotations

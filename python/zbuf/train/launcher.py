@@ -121,7 +121,9 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
                  grace: float = 10.0, cause_wait: float = 5.0) -> GroupResult:
     """Run ``python argv...`` as ranks 0..nproc-1 on this host and wait for all of them.
 
-    Raises ``Interrupted`` (after stopping every worker) on SIGINT / SIGTERM.
+    ``grace``: seconds a stopped worker gets between SIGTERM and SIGKILL. ``cause_wait``: seconds
+    to wait, after a peer-failure exit, for the rank that failed on its own ([Note: which rank
+    failed]). Raises ``Interrupted`` (after stopping every worker) on SIGINT / SIGTERM.
     """
     import torch.distributed as dist
 
