@@ -4,7 +4,8 @@ One launch per world size does every check, so process start-up is paid once:
 * world 2: the built-in ``tiny`` decoder compiled with zbuf (aot_eager, default options) matches
   eager zbuf and the unsharded reference over 10 AdamW steps (losses, first-step gradients and
   final parameters, each tensor to 1e-5 relative); each step gathers exactly what the plans say
-  (so guard evaluation gathers nothing); a model with a graph break
+  (so guard evaluation gathers nothing); with bf16 gathers of fp32 shards it matches eager zbuf
+  with the same mixed precision; a model with a graph break
   trains correctly and a second input shape recompiles it without a hang; ranks handed different
   graphs both stop with ``ScheduleMismatchError`` within seconds; with ``ZBUF_TEST_INDUCTOR=1``,
   the decoder under Inductor too.
@@ -289,6 +290,31 @@ def _mismatch_case(rank, world):
     raise AssertionError("different graphs on the ranks were not detected")
 
 
+def _mixed_precision_case(rank, world):
+    """bf16 gathers of fp32 shards ([Note: in-place gathers]): the compiled graphs cast each shard
+    into its slot of the gathered buffer and gather in place; eager zbuf casts a copy. Under
+    aot_eager both run the same kernels, so they must agree to rounding of the fp32 reduction."""
+    from zbuf.models import build_model, loss, resolve_config
+    from zbuf.shard import shard
+    from zbuf.state_dict import full_state_dict
+
+    torch._dynamo.reset()
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    batches = _batches(cfg.vocab_size, world, steps=3)
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    eager = shard(copy.deepcopy(init), **mp)
+    eager_run = _train(eager, eager, batches, rank, world, sharded=True, loss_fn=loss)
+    model = shard(copy.deepcopy(init), **mp)
+    cm = torch.compile(model, backend="zbuf", options={"inner": "aot_eager"}, fullgraph=True)
+    run = _train(cm, model, batches, rank, world, sharded=True, loss_fn=loss)
+    torch.testing.assert_close(run.losses, eager_run.losses, rtol=1e-6, atol=0)
+    error = _check_model(full_state_dict(model), eager, "bf16 gathers vs eager zbuf", full=True,
+                         rtol=1e-6)
+    return {"losses": run.losses, "error": float(f"{error:.3g}")}
+
+
 def _timed(times, name, fn, *args, **kwargs):
     t0 = time.monotonic()
     try:
@@ -301,6 +327,7 @@ def _world2_worker(rank, world, with_inductor):
     out, times = {}, {}
     _, _, out["plain"] = _timed(times, "plain", _decoder_case, rank, world, ac=False, options={"inner": "aot_eager"})
     out["graph_break"] = _timed(times, "graph_break", _graph_break_case, rank, world)
+    out["bf16"] = _timed(times, "bf16", _mixed_precision_case, rank, world)
     if with_inductor:
         _, _, out["inductor"] = _timed(
             times, "inductor", _decoder_case, rank, world, ac=False,
@@ -410,6 +437,7 @@ def test_two_ranks():
         # Same losses and same plans (fingerprints) on every rank.
         assert per_rank[0] == per_rank[1], key
     assert results[0]["graph_break"] == results[1]["graph_break"]
+    assert results[0]["bf16"]["losses"] == results[1]["bf16"]["losses"]
     for msg, seconds in (r["mismatch"] for r in results):
         assert "collective #0" in msg and "rank" in msg, msg
         assert seconds < 60, seconds
