@@ -89,6 +89,12 @@ __all__ = [
 ]
 
 counters: collections.Counter = collections.Counter()
+"""Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
+and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
+bytes of the padded reduce input); eager gradient contributions held for a later reduction
+(``grad_accumulate``) and reductions made at the end of a backward (``reduce_scatter_flush``, also
+counted in ``reduce_scatter``), see [Note: reduce once]. Tests and reports read it; nothing else
+depends on it."""
 
 # [Note: poisoned releases]
 # A debugging aid (and what the compile tests run under): when set, every released gathered
@@ -98,12 +104,6 @@ counters: collections.Counter = collections.Counter()
 # may already be overwriting. Costs one fill per release; off by default. Environment:
 # ZBUF_POISON_RELEASES=1.
 POISON_RELEASES: bool = os.environ.get("ZBUF_POISON_RELEASES", "") == "1"
-"""Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
-and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
-bytes of the padded reduce input); eager gradient contributions held for a later reduction
-(``grad_accumulate``) and reductions made at the end of a backward (``reduce_scatter_flush``, also
-counted in ``reduce_scatter``), see [Note: reduce once]. Tests and reports read it; nothing else
-depends on it."""
 
 # param_id -> the pool its gathers draw from. Only the real implementations consult it, at run
 # time; fake implementations never do (see the module docstring).
@@ -193,6 +193,42 @@ def label(name: str):
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
+def gather_into(blocks: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
+                pg: dist.ProcessGroup, *, async_op: bool) -> Optional[dist.Work]:
+    """Fill each padded flat block with every rank's copy of the matching shard, cast to the
+    block's dtype (bf16 on the wire), in one collective. Returns the collective's work when
+    ``async_op`` and it runs (None otherwise: done, or one rank).
+
+    [Note: in-place gathers]
+    When the gather casts (fp32 master shards, bf16 compute), each shard is cast straight into
+    this rank's slot of its block and the collective gathers in place (the input is the output's
+    slot at ``rank * shard_numel``, which NCCL and gloo both allow). A separate cast copy per
+    shard would cost an allocation, and an async collective would keep it alive until the wait:
+    ``1 / world`` of the gathered bytes more in flight. The casts of several blocks are one
+    ``_foreach_copy_``. Without a cast the shards themselves are the inputs (parameters, which
+    no compiled graph reuses: [Note: async inputs are zbuf's own]). [Note: collectives on gloo]:
+    the same calls on every backend.
+    """
+    flat = [s.reshape(-1) for s in shards]
+    world = pg.size()
+    if world == 1:
+        torch._foreach_copy_(blocks, flat)
+        return None
+    if all(s.dtype == b.dtype for s, b in zip(flat, blocks)):
+        srcs = flat
+    else:
+        rank = pg.rank()
+        srcs = [b.narrow(0, rank * s.numel(), s.numel()) for b, s in zip(blocks, flat)]
+        torch._foreach_copy_(srcs, flat)
+    if len(blocks) == 1:
+        return dist.all_gather_into_tensor(blocks[0], srcs[0], group=pg, async_op=async_op)
+    work = pg.allgather_into_tensor_coalesced(blocks, srcs)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Tensor:
     """The body of ``zbuf::all_gather`` (also run directly by the eager fast path)."""
     with label("zbuf::all_gather"):
@@ -202,12 +238,7 @@ def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Te
         dtype = param_dtype if param_dtype is not None else shard.dtype
         padded = world * shard.numel()
         buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
-        # [Note: collectives on gloo]: same call on every backend. Cast first: bf16 on the wire.
-        src = shard.detach().to(dtype).contiguous()
-        if world == 1:
-            buf.copy_(src)
-        else:
-            dist.all_gather_into_tensor(_borrowed(buf), src, group=pg)
+        gather_into([_borrowed(buf) if world > 1 else buf], [shard.detach()], pg, async_op=False)
         counters["all_gather"] += 1
         counters["all_gather_bytes"] += buf.numel() * buf.element_size()
         return unpad_full(buf, shape)

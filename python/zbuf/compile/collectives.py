@@ -8,7 +8,8 @@
 ``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
                          str group_name) -> ()``
     Issues ONE collective that fills every buffer in ``gathered`` from the matching ``shards``
-    (cast to the buffers' dtype first, so low precision travels), and returns without waiting.
+    (cast to the buffers' dtype, in place: [Note: in-place gathers] in ops.py), and returns
+    without waiting.
     Coalescing needs no copy-out: ``ProcessGroup.allgather_into_tensor_coalesced`` writes each
     parameter's padded block directly (one NCCL group; gloo implements it as well).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
@@ -38,14 +39,6 @@
 Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
 auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
 buffers made by ``gather_buffer`` (one tensor each) is.
-
-[Note: in-place gathers]
-When the gather casts (fp32 master shards, bf16 compute), each shard is cast straight into this
-rank's slot of its gathered buffer and the collective gathers in place (the input is the
-output's slot at ``rank * shard_numel``, which NCCL and gloo both allow). A separate cast copy
-per shard would cost an allocation, and c10d would keep it alive until the wait: ``1 / world``
-of the gathered bytes more in flight. The casts of a coalesced group are one
-``_foreach_copy_``. Without a cast the shards themselves are the inputs: no copy at all.
 
 [Note: schedule token]
 Every op above mutates one small ``token`` tensor that the pass creates at the top of the graph.
@@ -201,23 +194,8 @@ def all_gather_start(
                 f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
             )
         pg = _group(group_name)
-        world = pg.size()
-        blocks = [_padded_block(g, world * s.numel()) for g, s in zip(gathered, shards)]
-        flat = [s.reshape(-1) for s in shards]
-        if world == 1:
-            torch._foreach_copy_(blocks, flat)
-            srcs = blocks
-        elif all(s.dtype == b.dtype for s, b in zip(flat, blocks)):
-            srcs = flat  # the shards themselves: parameters, never reused by Inductor
-        else:  # [Note: in-place gathers]
-            rank = pg.rank()
-            srcs = [b.narrow(0, rank * s.numel(), s.numel()) for b, s in zip(blocks, flat)]
-            torch._foreach_copy_(srcs, flat)
-        work = None
-        if world > 1 and len(blocks) == 1:
-            work = dist.all_gather_into_tensor(blocks[0], srcs[0], group=pg, async_op=True)
-        elif world > 1:
-            work = pg.allgather_into_tensor_coalesced(blocks, srcs)
+        blocks = [_padded_block(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
+        work = zops.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
         zops.counters["all_gather"] += len(blocks)
         zops.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
         zops.counters["all_gather_collectives"] += 1

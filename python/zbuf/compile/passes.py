@@ -146,9 +146,8 @@ def _backward_need(joint: torch.fx.Graph, bw: set[torch.fx.Node], recomputed,
 
     for n in reversed(joint.nodes):
         region = n.meta.get("ac_graph_id")
-        reach[n] = min((order[u] if u in bw else reach[u] for u in n.users
-                        if u in bw or (region is not None and u.meta.get("ac_graph_id") == region
-                                       and u.meta.get("recompute") in recomputed)),
+        reach[n] = min((need_at(u) for u in n.users
+                        if u in bw or (region is not None and u.meta.get("ac_graph_id") == region)),
                        default=never)
     return need_at
 
