@@ -103,7 +103,7 @@ def _spawned(cfg: TrainConfig, engine: Engine, console: Console) -> tuple[dict, 
         if rank is None:  # every rank exited 0 but rank 0 wrote no record
             msg = "the ranks exited without a record (rank 0 wrote none)"
             return {"engines": [_failure(engine, "failed", msg)]}, 1
-        err = os.path.join(tmp, f"{os.path.basename(partial_path)}.rank{rank}.err")
+        err = f"{partial_path}.rank{rank}.err"  # written by worker.main
         text = ""
         if os.path.exists(err):
             with open(err) as f:
