@@ -118,8 +118,8 @@ def _group(group_name: str) -> dist.ProcessGroup:
 # (the pass inserts these ops after AOTAutograd, into graphs that run under no_grad). Defined
 # with ``torch.library.Library`` and one ``CompositeExplicitAutograd`` Python kernel (a single
 # C++ dispatch into Python), with the schemas ``custom_op`` would infer and a fake kernel each,
-# the same kernels cost 26-31 us less per call on a 2-core CPU (``benches/op_dispatch_bench.py``,
-# results/op_dispatch_cpu.md): a gather's buffer-start-wait-release cycle 86 us instead of 210.
+# the same kernels cost 25-28 us less per call on a 2-core CPU (``benches/op_dispatch_bench.py``,
+# results/op_dispatch_cpu.md): a gather's buffer-start-wait-release cycle 88 us instead of 198.
 # qwen3-1.7b makes about 1,400 such calls per step.
 _LIB = torch.library.Library("zbuf", "FRAGMENT")
 
