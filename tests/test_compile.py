@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zbuf.ops as zops
+import zbuf.runtime
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
@@ -179,7 +180,7 @@ def test_inductor_never_reads_a_released_buffer(monkeypatch):
     from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
     from zbuf.shard import shard
 
-    monkeypatch.setattr(zops, "POISON_RELEASES", True)
+    monkeypatch.setattr(zbuf.runtime, "POISON_RELEASES", True)
     cfg = resolve_config("tiny").replace(num_layers=2)
     torch.manual_seed(0)
     init = build_model(cfg)
@@ -519,3 +520,17 @@ def test_profiles_are_down_sampled_keeping_peaks():
     bounds = [i * 4999 // 2000 for i in range(2000)] + [4999]
     assert list(out) == [int(values[a:b].max()) for a, b in zip(bounds, bounds[1:])]
     assert downsample_peaks([], 10) == ()
+
+
+def test_planning_a_gather_whose_group_does_not_exist_names_the_group():
+    """Sizing a gather needs its group's world size; without the group the plan raises the
+    runtime's error (naming the group and the fix) instead of assuming one rank."""
+    from zbuf.compile.graph_info import gathered_nbytes
+
+    graph = torch.fx.Graph()
+    shard = graph.placeholder("shard")
+    shard.meta["val"] = torch.empty(6)
+    g = graph.call_function(torch.ops.zbuf.all_gather.default, (shard, 0, [6], "no-such-group", None, None))
+    g.meta["val"] = torch.empty(6)
+    with pytest.raises(RuntimeError, match="'no-such-group'.*destroy the process group only after"):
+        gathered_nbytes(g)

@@ -203,8 +203,8 @@ def _trim_pools() -> tuple[int, int]:
     mods = sys.modules
     if "zbuf.pool" in mods:
         pools.extend(getattr(mods["zbuf.pool"], "_default_pools", {}).values())
-    if "zbuf.ops" in mods:
-        pools.extend(getattr(mods["zbuf.ops"], "_KNOWN_POOLS", []))
+    if "zbuf.runtime" in mods:
+        pools.extend(mods["zbuf.runtime"].known_pools())
     seen = set()
     freed = 0
     for pool in pools:

@@ -60,6 +60,7 @@ from typing import Optional
 import torch
 
 from .param import ShardSpec
+from .runtime import counters
 
 __all__ = [
     "MAX_OPEN_GENERATIONS",
@@ -155,8 +156,6 @@ def contribute(
     grad: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec, gen: Optional[int]
 ) -> Optional[torch.Tensor]:
     """One use's gradient arrives in backward; returns the shard gradient, or None while held."""
-    from .ops import counters
-
     if gen is None:
         return _reduce(grad, spec)
     task = torch._C._current_graph_task_id()
@@ -188,8 +187,6 @@ def contribute(
 
 def _finish(task: int) -> None:
     """End of one backward: flush what it left open, drop the counts of its generations."""
-    from .ops import counters
-
     with _LOCK:
         keys = sorted(k for k in _ACC if k[0] == task)
         leftovers = [_ACC.pop(k) for k in keys]

@@ -58,11 +58,11 @@ def _gpu_worker(rank, world):
     from zbuf.shard import shard
     from zbuf.state_dict import full_state_dict
 
-    import zbuf.ops as zops
+    import zbuf.runtime as zruntime
 
     # [Note: poisoned releases]: a kernel that reads a gathered weight after its release sees
     # NaN here instead of whatever the next gather wrote into the block.
-    zops.POISON_RELEASES = True
+    zruntime.POISON_RELEASES = True
     dev = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

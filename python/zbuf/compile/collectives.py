@@ -8,7 +8,7 @@
 ``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
                          str group_name) -> ()``
     Issues ONE collective that fills every buffer in ``gathered`` from the matching ``shards``
-    (cast to the buffers' dtype, in place: [Note: in-place gathers] in ops.py), and returns
+    (cast to the buffers' dtype, in place: [Note: in-place gathers] in runtime.py), and returns
     without waiting.
     Coalescing needs no copy-out: ``ProcessGroup.allgather_into_tensor_coalesced`` writes each
     parameter's padded block directly (one NCCL group; gloo implements it as well).
@@ -19,8 +19,8 @@
     ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
 ``zbuf::reduce_scatter_start(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
                              str group_name, ScalarType? reduce_dtype) -> Tensor``
-    The first half of ``zbuf::reduce_scatter`` (ops.py): casts and pads ``grad`` and issues the
-    collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
+    The first half of ``zbuf::reduce_scatter`` (``runtime.reduce_scatter_launch``): casts and
+    pads ``grad`` and issues the collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
     are valid only after the matching wait. The pass substitutes a start/wait pair for every
     ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: reduce-scatter overlap]).
 ``zbuf::reduce_scatter_wait(Tensor(a!) token, Tensor(b!) started) -> ()``
@@ -79,7 +79,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import ops as zops
+from .. import runtime
 from ..param import unpad_full
 
 __all__ = [
@@ -98,16 +98,12 @@ __all__ = [
 _PENDING: dict[int, Optional[dist.Work]] = {}
 # The started slice's storage pointer -> its launch. Produced by reduce_scatter_start, consumed
 # (popped) by reduce_scatter_wait.
-_PENDING_RS: dict[int, zops.ReduceScatterLaunch] = {}
+_PENDING_RS: dict[int, runtime.ReduceScatterLaunch] = {}
 
 
 def pending() -> int:
     """Started gathers and reduce-scatters not yet waited for (tests check that this drains)."""
     return len(_PENDING) + len(_PENDING_RS)
-
-
-def _group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 # [Note: lean dispatch]
@@ -156,7 +152,7 @@ def gather_buffer(
     group_name: str,
     param_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    world = _group(group_name).size()
+    world = runtime.process_group(group_name).size()
     dtype = param_dtype if param_dtype is not None else shard.dtype
     padded = world * shard.numel()
     if math.prod(shape) > padded:
@@ -164,7 +160,7 @@ def gather_buffer(
             f"zbuf::gather_buffer: shape {list(shape)} has more elements than {world} shards of "
             f"{shard.numel()} (param_id {param_id})"
         )
-    buf = zops.pool_for(param_id, shard.device).acquire((padded,), dtype)
+    buf = runtime.pool_for(param_id, shard.device).acquire((padded,), dtype)
     return unpad_full(buf, shape)
 
 
@@ -188,17 +184,17 @@ def all_gather_start(
     shards: Sequence[torch.Tensor],
     group_name: str,
 ) -> None:
-    with zops.label("zbuf::all_gather_start"):
+    with runtime.label("zbuf::all_gather_start"):
         if len(gathered) != len(shards) or not shards:
             raise ValueError(
                 f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
             )
-        pg = _group(group_name)
+        pg = runtime.process_group(group_name)
         blocks = [_padded_block(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
-        work = zops.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
-        zops.counters["all_gather"] += len(blocks)
-        zops.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
-        zops.counters["all_gather_collectives"] += 1
+        work = runtime.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
+        runtime.counters["all_gather"] += len(blocks)
+        runtime.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
+        runtime.counters["all_gather_collectives"] += 1
         _PENDING[gathered[0].untyped_storage().data_ptr()] = work
 
 
@@ -209,7 +205,7 @@ def _all_gather_start_fake(token, gathered, shards, group_name):
 
 @_op("all_gather_wait(Tensor(a0!) token, Tensor(a1!)[] gathered) -> ()")
 def all_gather_wait(token: torch.Tensor, gathered: Sequence[torch.Tensor]) -> None:
-    with zops.label("zbuf::all_gather_wait"):
+    with runtime.label("zbuf::all_gather_wait"):
         key = gathered[0].untyped_storage().data_ptr()
         if key not in _PENDING:
             raise RuntimeError(
@@ -229,7 +225,7 @@ def _all_gather_wait_fake(token, gathered):
 @_op("all_gather_release(Tensor(a0!) token, Tensor(a1!) t, Tensor[] after) -> ()")
 def all_gather_release(token: torch.Tensor, t: torch.Tensor, after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
-    zops.release_buffer(t)
+    runtime.release_buffer(t)
 
 
 @all_gather_release.register_fake
@@ -249,8 +245,8 @@ def reduce_scatter_start(
     group_name: str,
     reduce_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    with zops.label("zbuf::reduce_scatter_start"):
-        launch = zops.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
+    with runtime.label("zbuf::reduce_scatter_start"):
+        launch = runtime.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                             async_op=True)
         _PENDING_RS[launch.out.untyped_storage().data_ptr()] = launch
         return launch.out
@@ -263,14 +259,14 @@ def _reduce_scatter_start_fake(token, grad, param_id, shard_numel, group_name, r
 
 @_op("reduce_scatter_wait(Tensor(a0!) token, Tensor(a1!) started) -> ()")
 def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
-    with zops.label("zbuf::reduce_scatter_wait"):
+    with runtime.label("zbuf::reduce_scatter_wait"):
         launch = _PENDING_RS.pop(started.untyped_storage().data_ptr(), None)
         if launch is None:
             raise RuntimeError(
                 "zbuf::reduce_scatter_wait: no started reduce-scatter owns this tensor (waited "
                 "twice, or the graph was rewritten wrongly); this is a zbuf bug"
             )
-        zops.reduce_scatter_finish(launch)
+        runtime.reduce_scatter_finish(launch)
 
 
 @reduce_scatter_wait.register_fake
@@ -283,7 +279,7 @@ _FIRST_RUN_DONE: set[tuple[str, str]] = set()
 
 
 def _grow_pool(param_id: int, device: torch.device, sizes: Sequence[int], counts: Sequence[int]) -> None:
-    pool = zops.pool_for(param_id, device)
+    pool = runtime.pool_for(param_id, device)
     capacity = getattr(pool, "capacity_for", lambda n: n)
     need = sum(capacity(s) * c for s, c in zip(sizes, counts))
     current = pool.stats().budget_bytes
@@ -310,7 +306,7 @@ def check_schedule(
         return
     from .fingerprint import check_across_ranks
 
-    with zops.label("zbuf::check_schedule"):
+    with runtime.label("zbuf::check_schedule"):
         check_across_ranks(group_name, fingerprint, collectives)
         if param_id >= 0 and buffer_sizes:
             _grow_pool(param_id, token.device, buffer_sizes, buffer_counts)

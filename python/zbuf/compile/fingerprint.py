@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from .. import runtime
+
 __all__ = [
     "ScheduleMismatchError",
     "collective_order",
@@ -98,7 +100,7 @@ def check_across_ranks(group_name: str, fingerprint: str, collectives: str) -> N
     """See [Note: collective order check]. ``collectives`` is the JSON list of the order."""
     if (group_name, fingerprint) in _CHECKED:
         return
-    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    pg = runtime.process_group(group_name)
     world = pg.size()
     if world > 1:
         mine = torch.tensor([int(fingerprint[:15], 16)], dtype=torch.int64, device=_device_for(pg))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from .. import runtime
 from .graph_model import GatherSpec, GraphSummary
 from .options import CompileOptions
 
@@ -177,15 +178,6 @@ class GraphIndex(NamedTuple):
     """``gathers[i]`` is the FX node of ``summary.gathers[i]``."""
 
 
-def _group_size(group_name: str) -> int:
-    import torch.distributed as dist
-
-    try:
-        return dist.distributed_c10d._resolve_process_group(group_name).size()
-    except Exception:
-        return 1
-
-
 def _block_of(node: torch.fx.Node) -> str:
     """The coalescing key: group, dtype, and the owning block ("layers.3") of the parameter.
 
@@ -209,11 +201,17 @@ def _block_of(node: torch.fx.Node) -> str:
 
 
 def gathered_nbytes(gather: torch.fx.Node) -> int:
-    """Bytes of the pool block a gather fills: ``world * shard_numel`` elements (padded)."""
+    """Bytes of the pool block a gather fills: ``world * shard_numel`` elements (padded).
+
+    The world size is the live group's (``runtime.process_group``). A graph whose group does not
+    exist here raises that lookup's error instead of assuming one rank: such a gather can never
+    run (the op raises the same error at its first call), and sizing its buffer for one rank
+    would plan every gathered byte ``world`` times too small.
+    """
     shard, _param_id, _shape, group_name, param_dtype, _ = gather.args
     sval = shard.meta["val"]
     dtype = param_dtype if param_dtype is not None else sval.dtype
-    padded = _hint(sval.numel()) * _group_size(group_name)
+    padded = _hint(sval.numel()) * runtime.process_group(group_name).size()
     return max(padded * dtype.itemsize, tensor_bytes(gather.meta["val"]))
 
 

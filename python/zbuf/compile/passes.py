@@ -10,7 +10,7 @@ token]), and adds the first-run rank check ([Note: collective order check]).
 
 [Note: pass uuid]
 Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
-output could: it hashes this package's compile sources (and ops.py, param.py), the options, the
+output could: it hashes this package's compile sources (and ops.py, param.py, runtime.py), the options, the
 planning input that is not in the graph (the agreed free memory; the world size shows in the shard
 shapes), and torch's version.
 
@@ -81,7 +81,7 @@ def _source_hash() -> str:
         if name.endswith(".py"):
             with open(os.path.join(here, name), "rb") as f:
                 h.update(name.encode() + f.read())
-    for extra in ("../ops.py", "../param.py"):
+    for extra in ("../ops.py", "../param.py", "../runtime.py"):
         path = os.path.join(here, extra)
         if os.path.exists(path):
             with open(path, "rb") as f:
