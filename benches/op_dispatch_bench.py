@@ -33,7 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pool_bench import cpu_model, git_commit, interleaved_ns, parse_bench_args, warm_up  # noqa: E402
 
+from zbuf import runtime  # noqa: E402
 from zbuf.compile import collectives as C  # noqa: E402
+from zbuf.pool import default_pool  # noqa: E402
 
 PARAM_ID = 77_001
 NUMEL = 1 << 16  # one 256 KiB fp32 shard: small, so copies do not hide dispatch
@@ -54,16 +56,16 @@ def _custom_op_copies() -> dict:
     return {name: getattr(torch.ops.zbuf_bench, name).default for name in mutates}
 
 
-def _sequences(ops: dict, token, shard, group: str, grad) -> dict:
+def _sequences(ops: dict, token, shard, group: str, grad, pool_id: int) -> dict:
     def gather():
-        b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None)
+        b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None, pool_id)
         ops["all_gather_start"](token, [b], [shard], group)
         ops["all_gather_wait"](token, [b])
-        ops["all_gather_release"](token, b, [b])
+        ops["all_gather_release"](token, b, pool_id, [b])
 
     def buffer_release():
-        b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None)
-        ops["all_gather_release"](token, b, [b])
+        b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None, pool_id)
+        ops["all_gather_release"](token, b, pool_id, [b])
 
     def reduce_scatter():
         started = ops["reduce_scatter_start"](token, grad, PARAM_ID, NUMEL, group, None)
@@ -85,7 +87,9 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
         "custom_op": _CUSTOM,
         "bodies": {n: getattr(C, n) for n in _KERNELS},
     }
-    seqs = {v: _sequences(ops, token, shard, group, grad) for v, ops in variants.items()}
+    # A sharded parameter's pool, as compiled graphs name it ([Note: pool ids] in runtime.py).
+    pool_id = runtime.pool_id_of(default_pool(dev))
+    seqs = {v: _sequences(ops, token, shard, group, grad, pool_id) for v, ops in variants.items()}
     warm_up(1.0, seqs["zbuf"]["gather cycle (buffer, start, wait, release)"])
     floor = torch.zeros(1, device=dev)
     aten_ns = interleaved_ns({"add_": lambda: floor.add_(1)}, iters, repeats)["add_"][0]

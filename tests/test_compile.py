@@ -534,3 +534,25 @@ def test_planning_a_gather_whose_group_does_not_exist_names_the_group():
     g.meta["val"] = torch.empty(6)
     with pytest.raises(RuntimeError, match="'no-such-group'.*destroy the process group only after"):
         gathered_nbytes(g)
+
+
+def test_first_run_sizes_every_pool_the_graph_gathers_from():
+    """[Note: pool sizing] per pool: a graph that gathers from two pools (two modules sharded with
+    pools of their own) grows each to what its own gathers keep live, not only the pool of the
+    graph's first gather; releases go back to the pool each buffer came from."""
+    from zbuf.pool import GatherBufferPool
+    from zbuf.shard import shard
+
+    small = 1024
+    pools = [GatherBufferPool("cpu", budget_bytes=small), GatherBufferPool("cpu", budget_bytes=small)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    for layer, pool in zip(model, pools):
+        shard(layer, pool=pool)
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", persist=False))
+    cm(torch.randn(4, 64)).sum().backward()
+    for layer, pool in zip(model, pools):
+        gathered = sum(s.gathered_nbytes for s in layer._zbuf_root.specs.values())
+        stats = pool.stats()
+        assert stats.budget_bytes >= gathered > small, (stats, gathered)
+        assert stats.checked_out == 0 and stats.hits + stats.misses > 0

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zbuf.ops
+import zbuf.runtime
 from test_shard_parity import ParityNet
 from zbuf.shard import ShardingError, shard, sharded_parameters
 from zbuf.state_dict import full_state_dict
@@ -168,13 +169,14 @@ def test_release_returns_the_block_and_rejects_foreign_tensors():
     pool = GatherBufferPool("cpu")
     model = shard(nn.Linear(8, 8), pool=pool)
     w = model.weight
+    pool_id = zbuf.runtime.pool_id_of(pool)  # the id zbuf.shard gave it
     assert pool.stats().checked_out == 1
-    torch.ops.zbuf.release(w)
+    torch.ops.zbuf.release(w, pool_id)
     assert pool.stats().checked_out == 0
     with pytest.raises(ValueError, match="not a live buffer"):
-        torch.ops.zbuf.release(w)
+        torch.ops.zbuf.release(w, pool_id)
     with pytest.raises(ValueError, match="not a live buffer"):
-        torch.ops.zbuf.release(torch.zeros(3))
+        torch.ops.zbuf.release(torch.zeros(3), pool_id)
 
 
 def test_custom_ops_trace_with_fake_tensors():

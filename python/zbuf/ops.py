@@ -6,9 +6,10 @@ fake implementation that needs nothing but its arguments (no registry lookup: se
 Dynamo and AOTAutograd trace them without running a collective.
 
 ``zbuf::all_gather(Tensor shard, int param_id, SymInt[] shape, str group_name,
-                   ScalarType? param_dtype, ScalarType? reduce_dtype) -> Tensor``
-    The full parameter, fresh memory from the gather-buffer pool (never a view of ``shard``),
-    contiguous, dtype ``param_dtype`` (or the shard's). The shard is cast to ``param_dtype`` before
+                   ScalarType? param_dtype, ScalarType? reduce_dtype, int pool_id=-1) -> Tensor``
+    The full parameter, fresh memory from the gather-buffer pool ``pool_id`` ([Note: pool ids] in
+    runtime.py; -1: the device's default pool), never a view of ``shard``, contiguous, dtype
+    ``param_dtype`` (or the shard's). The shard is cast to ``param_dtype`` before
     the collective, so low-precision bytes travel. Synchronous: when it returns the data is there.
     Autograd: backward is ``zbuf::reduce_scatter`` of the output's gradient into a gradient for the
     shard (which autograd's AccumulateGrad adds to ``shard.grad``, so micro-batches accumulate).
@@ -21,9 +22,9 @@ Dynamo and AOTAutograd trace them without running a collective.
     ``world * shard_numel``, summed across ranks and divided by the world size (an average), this
     rank's ``shard_numel`` slice returned as a fresh 1-D ``out_dtype`` tensor. Not differentiable.
 
-``zbuf::release(Tensor(a!) t) -> ()``
-    Hands a gathered buffer back to its pool now, before the tensor object dies. ``t`` must not be
-    read afterwards. Declared as mutating ``t`` so that Inductor keeps it (an op that mutates
+``zbuf::release(Tensor(a!) t, int pool_id=-1) -> ()``
+    Hands a gathered buffer back to its pool (the ``pool_id`` it was gathered from) now, before
+    the tensor object dies. ``t`` must not be read afterwards. Declared as mutating ``t`` so that Inductor keeps it (an op that mutates
     nothing and returns nothing is dead code to Inductor). Without an explicit release a gathered
     buffer returns to the pool when its last reference dies, which is what eager mode relies on.
     For eager code and post-grad graph passes (``zbuf.compile`` inserts its releases there): in
@@ -36,7 +37,7 @@ parameter id and the fix.
 
 The op bodies are thin: pools, counters, the debug flags, the process-group lookup and the
 collective helpers they share with the graph ops of ``compile/collectives.py`` live in
-``runtime.py`` (``counters`` and the pool registry functions are re-exported here).
+``runtime.py`` (``counters`` is re-exported here).
 
 [Note: tied parameters]
 A parameter reachable under several names (tied embeddings) is one shard ``nn.Parameter``. Each
@@ -65,17 +66,16 @@ import torch
 from . import reduce_once
 from .param import unpad_full
 from .runtime import (
+    DEFAULT_POOL,
     borrowed,
     counters,
     gather_into,
     label,
-    pool_for,
+    pool_of,
     process_group,
     reduce_scatter_finish,
     reduce_scatter_launch,
-    register_pool,
     release_buffer,
-    unregister_pool,
 )
 
 __all__ = [
@@ -86,10 +86,8 @@ __all__ = [
     "EagerAllGather",
     "release",
     "counters",
-    "register_pool",
-    "unregister_pool",
-    "pool_for",
 ]
+
 
 def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, param_dtype) -> None:
     numel = math.prod(shape)
@@ -116,7 +114,7 @@ def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, pa
         )
 
 
-def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Tensor:
+def all_gather_impl(shard, param_id, shape, group_name, param_dtype, pool_id) -> torch.Tensor:
     """The body of ``zbuf::all_gather`` (also run directly by the eager fast path)."""
     with label("zbuf::all_gather"):
         pg = process_group(group_name)
@@ -124,7 +122,7 @@ def all_gather_impl(shard, param_id, shape, group_name, param_dtype) -> torch.Te
         _check_gather_args(shard, shape, world, param_id, param_dtype)
         dtype = param_dtype if param_dtype is not None else shard.dtype
         padded = world * shard.numel()
-        buf = pool_for(param_id, shard.device).acquire((padded,), dtype)
+        buf = pool_of(pool_id, shard.device).acquire((padded,), dtype)
         gather_into([borrowed(buf) if world > 1 else buf], [shard.detach()], pg, async_op=False)
         counters["all_gather"] += 1
         counters["all_gather_bytes"] += buf.numel() * buf.element_size()
@@ -139,17 +137,18 @@ def all_gather(
     group_name: str,
     param_dtype: Optional[torch.dtype],
     reduce_dtype: Optional[torch.dtype],
+    pool_id: int = DEFAULT_POOL,
 ) -> torch.Tensor:
-    return all_gather_impl(shard, param_id, shape, group_name, param_dtype)
+    return all_gather_impl(shard, param_id, shape, group_name, param_dtype, pool_id)
 
 
 @all_gather.register_fake
-def _all_gather_fake(shard, param_id, shape, group_name, param_dtype, reduce_dtype):
+def _all_gather_fake(shard, param_id, shape, group_name, param_dtype, reduce_dtype, pool_id=DEFAULT_POOL):
     return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
 
 
 def _all_gather_setup_context(ctx, inputs, output):
-    shard, param_id, _shape, group_name, _param_dtype, reduce_dtype = inputs
+    shard, param_id, _shape, group_name, _param_dtype, reduce_dtype, _pool_id = inputs
     ctx.param_id = param_id
     ctx.shard_numel = shard.numel()
     ctx.shard_dtype = shard.dtype
@@ -161,7 +160,7 @@ def _all_gather_backward(ctx, grad):
     grad_shard = torch.ops.zbuf.reduce_scatter(
         grad, ctx.param_id, ctx.shard_numel, ctx.group_name, ctx.reduce_dtype, ctx.shard_dtype
     )
-    return grad_shard, None, None, None, None, None
+    return grad_shard, None, None, None, None, None, None
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup_context)
@@ -208,7 +207,8 @@ class EagerAllGather(torch.autograd.Function):
         # generation: from reduce_once.count_use, None when this use is not counted ([Note:
         # reduce once]). The shard is kept for an end-of-backward flush, which writes its .grad.
         ctx.spec, ctx.generation, ctx.shard = spec, generation, shard
-        return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype)
+        return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype,
+                               spec.pool_id)
 
     @staticmethod
     def backward(ctx, grad):
@@ -217,10 +217,10 @@ class EagerAllGather(torch.autograd.Function):
 
 
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))
-def release(t: torch.Tensor) -> None:
-    release_buffer(t)
+def release(t: torch.Tensor, pool_id: int = DEFAULT_POOL) -> None:
+    release_buffer(t, pool_id)
 
 
 @release.register_fake
-def _release_fake(t):
+def _release_fake(t, pool_id=DEFAULT_POOL):
     return None

@@ -49,6 +49,9 @@ class ShardSpec(NamedTuple):
     """Dtype the full tensor is gathered in (the cast happens before the collective); None: ``dtype``."""
     reduce_dtype: torch.dtype | None
     """Dtype of the gradient reduce-scatter; None: the gathered dtype."""
+    pool_id: int
+    """The gather-buffer pool its gathers draw from and release to ([Note: pool ids] in
+    runtime.py)."""
 
     @property
     def padded_numel(self) -> int:

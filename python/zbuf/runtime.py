@@ -8,7 +8,7 @@ shells around these helpers, so eager and compiled runs move bytes the same way.
 
 - ``counters``: what ran (tests and reports read it);
 - ``POISON_RELEASES``: [Note: poisoned releases];
-- the pool registry: ``register_pool``, ``unregister_pool``, ``pool_for``, ``known_pools``;
+- the pool registry ([Note: pool ids]): ``pool_id_of``, ``pool_of``, ``known_pools``;
 - ``process_group``: the one lookup of a group by name, with the error that names the fix;
 - ``gather_into`` ([Note: in-place gathers]), ``reduce_scatter_launch`` /
   ``reduce_scatter_finish``, ``release_buffer``, ``borrowed``, ``label``.
@@ -39,9 +39,9 @@ from .errors import DoubleReleaseError, ForeignBufferError
 __all__ = [
     "counters",
     "POISON_RELEASES",
-    "register_pool",
-    "unregister_pool",
-    "pool_for",
+    "DEFAULT_POOL",
+    "pool_id_of",
+    "pool_of",
     "known_pools",
     "process_group",
     "label",
@@ -70,38 +70,52 @@ depends on it."""
 # ZBUF_POISON_RELEASES=1.
 POISON_RELEASES: bool = os.environ.get("ZBUF_POISON_RELEASES", "") == "1"
 
-# param_id -> the pool its gathers draw from. Only the real implementations consult it, at run
-# time; fake implementations never do (ops.py: they need nothing but their arguments).
-_POOL_BY_PARAM: dict[int, object] = {}
-# Every pool any registered parameter uses, so release() can find a buffer's owner.
-_KNOWN_POOLS: list[object] = []
+DEFAULT_POOL = -1
+"""The pool id that names the process-wide default pool of the tensor's device
+(``zbuf.pool.default_pool``): what a direct call of ``zbuf::all_gather`` or ``zbuf::release``
+gets when it names no pool."""
+
+# [Note: pool ids]
+# A gathered buffer comes from one pool and must go back to that pool. Ops cannot take a pool
+# object, so every op that takes or returns a buffer carries the pool's id (``ShardSpec.pool_id``,
+# from ``pool_id_of`` when ``zbuf.shard`` runs): a release goes straight to its own pool, and a
+# compiled graph knows every pool it gathers from, so its first run sizes each of them
+# ([Note: pool sizing] in compile/schedule.py). Ids count up in registration order, so ranks that
+# shard the same modules with the same pools (SPMD) agree on them, as they do on parameter ids.
+# Only the real op implementations consult the registry, at run time; fake implementations
+# never do (ops.py: they need nothing but their arguments).
+_POOLS: dict[int, object] = {}
 
 
-def register_pool(param_id: int, pool) -> None:
-    """Route ``param_id``'s gathers to ``pool`` (``zbuf.shard`` calls this for every parameter)."""
-    _POOL_BY_PARAM[param_id] = pool
-    if not any(p is pool for p in _KNOWN_POOLS):
-        _KNOWN_POOLS.append(pool)
+def pool_id_of(pool) -> int:
+    """The id that names ``pool`` in op arguments (registered on first use: ``zbuf.shard``)."""
+    for pool_id, known in _POOLS.items():
+        if known is pool:
+            return pool_id
+    pool_id = len(_POOLS)
+    _POOLS[pool_id] = pool
+    return pool_id
 
 
-def unregister_pool(param_id: int) -> None:
-    """Forget ``param_id`` (its shard parameter died)."""
-    _POOL_BY_PARAM.pop(param_id, None)
-
-
-def pool_for(param_id: int, device: torch.device):
-    pool = _POOL_BY_PARAM.get(param_id)
-    if pool is None:
+def pool_of(pool_id: int, device: torch.device):
+    """The pool ``pool_id`` names (``DEFAULT_POOL``: the default pool of ``device``)."""
+    pool = _POOLS.get(pool_id)
+    if pool is not None:
+        return pool
+    if pool_id == DEFAULT_POOL:
         from .pool import default_pool
 
-        pool = default_pool(device)
-        register_pool(param_id, pool)
-    return pool
+        return default_pool(device)
+    raise ValueError(
+        f"zbuf: no gather-buffer pool has id {pool_id} in this process; pool ids come from "
+        f"zbuf.shard (ShardSpec.pool_id) or zbuf.runtime.pool_id_of(pool), and -1 names the "
+        f"device's default pool"
+    )
 
 
 def known_pools() -> list:
-    """Every pool a registered parameter uses (``faults`` trims them when a run fails)."""
-    return list(_KNOWN_POOLS)
+    """Every pool that has an id (``faults`` trims them when a run fails)."""
+    return list(_POOLS.values())
 
 
 def process_group(group_name: str) -> dist.ProcessGroup:
@@ -249,22 +263,18 @@ def reduce_scatter_finish(launch: ReduceScatterLaunch) -> torch.Tensor:
     return launch.out
 
 
-def release_buffer(t: torch.Tensor) -> None:
+def release_buffer(t: torch.Tensor, pool_id: int) -> None:
     """Hand a gathered buffer back to its pool now (the body of ``zbuf::release`` and of the graph's
     ``zbuf::all_gather_release``)."""
     with label("zbuf::release"):
-        # Release straight away and skip the pools that do not hold `t`: asking `owns` first
-        # would look the buffer up twice on every release.
         if POISON_RELEASES and t.is_floating_point():
             t.fill_(float("nan"))
-        for pool in _KNOWN_POOLS:
-            try:
-                pool.release(t)
-            except (ForeignBufferError, DoubleReleaseError):
-                continue
-            counters["release"] += 1
-            return
-        raise ValueError(
-            "zbuf::release: this tensor is not a live buffer of any zbuf pool; only the output of "
-            "zbuf::all_gather can be released, and only once"
-        )
+        try:
+            pool_of(pool_id, t.device).release(t)
+        except (ForeignBufferError, DoubleReleaseError):
+            raise ValueError(
+                f"zbuf::release: this tensor is not a live buffer of the pool it names (pool id "
+                f"{pool_id}); only the output of zbuf::all_gather can be released, only once, and "
+                f"to the pool it came from (ShardSpec.pool_id)"
+            ) from None
+        counters["release"] += 1

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import sys
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops as _ops  # registers torch.ops.zbuf.*
-from . import reduce_once, regather
+from . import reduce_once, regather, runtime
 from .param import ShardSpec, local_shard_of, shard_numel_for
 
 __all__ = [
@@ -102,7 +101,8 @@ def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bo
     """The full tensor of a sharded parameter (the body of the parameter property)."""
     if torch.compiler.is_compiling():
         return torch.ops.zbuf.all_gather(
-            shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype
+            shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype,
+            spec.pool_id,
         )
     # [Note: eager fast path] in ops.py; [Note: reduce once] in reduce_once.py
     recorded = torch.is_grad_enabled() and shard.requires_grad
@@ -394,6 +394,7 @@ def shard(
         pool = default_pool(device)
     root = ShardedRoot(group=group, world_size=world, rank=rank, device=device, pool=pool, specs={}, shards={})
     group_name = group.group_name
+    pool_id = runtime.pool_id_of(pool)
 
     def shard_one(p: nn.Parameter) -> None:
         # popped: once replaced, p may die and its id be reused by a new object
@@ -404,14 +405,12 @@ def shard(
             param_id=next(_param_ids), fqn=fqn, shape=tuple(p.shape), numel=p.numel(), shard_numel=s,
             world_size=world, rank=rank, group_name=group_name, dtype=p.dtype,
             param_dtype=param_dtype if param_dtype != p.dtype else None,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=reduce_dtype, pool_id=pool_id,
         )
         new = nn.Parameter(local_shard_of(p, s, rank, device=device), requires_grad=p.requires_grad)
         for _, sub, name in locs:
             sub._parameters[name] = new
             sub.__dict__.setdefault("_zbuf_specs", {})[name] = spec
-        _ops.register_pool(spec.param_id, pool)
-        weakref.finalize(new, _ops.unregister_pool, spec.param_id)
         root.specs[spec.param_id] = spec
         root.shards[spec.param_id] = new
 

@@ -113,7 +113,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
             continue
         if spec.param_id not in full_by_id:
             gathered = torch.ops.zbuf.all_gather(
-                shard.detach(), spec.param_id, list(spec.shape), spec.group_name, None, None
+                shard.detach(), spec.param_id, list(spec.shape), spec.group_name, None, None,
+                spec.pool_id,
             )
             # copy out of the pool buffer; the buffer goes back when `gathered` dies
             full_by_id[spec.param_id] = gathered.to("cpu", copy=True) if keep else None

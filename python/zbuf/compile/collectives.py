@@ -1,8 +1,8 @@
 """The ops the compile pass puts in graphs: gather buffer, start, wait, release, reduce, check.
 
 ``zbuf::gather_buffer(Tensor(a!) token, Tensor shard, int param_id, SymInt[] shape, str group_name,
-                      ScalarType? param_dtype) -> Tensor``
-    Fresh pool memory for ``param_id``'s gather, laid out exactly as ``zbuf::all_gather`` lays it
+                      ScalarType? param_dtype, int pool_id) -> Tensor``
+    Fresh memory from pool ``pool_id`` ([Note: pool ids] in runtime.py) for ``param_id``'s gather, laid out exactly as ``zbuf::all_gather`` lays it
     out (ops.py, [Note: shard layout]): the full tensor, a view of the padded flat block.
     Contents undefined until the wait of the start that fills it.
 ``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
@@ -14,7 +14,7 @@
     parameter's padded block directly (one NCCL group; gloo implements it as well).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
     Waits for the start that filled ``gathered`` (found by the first buffer's storage).
-``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, Tensor[] after) -> ()``
+``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
     ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
 ``zbuf::reduce_scatter_start(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
@@ -27,10 +27,10 @@
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
-                       int[] buffer_sizes, int[] buffer_counts, int param_id, str record) -> ()``
+                       int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, str record) -> ()``
     First run of a compiled graph only: checks that every rank planned the same collective order
-    (fingerprint.py) and grows the pool of ``param_id``'s gathers so it can keep
-    ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
+    (fingerprint.py) and grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
+    keep ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
     schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
     (report.py) if its compilation did not (a cache hit). A no-op afterwards. Doing this at run time
     (not at compile time) keeps it working when Inductor serves the graph from its cache and no
@@ -142,7 +142,7 @@ def _op(schema: str):
 
 @_op(
     "gather_buffer(Tensor(a0!) token, Tensor shard, SymInt param_id, SymInt[] shape, "
-    "str group_name, ScalarType? param_dtype) -> Tensor"
+    "str group_name, ScalarType? param_dtype, SymInt pool_id) -> Tensor"
 )
 def gather_buffer(
     token: torch.Tensor,
@@ -151,6 +151,7 @@ def gather_buffer(
     shape: Sequence[int],
     group_name: str,
     param_dtype: Optional[torch.dtype],
+    pool_id: int,
 ) -> torch.Tensor:
     world = runtime.process_group(group_name).size()
     dtype = param_dtype if param_dtype is not None else shard.dtype
@@ -160,12 +161,12 @@ def gather_buffer(
             f"zbuf::gather_buffer: shape {list(shape)} has more elements than {world} shards of "
             f"{shard.numel()} (param_id {param_id})"
         )
-    buf = runtime.pool_for(param_id, shard.device).acquire((padded,), dtype)
+    buf = runtime.pool_of(pool_id, shard.device).acquire((padded,), dtype)
     return unpad_full(buf, shape)
 
 
 @gather_buffer.register_fake
-def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype):
+def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype, pool_id):
     return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
 
 
@@ -222,14 +223,15 @@ def _all_gather_wait_fake(token, gathered):
     return None
 
 
-@_op("all_gather_release(Tensor(a0!) token, Tensor(a1!) t, Tensor[] after) -> ()")
-def all_gather_release(token: torch.Tensor, t: torch.Tensor, after: Sequence[torch.Tensor]) -> None:
+@_op("all_gather_release(Tensor(a0!) token, Tensor(a1!) t, SymInt pool_id, Tensor[] after) -> ()")
+def all_gather_release(token: torch.Tensor, t: torch.Tensor, pool_id: int,
+                       after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
-    runtime.release_buffer(t)
+    runtime.release_buffer(t, pool_id)
 
 
 @all_gather_release.register_fake
-def _all_gather_release_fake(token, t, after):
+def _all_gather_release_fake(token, t, pool_id, after):
     return None
 
 
@@ -278,27 +280,33 @@ def _reduce_scatter_wait_fake(token, started):
 _FIRST_RUN_DONE: set[tuple[str, str]] = set()
 
 
-def _grow_pool(param_id: int, device: torch.device, sizes: Sequence[int], counts: Sequence[int]) -> None:
-    pool = runtime.pool_for(param_id, device)
-    capacity = getattr(pool, "capacity_for", lambda n: n)
-    need = sum(capacity(s) * c for s, c in zip(sizes, counts))
-    current = pool.stats().budget_bytes
-    if current is None or current < need:
-        pool.set_budget(need)
+def _grow_pools(device: torch.device, pool_ids: Sequence[int], sizes: Sequence[int],
+                counts: Sequence[int]) -> None:
+    """[Note: pool sizing] for every pool a graph gathers from (two ids may name one pool)."""
+    need: dict[int, tuple[object, int]] = {}
+    for pool_id, size, count in zip(pool_ids, sizes, counts):
+        pool = runtime.pool_of(pool_id, device)
+        capacity = getattr(pool, "capacity_for", lambda n: n)
+        _, before = need.get(id(pool), (pool, 0))
+        need[id(pool)] = (pool, before + capacity(size) * count)
+    for pool, nbytes in need.values():
+        current = pool.stats().budget_bytes
+        if current is None or current < nbytes:
+            pool.set_budget(nbytes)
 
 
 @_op(
     "check_schedule(Tensor(a0!) token, str group_name, str fingerprint, str collectives, "
-    "SymInt[] buffer_sizes, SymInt[] buffer_counts, SymInt param_id, str record) -> ()"
+    "SymInt[] pool_ids, SymInt[] buffer_sizes, SymInt[] buffer_counts, str record) -> ()"
 )
 def check_schedule(
     token: torch.Tensor,
     group_name: str,
     fingerprint: str,
     collectives: str,
+    pool_ids: Sequence[int],
     buffer_sizes: Sequence[int],
     buffer_counts: Sequence[int],
-    param_id: int,
     record: str,
 ) -> None:
     key = (group_name, fingerprint, record)
@@ -308,8 +316,7 @@ def check_schedule(
 
     with runtime.label("zbuf::check_schedule"):
         check_across_ranks(group_name, fingerprint, collectives)
-        if param_id >= 0 and buffer_sizes:
-            _grow_pool(param_id, token.device, buffer_sizes, buffer_counts)
+        _grow_pools(token.device, pool_ids, buffer_sizes, buffer_counts)
         from . import report
 
         report.record(record)
@@ -317,5 +324,5 @@ def check_schedule(
 
 
 @check_schedule.register_fake
-def _check_schedule_fake(token, group_name, fingerprint, collectives, buffer_sizes, buffer_counts, param_id, record):
+def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_ids, buffer_sizes, buffer_counts, record):
     return None

@@ -29,6 +29,8 @@ from .options import CompileOptions
 
 __all__ = [
     "GATHER_OP",
+    "GatherArgs",
+    "gather_args",
     "is_view",
     "gather_nodes",
     "view_tree",
@@ -51,6 +53,27 @@ def _gather_op():
 
 
 GATHER_OP = _gather_op()
+
+class GatherArgs(NamedTuple):
+    """The arguments of a ``zbuf::all_gather`` node (ops.py has the op's schema)."""
+
+    shard: torch.fx.Node
+    param_id: int
+    shape: list
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    pool_id: int
+    """The pool its buffer comes from ([Note: pool ids] in runtime.py)."""
+
+
+def gather_args(node: torch.fx.Node) -> GatherArgs:
+    """``node``'s gather arguments, the pool id filled in where the call left it to its default."""
+    args = list(node.args)
+    if len(args) < len(GatherArgs._fields):
+        args.append(node.kwargs.get("pool_id", runtime.DEFAULT_POOL))
+    return GatherArgs(*args)
+
 
 # Ops without an alias annotation in their schema that still return (part of) their input.
 _ALIAS_FUNCTIONS = (operator.getitem,)
@@ -196,8 +219,8 @@ def _block_of(node: torch.fx.Node) -> str:
             break
     if not parts:
         return ""
-    _, _, _, group_name, param_dtype, _ = node.args
-    return f"{group_name}|{param_dtype}|{'.'.join(parts)}"
+    a = gather_args(node)
+    return f"{a.group_name}|{a.param_dtype}|{'.'.join(parts)}"
 
 
 def gathered_nbytes(gather: torch.fx.Node) -> int:
@@ -208,10 +231,10 @@ def gathered_nbytes(gather: torch.fx.Node) -> int:
     run (the op raises the same error at its first call), and sizing its buffer for one rank
     would plan every gathered byte ``world`` times too small.
     """
-    shard, _param_id, _shape, group_name, param_dtype, _ = gather.args
-    sval = shard.meta["val"]
-    dtype = param_dtype if param_dtype is not None else sval.dtype
-    padded = _hint(sval.numel()) * runtime.process_group(group_name).size()
+    a = gather_args(gather)
+    sval = a.shard.meta["val"]
+    dtype = a.param_dtype if a.param_dtype is not None else sval.dtype
+    padded = _hint(sval.numel()) * runtime.process_group(a.group_name).size()
     return max(padded * dtype.itemsize, tensor_bytes(gather.meta["val"]))
 
 
@@ -242,12 +265,13 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
             continue
         specs.append(
             (g, GatherSpec(
-                key=str(g.args[1]),
+                key=str(gather_args(g).param_id),
                 nbytes=nbytes,
                 uses=tuple(sorted(uses)),
                 earliest=min(earliest, min(uses)),
                 escapes=escapes,
                 block=_block_of(g),
+                pool=gather_args(g).pool_id,
             ))
         )
     summary = GraphSummary(

@@ -37,6 +37,10 @@ class GatherSpec:
     block: str = ""
     """Coalescing key (the owning block); only gathers of the same block are coalesced."""
 
+    pool: int = -1
+    """The pool its buffer comes from (a pool id, [Note: pool ids] in runtime.py); each pool a
+    graph gathers from is sized for its own gathers ([Note: pool sizing] in schedule.py)."""
+
     def __post_init__(self) -> None:
         if self.nbytes < 0:
             raise ValueError(f"gather {self.key!r}: nbytes={self.nbytes} < 0")

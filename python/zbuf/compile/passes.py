@@ -56,6 +56,7 @@ from .fingerprint import collective_order, fingerprint_of
 from .graph_info import (
     activation_peak_bytes,
     activation_profile,
+    gather_args,
     gather_nodes,
     gathered_nbytes,
     is_view,
@@ -104,7 +105,8 @@ class PlanState:
         self.options = options
         self.persistent_bytes = 0
         self.persistent = 0
-        self.persistent_sizes: list[int] = []
+        self.persistent_buffers: list[tuple[int, int]] = []
+        """(pool id, bytes) of every kept gather: they come back to their pools in backward."""
 
     def uuid(self) -> str:
         agreed = json.dumps(sorted(budget_mod._AGREED.items()))
@@ -113,7 +115,8 @@ class PlanState:
 
 def _group_and_device(graph: torch.fx.Graph):
     for g in gather_nodes(graph):
-        return g.args[3], g.args[0].meta["val"].device
+        a = gather_args(g)
+        return a.group_name, a.shard.meta["val"].device
     return None, None
 
 
@@ -170,7 +173,7 @@ def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
     trees = {g: _view_and_cast_tree(g) for g in gathers}
     persist: set[torch.fx.Node] = set()
     state.persistent_bytes = state.persistent = 0
-    state.persistent_sizes = []
+    state.persistent_buffers = []
     opts = state.options
     if opts.persist and gathers:
         group_name, device = _group_and_device(joint)
@@ -205,7 +208,7 @@ def tag_for_regather(joint: torch.fx.Graph, state: PlanState) -> None:
                 continue
             persist.add(g)
             state.persistent_bytes += nbytes
-            state.persistent_sizes.append(nbytes)
+            state.persistent_buffers.append((gather_args(g).pool_id, nbytes))
         state.persistent = len(persist)
     for g in gathers:
         g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
@@ -407,17 +410,19 @@ def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
                         raise AssertionError(
                             f"zbuf plan releases {buf} at node {slot} before its reader(s) "
                             f"{[r for r in after if position[r] >= slot]}; this is a zbuf bug")
-                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf, after))
+                    pool_id = gather_args(gathers[m.gather]).pool_id
+                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf, pool_id, after))
                     n.meta["val"] = None
                 elif kind == "start":
                     f = payload
                     gs = [gathers[m.gather] for m in f.members]
                     fi = fetch_index[id(f)]
                     for i, (g, m) in enumerate(zip(gs, f.members)):
-                        shard, param_id, shape, group_name, param_dtype, _ = g.args
+                        a = gather_args(g)
                         buf = graph.call_function(
                             zbuf.gather_buffer.default,
-                            (token, shard, param_id, list(shape), group_name, param_dtype),
+                            (token, a.shard, a.param_id, list(a.shape), a.group_name, a.param_dtype,
+                             a.pool_id),
                         )
                         buf.meta["val"] = g.meta["val"]
                         buffers[(fi, i)] = buf
@@ -425,7 +430,8 @@ def rewrite(graph: torch.fx.Graph, index, sched: Schedule) -> torch.fx.Node:
                             nodes[p].replace_input_with(g, buf)
                     start = graph.call_function(
                         zbuf.all_gather_start.default,
-                        (token, [buffers[(fi, i)] for i in range(len(gs))], [g.args[0] for g in gs], gs[0].args[3]),
+                        (token, [buffers[(fi, i)] for i in range(len(gs))],
+                         [gather_args(g).shard for g in gs], gather_args(gs[0]).group_name),
                     )
                     start.meta["val"] = None
                 else:
@@ -513,17 +519,18 @@ class GatherSchedulePass(CustomGraphPass):
         )
         if order and token is not None:
             check_group = group_name if group_name is not None else self._group_of_collectives(graph)
-            pool_param = int(index.gathers[0].args[1]) if index.gathers else -1
             counts = buffer_counts(index.summary, sched) if sched else {}
             if kind == "backward":
-                # Persisted weights come back to the pool during backward (see [Note: pool sizing]).
-                for nbytes in self.state.persistent_sizes:
-                    counts[nbytes] = counts.get(nbytes, 0) + 1
+                # Persisted weights come back to their pools during backward ([Note: pool sizing]).
+                for pool, nbytes in self.state.persistent_buffers:
+                    per_size = counts.setdefault(pool, {})
+                    per_size[nbytes] = per_size.get(nbytes, 0) + 1
+            entries = [(pool, size, n) for pool, per_size in counts.items() for size, n in per_size.items()]
             with graph.inserting_after(token):
                 chk = graph.call_function(
                     zbuf.check_schedule.default,
-                    (token, check_group, fp, json.dumps(order), list(counts), list(counts.values()),
-                     pool_param, rec.to_json()),
+                    (token, check_group, fp, json.dumps(order), [e[0] for e in entries],
+                     [e[1] for e in entries], [e[2] for e in entries], rec.to_json()),
                 )
                 chk.meta["val"] = None
         check_token_chain(graph, token)

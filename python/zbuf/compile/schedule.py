@@ -245,8 +245,8 @@ def live_gathered_bytes(summary: GraphSummary, schedule: Schedule) -> np.ndarray
     return profile
 
 
-def buffer_counts(summary: GraphSummary, schedule: Schedule) -> dict[int, int]:
-    """{buffer bytes: most buffers of that size live at once} over the graph.
+def buffer_counts(summary: GraphSummary, schedule: Schedule) -> dict[int, dict[int, int]]:
+    """{pool id: {buffer bytes: most buffers of that size live at once}} over the graph.
 
     [Note: pool sizing]
     A pool that keeps, for every size, as many blocks as are ever live at once serves every
@@ -254,18 +254,20 @@ def buffer_counts(summary: GraphSummary, schedule: Schedule) -> dict[int, int]:
     after the first step no gather allocates. That is ``sum(capacity(size) * count)``, which the
     first run of the graph passes to the pool (``zbuf::check_schedule``); it is at least the
     peak live gathered bytes and usually equal for layered models, whose layers repeat one set
-    of sizes.
+    of sizes. A graph may gather from several pools (modules sharded with pools of their own):
+    each pool gets the counts of its own gathers (``GatherSpec.pool``).
     """
     n = summary.num_nodes
-    by_size: dict[int, np.ndarray] = {}
+    by_pool: dict[int, dict[int, np.ndarray]] = {}
     for f in schedule.fetches:
         for m in f.members:
-            nbytes = summary.gathers[m.gather].nbytes
+            spec = summary.gathers[m.gather]
             end = n - 1 if m.release_after is None else m.release_after
-            d = by_size.setdefault(nbytes, np.zeros(n + 1, dtype=np.int64))
+            d = by_pool.setdefault(spec.pool, {}).setdefault(spec.nbytes, np.zeros(n + 1, dtype=np.int64))
             d[f.start] += 1
             d[end + 1] -= 1
-    return {size: int(np.cumsum(d).max()) for size, d in sorted(by_size.items())}
+    return {pool: {size: int(np.cumsum(d).max()) for size, d in sorted(by_size.items())}
+            for pool, by_size in sorted(by_pool.items())}
 
 
 def exposed_seconds(summary: GraphSummary, schedule: Schedule,
