@@ -360,7 +360,7 @@ def test_every_collective_is_on_the_token_chain_in_plan_order(monkeypatch):
 
 def test_token_chain_check_catches_an_unordered_reduce_scatter():
     from zbuf.compile.fingerprint import collective_order
-    from zbuf.compile.passes import check_token_chain, thread_reduce_scatters
+    from zbuf.compile.rewrite import check_token_chain, thread_reduce_scatters
 
     group = dist.group.WORLD.group_name
     graph = torch.fx.Graph()
@@ -384,7 +384,7 @@ def test_token_chain_check_catches_an_unordered_reduce_scatter():
 def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
     """[Note: reduce-scatter overlap]: waits follow start order, as late as the in-flight limit
     and the first reader allow; a narrower output dtype is cast after the wait."""
-    from zbuf.compile import passes
+    from zbuf.compile import rewrite
 
     group = dist.group.WORLD.group_name
     graph = torch.fx.Graph()
@@ -399,11 +399,11 @@ def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
     early = graph.call_function(torch.ops.aten.neg.default, (outs[0],))  # reads result 0 early
     early.meta["val"] = torch.empty(16)
     graph.output((*outs, early))
-    monkeypatch.setattr(passes, "RS_IN_FLIGHT_BYTES", 2 * 16 * 4)  # two fp32 inputs in flight
-    token = passes.thread_reduce_scatters(graph, None)
+    monkeypatch.setattr(rewrite, "RS_IN_FLIGHT_BYTES", 2 * 16 * 4)  # two fp32 inputs in flight
+    token = rewrite.thread_reduce_scatters(graph, None)
     # (op, param_id of the reduce-scatter it starts or waits for), in chain order
     order = [(n.target._schema.name.split("::")[1], (n.args[1] if "wait" in str(n.target) else n).args[2])
-             for n in passes.check_token_chain(graph, token)]
+             for n in rewrite.check_token_chain(graph, token)]
     assert order == [("reduce_scatter_start", 0), ("reduce_scatter_start", 1),
                      ("reduce_scatter_wait", 0),  # forced by the limit, before the early reader
                      ("reduce_scatter_start", 2),

@@ -48,7 +48,7 @@ fingerprint's collective order then is the executed order). The token carries no
 It only works if *every* collective is on the chain: an op outside it is placed by data
 dependencies alone. The functional ``zbuf::reduce_scatter`` was (on CUDA, Inductor's fusion
 choices moved all of a backward's reduce-scatters after all of its releases), so the pass
-replaces it with ``zbuf::reduce_scatter_start`` / ``_wait`` and ``check_token_chain`` (passes.py)
+replaces it with ``zbuf::reduce_scatter_start`` / ``_wait`` and ``check_token_chain`` (rewrite.py)
 refuses a graph in which any collective does not mutate the token.
 
 [Note: release after the readers]
@@ -65,9 +65,9 @@ A synchronous reduce-scatter runs on the compute stream (torch 2.11's ProcessGro
 on 2x H200 that was 23 ms of a 483 ms qwen3-1.7b step with nothing else running. The start
 issues it on NCCL's stream instead, after the compute that produced the gradient; the wait puts
 the compute stream behind it only where the result is needed, which the pass places later
-(``thread_reduce_scatters``): before the first reader of the gradient, or once the padded
-inputs of the reduce-scatters in flight would exceed ``RS_IN_FLIGHT_BYTES`` (c10d keeps each
-input alive until its wait, so this bounds the extra memory).
+(``thread_reduce_scatters`` in rewrite.py): before the first reader of the gradient, or once the
+padded inputs of the reduce-scatters in flight would exceed ``RS_IN_FLIGHT_BYTES`` (rewrite.py;
+c10d keeps each input alive until its wait, so this bounds the extra memory).
 """
 
 from __future__ import annotations

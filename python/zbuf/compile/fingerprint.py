@@ -37,7 +37,7 @@ class ScheduleMismatchError(RuntimeError):
 
 # Ops of the zbuf namespace that communicate (start carries the gather; wait/release do not).
 # ``all_gather`` and ``reduce_scatter`` are the functional forms autograd traces; the pass replaces
-# them, and check_token_chain (passes.py) refuses a graph in which one is left.
+# them, and check_token_chain (rewrite.py) refuses a graph in which one is left.
 _COLLECTIVE_OPS = ("all_gather_start", "reduce_scatter_start", "all_gather", "reduce_scatter")
 
 # (group_name, fingerprint) pairs every rank agreed on; filled by check_across_ranks.

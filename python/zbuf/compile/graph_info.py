@@ -33,6 +33,7 @@ __all__ = [
     "gather_args",
     "is_view",
     "gather_nodes",
+    "group_and_device",
     "view_tree",
     "localize_view_chains",
     "summarize",
@@ -94,6 +95,14 @@ def is_view(node: torch.fx.Node) -> bool:
 
 def gather_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is GATHER_OP]
+
+
+def group_and_device(graph: torch.fx.Graph):
+    """(group name, device) of the graph's first gather; (None, None) when it gathers nothing."""
+    for g in gather_nodes(graph):
+        a = gather_args(g)
+        return a.group_name, a.shard.meta["val"].device
+    return None, None
 
 
 def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:

@@ -11,16 +11,22 @@ import dataclasses
 import json
 import os
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.fx
 
+from .graph_info import GraphIndex
 from .graph_model import GraphSummary
+from .options import CompileOptions
+from .schedule import Schedule, exposed_seconds
 
 __all__ = [
     "ScheduleRecord",
+    "schedule_record",
     "schedule_report",
     "record",
     "clear_records",
@@ -91,6 +97,50 @@ class ScheduleRecord:
         for name in ("live_gathered_profile", "activation_profile"):
             d[name] = tuple(d.get(name, ()))
         return cls(**d)
+
+
+def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex,
+                    sched: Schedule | None, options: CompileOptions, persistent_bytes: int,
+                    activation_profile: np.ndarray, order: list[str], fingerprint: str,
+                    checked: bool) -> ScheduleRecord:
+    """The record of a graph the schedule pass just rewrote (``sched``: None when it gathers
+    nothing; ``checked``: the graph starts with ``zbuf::check_schedule``)."""
+    zbuf = torch.ops.zbuf
+    zbuf_ops = tuple(
+        n.target._schema.name.split("::")[-1]
+        for n in graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "zbuf"
+    )
+    return ScheduleRecord(
+        graph_id=-1,
+        uid=uuid.uuid4().hex,
+        kind=kind,
+        budget_bytes=sched.budget_bytes if sched else 0,
+        requested_budget_bytes=sched.requested_budget_bytes if sched else 0,
+        floor_bytes=sched.floor_bytes if sched else 0,
+        peak_live_gathered_bytes=sched.peak_live_bytes if sched else 0,
+        persistent_bytes=persistent_bytes,
+        activation_peak_bytes=int(activation_profile.max()) if len(activation_profile) else 0,
+        gathers=len(index.gathers),
+        collectives=len(order),
+        coalesced_groups=sched.coalesced_groups if sched else 0,
+        prefetched=sched.prefetched if sched else 0,
+        regathers=sched.regathers if sched else 0,
+        persistent=sum(g.escapes for g in index.summary.gathers),
+        fingerprint=fingerprint,
+        planning_seconds=sched.planning_seconds if sched else 0.0,
+        num_nodes=index.summary.num_nodes,
+        # Gathered or reduced: a backward whose weights were all kept from forward gathers
+        # nothing, and is still the model's graph.
+        param_ids=tuple(sorted({int(g.args[1]) for g in index.gathers} | {
+            int(n.args[2]) for n in graph.nodes if n.target is zbuf.reduce_scatter_start.default})),
+        gather_calls=sum(len(f.members) for f in sched.fetches) if sched else 0,
+        op_order=(("check_schedule",) if checked else ()) + zbuf_ops,
+        live_gathered_profile=downsample_peaks(sched.profile if sched else [0] * len(activation_profile)),
+        activation_profile=downsample_peaks(activation_profile),
+        modelled_compute_seconds=float(sum(index.summary.compute_seconds)),
+        modelled_exposed_seconds=exposed_seconds(index.summary, sched, options) if sched else 0.0,
+    )
 
 
 PROFILE_POINTS = 2000

@@ -1,0 +1,158 @@
+"""Selective persistence: which gathered weights forward keeps for backward, as recompute tags.
+
+The partitioner pass (``passes.ZbufPartitioner``) runs ``tag_for_regather`` on the joint graph
+before ``min_cut_rematerialization_partition``: every gather and its view/cast users are tagged
+``MUST_RECOMPUTE`` (backward re-gathers instead of saving full weights), except the gathers kept
+here (``MUST_SAVE``).
+
+[Note: selective persistence]
+A gathered weight that backward reads (``grad_input = grad_out @ W``) is either re-gathered in
+backward (one more collective) or kept from forward (its bytes stay live through the end of
+forward and backward). Candidates are kept, while they fit in ``persist_fraction`` of the
+budget (never eating into what a single node needs at once), in this order:
+1. latency-bound gathers (below ``collective_latency_seconds * link_bytes_per_second`` bytes):
+   the communication time saved per byte, ``latency / bytes + 1 / bandwidth``, is highest there;
+2. then in the order backward needs them. What backward needs first has no backward compute to
+   hide behind: on the qwen3-8b fake trace the old order, smallest first, kept the early layers
+   and re-gathered the output head and the last layers' MLP weights, all needed at the very
+   start of backward (the likely source of 25 ms per step of exposed backward gathers on 2x
+   H200). Weights needed late are re-gathered behind the backward of the layers after them, and
+   kept weights that backward needs early are released early, freeing their memory sooner.
+Kept bytes are charged to the backward graph's budget as live throughout. Candidates are the
+gathers with a backward consumer in the joint graph, or a consumer that activation
+checkpointing tags for recompute (backward re-runs it, so it needs the weight again). A gather
+that backward re-runs only because the partitioner itself chose to recompute a cheap consumer
+(an embedding lookup, say) is not known before partitioning and is re-gathered.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import budget as budget_mod
+from .graph_info import (
+    activation_peak_bytes,
+    gather_args,
+    gather_nodes,
+    gathered_nbytes,
+    group_and_device,
+    is_view,
+)
+from .options import CompileOptions
+
+__all__ = ["Persisted", "tag_for_regather"]
+
+aten = torch.ops.aten
+
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+class Persisted(NamedTuple):
+    """The gathers selective persistence keeps from forward for backward."""
+
+    nbytes: int = 0
+    """Their gathered bytes, live from forward through backward (off the backward's budget)."""
+    count: int = 0
+    """How many gathers are kept."""
+    buffers: tuple[tuple[int, int], ...] = ()
+    """(pool id, bytes) of each: they come back to their pools during backward ([Note: pool
+    sizing] in schedule.py)."""
+
+
+def _is_backward_node_set(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes of a joint graph that depend on a tangent: the backward part."""
+    bw: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in bw for a in n.all_input_nodes):
+            bw.add(n)
+    return bw
+
+
+def _backward_need(joint: torch.fx.Graph, bw: set[torch.fx.Node], recomputed,
+                   order: dict[torch.fx.Node, int]):
+    """``need_at(n)``: the joint-graph position of the first backward node that needs ``n``'s
+    value, directly or through forward nodes of the same checkpointed region that backward
+    recomputes (the recomputation runs just before that node); the graph's length when backward
+    never needs it. Propagation stops at region boundaries: the partitioner saves a region's
+    outputs (``cleanup_recompute_tags``), so the next region's recomputation does not need them.
+    One reverse pass."""
+    never = len(order)
+    reach: dict[torch.fx.Node, int] = {}
+
+    def need_at(n: torch.fx.Node) -> int:
+        if n in bw:
+            return order[n]
+        if n.meta.get("recompute") in recomputed:
+            return reach.get(n, never)
+        return never
+
+    for n in reversed(joint.nodes):
+        region = n.meta.get("ac_graph_id")
+        reach[n] = min((need_at(u) for u in n.users
+                        if u in bw or (region is not None and u.meta.get("ac_graph_id") == region)),
+                       default=never)
+    return need_at
+
+
+def _view_and_cast_tree(g: torch.fx.Node) -> list[torch.fx.Node]:
+    out, stack = [], [g]
+    while stack:
+        for u in stack.pop().users:
+            if is_view(u) or u.target in _CASTS:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions) -> Persisted:
+    """Recompute tags on the joint graph; picks the persistent gathers ([Note: selective
+    persistence]) and returns them."""
+    bw = _is_backward_node_set(joint)
+    gathers = gather_nodes(joint)
+    trees = {g: _view_and_cast_tree(g) for g in gathers}
+    persist: set[torch.fx.Node] = set()
+    kept_bytes = 0
+    buffers: list[tuple[int, int]] = []
+    if opts.persist and gathers:
+        group_name, device = group_and_device(joint)
+        peak = activation_peak_bytes(joint)
+        budget = budget_mod.graph_budget(opts, group_name, device, peak)
+        # What one node needs at once is off limits; persistence may use a share of the rest.
+        need: dict[torch.fx.Node, int] = {}
+        for g in gathers:
+            nbytes = gathered_nbytes(g)
+            for c in {u for v in [g, *trees[g]] for u in v.users}:
+                need[c] = need.get(c, 0) + nbytes
+        need = max(need.values(), default=0)
+        cap = min(int(opts.persist_fraction * budget), budget - need)
+        order = {n: i for i, n in enumerate(joint.nodes)}
+        recomputed = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+        candidates = [
+            g for g in gathers
+            if any(u in bw or (u not in trees[g] and u.meta.get("recompute") in recomputed)
+                   for v in [g, *trees[g]] for u in v.users)
+        ]
+        # [Note: selective persistence]: latency-bound gathers first, then in the order backward
+        # needs them.
+        need_at = _backward_need(joint, bw, recomputed, order)
+        first_need = {g: min((need_at(u) for v in [g, *trees[g]] for u in v.users
+                              if u not in trees[g]), default=len(order)) for g in candidates}
+        latency_bound = opts.collective_latency_seconds * opts.link_bytes_per_second
+        candidates.sort(key=lambda g: (gathered_nbytes(g) >= latency_bound, first_need[g],
+                                       gathered_nbytes(g), order[g]))
+        for g in candidates:
+            nbytes = gathered_nbytes(g)
+            if kept_bytes + nbytes > cap:
+                continue
+            persist.add(g)
+            kept_bytes += nbytes
+            buffers.append((gather_args(g).pool_id, nbytes))
+    for g in gathers:
+        g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
+        for v in trees[g]:
+            v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return Persisted(kept_bytes, len(persist), tuple(buffers))
