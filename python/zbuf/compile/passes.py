@@ -11,16 +11,17 @@ selective persistence keeps (``MUST_SAVE``: persist.py), then runs
 
 [Note: pass uuid]
 Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
-output could: it hashes this package's compile sources (and ops.py, param.py, runtime.py), the options, the
-planning input that is not in the graph (the agreed free memory; the world size shows in the shard
-shapes), and torch's version.
+output could: it hashes the sources of ``CACHE_KEY_MODULES`` (every zbuf module the passes import,
+directly or not: tests/test_compile.py fails when one is missing, so moving a helper into a new
+module cannot silently drop it from the key), the options, the planning input that is not in the
+graph (the agreed free memory; the world size shows in the shard shapes), and torch's version.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
-import os
 from typing import Any, Sequence
 
 import torch
@@ -38,23 +39,40 @@ from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
 
-__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "thread_reduce_scatters", "check_token_chain"]
+__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "CACHE_KEY_MODULES",
+           "thread_reduce_scatters", "check_token_chain"]
 
 zbuf = torch.ops.zbuf
 
 
+CACHE_KEY_MODULES = (
+    "zbuf.compile.budget",
+    "zbuf.compile.collectives",
+    "zbuf.compile.fingerprint",
+    "zbuf.compile.graph_info",
+    "zbuf.compile.graph_model",
+    "zbuf.compile.options",
+    "zbuf.compile.passes",
+    "zbuf.compile.persist",
+    "zbuf.compile.report",
+    "zbuf.compile.rewrite",
+    "zbuf.compile.schedule",
+    "zbuf.compile.tied",
+    "zbuf.errors",
+    "zbuf.ops",
+    "zbuf.param",
+    "zbuf.pool",
+    "zbuf.reduce_once",
+    "zbuf.runtime",
+)
+"""The modules whose sources the pass uuid hashes ([Note: pass uuid])."""
+
+
 def _source_hash() -> str:
     h = hashlib.sha256()
-    here = os.path.dirname(__file__)
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(name.encode() + f.read())
-    for extra in ("../ops.py", "../param.py", "../runtime.py"):
-        path = os.path.join(here, extra)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                h.update(f.read())
+    for name in CACHE_KEY_MODULES:
+        with open(importlib.util.find_spec(name).origin, "rb") as f:
+            h.update(name.encode() + f.read())
     return h.hexdigest()[:16]
 
 
