@@ -3,7 +3,7 @@
 Runs in this process on a one-rank gloo group (the checks are the same code at any world size;
 the multi-rank agreement of checkpoint errors is covered in test_checkpoint.py). The op and
 ``shard()`` checks live in ``zbuf/ops.py`` and ``zbuf/shard.py``; the checkpoint checks in
-``zbuf/checkpoint*.py``; budgets follow the pool's and the compile pass's documented contracts.
+``zbuf/checkpoint/``; budgets follow the pool's and the compile pass's documented contracts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 import zbuf.checkpoint as ckpt
 import zbuf.ops  # noqa: F401 - registers torch.ops.zbuf.*
-from zbuf.checkpoint_files import MANIFEST_NAME
+from zbuf.checkpoint.files import MANIFEST_NAME
 
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py

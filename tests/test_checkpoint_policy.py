@@ -1,4 +1,4 @@
-"""CheckpointPolicy: what ``zbuf train --checkpoint-dir D --save-every N --resume`` does per step.
+"""SaveResumePolicy: what ``zbuf train --checkpoint-dir D --save-every N --resume`` does per step.
 
 In this process on a one-rank gloo group; the multi-rank, fresh-process resume is in
 test_checkpoint.py.
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zbuf.checkpoint as ckpt
-from zbuf.checkpoint_policy import CheckpointPolicy
+from zbuf.train.save_resume import SaveResumePolicy
 
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
@@ -32,7 +32,7 @@ def _step(model, opt, step: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _run(policy: CheckpointPolicy, total: int, stop_after=None):
+def _run(policy: SaveResumePolicy, total: int, stop_after=None):
     model, opt = _make()
     start = policy.resume_step(model, opt)
     for step in range(start, total if stop_after is None else stop_after):
@@ -50,9 +50,9 @@ def _flat(model, opt) -> list[torch.Tensor]:
 
 def test_save_every_prune_and_bit_exact_resume(tmp_path):
     root = tmp_path / "ck"
-    policy = CheckpointPolicy(directory=str(root), save_every=2, resume=True, keep_last=2)
+    policy = SaveResumePolicy(directory=str(root), save_every=2, resume=True, keep_last=2)
 
-    _, ref_model, ref_opt = _run(CheckpointPolicy(), 7)  # no checkpoints at all
+    _, ref_model, ref_opt = _run(SaveResumePolicy(), 7)  # no checkpoints at all
     assert not root.exists()
 
     start, _, _ = _run(policy, 7, stop_after=5)  # "killed" after step 5
@@ -67,7 +67,7 @@ def test_save_every_prune_and_bit_exact_resume(tmp_path):
 
 
 def test_resume_without_checkpoints_starts_fresh(tmp_path):
-    policy = CheckpointPolicy(directory=str(tmp_path / "empty"), resume=True)
+    policy = SaveResumePolicy(directory=str(tmp_path / "empty"), resume=True)
     model, opt = _make()
     assert policy.resume_step(model, opt) == 0
     assert policy.after_step(3, model, opt) is None  # no save_every: never saves
@@ -75,7 +75,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
 
 def test_disabled_policy_does_nothing(tmp_path):
     model, opt = _make()
-    policy = CheckpointPolicy()
+    policy = SaveResumePolicy()
     assert not policy.enabled
     assert policy.resume_step(model, opt) == 0 and policy.after_step(10, model, opt) is None
 
@@ -94,4 +94,4 @@ def test_disabled_policy_does_nothing(tmp_path):
 )
 def test_policy_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CheckpointPolicy(**kwargs)
+        SaveResumePolicy(**kwargs)

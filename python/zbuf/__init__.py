@@ -7,7 +7,8 @@ The public surface:
   parameter model.
 - ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=True)``),
   ``schedule_report``, ``ScheduleMismatchError``: the ``torch.compile`` backend ``"zbuf"``.
-- ``save_checkpoint`` / ``load_checkpoint``: sharded, atomic checkpoints through DCP.
+- ``save_checkpoint`` / ``load_checkpoint`` / ``checkpoint_path`` / ``list_checkpoints`` /
+  ``latest_checkpoint``: sharded, atomic checkpoints through DCP (``zbuf.checkpoint``).
 - ``models``: the built-in Qwen3-shaped decoder presets.
 """
 
@@ -35,6 +36,9 @@ from .checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
@@ -82,6 +86,9 @@ __all__ = [
     "ScheduleMismatchError",
     "save_checkpoint",
     "load_checkpoint",
+    "checkpoint_path",
+    "list_checkpoints",
+    "latest_checkpoint",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",

@@ -191,7 +191,7 @@ class TrainConfig:
                 self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
             raise ConfigError(f"--collective-timeout must be a positive number of seconds, got "
                               f"{self.collective_timeout_s!r}")
-        self.checkpoint_policy()
+        self.save_resume_policy()
         if self.checkpoint_dir is not None:
             other = [e.value for e in self.engines if not e.uses_zbuf]
             if other:
@@ -200,12 +200,12 @@ class TrainConfig:
                     f"{', '.join(other)} cannot use them. Use --engine zbuf or zbuf-eager, or "
                     f"drop the checkpoint options")
 
-    def checkpoint_policy(self):
-        """The ``zbuf.checkpoint_policy.CheckpointPolicy`` of these options (validates them)."""
-        from ..checkpoint_policy import CheckpointPolicy
+    def save_resume_policy(self):
+        """The ``save_resume.SaveResumePolicy`` of these options (validates them)."""
+        from .save_resume import SaveResumePolicy
 
         try:
-            return CheckpointPolicy(self.checkpoint_dir, self.save_every, self.resume,
+            return SaveResumePolicy(self.checkpoint_dir, self.save_every, self.resume,
                                     self.keep_checkpoints)
         except ValueError as e:
             raise ConfigError(str(e)) from None

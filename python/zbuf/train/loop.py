@@ -9,7 +9,7 @@ All cross-rank reduction happens once, after the last step, so measuring adds no
 the steps being measured.
 
 [Note: resumed runs]
-With ``--resume`` the run starts at the step of the latest checkpoint (``CheckpointPolicy``),
+With ``--resume`` the run starts at the step of the latest checkpoint (``SaveResumePolicy``),
 loaded after the engine is built and before the clock starts. Its rows cover steps
 ``start..steps-1`` only; the record says where it resumed (``start_step``). Warm-up counts from
 the first step this process runs (that is the step that compiles), shortened so that at least one
@@ -75,7 +75,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the full model the shards were cut from
     setup_seconds = time.perf_counter() - t0
-    policy = cfg.checkpoint_policy()
+    policy = cfg.save_resume_policy()
     t0 = time.perf_counter()
     with record_function("zbuf.train.resume"):
         start = policy.resume_step(setup.model, setup.optimizer)

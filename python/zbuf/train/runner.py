@@ -53,7 +53,7 @@ def _resume_point(cfg: TrainConfig) -> int:
     if cfg.checkpoint_dir is None:
         return 0
     from ..checkpoint import latest_checkpoint, read_checkpoint_info
-    from ..checkpoint_errors import CheckpointError
+    from ..checkpoint import CheckpointError
 
     root = cfg.checkpoint_dir
     try:
@@ -184,7 +184,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
 
 def _run_in_process(command: str, cfg: TrainConfig, unavailable: dict, console: Console) -> int:
     from .. import faults
-    from ..checkpoint_errors import CheckpointError
+    from ..checkpoint import CheckpointError
     from .worker import run_engines
 
     runnable = tuple(e for e in cfg.engines if e not in unavailable)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
-from ..checkpoint_errors import CheckpointError
+from ..checkpoint import CheckpointError
 from .config import Engine, TrainConfig
 from .launcher import die_with_parent
 from .loop import run_engine

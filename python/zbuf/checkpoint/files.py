@@ -222,7 +222,7 @@ def commit(tmp: Path, path: Path) -> None:
     replacing = path.exists()
     if replacing:
         path.rename(old)
-    from . import faults
+    from .. import faults
 
     faults.fault_point("checkpoint.between_renames")
     tmp.rename(path)

@@ -19,7 +19,7 @@ on every rank and is saved once, as a replicated tensor. Non-tensor state and th
 
 DCP keys (flat, so DCP's own flattening leaves them as they are):
 ``model.<fqn>``, ``buffer.<fqn>``, ``optim.<fqn>.<state key>``, ``optim.param_groups``, ``extra``.
-The manifest (``checkpoint_files.MANIFEST_NAME``) describes the same entries with full shapes, so a
+The manifest (``files.MANIFEST_NAME``) describes the same entries with full shapes, so a
 load can validate everything before it touches the model.
 """
 
@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_errors import LayoutError
-from .param import ShardSpec
+from ..param import ShardSpec
+from .errors import LayoutError
 
-__all__ = ["ParamEntry", "ModelInventory", "inventory", "param_view", "serialise", "deserialise"]
+__all__ = ["ParamEntry", "ModelInventory", "inventory", "param_view", "serialise", "deserialise",
+           "optimizer_entries", "optimizer_destinations", "optimizer_state_dict"]
 
 PARAM_GROUPS_KEY = "optim.param_groups"
 EXTRA_KEY = "extra"
@@ -86,7 +87,7 @@ def inventory(model: nn.Module) -> ModelInventory:
     Raises ``LayoutError`` for a model that was not sharded, or has parameters that are not zbuf
     shards (added after ``zbuf.shard``): saving those would store one rank's private copy.
     """
-    from .shard import sharded_parameters
+    from ..shard import sharded_parameters
 
     root = model.__dict__.get("_zbuf_root")
     if root is None:
@@ -200,3 +201,93 @@ def optimizer_param_fqns(optimizer: torch.optim.Optimizer, inv: ModelInventory) 
 
 def numel_of(shape) -> int:
     return math.prod(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def optimizer_entries(inv: ModelInventory, optimizer, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer's DCP entries (shard-shaped state as flat DTensors, other tensors
+    replicated, the rest serialised: [Note: checkpoint layout]) and their manifest section."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise LayoutError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    group_fqns = optimizer_param_fqns(optimizer, inv)
+    osd = optimizer.state_dict()
+    index_to_fqn = [fqn for names in group_fqns for fqn in names]
+    state: dict[str, Any] = {}
+    state_md: dict[str, dict] = {}
+    for index, per_param in osd["state"].items():
+        fqn = index_to_fqn[index]
+        e = inv.params[fqn]
+        md = {}
+        for k, v in per_param.items():
+            key = optim_key(fqn, k)
+            if is_shard_shaped(v, e):
+                state[key] = flat_dtensor(param_view(e, v), e.spec.numel, mesh)
+                md[k] = {"kind": "shard", "dtype": str(v.dtype).removeprefix("torch.")}
+            elif isinstance(v, torch.Tensor):
+                state[key] = v.detach()
+                md[k] = {"kind": "replicated", "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            else:
+                state[key] = serialise(v, f"optimizer state '{k}' of '{fqn}'")
+                md[k] = {"kind": "object"}
+        state_md[fqn] = md
+    groups = [dict(g, params=names) for g, names in zip(osd["param_groups"], group_fqns)]
+    state[PARAM_GROUPS_KEY] = serialise(groups, "the optimizer's param groups")
+    return state, {
+        "class": type(optimizer).__qualname__,
+        "param_groups": group_fqns,
+        "state": state_md,
+    }
+
+
+def optimizer_destinations(saved: dict[str, Any], inv: ModelInventory, mesh,
+                           state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Adds to ``state`` the DCP entries the optimizer's saved state (``saved``: its manifest
+    section) is read into: fresh tensors, as the optimizer's own state may not exist yet, and
+    placeholders for serialised values. Returns, per FQN, where each state key's value lands
+    (a tensor, or the DCP key of its serialised bytes)."""
+    optim_dest: dict[str, dict[str, Any]] = {}
+    for fqn, per_param in saved["state"].items():
+        e = inv.params[fqn]
+        dest = {}
+        for k, md in per_param.items():
+            key = optim_key(fqn, k)
+            if md["kind"] == "shard":
+                t = torch.zeros(e.spec.shard_numel, dtype=_DTYPES[md["dtype"]], device=inv.device)
+                state[key] = flat_dtensor(param_view(e, t), e.spec.numel, mesh)
+                dest[k] = t
+            elif md["kind"] == "replicated":
+                # optimizer.load_state_dict moves state to the device its policy wants
+                state[key] = dest[k] = torch.empty(md["shape"], dtype=_DTYPES[md["dtype"]])
+            else:
+                state[key] = b""
+                dest[k] = key
+        optim_dest[fqn] = dest
+    state[PARAM_GROUPS_KEY] = b""
+    return optim_dest
+
+
+def optimizer_state_dict(state: dict[str, Any], optim_dest: dict[str, dict[str, Any]]) -> dict:
+    """The ``optimizer.load_state_dict`` argument, from what DCP read into ``state`` and
+    ``optimizer_destinations``'s ``optim_dest`` (param groups name their parameters by FQN in the
+    checkpoint, by index in the state dict)."""
+    saved_groups = deserialise(state[PARAM_GROUPS_KEY])
+    index_of: dict[str, int] = {}
+    groups = []
+    for g in saved_groups:
+        indices = []
+        for fqn in g["params"]:
+            index_of[fqn] = len(index_of)
+            indices.append(index_of[fqn])
+        groups.append(dict(g, params=indices))
+    per_index = {}
+    for fqn, dest in optim_dest.items():
+        per_index[index_of[fqn]] = {
+            k: deserialise(state[v]) if isinstance(v, str) else v for k, v in dest.items()
+        }
+    return {"state": per_index, "param_groups": groups}

@@ -3,7 +3,7 @@
 
 ::
 
-    policy = CheckpointPolicy(directory=D, save_every=N, resume=True)
+    policy = SaveResumePolicy(directory=D, save_every=N, resume=True)
     start = policy.resume_step(model, optimizer)         # 0, or the step of the latest checkpoint
     for step in range(start, total_steps):
         train_one_step(step)
@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint as ckpt
-from . import checkpoint_layout as layout
+from .. import checkpoint as ckpt
+from ..checkpoint import layout
 
-__all__ = ["CheckpointPolicy"]
+__all__ = ["SaveResumePolicy"]
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
+class SaveResumePolicy:
     """Where and how often a training loop checkpoints. Validated on construction."""
 
     directory: Optional[str] = None

@@ -1,4 +1,4 @@
-"""Sharded, atomic, verified checkpoints of zbuf models and their optimizers, through DCP.
+"""Saving and loading: sharded, atomic, verified checkpoints of zbuf models and optimizers (DCP).
 
 ::
 
@@ -10,11 +10,11 @@
 Both are collectives over the model's sharding group: every rank calls them with the same path.
 
 - Sharded: each rank writes and reads only its own slices ([Note: checkpoint layout] in
-  ``checkpoint_layout.py``); no rank ever materialises a full parameter. Loading into another
+  ``layout.py``); no rank ever materialises a full parameter. Loading into another
   world size reshards (DCP reads the overlapping chunks).
 - Bit-exact: parameters and optimizer state come back with the bytes they were saved with (the
   same dtype; a different model dtype is cast by DCP's copy).
-- Atomic: [Note: atomic checkpoint commit] in ``checkpoint_files.py``.
+- Atomic: [Note: atomic checkpoint commit] in ``files.py``.
 - Verified before anything is touched: [Note: validate, then load].
 
 [Note: validate, then load]
@@ -47,33 +47,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from . import checkpoint_files as files
-from . import checkpoint_layout as layout
-from . import faults
-from .checkpoint_errors import (
+from .. import faults
+from . import files, layout
+from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     LayoutError,
 )
-from .checkpoint_files import checkpoint_path, latest_checkpoint, list_checkpoints, prune
+from .files import latest_checkpoint
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "resolve_checkpoint",
     "read_checkpoint_info",
-    "checkpoint_path",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "prune",
     "CheckpointInfo",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointCorruptError",
-    "CheckpointMismatchError",
-    "LayoutError",
     "FORMAT_VERSION",
 ]
 
@@ -237,44 +227,11 @@ def _save_state(inv: layout.ModelInventory, optimizer, extra) -> tuple[dict, dic
         "has_extra": extra is not None,
     }
     if optimizer is not None:
-        state.update(_optimizer_state(inv, optimizer, mesh, manifest))
+        optim_state, manifest["optimizer"] = layout.optimizer_entries(inv, optimizer, mesh)
+        state.update(optim_state)
     if extra is not None:
         state[layout.EXTRA_KEY] = layout.serialise(extra, "extra")
     return state, manifest
-
-
-def _optimizer_state(inv, optimizer, mesh, manifest) -> dict[str, Any]:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise LayoutError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    group_fqns = layout.optimizer_param_fqns(optimizer, inv)
-    osd = optimizer.state_dict()
-    index_to_fqn = [fqn for names in group_fqns for fqn in names]
-    state: dict[str, Any] = {}
-    state_md: dict[str, dict] = {}
-    for index, per_param in osd["state"].items():
-        fqn = index_to_fqn[index]
-        e = inv.params[fqn]
-        md = {}
-        for k, v in per_param.items():
-            key = layout.optim_key(fqn, k)
-            if layout.is_shard_shaped(v, e):
-                state[key] = layout.flat_dtensor(layout.param_view(e, v), e.spec.numel, mesh)
-                md[k] = {"kind": "shard", "dtype": str(v.dtype).removeprefix("torch.")}
-            elif isinstance(v, torch.Tensor):
-                state[key] = v.detach()
-                md[k] = {"kind": "replicated", "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-            else:
-                state[key] = layout.serialise(v, f"optimizer state '{k}' of '{fqn}'")
-                md[k] = {"kind": "object"}
-        state_md[fqn] = md
-    groups = [dict(g, params=names) for g, names in zip(osd["param_groups"], group_fqns)]
-    state[layout.PARAM_GROUPS_KEY] = layout.serialise(groups, "the optimizer's param groups")
-    manifest["optimizer"] = {
-        "class": type(optimizer).__qualname__,
-        "param_groups": group_fqns,
-        "state": state_md,
-    }
-    return state
 
 
 def _raise_if_any(group, problem: Optional[str], cls: type, headline: str) -> None:
@@ -436,7 +393,7 @@ def load_checkpoint(
             for e in inv.params.values():
                 e.shard.detach()[e.local_numel:].zero_()  # padding, see [Note: shard layout]
         if optimizer is not None:
-            optimizer.load_state_dict(_optimizer_state_dict(state, optim_dest, manifest, optimizer, inv))
+            optimizer.load_state_dict(layout.optimizer_state_dict(state, optim_dest))
         extra = layout.deserialise(state[layout.EXTRA_KEY]) if manifest.get("has_extra") else None
     return _info(resolved, manifest, extra)
 
@@ -513,9 +470,6 @@ def _check_optimizer(manifest: dict, inv: layout.ModelInventory, optimizer) -> l
     return out
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
 def _load_state(manifest: dict, inv: layout.ModelInventory, optimizer) -> tuple[dict, dict]:
     """The DCP state dict to read into: views of the live parameters and buffers, fresh tensors
     for optimizer state (its state may not exist yet), placeholders for serialised values."""
@@ -527,41 +481,7 @@ def _load_state(manifest: dict, inv: layout.ModelInventory, optimizer) -> tuple[
         state[layout.buffer_key(fqn)] = buf.detach()
     optim_dest: dict[str, dict[str, Any]] = {}
     if optimizer is not None:
-        for fqn, per_param in manifest["optimizer"]["state"].items():
-            e = inv.params[fqn]
-            dest = {}
-            for k, md in per_param.items():
-                key = layout.optim_key(fqn, k)
-                if md["kind"] == "shard":
-                    t = torch.zeros(e.spec.shard_numel, dtype=_DTYPES[md["dtype"]], device=inv.device)
-                    state[key] = layout.flat_dtensor(layout.param_view(e, t), e.spec.numel, mesh)
-                    dest[k] = t
-                elif md["kind"] == "replicated":
-                    # optimizer.load_state_dict moves state to the device its policy wants
-                    state[key] = dest[k] = torch.empty(md["shape"], dtype=_DTYPES[md["dtype"]])
-                else:
-                    state[key] = b""
-                    dest[k] = key
-            optim_dest[fqn] = dest
-        state[layout.PARAM_GROUPS_KEY] = b""
+        optim_dest = layout.optimizer_destinations(manifest["optimizer"], inv, mesh, state)
     if manifest.get("has_extra"):
         state[layout.EXTRA_KEY] = b""
     return state, optim_dest
-
-
-def _optimizer_state_dict(state, optim_dest, manifest, optimizer, inv) -> dict:
-    saved_groups = layout.deserialise(state[layout.PARAM_GROUPS_KEY])
-    index_of: dict[str, int] = {}
-    groups = []
-    for g in saved_groups:
-        indices = []
-        for fqn in g["params"]:
-            index_of[fqn] = len(index_of)
-            indices.append(index_of[fqn])
-        groups.append(dict(g, params=indices))
-    per_index = {}
-    for fqn, dest in optim_dest.items():
-        per_index[index_of[fqn]] = {
-            k: layout.deserialise(state[v]) if isinstance(v, str) else v for k, v in dest.items()
-        }
-    return {"state": per_index, "param_groups": groups}
