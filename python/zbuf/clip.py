@@ -24,9 +24,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Collective over the sharding group: every rank must call it. Same semantics as
     ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (``norm_type`` 2, any p > 0, or inf).
     """
-    from .shard import ShardingError
+    from .shard import ShardingError, root_of
 
-    root = model.__dict__.get("_zbuf_root")
+    root = root_of(model)
     if root is None:
         raise ShardingError(
             "clip_grad_norm_ takes the module passed to zbuf.shard (its root); for an unsharded "

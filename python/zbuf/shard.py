@@ -50,6 +50,8 @@ __all__ = [
     "gather_param",
     "is_sharded",
     "sharded_parameters",
+    "root_of",
+    "roots",
 ]
 
 try:
@@ -95,6 +97,18 @@ class ShardedRoot:
     def gathered_nbytes(self) -> int:
         """Bytes of gathering every parameter once (padded), the pool's worst case."""
         return sum(s.gathered_nbytes for s in self.specs.values())
+
+
+def root_of(module: nn.Module) -> Optional[ShardedRoot]:
+    """The state of the ``zbuf.shard`` call made on ``module`` itself; None when ``module`` is not
+    such a root (never sharded, or a submodule of a sharded model)."""
+    return module.__dict__.get("_zbuf_root")
+
+
+def roots(model: nn.Module) -> list[ShardedRoot]:
+    """The roots of every ``zbuf.shard`` call inside ``model`` (itself included), in
+    ``modules()`` order."""
+    return [r for m in model.modules() if (r := root_of(m)) is not None]
 
 
 def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bool = True) -> torch.Tensor:

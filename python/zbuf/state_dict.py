@@ -83,9 +83,9 @@ def install_hooks(module: nn.Module) -> None:
 
 
 def _root_of(model: nn.Module):
-    from .shard import ShardingError
+    from .shard import ShardingError, root_of
 
-    root = model.__dict__.get("_zbuf_root")
+    root = root_of(model)
     if root is None:
         raise ShardingError(
             "this module is not the root of a zbuf.shard call; pass the module you sharded"

@@ -87,9 +87,9 @@ def inventory(model: nn.Module) -> ModelInventory:
     Raises ``LayoutError`` for a model that was not sharded, or has parameters that are not zbuf
     shards (added after ``zbuf.shard``): saving those would store one rank's private copy.
     """
-    from ..shard import sharded_parameters
+    from ..shard import root_of, sharded_parameters
 
-    root = model.__dict__.get("_zbuf_root")
+    root = root_of(model)
     if root is None:
         raise LayoutError(
             f"{type(model).__name__} is not a zbuf-sharded model (no zbuf.shard state on it); "

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..shard import roots
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 
@@ -66,11 +67,8 @@ def zbuf_backend(
 
 
 def _shard_group(model: torch.nn.Module):
-    for m in model.modules():
-        root = m.__dict__.get("_zbuf_root")
-        if root is not None:
-            return root.group
-    return None
+    found = roots(model)
+    return found[0].group if found else None
 
 
 def compile_model(

@@ -63,7 +63,10 @@ CACHE_KEY_MODULES = (
     "zbuf.param",
     "zbuf.pool",
     "zbuf.reduce_once",
+    "zbuf.regather",
     "zbuf.runtime",
+    "zbuf.shard",
+    "zbuf.state_dict",
 )
 """The modules whose sources the pass uuid hashes ([Note: pass uuid])."""
 

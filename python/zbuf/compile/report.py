@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from ..shard import roots
 from .graph_info import GraphIndex
 from .graph_model import GraphSummary
 from .options import CompileOptions
@@ -199,12 +200,7 @@ def clear_records() -> None:
 
 
 def _param_ids_of(model: torch.nn.Module) -> set[int]:
-    ids: set[int] = set()
-    for m in model.modules():
-        root = m.__dict__.get("_zbuf_root")
-        if root is not None:
-            ids.update(int(i) for i in root.specs)
-    return ids
+    return {int(i) for root in roots(model) for i in root.specs}
 
 
 def schedule_report(model: torch.nn.Module | None = None) -> list[ScheduleRecord]:
