@@ -19,7 +19,6 @@ the loss function is compiled separately. ``zbuf-eager`` compiles nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -28,15 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import models
+from .. import shard as zshard
+from ..compile import backend as zbackend
+from ..compile import schedule_report as zschedule_report
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
 
-__all__ = ["EngineSetup", "EngineUnavailable", "check_available", "build_engine",
-           "build_base_model"]
-
-
-class EngineUnavailable(ConfigError):
-    """The engine's machinery is not in this build (e.g. the zbuf compile backend)."""
+__all__ = ["EngineSetup", "build_engine", "build_base_model"]
 
 
 class EngineSetup(NamedTuple):
@@ -49,26 +46,6 @@ class EngineSetup(NamedTuple):
     """The zbuf gather-buffer pool feeding this model (zbuf engines), else None."""
     schedule_report: Callable[[], Optional[dict]]
     """The zbuf schedule (JSON-able) once compiled, else None."""
-
-
-def check_available(engine: Engine) -> None:
-    """Raise ``EngineUnavailable`` with the reason and the alternatives if ``engine`` cannot run."""
-    if engine.uses_zbuf:
-        try:
-            importlib.import_module("zbuf.shard")
-        except Exception as e:  # noqa: BLE001 - any import failure means the same to the user
-            raise EngineUnavailable(
-                f"engine {engine.value!r} needs zbuf.shard, which failed to import ({e}); "
-                f"use --engine fsdp2 or ddp") from None
-    if engine is Engine.ZBUF:
-        try:
-            backend = importlib.import_module("zbuf.compile.backend")
-            getattr(backend, "zbuf_backend")
-        except Exception as e:  # noqa: BLE001
-            raise EngineUnavailable(
-                f"engine 'zbuf' needs the zbuf torch.compile backend (zbuf.compile.backend:"
-                f"zbuf_backend), which is not available in this build ({e}); use --engine "
-                f"zbuf-eager (sharded, not compiled), fsdp2 or ddp") from None
 
 
 class HFDecoder(nn.Module):
@@ -155,7 +132,6 @@ def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
                  group: Optional[dist.ProcessGroup] = None) -> EngineSetup:
     """Build the base model and apply ``engine`` to it. Collective: call on every rank."""
-    check_available(engine)
     model = build_base_model(cfg, device)
     dtype = _compute_dtype(cfg)
     builder = {Engine.DDP: _ddp, Engine.FSDP2: _fsdp2, Engine.ZBUF_EAGER: _zbuf_eager,
@@ -199,15 +175,8 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
 
 
 def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
-    # import_module, not "import zbuf.shard": the package re-exports the function under that name
-    shard_fn = importlib.import_module("zbuf.shard").shard
-    shard_fn(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    root = model.__dict__.get("_zbuf_root")
-    pool = getattr(root, "pool", None)
-    if pool is None:
-        from zbuf.pool import default_pool
-
-        pool = default_pool(device)
+    zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    pool = zshard.root_of(model).pool
     if pool_budget and cfg.budget is not None:
         # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
         pool.set_budget(cfg.budget)
@@ -225,23 +194,17 @@ def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
 
 def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=False)
-    compile_model = importlib.import_module("zbuf.compile.backend").compile_model
     whole = _WithLoss(model)
     # compile_model, not torch.compile(backend="zbuf"): without --budget it agrees the
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule.
-    compiled = compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
+    compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
                              inner=cfg.compiler)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)
 
     def schedule_report() -> Optional[dict]:
-        import zbuf.compile as zcompile
-
-        report = getattr(zcompile, "schedule_report", None)
-        if report is None:
-            return None
-        records = report(model) or report(whole) or report(None)
+        records = zschedule_report(model) or zschedule_report(whole) or zschedule_report(None)
         return {"graphs": to_jsonable(records)} if records else None
 
     return EngineSetup(step_loss, model, _optimizer(model, cfg), pool, schedule_report)

@@ -17,7 +17,6 @@ from typing import Any
 from rich.console import Console
 
 from .config import ConfigError, Engine, TrainConfig, check_output_path
-from .engines import EngineUnavailable, check_available
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
@@ -125,14 +124,6 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
             cfg.out = check_output_path(cfg.out)
         start = _resume_point(cfg)
-        unavailable = {}
-        for engine in cfg.engines:
-            try:
-                check_available(engine)
-            except EngineUnavailable as e:
-                if not bench:
-                    raise
-                unavailable[engine] = str(e)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
             print_error(command, str(e))
@@ -146,7 +137,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
                           f"continue)", highlight=False, markup=False)
         return 0
     if under_torchrun():
-        return _run_in_process(command, cfg, unavailable, console)
+        return _run_in_process(command, cfg, console)
 
     engines_out: list[dict] = []
     env: dict = {}
@@ -154,11 +145,6 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     status = 0
     try:
         for engine in cfg.engines:
-            if engine in unavailable:
-                print_error(command, f"skipping {engine.value}: {unavailable[engine]}")
-                engines_out.append(_failure(engine, "unavailable", unavailable[engine]))
-                status = 1
-                continue
             partial, code = _spawned(cfg, engine, console)
             env = partial.get("environment", env)
             peak = partial.get("peak_flops", peak)
@@ -182,27 +168,23 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     return _finish(command, cfg, env, engines_out, peak, console) or status
 
 
-def _run_in_process(command: str, cfg: TrainConfig, unavailable: dict, console: Console) -> int:
+def _run_in_process(command: str, cfg: TrainConfig, console: Console) -> int:
     from .. import faults
     from ..checkpoint import CheckpointError
     from .worker import run_engines
 
-    runnable = tuple(e for e in cfg.engines if e not in unavailable)
     rank = int(os.environ["RANK"])
     try:
         with faults.supervised():  # releases the pools and the process group on every way out
-            partial = run_engines(cfg, runnable, cfg.progress)
+            partial = run_engines(cfg, cfg.engines, cfg.progress)
     except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
         if rank == 0:
             print_error(command, f"{type(e).__name__}: {e}")
         return 2
     if rank != 0:
         return 0
-    by_name = {e["engine"]: e for e in partial["engines"]}
-    engines_out = [by_name.get(e.value) or _failure(e, "unavailable", unavailable[e])
-                   for e in cfg.engines]
-    return _finish(command, cfg, partial["environment"], engines_out, partial["peak_flops"],
-                   console) or (1 if unavailable else 0)
+    return _finish(command, cfg, partial["environment"], partial["engines"], partial["peak_flops"],
+                   console)
 
 
 def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak,
