@@ -2,7 +2,7 @@
 
 ``torch.nn.utils.clip_grad_norm_`` on a sharded model's parameters would clip by the norm of this
 rank's shards only (every rank a different factor, so the replicas drift apart). Here each rank
-sums its shards' squared norms (padding is zero, see [Note: shard layout]), one all-reduce gives
+sums its shards' squared norms (padding is zero, see [Note: shard layout] in param.py), one all-reduce gives
 the global value, and every rank scales by the same factor, with torch's formula.
 """
 

@@ -2,8 +2,9 @@
 
 The op set is deliberately small; the compile pass (``zbuf.compile``) schedules these and may add
 its own start/wait split on top. Every op is registered with ``torch.library.custom_op`` and has a
-fake implementation that needs nothing but its arguments (no registry lookup: see TORCH-NOTES), so
-Dynamo and AOTAutograd trace them without running a collective.
+fake implementation that needs nothing but its arguments (no registry lookup: fake tensors have
+no pool, group or data behind them), so Dynamo and AOTAutograd trace them without running a
+collective.
 
 ``zbuf::all_gather(Tensor shard, int param_id, SymInt[] shape, str group_name,
                    ScalarType? param_dtype, ScalarType? reduce_dtype, int pool_id=-1) -> Tensor``

@@ -36,8 +36,8 @@ backwards one by one: each forward's uses complete on their own), and a forward 
 dropped cannot hold back another forward's reduction. A dropped count only ever turns a merged
 reduction back into per-use ones; it never changes a gradient. Every decision depends only on the
 sequence of forwards and backwards, never on timing or on when Python frees objects, so all
-ranks of an SPMD program issue the same reduce-scatters in the same order (DESIGN.md's rank
-consistency rule).
+ranks of an SPMD program issue the same reduce-scatters in the same order (what every collective
+needs: [Note: collective order check] in compile/fingerprint.py).
 
 The trade: the accumulator (one padded parameter in the reduce dtype) lives from the first
 contribution to the last, for a tied embedding from the head's backward near the start of the

@@ -12,8 +12,9 @@ names (``Linear`` -> ``ZbufLinear``), with a ``property`` per sharded name; the 
 ``__class__`` is swapped to it. Attribute lookup finds the data descriptor before
 ``nn.Module.__getattr__``, so ``self.weight`` inside the unchanged ``forward`` gathers, while
 ``_parameters["weight"]`` still holds the shard. Dynamo traces the property (``fullgraph=True``
-works) and guards only on the shards, so evaluating guards never gathers (TORCH-NOTES: a forward
-pre-hook writing ``__dict__`` breaks graphs, ``parametrize`` renames keys and adds guards).
+works) and guards only on the shards, so evaluating guards never gathers (the alternatives fail
+under Dynamo: a forward pre-hook writing ``__dict__`` breaks graphs, ``parametrize`` renames keys
+and adds guards).
 
 [Note: materialising meta modules]
 A module built on the meta device is materialised one submodule at a time, in ``modules()`` order:

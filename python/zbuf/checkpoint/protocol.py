@@ -391,7 +391,7 @@ def load_checkpoint(
     with record_function("zbuf::checkpoint::apply"):
         with torch.no_grad():
             for e in inv.params.values():
-                e.shard.detach()[e.local_numel:].zero_()  # padding, see [Note: shard layout]
+                e.shard.detach()[e.local_numel:].zero_()  # padding, see [Note: shard layout] in param.py
         if optimizer is not None:
             optimizer.load_state_dict(layout.optimizer_state_dict(state, optim_dest))
         extra = layout.deserialise(state[layout.EXTRA_KEY]) if manifest.get("has_extra") else None

@@ -4,6 +4,17 @@ The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, pref
 persist=True, ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
 importable modules (the ``torch_dynamo_backends`` entry point names
 ``zbuf.compile.backend:zbuf_backend``).
+
+- ``backend``: the backend and ``compile_model``; ``options``: ``CompileOptions``; ``budget``: the
+  rank-agreed budget.
+- ``passes``: the partitioner and schedule pass objects, ``PlanState``, the pass uuid.
+- ``persist``: what forward keeps for backward; ``graph_info``: FX graphs -> the planner's
+  ``GraphSummary`` (``graph_model``); ``schedule``: the planner (pure).
+- ``rewrite``: the plan into the graph (token, start / wait / release, reduce-scatter threading);
+  ``collectives``: the graph ops it inserts; ``tied``: tied weights' reduce-scatters.
+- ``fingerprint``: the cross-rank collective-order check; ``report``: schedule records.
+
+The run-time side of the ops (pools, process groups, counters) is ``zbuf.runtime``.
 """
 
 from __future__ import annotations

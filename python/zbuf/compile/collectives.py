@@ -3,7 +3,7 @@
 ``zbuf::gather_buffer(Tensor(a!) token, Tensor shard, int param_id, SymInt[] shape, str group_name,
                       ScalarType? param_dtype, int pool_id) -> Tensor``
     Fresh memory from pool ``pool_id`` ([Note: pool ids] in runtime.py) for ``param_id``'s gather, laid out exactly as ``zbuf::all_gather`` lays it
-    out (ops.py, [Note: shard layout]): the full tensor, a view of the padded flat block.
+    out ([Note: shard layout] in param.py): the full tensor, a view of the padded flat block.
     Contents undefined until the wait of the start that fills it.
 ``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
                          str group_name) -> ()``

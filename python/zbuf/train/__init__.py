@@ -3,7 +3,8 @@
 - ``config``: ``TrainConfig`` and ``Engine``, every option typed and validated.
 - ``data``: synthetic learnable tasks, identical on every engine and world size.
 - ``engines``: ddp / fsdp2 / zbuf-eager / zbuf applied to the same initial model.
-- ``loop``: one rank's timed training run of one engine.
+- ``loop``: one rank's timed training run of one engine (``StepRow``: one step's numbers).
+- ``save_resume``: when a run saves checkpoints and resumes from them (``SaveResumePolicy``).
 - ``metrics``: fair device memory, allocator retries, MFU, versions.
 - ``launcher``: torchrun-compatible worker processes that never outlive the launcher.
 - ``worker``: a rank's entry point; ``runner``: train / bench orchestration.
