@@ -31,27 +31,20 @@ from .. import faults
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
-from .metrics import MemoryProbe
+from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
 
 __all__ = ["run_engine", "StepRow"]
 
 
 class StepRow(NamedTuple):
-    """One rank's measurements of one step (rows travel between ranks as plain tuples)."""
+    """One rank's numbers of one step."""
 
     time_s: float
     """Host time of the step ([Note: step timing])."""
     loss: float
-    device_bytes: int
-    """Device memory in use after the step (``MemoryProbe``)."""
-    peak_device_bytes: int
-    allocated_peak_bytes: int
-    pool_bytes: int
-    """Bytes the zbuf pool holds (0 for other engines)."""
-    pool_high_water_bytes: int
-    alloc_retries: int
-    """The caching allocator's retries so far (cumulative)."""
+    memory: MemorySample
+    """Memory after the step."""
 
 
 def _cap_memory(cfg: TrainConfig, device: torch.device, pool) -> Optional[dict[str, Any]]:
@@ -121,9 +114,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         if step == start and setup.pool is not None and cfg.mem_frac is not None:
             memory_cap = _cap_memory(cfg, device, setup.pool)
         m = probe.sample()
-        rows.append(StepRow(elapsed, value, m.device_bytes, m.peak_device_bytes,
-                            m.allocated_peak_bytes, m.pool_bytes, m.pool_high_water_bytes,
-                            m.alloc_retries))
+        rows.append(StepRow(elapsed, value, m))
         progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
         faults.fault_point("train.step_done")  # [Note: fault points]
         t0 = time.perf_counter()
@@ -178,7 +169,6 @@ def _vocab(model: torch.nn.Module) -> int:
 def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
              world: int, start: int = 0) -> dict:
     """Rows of steps ``start..cfg.steps-1`` from every rank -> the engine's record entry."""
-    per_rank = [[StepRow(*row) for row in rows] for rows in per_rank]
     n = cfg.steps - start
     warmup = min(cfg.warmup, n - 1)  # [Note: resumed runs]
     measured = slice(warmup, n)
@@ -190,22 +180,22 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
             "loss": sum(c.loss for c in col) / world,
             "time_s": max(c.time_s for c in col),
             "tokens": cfg.micro_batch * cfg.seq_len * world,
-            "device_bytes": int(max(c.device_bytes for c in col)),
-            "peak_device_bytes": int(max(c.peak_device_bytes for c in col)),
-            "pool_bytes": int(max(c.pool_bytes for c in col)),
-            "alloc_retries": [int(c.alloc_retries) for c in col],
+            "device_bytes": int(max(c.memory.device_bytes for c in col)),
+            "peak_device_bytes": int(max(c.memory.peak_device_bytes for c in col)),
+            "pool_bytes": int(max(c.memory.pool_bytes for c in col)),
+            "alloc_retries": [int(c.memory.alloc_retries) for c in col],
         })
     ranks = []
     for r, rows in enumerate(per_rank):
         last = rows[-1]
-        before = rows[warmup - 1].alloc_retries if warmup > 0 else 0
+        before = rows[warmup - 1].memory.alloc_retries if warmup > 0 else 0
         ranks.append({
             "rank": r,
-            "peak_device_bytes": int(max(row.peak_device_bytes for row in rows)),
-            "allocated_peak_bytes": int(max(row.allocated_peak_bytes for row in rows)),
-            "pool_high_water_bytes": int(max(row.pool_high_water_bytes for row in rows)),
-            "alloc_retries_total": int(last.alloc_retries),
-            "alloc_retries_measured": int(last.alloc_retries - before),
+            "peak_device_bytes": int(max(row.memory.peak_device_bytes for row in rows)),
+            "allocated_peak_bytes": int(max(row.memory.allocated_peak_bytes for row in rows)),
+            "pool_high_water_bytes": int(max(row.memory.pool_high_water_bytes for row in rows)),
+            "alloc_retries_total": int(last.memory.alloc_retries),
+            "alloc_retries_measured": int(last.memory.alloc_retries - before),
             "measured_steps": len(rows[measured]),
         })
     return {"engine": engine.value, "status": "ok", "start_step": start,
