@@ -5,15 +5,40 @@ The public surface:
 - ``GatherBufferPool`` / ``PoolStats`` / ``default_pool``: the Rust gather-buffer pool.
 - ``shard`` / ``full_state_dict`` / ``load_full_state_dict`` / ``clip_grad_norm_``: the ZeRO-3
   parameter model.
-- ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=True)``),
-  ``schedule_report``, ``ScheduleMismatchError``: the ``torch.compile`` backend ``"zbuf"``.
+- ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=True,
+  inner="inductor")``), ``schedule_report``, ``ScheduleMismatchError``: the ``torch.compile``
+  backend ``"zbuf"``.
 - ``save_checkpoint`` / ``load_checkpoint``: sharded, atomic checkpoints through DCP.
 - ``models``: the built-in Qwen3-shaped decoder presets.
+
+[Note: lazy import]
+``import zbuf`` imports neither torch nor any zbuf module: each public name is imported on first
+use (a module ``__getattr__``, PEP 562), so the ``zbuf`` command parses its options and answers
+``zbuf --help`` without paying the seconds torch takes to import, and a run's options are
+checked before torch is loaded. ``zbuf.shard(model)``, ``from zbuf import compile`` or
+``import zbuf.shard`` load what that name needs, as an eager import would have; nothing else
+changes. ``tests/test_cli_options.py`` checks that ``zbuf --help`` does not import torch.
 """
 
-import os as _os
+from __future__ import annotations
 
-import torch as _torch
+import importlib as _importlib
+import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+
+def _torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch, from its metadata (importing it costs seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("torch")
+    except PackageNotFoundError:  # torch on sys.path without metadata (a source tree)
+        import torch
+
+        text = torch.__version__
+    return tuple(int(x) for x in text.split("+")[0].split(".")[:2])  # type: ignore[return-value]
+
 
 # [Note: no record_stream on pool memory]
 # An async NCCL collective makes c10d call ``record_stream`` on its tensors unless
@@ -24,67 +49,86 @@ import torch as _torch
 # 2.11 makes it the default (and warns when it is set), so it is set only for older torch, where
 # ProcessGroupNCCL reads it when a group is created: every group created after ``import zbuf``.
 # An explicit setting by the user wins.
-if tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 11):
+if _torch_version() < (2, 11):
     _os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
-
-# zbuf.compile and zbuf.shard are callable modules: zbuf.shard(model) and zbuf.shard.<helper>
-# both work.
-from . import compile, models, shard  # noqa: A004
-from .checkpoint import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    load_checkpoint,
-    save_checkpoint,
-)
-from .clip import clip_grad_norm_
-from .compile import ScheduleMismatchError, schedule_report
-from .errors import (
-    DoubleReleaseError,
-    ForeignBufferError,
-    InvalidDeviceError,
-    InvalidRequestError,
-    NoCudaDriverError,
-    PoolBackendError,
-    PoolError,
-    PoolOutOfMemoryError,
-    UnsupportedDtypeError,
-    UnverifiableReleaseError,
-)
-from .pool import GatherBufferPool, PoolStats, default_pool
-from .shard import ShardingError
-from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "GatherBufferPool",
-    "PoolStats",
-    "default_pool",
-    "PoolError",
-    "ForeignBufferError",
-    "DoubleReleaseError",
-    "PoolOutOfMemoryError",
-    "NoCudaDriverError",
-    "InvalidDeviceError",
-    "InvalidRequestError",
-    "UnsupportedDtypeError",
-    "UnverifiableReleaseError",
-    "PoolBackendError",
-    "shard",
-    "ShardingError",
-    "full_state_dict",
-    "load_full_state_dict",
-    "clip_grad_norm_",
-    "compile",
-    "schedule_report",
-    "ScheduleMismatchError",
-    "save_checkpoint",
-    "load_checkpoint",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointCorruptError",
-    "CheckpointMismatchError",
-    "models",
-]
+# Public name -> the zbuf module that defines it. ``shard``, ``compile`` and ``models`` are
+# modules themselves (``zbuf.shard`` and ``zbuf.compile`` are callable modules: ``zbuf.shard(model)``
+# and ``zbuf.shard.<helper>`` both work).
+_SUBMODULES = ("shard", "compile", "models")
+_NAMES = {
+    "GatherBufferPool": "pool",
+    "PoolStats": "pool",
+    "default_pool": "pool",
+    "PoolError": "errors",
+    "ForeignBufferError": "errors",
+    "DoubleReleaseError": "errors",
+    "PoolOutOfMemoryError": "errors",
+    "NoCudaDriverError": "errors",
+    "InvalidDeviceError": "errors",
+    "InvalidRequestError": "errors",
+    "UnsupportedDtypeError": "errors",
+    "UnverifiableReleaseError": "errors",
+    "PoolBackendError": "errors",
+    "ShardingError": "shard",
+    "full_state_dict": "state_dict",
+    "load_full_state_dict": "state_dict",
+    "clip_grad_norm_": "clip",
+    "schedule_report": "compile",
+    "ScheduleMismatchError": "compile",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "CheckpointNotFoundError": "checkpoint",
+    "CheckpointCorruptError": "checkpoint",
+    "CheckpointMismatchError": "checkpoint",
+}
+
+__all__ = [*_NAMES, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    """First use of a public name: import its module ([Note: lazy import])."""
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")  # also binds it on this package
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if _TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from . import compile, models, shard  # noqa: A004, F401
+    from .checkpoint import (  # noqa: F401
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from .clip import clip_grad_norm_  # noqa: F401
+    from .compile import ScheduleMismatchError, schedule_report  # noqa: F401
+    from .errors import (  # noqa: F401
+        DoubleReleaseError,
+        ForeignBufferError,
+        InvalidDeviceError,
+        InvalidRequestError,
+        NoCudaDriverError,
+        PoolBackendError,
+        PoolError,
+        PoolOutOfMemoryError,
+        UnsupportedDtypeError,
+        UnverifiableReleaseError,
+    )
+    from .pool import GatherBufferPool, PoolStats, default_pool  # noqa: F401
+    from .shard import ShardingError  # noqa: F401
+    from .state_dict import full_state_dict, load_full_state_dict  # noqa: F401
