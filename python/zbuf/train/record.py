@@ -148,8 +148,9 @@ def load_record(path: str) -> dict[str, Any]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        where = ("it ends early: the file is truncated (a run or a copy cut short?)"
-                 if not text[e.pos:].strip() else f"{e.msg} at line {e.lineno}, column {e.colno}")
+        where = f"{e.msg} at line {e.lineno}, column {e.colno}"
+        if not text.rstrip().endswith("}"):  # every record is one object
+            where = f"the file ends before the JSON does, so it is truncated ({where})"
         raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \
             from None
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
