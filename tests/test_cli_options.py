@@ -228,3 +228,24 @@ def test_report_names_the_damaged_file_and_the_cause(tmp_path, capsys):
     assert main(["report", str(mangled)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert str(mangled) in line and "not a complete zbuf run record" in line, line
+
+
+@pytest.mark.parametrize("first", ["zbuf", "torch"])
+def test_import_order(first):
+    # Whichever comes first, once torch is imported zbuf is loaded, with the torch modules it
+    # needs, before init_process_group can be called ([Note: lazy import] in zbuf/__init__.py).
+    second = "torch" if first == "zbuf" else "zbuf"
+    code = f"""
+import sys
+import {first}
+import {second}
+import torch.distributed as dist
+assert not dist.is_initialized()
+loaded = [m for m in ("zbuf.shard", "zbuf.compile", "zbuf.checkpoint", "zbuf.pool",
+                      "torch.distributed.nn.functional") if m not in sys.modules]
+assert not loaded, loaded
+assert torch.__spec__.loader is torch.__loader__ and "zbuf" not in type(torch.__loader__).__module__
+assert callable(zbuf.shard) and zbuf.ShardingError.__module__ == "zbuf.shard"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

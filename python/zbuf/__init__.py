@@ -12,28 +12,37 @@ The public surface:
 - ``models``: the built-in Qwen3-shaped decoder presets.
 
 [Note: lazy import]
-``import zbuf`` imports neither torch nor any zbuf module: each public name is imported on first
-use (a module ``__getattr__``, PEP 562), so the ``zbuf`` command parses its options and answers
-``zbuf --help`` without paying the seconds torch takes to import, and a run's options are
-checked before torch is loaded. ``zbuf.shard(model)``, ``from zbuf import compile`` or
-``import zbuf.shard`` load what that name needs, as an eager import would have; nothing else
-changes. ``tests/test_cli_options.py`` checks that ``zbuf --help`` does not import torch.
+``import zbuf`` in a process that has not imported torch yet imports neither torch nor any zbuf
+module, so the ``zbuf`` command parses its options and answers ``zbuf --help`` without the
+seconds torch takes to import. zbuf loads itself the moment torch has been imported (a one-shot
+import hook, ``_LoadAfterTorch``), or at once when torch was imported before zbuf, and any
+public name used before that loads it too. So every process that uses zbuf has loaded all of it,
+and the torch modules it needs, as soon as torch is there: before ``init_process_group`` can be
+called. That is what an eager ``import zbuf`` gave, in every import order, and what the rule
+"import zbuf before init_process_group" relies on. ``tests/test_cli_options.py`` checks that
+``zbuf --help`` does not import torch; ``test_import_order`` there checks the rest.
 """
 
 from __future__ import annotations
 
 import importlib as _importlib
+import importlib.abc  # noqa: F401 - _importlib.abc, _importlib.util below
+import importlib.util  # noqa: F401
 import os as _os
+import sys as _sys
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 
 def _torch_version() -> tuple[int, int]:
-    """(major, minor) of the installed torch, from its metadata (importing it costs seconds)."""
+    """(major, minor) of the installed torch, from its metadata (importing it costs seconds);
+    (0, 0) when torch is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         text = version("torch")
-    except PackageNotFoundError:  # torch on sys.path without metadata (a source tree)
+    except PackageNotFoundError:  # torch on sys.path without metadata (a source tree), or none
+        if _importlib.util.find_spec("torch") is None:
+            return (0, 0)
         import torch
 
         text = torch.__version__
@@ -49,7 +58,7 @@ def _torch_version() -> tuple[int, int]:
 # 2.11 makes it the default (and warns when it is set), so it is set only for older torch, where
 # ProcessGroupNCCL reads it when a group is created: every group created after ``import zbuf``.
 # An explicit setting by the user wins.
-if _torch_version() < (2, 11):
+if (0, 0) < _torch_version() < (2, 11):
     _os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 
 __version__ = "0.1.0"
@@ -87,6 +96,45 @@ _NAMES = {
 }
 
 __all__ = [*_NAMES, *_SUBMODULES]
+
+
+def _load() -> None:
+    """Import every zbuf module behind a public name ([Note: lazy import])."""
+    for module in (*_SUBMODULES, *sorted(set(_NAMES.values()))):
+        _importlib.import_module(f"{__name__}.{module}")
+
+
+class _LoadAfterTorch(_importlib.abc.MetaPathFinder, _importlib.abc.Loader):
+    """Finds nothing itself: when ``torch`` is first imported, it wraps torch's own loader so
+    that zbuf loads right after torch's ``__init__`` has run, then steps aside ([Note: lazy
+    import])."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch":
+            return None
+        _sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us
+        spec = _importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            self._torch_loader = spec.loader
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._torch_loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__spec__.loader = module.__loader__ = self._torch_loader  # torch's, from now on
+        self._torch_loader.exec_module(module)
+        try:
+            _load()
+        except Exception:  # noqa: BLE001 - torch imported fine; zbuf's error shows at first use
+            pass
+
+
+if "torch" in _sys.modules:
+    _load()
+else:
+    _sys.meta_path.insert(0, _LoadAfterTorch())
 
 
 def __getattr__(name: str):
