@@ -1,6 +1,8 @@
 """``zbuf`` option handling: every bad option fails fast (no worker started) with a clear message
 and a non-zero exit."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +116,136 @@ def test_report_rejects_what_is_not_a_record(tmp_path, capsys):
     assert "not a zbuf run record" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_help_does_not_import_torch():
+    # zbuf --help took 3 s: torch imported for nothing ([Note: lazy import] in zbuf/__init__.py).
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "zbuf.cli", "train", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--nproc" in out.stdout, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert "zbuf.train.config" in imported  # the options were built
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, \
+        sorted(m for m in imported if m.startswith("torch"))[:5]
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fails the test if the run gets as far as starting workers."""
+    import zbuf.train.runner as runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("workers were started; the options should have been refused first")
+
+    monkeypatch.setattr(runner, "launch_group", refuse)
+
+
+def _one_line(err):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_rank_count_the_machine_cannot_hold_is_refused_up_front(no_spawn, capsys, tmp_path,
+                                                                 monkeypatch):
+    # 64 CPU ranks on a 23 GiB machine ran 7 minutes into the OOM killer. 4096 tiny ranks need
+    # about 2 TiB: no machine that runs this suite has that.
+    out = str(tmp_path / "run.json")
+    assert main(["train", "--nproc", "4096", "--out", out]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--nproc 4096: 4096 CPU ranks need about" in line and "is available" in line, line
+    assert "use --nproc" in line and not os.path.exists(out)
+
+    # The count that fits is the one the message names.
+    from zbuf.train.resources import SHARED_BYTES, check_cpu_memory, cpu_rank_bytes
+
+    cfg = TrainConfig(nproc=64).resolve(cuda=False, world=64, bench=False)
+    avail = SHARED_BYTES + 10 * cpu_rank_bytes(cfg, 10) + 1
+    with pytest.raises(ConfigError, match=r"use --nproc 10 or fewer"):
+        check_cpu_memory(cfg, available=avail)
+    check_cpu_memory(dataclasses.replace(cfg, nproc=10), available=avail)  # fits: no error
+    big = TrainConfig(preset="qwen3-8b", nproc=1).resolve(cuda=False, world=1, bench=False)
+    with pytest.raises(ConfigError, match="even one rank does not fit"):
+        check_cpu_memory(big, available=16 << 30)
+
+    # GPUs: one rank per GPU.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["train", "--nproc", "4", "--out", out]) == 2
+    assert "--nproc 4 but only 2 GPU(s) visible" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("model, says", [
+    ("hf:foobar", "no transformers model type is called 'foobar'"),
+    ("hf:gpt2", "transformers has model type 'gpt2', but zbuf does not support it"),
+])
+def test_hugging_face_model_type_is_checked_before_spawning(model, says, no_spawn, capsys,
+                                                           tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "run.json")
+    assert main(["train", "--model", model, "--out", out]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert says in line and "zbuf supports hf:llama and hf:qwen3" in line, line
+
+    # A supported type without transformers: the install extra, by name.
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    assert main(["train", "--model", "hf:qwen3", "--out", out]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "needs the transformers package: pip install 'zbuf[hf]'" in line, line
+
+
+def test_default_warmup_follows_the_steps():
+    # --steps 2 failed on a default --warmup 3 the user never set.
+    for steps, bench, warmup in ((2, False, 1), (1, False, 0), (5, False, 2), (30, False, 3),
+                                 (12, True, 6), (30, True, 10)):
+        cfg = TrainConfig(steps=steps).resolve(cuda=False, world=2, bench=bench)
+        assert cfg.warmup == warmup, (steps, bench, cfg.warmup)
+    with pytest.raises(ConfigError, match="no measured step"):  # an explicit one stays checked
+        TrainConfig(steps=2, warmup=2).resolve(cuda=False, world=2, bench=False)
+
+
+def test_report_names_the_damaged_file_and_the_cause(tmp_path, capsys):
+    good = json.dumps({"schema": "zbuf.run/1", "engines": [], "config": {"steps": 30}})
+    cut = tmp_path / "cut.json"
+    cut.write_text(good[: len(good) // 2])
+    assert main(["report", str(cut)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(cut) in line and "truncated" in line, line
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "zbuf.run/1",, }')
+    assert main(["report", str(bad)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(bad) in line and "not valid JSON" in line and "line 1, column" in line, line
+    mangled = tmp_path / "mangled.json"
+    mangled.write_text(json.dumps({"schema": "zbuf.run/1"}))
+    assert main(["report", str(mangled)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(mangled) in line and "not a complete zbuf run record" in line, line
+
+
+@pytest.mark.parametrize("first", ["zbuf", "torch"])
+def test_import_order(first):
+    # Whichever comes first, once torch is imported zbuf is loaded, with the torch modules it
+    # needs, before init_process_group can be called ([Note: lazy import] in zbuf/__init__.py).
+    second = "torch" if first == "zbuf" else "zbuf"
+    code = f"""
+import sys
+import {first}
+import {second}
+import torch.distributed as dist
+assert not dist.is_initialized()
+loaded = [m for m in ("zbuf.shard", "zbuf.compile", "zbuf.checkpoint", "zbuf.pool",
+                      "torch.distributed.nn.functional") if m not in sys.modules]
+assert not loaded, loaded
+assert torch.__spec__.loader is torch.__loader__ and "zbuf" not in type(torch.__loader__).__module__
+assert callable(zbuf.shard) and zbuf.ShardingError.__module__ == "zbuf.shard"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

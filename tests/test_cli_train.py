@@ -123,6 +123,10 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert res.returncode == 1, _why(res, out)
     said = "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer, or a kill -9)"
     assert f"engine zbuf failed (exit 1): {said} and left no traceback" in res.stderr, res.stderr
+    # One line per distinct cause; the survivor's own paragraph once; no plots of a failed run.
+    assert "also rank 0 stopped because another rank failed (exit 75)" in res.stderr, res.stderr
+    assert res.stderr.count("stopped: a collective failed") <= 1, res.stderr
+    assert f"record: {out}" in res.stdout and "zbuf report" not in res.stdout, res.stdout
     eng = json.loads(out.read_text())["engines"][0]
     assert eng["status"] == "failed" and said in eng["error"]
 
@@ -141,7 +145,12 @@ def test_train_default_engine_then_report(tmp_path):
     assert eng["pool"]["hits"] > 0 and eng["summary"]["pool"]["high_water_bytes"] > 0
     assert eng["schedule"]["graphs"], "the zbuf backend planned no graph"
     assert eng["summary"]["schedule_budget_bytes"] >= eng["summary"]["schedule_peak_live_bytes"]
-    assert "loss first -> last" in res.stdout and "zbuf" in res.stdout  # summary table
+    assert "loss (mean over ranks)" in res.stdout and "zbuf" in res.stdout  # summary table
+    # The loss shown live is the record's (and the summary's): the mean over ranks, labelled.
+    live = [float(line.split("mean loss ")[1].split()[0]) for line in res.stdout.splitlines()
+            if "mean loss " in line]
+    assert len(live) == steps and "loss: the mean over ranks" in res.stdout, res.stdout
+    assert live == [round(x, 4) for x in losses], (live, losses)
 
     plots = tmp_path / "plots"
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
@@ -151,6 +160,26 @@ def test_train_default_engine_then_report(tmp_path):
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
+
+
+def test_two_steps_with_a_budget_below_the_floor(tmp_path):
+    # --steps 2 failed on the default --warmup 3; --budget 1 was raised to the schedule's floor
+    # without a word. One rank keeps it short.
+    out = tmp_path / "run.json"
+    res = _run(["train", "--steps", "2", "--budget", "1", "--nproc", "1", "--out", str(out)])
+    assert res.returncode == 0, _why(res, out)
+    note = "--budget 1 B is below the schedule's floor"
+    lines = res.stdout.splitlines()
+    said = [i for i, line in enumerate(lines) if note in line]
+    first_step = next(i for i, line in enumerate(lines) if "step 1/2" in line)
+    assert said and said[0] < first_step, res.stdout  # said as the run starts...
+    assert len(said) == 2 and "note (zbuf): " + note in lines[said[1]]  # ...and under the table
+    title = " ".join(res.stdout.split())
+    assert "1 measured step" in title and "1 measured steps" not in title, res.stdout
+    eng = json.loads(out.read_text())["engines"][0]
+    assert eng["summary"]["warmup_steps"] == 1 and eng["summary"]["measured_steps"] == 1
+    assert len(eng["notices"]) == 1 and note in eng["notices"][0]  # ...and in the record
+    assert eng["summary"]["schedule_budget_bytes"] > 1
 
 
 def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):

@@ -58,3 +58,28 @@ def test_peers_still_running_are_stopped(tmp_path):
 def test_success(tmp_path):
     group = _group(tmp_path, "sys.exit(0)\n", nproc=3)
     assert group.failed_rank is None and group.returncodes == [0, 0, 0]
+
+
+def test_a_cause_seen_by_every_rank_is_said_once(tmp_path, capsys):
+    # 64 ranks once printed about 60 identical 600-character lines when one of them died: each
+    # survivor's "a peer died" paragraph, differing only in rank ids and port numbers.
+    group = _group(tmp_path, f"""
+        if rank == 5:
+            time.sleep(0.3)
+            print("boom: rank 5 hit a bug", file=sys.stderr)
+            sys.exit(3)
+        print(f"zbuf: rank {{rank}} of 8 stopped: Connection closed by peer [127.0.0.1]:{{40000 + rank}}",
+              file=sys.stderr)
+        print("the same line twice from one rank", file=sys.stderr)
+        print("the same line twice from one rank", file=sys.stderr)
+        sys.exit({RANK_FAILURE_EXIT_CODE})
+    """, nproc=8)
+    err = capsys.readouterr().err
+    assert err.count("stopped: Connection closed by peer") == 1, err
+    assert err.count("the same line twice from one rank") == 2, err  # one rank's own lines stay
+    assert err.count("boom: rank 5 hit a bug") == 1, err
+    assert group.failed_rank == 5
+    assert group.causes({}) == [
+        "rank 5 exited with status 3 and left no traceback",
+        f"ranks 0-4, 6-7 (7 of 8) stopped because another rank failed (exit {RANK_FAILURE_EXIT_CODE})"]
+    assert group.causes({5: "ValueError: bad"})[0] == "rank 5: ValueError: bad"

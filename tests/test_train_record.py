@@ -127,3 +127,31 @@ def test_fewer_layers_of_a_preset_are_recorded_and_refuse_to_merge(tmp_path):
         paths[-1].write_text(json.dumps(rec))
     with pytest.raises(ValueError, match="layers"):
         merge_records([str(p) for p in paths])
+
+
+def _table_text(record):
+    from rich.console import Console
+
+    from zbuf.train.progress import summary_table
+
+    console = Console(width=300, record=True)
+    console.print(summary_table(record))
+    return " ".join(console.export_text().split())  # the title wraps to the table's width
+
+
+def test_summary_table_words():
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    # zbuf-eager compiles nothing: its first step is no "compile".
+    eager = _table_text(_record([_engine("zbuf-eager", times, losses, pool=True)]))
+    assert "first step " in eager and "(compile)" not in eager, eager
+    mixed = _table_text(_record([_engine("zbuf", times, losses), _engine("zbuf-eager", times,
+                                                                          losses)]))
+    assert "(compile)" not in mixed
+    compiled = _table_text(_record([_engine("zbuf", times, losses), _engine("ddp", times, losses)]))
+    assert "first step (compile)" in compiled
+    assert "4 measured steps" in compiled and "loss (mean over ranks)" in compiled
+    # One measured step is "1 measured step".
+    cfg = TrainConfig(engines=(Engine.ZBUF,), steps=2, micro_batch=1,
+                      seq_len=1024).resolve(cuda=True, world=2, bench=False)
+    one = _table_text(_record([_engine("zbuf", times[:2], losses[:2])], cfg))
+    assert "1 measured step" in one and "1 measured steps" not in one, one

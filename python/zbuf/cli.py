@@ -16,8 +16,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .train.config import ConfigError, Engine, TrainConfig, parse_bytes
-from .train.data import Task
+from .train.config import ConfigError, Engine, Task, TrainConfig, parse_bytes
 
 __all__ = ["main", "build_parser"]
 
@@ -79,9 +78,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                                     "qwen3-4b, qwen3-8b, qwen3-14b (default: tiny on CPU, "
                                     "qwen3-0.6b on GPU)")
     m.add_argument("--model", metavar="hf:TYPE|PRESET",
-                   help="hf:<model_type> builds a transformers causal LM (e.g. hf:qwen3, "
-                        "hf:llama) with the preset's shape and random weights, no download; a "
-                        "plain name is the same as --preset")
+                   help="hf:qwen3 or hf:llama builds that transformers causal LM with the "
+                        "preset's shape and random weights, no download (needs pip install "
+                        "'zbuf[hf]'); a plain name is the same as --preset")
     m.add_argument("--layers", type=_positive_int, metavar="N",
                    help="N decoder layers of the preset's shape instead of its own count (a "
                         "large preset's harness on fewer GPUs)")
@@ -96,7 +95,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--steps", type=_positive_int, help="steps per engine, warm-up included "
                    "(default 30)")
     t.add_argument("--warmup", type=int, help="steps left out of the timing statistics "
-                   "(default: train 3, bench 10)")
+                   "(default: train 3, bench 10, at most half of --steps)")
     t.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                    help="activation checkpointing per block (default: on with GPUs)")
     t.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3 for tiny, "

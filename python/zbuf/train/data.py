@@ -7,25 +7,15 @@ or zbuf, sees the same tokens, and per-step losses are comparable across engines
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple
 
 import torch
 
+from .config import Task
+
+__all__ = ["IGNORE_INDEX", "Task", "Batch", "global_batch", "rank_batch"]
+
 IGNORE_INDEX = -100
-
-
-class Task(str, enum.Enum):
-    """Which synthetic sequences to train on."""
-
-    STRIDE = "stride"
-    """Arithmetic progressions mod vocab with a per-sequence stride in 1..8: a bigram-like start
-    that falls fast, then the model must read the stride from context (visible learning within
-    tens of steps on the tiny preset)."""
-    COPY = "copy"
-    """Random first half, repeated: needs an induction head (hundreds of steps)."""
-    REVERSE = "reverse"
-    """Random first half, then reversed: needs position-aware retrieval (slow to learn)."""
 
 
 class Batch(NamedTuple):

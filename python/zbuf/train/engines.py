@@ -32,6 +32,7 @@ from ..compile import backend as zbackend
 from ..compile import schedule_report as zschedule_report
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
+from .hf import check_hf_model
 
 __all__ = ["EngineSetup", "build_engine", "build_base_model"]
 
@@ -62,29 +63,19 @@ class HFDecoder(nn.Module):
 
 
 def _hf_model(model_type: str, cfg: models.ModelConfig, device) -> nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("--model hf:... needs the transformers package (pip install "
-                          "transformers)") from None
-    try:
-        hf_cfg = transformers.AutoConfig.for_model(
-            model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.max_seq_len,
-            attention_dropout=0.0)
-        hf_cfg._attn_implementation = "sdpa"
-    except ValueError as e:
-        raise ConfigError(f"--model hf:{model_type}: transformers does not know this model type "
-                          f"({e}); try hf:qwen3 or hf:llama") from None
+    check_hf_model(model_type)  # a supported type (laid out like Llama), transformers installed
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.max_seq_len,
+        attention_dropout=0.0)
+    hf_cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-    if not hasattr(getattr(hf, "model", None), "layers"):
-        raise ConfigError(f"--model hf:{model_type}: the model has no .model.layers; only "
-                          f"decoder-only LMs laid out like Llama/Qwen are supported")
-    return HFDecoder(hf)
+        return HFDecoder(transformers.AutoModelForCausalLM.from_config(hf_cfg))
 
 
 def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:

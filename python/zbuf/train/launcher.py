@@ -16,7 +16,16 @@ picks (no free-port race) and every rank connects to it as a client.
   parent dies (``PR_SET_PDEATHSIG``, set by the worker itself at start-up; see
   ``die_with_parent``).
 - A worker that fails: its peers would block in their next collective, so the launcher stops
-  them and reports the failed rank ([Note: which rank failed]).
+  them and reports the failed rank ([Note: one line per cause]
+A failure seen by N ranks is one cause, not N messages: when one rank dies, every peer stops
+with the same "a peer died" paragraph, and a bug that hits every rank prints the same traceback
+N times (64 ranks made 60 identical 600-character lines). So the launcher relays the workers'
+stderr itself, live, and drops a line when another rank already printed it up to its numbers
+(rank ids, ports, addresses differ; the cause does not). A rank's own repeated lines still show.
+After a failure, ``GroupResult.causes`` sums up how every rank ended in one line per distinct
+ending, naming the ranks.
+
+[Note: which rank failed]).
 
 [Note: which rank failed]
 A rank that dies takes its sockets with it, so its peers' next collective fails at once and they
@@ -31,9 +40,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import NamedTuple, Optional
@@ -67,6 +78,87 @@ class GroupResult(NamedTuple):
                     "SIGABRT": " (an abort in native code)"}.get(name, "")
             return f"was killed by {name}{hint}"
         return f"exited with status {code}"
+
+    def causes(self, own: dict[int, str]) -> list[str]:
+        """How the ranks ended, one line per distinct ending, the failed rank's first ([Note:
+        one line per cause]): ``rank 1 was killed by SIGKILL ...``, ``ranks 0, 2-63 (63 of 64)
+        stopped because another rank failed (exit 75)``, ``rank 0: ValueError: ...``. ``own``: a
+        rank's own account (the last line of its traceback) where it left one. Ranks that
+        finished are not mentioned."""
+        from zbuf.faults import RANK_FAILURE_EXIT_CODE
+
+        def ending(rank: int) -> Optional[str]:
+            code = self.returncodes[rank]
+            if rank in own:
+                return f": {own[rank]}"
+            if code == 0:
+                return None
+            if code == RANK_FAILURE_EXIT_CODE:
+                return f" stopped because another rank failed (exit {code})"
+            if code in (-signal.SIGTERM, 128 + signal.SIGTERM):
+                return " were stopped by the launcher after the failure"
+            return f" {self.describe(rank)} and left no traceback"
+
+        groups: dict[str, list[int]] = {}
+        order = ([self.failed_rank] if self.failed_rank is not None else []) + \
+            [r for r in range(len(self.returncodes)) if r != self.failed_rank]
+        for rank in order:
+            text = ending(rank)
+            if text is not None:
+                groups.setdefault(text, []).append(rank)
+        n = len(self.returncodes)
+        return [f"{_rank_list(ranks, n)}{text}" for text, ranks in groups.items()]
+
+
+def _rank_list(ranks: list[int], world: int) -> str:
+    """``rank 3``, ``ranks 0, 2-63 (63 of 64)``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans, start, prev = [], None, None
+    for r in sorted(ranks):
+        if start is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            spans.append(f"{start}-{prev}" if prev > start else f"{start}")
+        start = prev = r
+    spans.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return f"ranks {', '.join(spans)} ({len(ranks)} of {world})"
+
+
+class _StderrRelay:
+    """Copies every worker's stderr to ours, live, once per line across ranks ([Note: one line
+    per cause])."""
+
+    _NUMBERS = re.compile(r"\d+")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first_rank: dict[str, int] = {}  # line up to its numbers -> rank that printed it
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, rank: int, pipe) -> None:
+        t = threading.Thread(target=self._copy, args=(rank, pipe), daemon=True,
+                             name=f"zbuf-stderr-rank{rank}")
+        t.start()
+        self._threads.append(t)
+
+    def _copy(self, rank: int, pipe) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", "replace")
+                key = self._NUMBERS.sub("#", line.strip())
+                with self._lock:
+                    if self._first_rank.setdefault(key, rank) != rank:
+                        continue
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+
+    def join(self, timeout: float) -> None:
+        # A worker's own children (compile workers) may hold the pipe a moment longer.
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def under_torchrun() -> bool:
@@ -134,11 +226,14 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
                 LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True",
                 **{_LAUNCHER_PID: str(os.getpid())})
     procs: list[subprocess.Popen] = []
+    relay = _StderrRelay()
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for rank in range(nproc):
             child = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen([sys.executable, *argv], env=child))
+            procs.append(subprocess.Popen([sys.executable, *argv], env=child,
+                                          stderr=subprocess.PIPE))
+            relay.follow(rank, procs[-1].stderr)
         failed = _failed_rank(procs, cause_wait)
         return GroupResult([_stop(p, grace) for p in procs], failed)
     finally:
@@ -153,6 +248,7 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
         deadline = time.monotonic() + grace
         for p in procs:
             _stop(p, max(0.0, deadline - time.monotonic()))
+        relay.join(timeout=2.0)
         for s, handler in old.items():
             signal.signal(s, handler)
         del store

@@ -4,9 +4,10 @@
 A step is forward + loss, backward and the optimizer step, timed on the host after a device
 synchronize, so every step's time includes all the device work it launched. The synchronize
 costs one host round-trip per step for every engine alike. Step ``s`` of the record is the
-slowest rank's time (the step cannot finish before its last rank); loss is the mean over ranks.
-All cross-rank reduction happens once, after the last step, so measuring adds no collective to
-the steps being measured.
+slowest rank's time (the step cannot finish before its last rank); loss is the mean over ranks,
+the one definition the live progress, the record and the summary share: one all-reduce of the
+loss per step, after the step's clock stopped. Every other cross-rank reduction happens once,
+after the last step, so measuring adds no collective to the time being measured.
 
 [Note: resumed runs]
 With ``--resume`` the run starts at the step of the latest checkpoint (``SaveResumePolicy``),
@@ -33,6 +34,7 @@ from .data import rank_batch
 from .engines import build_engine
 from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
+from .record import budget_notices
 
 __all__ = ["run_engine", "StepRow"]
 
@@ -100,6 +102,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     mcfg_vocab = _vocab(setup.model)
     rows: list[StepRow] = []
     saves: list[dict[str, Any]] = []
+    notices: list[str] = []
     progress.start_engine(engine.value, cfg.steps, start)
     for step in range(start, cfg.steps):
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
@@ -109,10 +112,14 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t_step
-        value = loss.item()
+        value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
         probe.feed_pool()
         if step == start and setup.pool is not None and cfg.mem_frac is not None:
             memory_cap = _cap_memory(cfg, device, setup.pool)
+        if step == start:  # the first step planned the schedule: say what it changed
+            notices = budget_notices(cfg.budget, setup.schedule_report())
+            for text in notices:
+                progress.notice(text)
         m = probe.sample()
         rows.append(StepRow(elapsed, value, m))
         progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
@@ -137,7 +144,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, rows)
     result = _combine(engine, cfg, everyone, world, start)
-    result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule,
+    result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
                   memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves)
     del setup, loss
     gc.collect()
@@ -159,6 +166,12 @@ def _train_step(setup, batch) -> torch.Tensor:
     return loss
 
 
+def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    total = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
 def _vocab(model: torch.nn.Module) -> int:
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "vocab_size"):
@@ -177,7 +190,7 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
         col = [r[i] for r in per_rank]
         steps.append({
             "step": start + i,
-            "loss": sum(c.loss for c in col) / world,
+            "loss": col[0].loss,  # already the mean over ranks, the same on every rank
             "time_s": max(c.time_s for c in col),
             "tokens": cfg.micro_batch * cfg.seq_len * world,
             "device_bytes": int(max(c.memory.device_bytes for c in col)),

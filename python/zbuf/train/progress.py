@@ -2,6 +2,9 @@
 
 On a terminal the bar shows step, loss, tokens/s and memory; when stdout is not a terminal (CI
 logs, pipes) it prints a plain line every tenth of the run instead, so logs stay readable.
+
+The loss shown live is the one the record and the summary hold: the step's mean over ranks
+([Note: step timing] in ``loop``), labelled so.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .config import format_bytes
+from .config import Engine, format_bytes
 
 __all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table", "print_error"]
 
@@ -34,6 +37,9 @@ class NullProgress:
     def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
         pass
 
+    def notice(self, text: str) -> None:
+        pass
+
     def end_engine(self) -> None:
         pass
 
@@ -52,16 +58,18 @@ class TrainProgress(NullProgress):
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("mean loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                 TextColumn("{task.fields[mem]}"), TimeElapsedColumn(), console=self.console)
             self._progress.start()
             self._task = self._progress.add_task(name, total=total, completed=start, loss="-",
                                                  tps="-", mem="-")
         else:
             resumed = f" (resuming after step {start})" if start else ""
-            self.console.print(f"[{name}] training {total} steps{resumed}", markup=False)
+            self.console.print(f"[{name}] training {total} steps{resumed}; loss: the mean over "
+                               f"ranks", markup=False)
 
     def step(self, step: int, loss: float, tokens_per_s: float, device_bytes: int) -> None:
+        """``loss``: the step's mean over ranks."""
         if self._progress is not None:
             self._progress.update(self._task, advance=1, loss=f"{loss:.4f}",
                                   tps=f"{tokens_per_s:,.0f}",
@@ -70,9 +78,14 @@ class TrainProgress(NullProgress):
         every = max(1, self._total // 10)
         if step % every == 0 or step == self._total - 1:
             self.console.print(
-                f"[{self._name}] step {step + 1}/{self._total}  loss {loss:.4f}  "
+                f"[{self._name}] step {step + 1}/{self._total}  mean loss {loss:.4f}  "
                 f"{tokens_per_s:,.0f} tok/s  {self.memory_label} {format_bytes(device_bytes)}",
                 highlight=False, markup=False)
+
+    def notice(self, text: str) -> None:
+        """Something the user must know about the run as it starts (e.g. a raised budget)."""
+        self.console.print(f"[{self._name}] note: {text}", highlight=False, markup=False,
+                           soft_wrap=True)
 
     def end_engine(self) -> None:
         if self._progress is not None:
@@ -88,9 +101,11 @@ def summary_table(record: dict[str, Any]) -> Table:
     summaries = [e["summary"] for e in engines if e.get("summary")]
     measured = {s["measured_steps"] for s in summaries} or {cfg["steps"] - cfg["warmup"]}
     starts = {s.get("start_step", 0) for s in summaries} - {0}
+    counts = sorted(measured)
     table = Table(title=f"zbuf {record['command']}: {record['model']['name']}, "
                         f"{record['world_size']} ranks, {cfg['micro_batch']} x {cfg['seq_len']} "
-                        f"tokens/rank, {'/'.join(map(str, sorted(measured)))} measured steps"
+                        f"tokens/rank, {'/'.join(map(str, counts))} measured "
+                        f"step{'' if counts == [1] else 's'}"
                         + (f", resumed at step {min(starts)}" if starts else ""))
     table.add_column("")
     for eng in engines:
@@ -116,8 +131,10 @@ def summary_table(record: dict[str, Any]) -> Table:
     row("peak device memory" if cuda else "peak RSS",
         lambda s: format_bytes(s["peak_device_bytes"]))
     row("alloc retries per rank", lambda s: ",".join(map(str, s["alloc_retries_per_rank"])))
-    row("first step (compile)", lambda s: f"{s['first_step_s']:.2f} s")
-    row("loss first -> last", lambda s: f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+    compiles = all(Engine(e["engine"]).compiles for e in engines)
+    row("first step (compile)" if compiles else "first step",
+        lambda s: f"{s['first_step_s']:.2f} s")
+    row("loss (mean over ranks)", lambda s: f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}")
     row("pool hits / misses", lambda s: f"{s['pool'].get('hits', 0)} / "
                                         f"{s['pool'].get('misses', 0)}" if s.get("pool") else "-")
     row("pool high water", lambda s: format_bytes(s["pool"].get("high_water_bytes"))

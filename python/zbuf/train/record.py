@@ -16,7 +16,8 @@ Record layout (``schema: zbuf.run/1``)::
                    per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
                                alloc_retries_total, alloc_retries_measured),
                    pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
-                   summary (see ``summarize``)
+                   notices[] (what the run changed of the options, shown live too, e.g. a
+                   --budget below the schedule's floor), summary (see ``summarize``)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 from .config import TrainConfig, format_bytes
 
-__all__ = ["SCHEMA", "summarize", "make_record", "write_record", "load_record", "markdown",
+__all__ = ["SCHEMA", "budget_notices", "summarize", "make_record", "write_record", "load_record", "markdown",
            "merge_records"]
 
 SCHEMA = "zbuf.run/1"
@@ -51,6 +52,23 @@ def _find(obj: Any, keys: tuple[str, ...], how=max) -> Optional[float]:
 
     walk(obj)
     return how(found) if found else None
+
+
+def budget_notices(requested: Optional[int], schedule: Optional[dict[str, Any]]) -> list[str]:
+    """What a user must be told about the gather budget once the schedule is planned: a budget
+    below the floor (the most gathered bytes one operation needs at once) is raised to it by the
+    planner, which would otherwise go unsaid. ``requested``: ``--budget`` (None: the
+    rank-agreed free memory)."""
+    raised = [g for g in (schedule or {}).get("graphs", [])
+              if g.get("budget_bytes", 0) > g.get("requested_budget_bytes", 0)]
+    if not raised:
+        return []
+    asked = min(g["requested_budget_bytes"] for g in raised)
+    what = (f"--budget {format_bytes(requested)}" if requested is not None
+            else f"the gather budget from free memory ({format_bytes(asked)})")
+    floor = max(g["budget_bytes"] for g in raised)
+    return [f"{what} is below the schedule's floor, the most gathered bytes one operation needs "
+            f"at once; planned with {format_bytes(floor)} instead"]
 
 
 def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optional[float],
@@ -121,8 +139,20 @@ def write_record(record: dict[str, Any], path: str) -> None:
 
 
 def load_record(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        record = json.load(f)
+    """The record at ``path``; ``ValueError`` naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a zbuf run record: not UTF-8 text") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} at line {e.lineno}, column {e.colno}"
+        if not text.rstrip().endswith("}"):  # every record is one object
+            where = f"the file ends before the JSON does, so it is truncated ({where})"
+        raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \
+            from None
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a zbuf run record (expected schema {SCHEMA!r}); "
                          f"write one with zbuf train --out or zbuf bench --out")

@@ -253,8 +253,12 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
     except FileNotFoundError:
         print_error("report", f"no such file: {path}")
         return 2
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         print_error("report", str(e))
+        return 2
+    except (KeyError, TypeError, IndexError) as e:  # a record with parts missing or mangled
+        print_error("report", f"{path} is not a complete zbuf run record ({type(e).__name__}: "
+                              f"{e}); write it again with zbuf train --out or zbuf bench --out")
         return 2
     except OSError as e:
         print_error("report", f"cannot write plots to {out_dir}: {e.strerror}")

@@ -20,6 +20,7 @@ from .config import ConfigError, Engine, TrainConfig, check_output_path
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
+from .resources import check_cpu_memory
 
 __all__ = ["run", "merge"]
 
@@ -82,8 +83,14 @@ def _failure(engine: Engine, status: str, error: str) -> dict[str, Any]:
     return {"engine": engine.value, "status": status, "error": error}
 
 
-def _spawned(cfg: TrainConfig, engine: Engine, console: Console) -> tuple[dict, int]:
-    """Run one engine in a fresh worker group; (partial record, exit code)."""
+def _last_line(text: str) -> str:
+    return next((line for line in reversed(text.splitlines()) if line.strip()), "")
+
+
+def _spawned(cfg: TrainConfig, engine: Engine,
+             console: Console) -> tuple[dict, int, list[str]]:
+    """Run one engine in a fresh worker group; (partial record, exit code, how the ranks ended:
+    one line per distinct cause, [Note: one line per cause] in ``launcher``)."""
     with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         partial_path = os.path.join(tmp, "partial.json")
@@ -97,19 +104,23 @@ def _spawned(cfg: TrainConfig, engine: Engine, console: Console) -> tuple[dict, 
         group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
-                return json.load(f), 0
+                return json.load(f), 0, []
         rank = group.failed_rank
         if rank is None:  # every rank exited 0 but rank 0 wrote no record
             msg = "the ranks exited without a record (rank 0 wrote none)"
-            return {"engines": [_failure(engine, "failed", msg)]}, 1
-        err = f"{partial_path}.rank{rank}.err"  # written by worker.main
-        text = ""
-        if os.path.exists(err):
-            with open(err) as f:
-                text = f.read()
-        msg = text or f"rank {rank} {group.describe(rank)} and left no traceback"
+            return {"engines": [_failure(engine, "failed", msg)]}, 1, [msg]
+        texts = {}
+        for r in range(cfg.nproc):
+            err = f"{partial_path}.rank{r}.err"  # written by worker.main
+            if os.path.exists(err):
+                with open(err) as f:
+                    texts[r] = f.read()
+        causes = group.causes({r: _last_line(t) for r, t in texts.items() if t.strip()})
+        msg = texts.get(rank) or f"rank {rank} {group.describe(rank)} and left no traceback"
         code = group.returncodes[rank]
-        return {"engines": [_failure(engine, "failed", msg)]}, code if code > 0 else 1
+        if code == 1 and texts.get(rank):  # a Python exception: its traceback, once
+            print(texts[rank].rstrip(), file=sys.stderr, flush=True)
+        return {"engines": [_failure(engine, "failed", msg)]}, code if code > 0 else 1, causes
 
 
 def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
@@ -121,6 +132,8 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
         cfg.validate()
         cuda, world = _machine(cfg)
         cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
+        if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
+            check_cpu_memory(cfg)
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
             cfg.out = check_output_path(cfg.out)
         start = _resume_point(cfg)
@@ -145,15 +158,15 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     status = 0
     try:
         for engine in cfg.engines:
-            partial, code = _spawned(cfg, engine, console)
+            partial, code, causes = _spawned(cfg, engine, console)
             env = partial.get("environment", env)
             peak = partial.get("peak_flops", peak)
             engines_out.extend(partial["engines"])
             if code:
                 status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
-                error = partial["engines"][-1].get("error", "")
-                last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
-                print_error(command, f"engine {engine.value} failed (exit {code}): {last}")
+                print_error(command, f"engine {engine.value} failed (exit {code}): {causes[0]}")
+                for line in causes[1:]:  # [Note: one line per cause] in launcher
+                    print_error(command, f"  also {line}")
                 if not bench:
                     break
     except Interrupted as e:
@@ -195,13 +208,19 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
     table = comparison_table(record)
     if table is not None:
         console.print(table)
+    for eng in engines:
+        for text in eng.get("notices", []):
+            console.print(f"note ({eng['engine']}): {text}", highlight=False, markup=False,
+                          soft_wrap=True)
     if command == "bench":
         md_path = os.path.splitext(cfg.out)[0] + ".md"
         with open(md_path, "w") as f:
             f.write(markdown(record))
         console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False)
-    else:
+    elif all(e.get("status") == "ok" for e in engines):
         console.print(f"record: {cfg.out}  (plots: zbuf report {cfg.out})", highlight=False)
+    else:  # nothing to plot; the record holds the error
+        console.print(f"record: {cfg.out}", highlight=False)
     sys.stdout.flush()
     return 0
 

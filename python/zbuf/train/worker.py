@@ -106,11 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             print_error("train", f"{type(e).__name__}: {e}")
         return 2
-    except BaseException:  # noqa: BLE001 - the launcher reports it
-        text = traceback.format_exc()
+    except BaseException:  # noqa: BLE001 - the launcher prints it, once ([Note: one line per cause])
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
-            f.write(text)
-        print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)
+            f.write(traceback.format_exc())
         return 1
     finally:
         if dist.is_initialized():
