@@ -61,17 +61,41 @@ def test_dlpack_protocol_orders_the_consumer_stream(pool):
     n = 4 * MiB
     side, other = torch.cuda.Stream(), torch.cuda.Stream()
     a = pool.acquire((n,), torch.float32, stream=side)
+    ptr = a.data_ptr()
     result = _delayed_consumer(a, side)
-    pool.release(a, stream=side)
+    pool.release(a, stream=side)  # no host sync: the consumer is still sleeping
+    # [Note: release contract] in pool.py: a DLPack export records no holder key, so an explicit
+    # release of its import is verifiable only once no released tensor of the same memory lives.
+    # Drop the stale `a` first (the steady state of a training step); the kernels already queued
+    # on `side` keep their ordering through the release event, not through `a`.
+    del a
     # Acquired for `side`, consumed on `other`: __dlpack__(stream=other) makes `other` wait.
     buf = pool.acquire_dlpack((n,), torch.float32, stream=side)
     with torch.cuda.stream(other):
         b = torch.from_dlpack(buf)
-        assert b.data_ptr() == a.data_ptr()
+        assert b.data_ptr() == ptr
         b.fill_(5.0)
     torch.cuda.synchronize()
-    assert float(result) == float(n)
+    assert float(result) == float(n), "the DLPack consumer wrote before the previous user ran"
     pool.release(b, stream=other)
+    assert pool.stats().checked_out == 0
+
+
+def test_dlpack_import_release_with_a_stale_tensor_alive(pool):
+    """The other half of the contract: while a released tensor of the same memory lives, an
+    explicit release of a DLPack import cannot tell the two apart and is refused, pool
+    unchanged; dropping the import returns the block."""
+    n = 1 * MiB
+    a = pool.acquire((n,), torch.float32)
+    pool.release(a)
+    b = torch.from_dlpack(pool.acquire_dlpack((n,), torch.float32))
+    assert b.data_ptr() == a.data_ptr()
+    with pytest.raises(E.UnverifiableReleaseError, match="cannot verify"):
+        pool.release(b)
+    assert pool.stats().checked_out == 1
+    del b
+    gc.collect()
+    assert pool.stats().checked_out == 0
 
 
 def _delayed_consumer(buf: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
