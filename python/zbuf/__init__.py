@@ -28,6 +28,36 @@ import torch as _torch
 if tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 11):
     _os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 
+# [Note: import before init_process_group]
+# ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as default arguments when it is
+# first imported; imported after ``init_process_group``, that pins the default group for the rest
+# of the process, and a gloo group alive at interpreter exit can kill the process with SIGABRT
+# after its work succeeded ([Note: a model does not keep its group alive] in shard.py). torch
+# imports it through ``torch._dynamo``, ``torch.distributed.fsdp`` and
+# ``torch.distributed.checkpoint``, all of which zbuf uses: zbuf imports them here, so a script
+# that imports zbuf before ``init_process_group`` (the README's one rule) binds nothing. Imported
+# after init, zbuf says so once.
+import sys as _sys  # noqa: E402
+
+import torch.distributed as _dist  # noqa: E402
+
+_late = _dist.is_available() and _dist.is_initialized() and "torch.distributed.nn.functional" not in _sys.modules
+import torch._dynamo  # noqa: E402, F401
+import torch.distributed.checkpoint  # noqa: E402, F401
+import torch.distributed.nn.functional  # noqa: E402, F401
+
+if _late:
+    import warnings as _warnings
+
+    _warnings.warn(
+        "zbuf was imported after torch.distributed.init_process_group(): the torch modules it "
+        "imports now hold the default process group for good, so gloo's worker threads outlive "
+        "destroy_process_group() and a rank can die with SIGABRT at exit. Import zbuf before "
+        "init_process_group",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
 # zbuf.compile and zbuf.shard are callable modules: zbuf.shard(model) and zbuf.shard.<helper>
 # both work.
 from . import compile, models, shard  # noqa: A004

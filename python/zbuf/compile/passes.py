@@ -95,8 +95,7 @@ class PlanState:
         self.persisted = Persisted()
 
     def uuid(self) -> str:
-        agreed = json.dumps(sorted(budget_mod._AGREED.items()))
-        return f"{_SOURCE_HASH}:{self.options.digest()}:{agreed}:{torch.__version__}"
+        return f"{_SOURCE_HASH}:{self.options.digest()}:{torch.__version__}"
 
 
 class ZbufPartitioner(CustomPartitionerFn):
@@ -161,7 +160,7 @@ class GatherSchedulePass(CustomGraphPass):
         token, sched = None, None
         if index.gathers:  # 4
             peak_act = int(act_profile.max()) if len(act_profile) else 0
-            requested = budget_mod.graph_budget(opts, group_name, device, peak_act)
+            requested = budget_mod.graph_budget(opts, device, peak_act)
             kept = persisted.nbytes if kind == "backward" else 0
             # Persisted weights are live through backward: they come off its budget.
             sched = plan_schedule(index.summary, max(1, requested - kept), opts)
