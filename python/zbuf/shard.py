@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
