@@ -56,8 +56,10 @@ class CompileOptions:
     are; fast to compile, for debugging and CPU tests)."""
 
     check_fingerprint: bool = True
-    """Check on the first run of every compiled graph that all ranks planned the same collective
-    order; a mismatch raises ``ScheduleMismatchError`` on every rank."""
+    """Check on every run of every compiled graph that all ranks run a graph with the same input
+    shapes and collective order; a mismatch raises ``ScheduleMismatchError`` on every rank. One
+    8-byte all-gather per graph run ([Note: collective order check] in fingerprint.py); off, a
+    mismatch hangs."""
 
     margin_fraction: float = 0.1
     """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
