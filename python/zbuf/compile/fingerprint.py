@@ -112,16 +112,18 @@ def collective_order(graph: torch.fx.Graph) -> list[str]:
     return [d for n in graph.nodes if (d := _describe(n)) is not None]
 
 
-def _shape_text(val) -> str:
-    if isinstance(val, torch.Tensor):
-        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
-    return type(val).__name__
-
-
 def input_shapes(graph: torch.fx.Graph) -> list[str]:
-    """The graph's inputs as rank-comparable strings (``int64[1, 256]``; a dynamic size shows as
-    its symbol, ``int64[1, s27]``)."""
-    return [_shape_text(n.meta.get("val")) for n in graph.nodes if n.op == "placeholder"]
+    """The graph's tensor inputs as rank-comparable strings (``int64[1, 256]``; a dynamic size
+    shows as its symbol, ``int64[1, s27]``). Scalar inputs (symbolic sizes, strides and storage
+    offsets that Dynamo passes) are left out: ranks may legitimately differ in them, e.g. a rank
+    whose batch is a slice at a nonzero offset gets a symbolic offset where rank 0 has none, and
+    run the same collectives."""
+    out = []
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            out.append(f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
+    return out
 
 
 def describe_graph(graph: torch.fx.Graph, order: list[str]) -> str:
