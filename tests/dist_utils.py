@@ -43,6 +43,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, threads, env, bac
     import torch
     import torch.distributed as dist
 
+    import zbuf  # noqa: F401 - before init_process_group, as the README says (and why)
+
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":

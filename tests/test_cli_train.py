@@ -131,11 +131,18 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert eng["status"] == "failed" and said in eng["error"]
 
 
+def _assert_clean_teardown(res, ranks):
+    """Every rank destroyed its group with no gloo thread left ([Note: worker teardown order])."""
+    lines = [line for line in res.stderr.splitlines() if "zbuf: released resources" in line]
+    assert len(lines) == ranks and all("0 gloo worker thread(s) left" in line for line in lines), lines
+
+
 def test_train_default_engine_then_report(tmp_path):
     out = tmp_path / "run.json"
     steps = _TRAIN_STEPS
-    res = _run(["train", "--steps", str(steps), "--out", str(out)])
+    res = _run(["train", "--steps", str(steps), "--out", str(out)], env={"ZBUF_LOG_EXIT": "1"})
     assert res.returncode == 0, _why(res, out)
+    _assert_clean_teardown(res, 2)
     record = json.loads(out.read_text())
     _check_record(record, ["zbuf"], steps)
     eng = record["engines"][0]
@@ -186,8 +193,9 @@ def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
     out = tmp_path / "bench.json"
     steps = 4
     res = _run(["bench", "--engines", "fsdp2,ddp", "--steps", str(steps), "--warmup", "1",
-                "--out", str(out)])
+                "--out", str(out)], env={"ZBUF_LOG_EXIT": "1"})
     assert res.returncode == 0, _why(res, out)
+    _assert_clean_teardown(res, 4)
     record = json.loads(out.read_text())
     _check_record(record, ["fsdp2", "ddp"], steps)
     # Same seed, same data, fp32 on CPU: every engine trains the unsharded reference model.

@@ -16,6 +16,18 @@ works) and guards only on the shards, so evaluating guards never gathers (the al
 under Dynamo: a forward pre-hook writing ``__dict__`` breaks graphs, ``parametrize`` renames keys
 and adds guards).
 
+[Note: a model does not keep its group alive]
+``destroy_process_group()`` drops torch's references to its groups; a gloo group is freed (and
+its ``pt_gloo_runloop`` threads joined) only when no other reference is left. A group still
+referenced at interpreter exit keeps those threads running into finalisation, where a thread
+that releases a finished collective's tensor needs the GIL, is ``pthread_exit``-ed by the
+finalising interpreter, and the forced unwind through a ``noexcept`` destructor kills the
+process with SIGABRT after all its work succeeded (observed on torch 2.11, about 5 runs in 6 of
+a 2-rank job). So a sharded model holds its group weakly (``ShardedRoot.group_ref``): scripts
+that keep the model alive past ``destroy_process_group()`` exit cleanly, and using the model
+after that is a clear error. Nothing else in zbuf keeps a group or a DeviceMesh beyond the call
+that needs it (``tests/test_exit.py`` checks that no gloo thread survives destroy).
+
 [Note: materialising meta modules]
 A module built on the meta device is materialised one submodule at a time, in ``modules()`` order:
 the submodule's own meta parameters and buffers get real (uninitialised) storage on the target
@@ -33,6 +45,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -73,8 +86,9 @@ class ShardingError(ValueError):
 class ShardedRoot:
     """State of one ``zbuf.shard`` call, stored on the root module as ``_zbuf_root``."""
 
-    group: dist.ProcessGroup
-    """The sharding group."""
+    group_ref: weakref.ReferenceType
+    """The sharding group, weakly: [Note: a model does not keep its group alive]. Read it
+    through ``group``."""
     world_size: int
     """``group.size()``."""
     rank: int
@@ -93,6 +107,19 @@ class ShardedRoot:
     hook_stack: list = field(default_factory=list)
     """Saved-tensor-hook contexts entered by nested root forwards (producer: forward pre-hook,
     consumer: forward post-hook); see [Note: eager re-gather] in ``regather.py``."""
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The sharding group; ``ShardingError`` once it has been destroyed."""
+        group = self.group_ref()
+        if group is None:
+            raise ShardingError(
+                "the process group this model was sharded over has been destroyed "
+                "(torch.distributed.destroy_process_group); a sharded model cannot communicate "
+                "without it. Save what you need (zbuf.save_checkpoint, zbuf.full_state_dict) "
+                "before destroying the group"
+            )
+        return group
 
     @property
     def gathered_nbytes(self) -> int:
@@ -407,7 +434,7 @@ def shard(
         from .pool import default_pool
 
         pool = default_pool(device)
-    root = ShardedRoot(group=group, world_size=world, rank=rank, device=device, pool=pool, specs={}, shards={})
+    root = ShardedRoot(group_ref=weakref.ref(group), world_size=world, rank=rank, device=device, pool=pool, specs={}, shards={})
     group_name = group.group_name
     pool_id = runtime.pool_id_of(pool)
 

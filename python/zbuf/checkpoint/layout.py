@@ -127,20 +127,13 @@ def inventory(model: nn.Module) -> ModelInventory:
     return ModelInventory(params, buffers, root.group, root.device)
 
 
-_MESHES: dict[tuple[str, str], Any] = {}
-
-
 def mesh_for(group: dist.ProcessGroup, device: torch.device):
-    """A 1-D DeviceMesh over ``group`` (cached: building one per save is wasted work)."""
+    """A 1-D DeviceMesh over ``group``, built per save or load and dropped with it: a cached mesh
+    would keep the group alive after ``destroy_process_group()`` ([Note: a model does not keep
+    its group alive] in ``shard.py``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (group.group_name, device.type)
-    mesh = _MESHES.get(key)
-    # a group name is reused after destroy_process_group + init: the mesh must be of this group
-    if mesh is None or mesh.get_group() is not group:
-        mesh = DeviceMesh.from_group(group, device.type)
-        _MESHES[key] = mesh
-    return mesh
+    return DeviceMesh.from_group(group, device.type)
 
 
 def flat_dtensor(local: torch.Tensor, numel: int, mesh):

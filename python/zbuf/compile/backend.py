@@ -83,18 +83,19 @@ def compile_model(
 ) -> torch.nn.Module:
     """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``).
 
-    Every rank must call this at the same point: without an explicit ``budget_bytes`` it agrees on
-    the rank-minimum free memory with one all-reduce over the model's sharding group.
+    Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
+    ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
+    model's sharding group ([Note: rank-agreed budget] in budget.py).
     """
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist, **options)
-    if budget_bytes is None:
+    if budget_bytes is None and opts.free_memory_bytes is None:
         import torch.distributed as dist
 
         from .budget import agree_free_memory
 
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            agree_free_memory(group)
+            opts = dataclasses.replace(opts, free_memory_bytes=agree_free_memory(group))
     return torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )

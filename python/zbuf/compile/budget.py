@@ -4,11 +4,13 @@
 The planner's output must be identical on all ranks ([Note: rank-invariant schedule]), so its
 budget cannot be each rank's own free memory. ``agree_free_memory`` takes the minimum free memory
 over the group with one all-reduce; ``zbuf.compile`` calls it (every rank calls ``zbuf.compile``
-at the same point of its program), and ``zbuf.shard`` may call it too. A graph's budget is then
-``agreed_free * (1 - margin_fraction) - projected activation peak of the graph``; the planner
-raises it to the smallest feasible value (at least the largest single gather). An explicit
-``budget_bytes`` overrides all of this. When nothing was agreed (plain ``torch.compile(m,
-backend="zbuf")`` without ``zbuf.compile``), the device's *total* memory stands in for the free
+at the same point of its program) and passes the result to the backend as the option
+``free_memory_bytes``, so the value lives with the compiled model that planned with it (and is
+part of the passes' cache key through the options' digest). A graph's budget is then
+``free_memory_bytes * (1 - margin_fraction) - projected activation peak of the graph``; the
+planner raises it to the smallest feasible value (at least the largest single gather). An
+explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
+``torch.compile(m, backend="zbuf")``), the device's *total* memory stands in for the free
 memory: still the same on every rank of a homogeneous job, just less tight.
 """
 
@@ -21,10 +23,7 @@ import torch.distributed as dist
 
 from .options import CompileOptions
 
-__all__ = ["agree_free_memory", "agreed_free_memory", "graph_budget", "local_free_bytes"]
-
-# group name -> rank-minimum free bytes agreed by agree_free_memory.
-_AGREED: dict[str, int] = {}
+__all__ = ["agree_free_memory", "graph_budget", "local_free_bytes"]
 
 
 def _host_bytes(kind: str) -> int:
@@ -61,7 +60,8 @@ def _total_bytes(device: torch.device) -> int:
 
 
 def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> int:
-    """One all-reduce(MIN) of free memory over ``group``; cached per group (see the Note)."""
+    """The minimum free memory over ``group`` (None: the default group), with one all-reduce;
+    this process's own free memory when no process group is initialised. See the Note."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     free = local_free_bytes(device)
@@ -70,24 +70,14 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
         t = torch.tensor([free], dtype=torch.int64, device=device if dist.get_backend(pg) == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
         free = int(t.item())
-        _AGREED[pg.group_name] = free
-    else:
-        _AGREED[""] = free
     return free
 
 
-def agreed_free_memory(group_name: str | None) -> int | None:
-    """The value ``agree_free_memory`` agreed for this group ("" : no process group), if any."""
-    if group_name is not None and group_name in _AGREED:
-        return _AGREED[group_name]
-    return _AGREED.get("")
-
-
-def graph_budget(options: CompileOptions, group_name: str, device: torch.device, activation_peak: int) -> int:
+def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int) -> int:
     """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    free = agreed_free_memory(group_name)
+    free = options.free_memory_bytes
     if free is None:
         free = _total_bytes(device)
     return max(1, int(free * (1.0 - options.margin_fraction)) - activation_peak)

@@ -28,13 +28,14 @@
     place: the same arithmetic as ``zbuf::reduce_scatter``.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
                        int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, str record) -> ()``
-    First run of a compiled graph only: checks that every rank planned the same collective order
-    (fingerprint.py) and grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
+    Every run of a compiled graph: checks that every rank runs a graph with the same
+    ``fingerprint`` (its input shapes and collective order, described by ``collectives``;
+    fingerprint.py, [Note: collective order check]); an empty ``fingerprint`` skips that.
+    First run only: grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
     keep ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
     schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
-    (report.py) if its compilation did not (a cache hit). A no-op afterwards. Doing this at run time
-    (not at compile time) keeps it working when Inductor serves the graph from its cache and no
-    pass runs.
+    (report.py) if its compilation did not (a cache hit). Doing this at run time (not at compile
+    time) keeps it working when Inductor serves the graph from its cache and no pass runs.
 
 Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
 auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
@@ -276,8 +277,9 @@ def _reduce_scatter_wait_fake(token, started):
     return None
 
 
-# (group_name, fingerprint, record) of graphs whose first run is done; consumed only by check_schedule.
-_FIRST_RUN_DONE: set[tuple[str, str]] = set()
+# (group_name, fingerprint, record) of graphs whose first run is done: their pools are sized and
+# their record registered. Consumed only by check_schedule; holds strings, no group.
+_FIRST_RUN_DONE: set[tuple[str, str, str]] = set()
 
 
 def _grow_pools(device: torch.device, pool_ids: Sequence[int], sizes: Sequence[int],
@@ -309,13 +311,14 @@ def check_schedule(
     buffer_counts: Sequence[int],
     record: str,
 ) -> None:
-    key = (group_name, fingerprint, record)
-    if key in _FIRST_RUN_DONE:
-        return
-    from .fingerprint import check_across_ranks
-
     with runtime.label("zbuf::check_schedule"):
-        check_across_ranks(group_name, fingerprint, collectives)
+        if fingerprint:  # every run: [Note: collective order check]
+            from .fingerprint import check_across_ranks
+
+            check_across_ranks(group_name, fingerprint, collectives)
+        key = (group_name, fingerprint, record)
+        if key in _FIRST_RUN_DONE:
+            return
         _grow_pools(token.device, pool_ids, buffer_sizes, buffer_counts)
         from . import report
 

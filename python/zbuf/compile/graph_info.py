@@ -147,10 +147,17 @@ def localize_view_chains(
 
 
 def _hint(x) -> int:
-    """A size as a plain int; symbolic sizes use their example value (same on every rank when
-    the inputs are, which the fingerprint check enforces)."""
+    """A size as a plain int, as the planner counts it. A symbolic size counts at its upper bound
+    when it has one (a dimension marked dynamic with ``max=``), so that the plan holds for the
+    largest input the graph accepts; else at its example value, the size the graph was compiled
+    at ([Note: variable sequence lengths] in fingerprint.py)."""
     if isinstance(x, torch.SymInt):
-        hint = x.node.hint
+        node = x.node
+        if node.shape_env is not None:
+            upper = node.shape_env.bound_sympy(node.expr).upper
+            if upper.is_Integer:  # not int_oo (unbounded)
+                return int(upper)
+        hint = node.hint
         return int(hint) if hint is not None else 1
     return int(x)
 

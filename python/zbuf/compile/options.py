@@ -27,6 +27,11 @@ class CompileOptions:
     rank-agreed free memory (see budget.py). Raised to the smallest feasible value (the bytes a
     single node needs at once) when set lower, and reported as such."""
 
+    free_memory_bytes: int | None = None
+    """The rank-minimum free device memory that an unset ``budget_bytes`` derives from (see
+    budget.py); must be the same on every rank. ``zbuf.compile`` fills it in with one all-reduce
+    over the model's sharding group. ``None``: the device's total memory stands in."""
+
     prefetch: bool = True
     """Start gathers early so that communication overlaps compute, within the budget."""
 
@@ -51,8 +56,10 @@ class CompileOptions:
     are; fast to compile, for debugging and CPU tests)."""
 
     check_fingerprint: bool = True
-    """Check on the first run of every compiled graph that all ranks planned the same collective
-    order; a mismatch raises ``ScheduleMismatchError`` on every rank."""
+    """Check on every run of every compiled graph that all ranks run a graph with the same input
+    shapes and collective order; a mismatch raises ``ScheduleMismatchError`` on every rank. One
+    8-byte all-gather per graph run ([Note: collective order check] in fingerprint.py); off, a
+    mismatch hangs."""
 
     margin_fraction: float = 0.1
     """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
@@ -80,6 +87,13 @@ class CompileOptions:
                 and self.budget_bytes > 0,
                 f"budget_bytes={self.budget_bytes!r} must be a positive int (bytes) or None "
                 "to derive it from the rank-agreed free memory",
+            )
+        if self.free_memory_bytes is not None:
+            need(
+                isinstance(self.free_memory_bytes, int) and not isinstance(self.free_memory_bytes, bool)
+                and self.free_memory_bytes >= 0,
+                f"free_memory_bytes={self.free_memory_bytes!r} must be a non-negative int (bytes) "
+                "or None",
             )
         for name in ("prefetch", "persist", "coalesce", "check_fingerprint"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")

@@ -5,8 +5,8 @@
 selective persistence keeps (``MUST_SAVE``: persist.py), then runs
 ``min_cut_rematerialization_partition``.
 ``GatherSchedulePass`` (forward and backward graphs, post-grad): plans (schedule.py) and rewrites
-(rewrite.py) each graph in the steps ``plan_and_rewrite`` lists, and adds the first-run rank check
-([Note: collective order check] in fingerprint.py) and pool sizing.
+(rewrite.py) each graph in the steps ``plan_and_rewrite`` lists, and adds the every-run rank check
+([Note: collective order check] in fingerprint.py) and the first-run pool sizing.
 ``PlanState`` carries what the partitioner decided to the schedule pass of the same compile.
 
 [Note: pass uuid]
@@ -14,14 +14,14 @@ Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must c
 output could: it hashes the sources of ``CACHE_KEY_MODULES`` (every zbuf module the passes import,
 directly or not: tests/test_compile.py fails when one is missing, so moving a helper into a new
 module cannot silently drop it from the key), the options, the planning input that is not in the
-graph (the agreed free memory; the world size shows in the shard shapes), and torch's version.
+graph (the agreed free memory is the option ``free_memory_bytes``; the world size shows in the
+shard shapes), and torch's version.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 from typing import Any, Sequence
 
 import torch
@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from . import budget as budget_mod
 from . import report
-from .fingerprint import collective_order, fingerprint_of
+from .fingerprint import collective_order, describe_graph, fingerprint_of
 from .graph_info import activation_profile, gather_nodes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
@@ -95,8 +95,7 @@ class PlanState:
         self.persisted = Persisted()
 
     def uuid(self) -> str:
-        agreed = json.dumps(sorted(budget_mod._AGREED.items()))
-        return f"{_SOURCE_HASH}:{self.options.digest()}:{agreed}:{torch.__version__}"
+        return f"{_SOURCE_HASH}:{self.options.digest()}:{torch.__version__}"
 
 
 class ZbufPartitioner(CustomPartitionerFn):
@@ -147,8 +146,8 @@ class GatherSchedulePass(CustomGraphPass):
            bytes persistence kept from forward);
         5. rewrite the gathers into start / wait / release on the schedule token (rewrite.py);
         6. thread the reduce-scatters onto the token ([Note: reduce-scatter overlap]);
-        7. fingerprint the collective order and build the graph's record (report.py);
-        8. add the first-run check and pool sizing (``zbuf::check_schedule``);
+        7. fingerprint the input shapes and collective order, build the graph's record (report.py);
+        8. add the every-run check and the first-run pool sizing (``zbuf::check_schedule``);
         9. verify the token chain and the graph, then register the record.
         """
         opts, persisted = self.state.options, self.state.persisted
@@ -161,14 +160,15 @@ class GatherSchedulePass(CustomGraphPass):
         token, sched = None, None
         if index.gathers:  # 4
             peak_act = int(act_profile.max()) if len(act_profile) else 0
-            requested = budget_mod.graph_budget(opts, group_name, device, peak_act)
+            requested = budget_mod.graph_budget(opts, device, peak_act)
             kept = persisted.nbytes if kind == "backward" else 0
             # Persisted weights are live through backward: they come off its budget.
             sched = plan_schedule(index.summary, max(1, requested - kept), opts)
             token = rewrite(graph, index, sched)  # 5
         token = thread_reduce_scatters(graph, token)  # 6
         order = collective_order(graph)  # 7
-        fp = fingerprint_of(order)
+        description = describe_graph(graph, order)
+        fp = fingerprint_of(description)
         checked = bool(order) and token is not None
         rec = report.schedule_record(
             graph, kind=kind, index=index, sched=sched, options=opts,
@@ -186,7 +186,7 @@ class GatherSchedulePass(CustomGraphPass):
                 chk = graph.call_function(
                     zbuf.check_schedule.default,
                     (token, group_name if group_name is not None else self._group_of_collectives(graph),
-                     fp, json.dumps(order), [e[0] for e in entries],
+                     fp if opts.check_fingerprint else "", description, [e[0] for e in entries],
                      [e[1] for e in entries], [e[2] for e in entries], rec.to_json()),
                 )
                 chk.meta["val"] = None

@@ -118,9 +118,9 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions) -> Persisted:
     kept_bytes = 0
     buffers: list[tuple[int, int]] = []
     if opts.persist and gathers:
-        group_name, device = group_and_device(joint)
+        _, device = group_and_device(joint)
         peak = activation_peak_bytes(joint)
-        budget = budget_mod.graph_budget(opts, group_name, device, peak)
+        budget = budget_mod.graph_budget(opts, device, peak)
         # What one node needs at once is off limits; persistence may use a share of the rest.
         need: dict[torch.fx.Node, int] = {}
         for g in gathers:

@@ -9,6 +9,7 @@ group ([Note: rank-failure exit] in ``zbuf/faults.py``).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -67,6 +68,13 @@ def run_engines(cfg: TrainConfig, engines: tuple[Engine, ...],
     for engine in engines:
         torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
         results.append(run_engine(engine, cfg, device, shown))
+    # [Note: worker teardown order]: run_engine dropped the model and optimizer; compiled code
+    # can still reference a model (a DDP wrapper holds its group strongly), so it goes too, and
+    # the collector frees what cycles kept, all before the caller destroys the process group.
+    # Then destroy frees the groups and joins gloo's threads while the interpreter is whole
+    # ([Note: a model does not keep its group alive] in zbuf/shard.py).
+    torch._dynamo.reset()
+    gc.collect()
     env = environment(device)
     env["collective_timeout_s"] = faults.collective_timeout_s()  # what the ranks really applied
     return {
