@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from .options import CompileOptions
 
-__all__ = ["agree_free_memory", "agreed_free_memory", "graph_budget", "local_free_bytes"]
+__all__ = ["agree_free_memory", "agreed_free_memory", "graph_budget", "graph_memory",
+           "local_free_bytes"]
 
 # group name -> rank-minimum free bytes agreed by agree_free_memory.
 _AGREED: dict[str, int] = {}
@@ -83,11 +84,17 @@ def agreed_free_memory(group_name: str | None) -> int | None:
     return _AGREED.get("")
 
 
+def graph_memory(options: CompileOptions, group_name: str | None, device: torch.device) -> int:
+    """What one graph's activations and gathered weights share: the agreed free memory less the
+    margin (see [Note: rank-agreed budget])."""
+    free = agreed_free_memory(group_name)
+    if free is None:
+        free = _total_bytes(device)
+    return int(free * (1.0 - options.margin_fraction))
+
+
 def graph_budget(options: CompileOptions, group_name: str, device: torch.device, activation_peak: int) -> int:
     """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    free = agreed_free_memory(group_name)
-    if free is None:
-        free = _total_bytes(device)
-    return max(1, int(free * (1.0 - options.margin_fraction)) - activation_peak)
+    return max(1, graph_memory(options, group_name, device) - activation_peak)
