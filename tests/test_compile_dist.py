@@ -11,6 +11,8 @@ One launch per world size does every check, so process start-up is paid once:
   the decoder under Inductor too.
 * world 3: the decoder with activation checkpointing under a tight budget (prefetch, re-gathers),
   and a Hugging Face Qwen3 (random weights, no download), match as well.
+* both: ``recompute="auto"`` under budgets that keep nothing, everything and half, each matching
+  the reference, the plans' split moving with the budget.
 
 Every run trains with AdamW behind a linear learning-rate warm-up from 0 ([Note: first Adam step]).
 
@@ -211,6 +213,58 @@ def _decoder_case(rank, world, *, ac, options, steps=STEPS, stock_twin=True):
     }
 
 
+def _auto_recompute_case(rank, world, steps=6):
+    """``recompute="auto"`` ([Note: budgeted recompute]) on the checkpointed decoder under three
+    activation budgets: one that keeps nothing (1 byte, raised to the peak with every region
+    recomputed), one that keeps everything, and one halfway between the two peaks. Each matches
+    the unsharded reference, and what the plans keep moves with the budget."""
+    from zbuf.compile import schedule_report
+    from zbuf.compile.report import clear_records
+    from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
+    from zbuf.shard import shard
+    from zbuf.state_dict import full_state_dict
+
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97)
+    torch.manual_seed(0)
+    init = apply_activation_checkpointing(build_model(cfg))
+    # Long enough sequences that activations, not parameter shards, set the peaks.
+    batches = _batches(cfg.vocab_size, world, seq=64, steps=steps)
+    ref = copy.deepcopy(init)
+    ref_run = _train(ref, ref, batches, rank, world, sharded=False, loss_fn=loss)
+    stats, out = {}, {}
+    for which in ("nothing", "everything", "between"):
+        budget = {"nothing": 1, "everything": 1 << 40}.get(which)
+        if budget is None:
+            budget = (stats["nothing"].activation_budget_bytes
+                      + stats["everything"].activation_peak_bytes) // 2
+        torch._dynamo.reset()
+        clear_records()
+        model = shard(copy.deepcopy(init))
+        cm = torch.compile(model, backend="zbuf", fullgraph=True, options={
+            "inner": "aot_eager", "recompute": "auto", "activation_budget_bytes": budget})
+        run = _train(cm, model, batches, rank, world, sharded=True, loss_fn=loss)
+        what = f"auto recompute, budget keeping {which} ({budget} bytes)"
+        torch.testing.assert_close(run.losses, ref_run.losses, rtol=RTOL, atol=0,
+                                   msg=lambda m: f"{what}: {m}")
+        errors = {"grads": _check_grads(run, ref_run, what),
+                  "params": _check_model(full_state_dict(model), ref, what)}
+        recs = schedule_report(model)
+        assert [r.kind for r in recs] == ["forward", "backward"], recs
+        s = stats[which] = recs[0].recompute
+        assert s.mode == "auto" and s.regions == 2
+        assert s.activation_peak_bytes <= s.activation_budget_bytes
+        out[which] = {"losses": run.losses, "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
+                      "plan": (s.regions_recomputed, s.regions_selective, s.regions_kept, s.kept_bytes,
+                               s.recomputed_flops, s.activation_peak_bytes)}
+    nothing, between, everything = stats["nothing"], stats["between"], stats["everything"]
+    # The kept/recomputed split follows the budget.
+    assert nothing.regions_recomputed == 2 and nothing.recomputed_flops > 0, nothing
+    assert everything.regions_kept == 2 and everything.recomputed_flops == 0, everything
+    assert nothing.kept_bytes < between.kept_bytes < everything.kept_bytes, (nothing, between, everything)
+    assert nothing.recomputed_flops > between.recomputed_flops, (nothing, between)
+    return out
+
+
 class _BreakNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -334,6 +388,7 @@ def _world2_worker(rank, world, with_inductor):
             options={"inner": "inductor", "budget_bytes": 600_000, "persist": False}, steps=3,
         )
     out["mismatch"] = _timed(times, "mismatch", _mismatch_case, rank, world)
+    out["auto"] = _timed(times, "auto", _auto_recompute_case, rank, world)
     out["times"] = times
     return out
 
@@ -344,6 +399,7 @@ def _world3_worker(rank, world):
     _, _, out["ac_tight"] = _decoder_case(
         rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000, "persist": False}
     )
+    out["auto"] = _auto_recompute_case(rank, world)
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -438,6 +494,8 @@ def test_two_ranks():
         assert per_rank[0] == per_rank[1], key
     assert results[0]["graph_break"] == results[1]["graph_break"]
     assert results[0]["bf16"]["losses"] == results[1]["bf16"]["losses"]
+    print("auto recompute plans (rank 0):", {k: v["plan"] for k, v in results[0]["auto"].items()})
+    assert results[0]["auto"] == results[1]["auto"]  # same plans and losses on every rank
     for msg, seconds in (r["mismatch"] for r in results):
         assert "collective #0" in msg and "rank" in msg, msg
         assert seconds < 60, seconds
@@ -450,6 +508,8 @@ def test_three_ranks():
     assert results[0]["ac_tight"] == results[1]["ac_tight"] == results[2]["ac_tight"]
     fw, bw = results[0]["ac_tight"]["records"]
     assert fw[2] > 0 and bw[4] > 0  # the tight budget still prefetches, and re-gathers in backward
+    print("auto recompute plans (rank 0):", {k: v["plan"] for k, v in results[0]["auto"].items()})
+    assert results[0]["auto"] == results[1]["auto"] == results[2]["auto"]
     if "hf" in results[0]:
         assert results[0]["hf"] == results[2]["hf"]
     else:

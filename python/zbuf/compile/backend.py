@@ -77,17 +77,24 @@ def compile_model(
     budget_bytes: int | None = None,
     prefetch: bool = True,
     persist: bool = True,
+    recompute: str = "checkpointed",
     fullgraph: bool = False,
     dynamic: bool | None = None,
     **options: Any,
 ) -> torch.nn.Module:
     """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``).
 
+    ``recompute``: ``"checkpointed"`` (backward recomputes the model's checkpointed regions as
+    written), ``"auto"`` (zbuf decides per checkpointed region what to keep and what to recompute
+    within the rank-agreed budget) or ``"none"`` (keep every region's activations); see
+    [Note: recompute modes] in recompute.py.
+
     Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
     ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
     model's sharding group ([Note: rank-agreed budget] in budget.py).
     """
-    opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist, **options)
+    opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
+                          recompute=recompute, **options)
     if budget_bytes is None and opts.free_memory_bytes is None:
         import torch.distributed as dist
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .options import CompileOptions
 
-__all__ = ["agree_free_memory", "graph_budget", "local_free_bytes"]
+__all__ = ["agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes"]
 
 
 def _host_bytes(kind: str) -> int:
@@ -73,11 +73,17 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
     return free
 
 
+def graph_memory(options: CompileOptions, device: torch.device) -> int:
+    """What one graph's activations and gathered weights share: the agreed free memory less the
+    margin (see [Note: rank-agreed budget])."""
+    free = options.free_memory_bytes
+    if free is None:
+        free = _total_bytes(device)
+    return int(free * (1.0 - options.margin_fraction))
+
+
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int) -> int:
     """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    free = options.free_memory_bytes
-    if free is None:
-        free = _total_bytes(device)
-    return max(1, int(free * (1.0 - options.margin_fraction)) - activation_peak)
+    return max(1, graph_memory(options, device) - activation_peak)

@@ -42,6 +42,10 @@ __all__ = [
     "activation_profile",
     "tensor_bytes",
     "gathered_nbytes",
+    "backward_nodes",
+    "weight_tree",
+    "block_of",
+    "node_flops",
 ]
 
 aten = torch.ops.aten
@@ -116,6 +120,30 @@ def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def weight_tree(gather: torch.fx.Node) -> list[torch.fx.Node]:
+    """The view and cast users of a gather, transitively: the weight in every form a consumer
+    reads it (re-gathered, never saved or recomputed as activations)."""
+    out, stack = [], [gather]
+    while stack:
+        for u in stack.pop().users:
+            if is_view(u) or u.target in _CASTS:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes of a joint graph that depend on a tangent: the backward part."""
+    bw: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in bw for a in n.all_input_nodes):
+            bw.add(n)
+    return bw
+
+
 def localize_view_chains(
     graph: torch.fx.Graph, gather: torch.fx.Node, order: dict[torch.fx.Node, int]
 ) -> None:
@@ -175,7 +203,8 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _flops(node: torch.fx.Node) -> float:
+def node_flops(node: torch.fx.Node) -> float:
+    """Matmul and attention FLOPs of a node (0 for everything else)."""
     t = node.target
     try:
         if t is aten.mm.default:
@@ -205,7 +234,7 @@ def node_seconds(node: torch.fx.Node, options: CompileOptions) -> float:
     moved = tensor_bytes(node.meta.get("val")) + sum(
         tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
     )
-    return _flops(node) / options.flops_per_second + moved / options.memory_bytes_per_second
+    return node_flops(node) / options.flops_per_second + moved / options.memory_bytes_per_second
 
 
 class GraphIndex(NamedTuple):
@@ -217,7 +246,7 @@ class GraphIndex(NamedTuple):
     """``gathers[i]`` is the FX node of ``summary.gathers[i]``."""
 
 
-def _block_of(node: torch.fx.Node) -> str:
+def block_of(node: torch.fx.Node) -> str:
     """The coalescing key: group, dtype, and the owning block ("layers.3") of the parameter.
 
     The block comes from ``nn_module_stack``: the module path up to its first numeric component
@@ -286,7 +315,7 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
                 uses=tuple(sorted(uses)),
                 earliest=min(earliest, min(uses)),
                 escapes=escapes,
-                block=_block_of(g),
+                block=block_of(g),
                 pool=gather_args(g).pool_id,
             ))
         )
@@ -309,7 +338,10 @@ def activation_profile(graph: torch.fx.Graph) -> np.ndarray:
 
     Static liveness: a tensor is alive from the node that makes it to its last reader.
     Placeholders count from the start (in a backward graph they are the saved activations),
-    graph outputs to the end; views and the gathered buffers (and views of them) count nothing.
+    graph outputs to the end; views and the gathered buffers (and views of them) count nothing,
+    nor do the gathered weights a backward graph receives from its forward (marked
+    ``zbuf_persistent`` by selective persistence: their bytes come off the gather budget, see
+    [Note: selective persistence] in persist.py).
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -319,7 +351,8 @@ def activation_profile(graph: torch.fx.Graph) -> np.ndarray:
         gathered.update(view_tree(g))
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
-        if n.op in ("output", "get_attr") or n in gathered or is_view(n):
+        if (n.op in ("output", "get_attr") or n in gathered or is_view(n)
+                or n.meta.get("zbuf_persistent")):
             continue
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:

@@ -13,9 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-__all__ = ["CompileOptions"]
+__all__ = ["CompileOptions", "RECOMPUTE_MODES"]
 
 Inner = Literal["inductor", "aot_eager"]
+Recompute = Literal["checkpointed", "auto", "none"]
+RECOMPUTE_MODES = ("checkpointed", "auto", "none")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,17 @@ class CompileOptions:
     coalesce_min_bytes: int = 32 << 20
     """Gathers at or above this size are never coalesced (they already saturate the link)."""
 
+    recompute: Recompute = "checkpointed"
+    """What backward recomputes of the model's checkpointed regions ([Note: recompute modes] in
+    recompute.py): ``"checkpointed"`` as the user checkpointed them; ``"auto"`` zbuf keeps each
+    region's activations, its matmul and attention outputs only, or nothing, within the activation
+    budget, recomputing what is cheapest per byte; ``"none"`` keeps every region's activations."""
+
+    activation_budget_bytes: int | None = None
+    """``recompute="auto"``: cap on the activation peak of the forward and backward graphs.
+    ``None``: the rank-agreed graph memory less what the gathers need ([Note: budgeted
+    recompute]). Raised to the peak with every region recomputed when set lower, and reported."""
+
     inner: Inner = "inductor"
     """What compiles the rewritten graphs: Inductor, or ``aot_eager`` (runs the FX graphs as they
     are; fast to compile, for debugging and CPU tests)."""
@@ -81,6 +94,17 @@ class CompileOptions:
             if not ok:
                 raise ValueError(f"zbuf compile option {msg}")
 
+        need(self.recompute in RECOMPUTE_MODES,
+             f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
+        if self.activation_budget_bytes is not None:
+            need(isinstance(self.activation_budget_bytes, int)
+                 and not isinstance(self.activation_budget_bytes, bool)
+                 and self.activation_budget_bytes > 0,
+                 f"activation_budget_bytes={self.activation_budget_bytes!r} must be a positive int "
+                 "(bytes) or None to derive it from the rank-agreed free memory")
+            need(self.recompute == "auto",
+                 f"activation_budget_bytes is the budget of recompute='auto'; with "
+                 f"recompute={self.recompute!r} nothing plans against it")
         if self.budget_bytes is not None:
             need(
                 isinstance(self.budget_bytes, int) and not isinstance(self.budget_bytes, bool)

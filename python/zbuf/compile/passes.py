@@ -1,9 +1,10 @@
 """The FX passes of the zbuf backend, as Inductor custom-pass objects (also used by aot_eager).
 
-``ZbufPartitioner`` (joint graph, before partitioning): tags every gather and its view/cast users
-``MUST_RECOMPUTE`` so backward re-gathers instead of saving full weights, except the gathers
-selective persistence keeps (``MUST_SAVE``: persist.py), then runs
-``min_cut_rematerialization_partition``.
+``ZbufPartitioner`` (joint graph, before partitioning): applies the recompute mode to the
+checkpointed regions (recompute.py: as written, planned within the budget, or kept), tags every
+gather and its view/cast users ``MUST_RECOMPUTE`` so backward re-gathers instead of saving full
+weights, except the gathers selective persistence keeps (``MUST_SAVE``: persist.py), and runs
+``min_cut_rematerialization_partition`` (more than once when the recompute plan is measured).
 ``GatherSchedulePass`` (forward and backward graphs, post-grad): plans (schedule.py) and rewrites
 (rewrite.py) each graph in the steps ``plan_and_rewrite`` lists, and adds the every-run rank check
 ([Note: collective order check] in fingerprint.py) and the first-run pool sizing.
@@ -30,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from torch.profiler import record_function
 
 from . import budget as budget_mod
-from . import report
+from . import recompute, report
 from .fingerprint import collective_order, describe_graph, fingerprint_of
 from .graph_info import activation_profile, gather_nodes, group_and_device, summarize
 from .options import CompileOptions
@@ -54,6 +55,8 @@ CACHE_KEY_MODULES = (
     "zbuf.compile.options",
     "zbuf.compile.passes",
     "zbuf.compile.persist",
+    "zbuf.compile.recompute",
+    "zbuf.compile.recompute_plan",
     "zbuf.compile.report",
     "zbuf.compile.rewrite",
     "zbuf.compile.schedule",
@@ -86,13 +89,16 @@ class PlanState:
     """What the partitioner hands to the post-grad pass of the same compile.
 
     One instance per Dynamo graph (the backend creates it), shared by the partitioner (producer
-    of ``persisted``, see [Note: selective persistence] in persist.py) and the schedule pass of
+    of ``persisted``, see [Note: selective persistence] in persist.py, and ``recompute``) and the
+    schedule pass of
     the forward and backward graphs (consumer).
     """
 
     def __init__(self, options: CompileOptions) -> None:
         self.options = options
         self.persisted = Persisted()
+        self.recompute: recompute.RecomputeStats | None = None
+        """What the partition kept for backward and what backward recomputes (recompute.py)."""
 
     def uuid(self) -> str:
         return f"{_SOURCE_HASH}:{self.options.digest()}:{torch.__version__}"
@@ -105,10 +111,21 @@ class ZbufPartitioner(CustomPartitionerFn):
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        with record_function("zbuf::tag_for_regather"):
-            self.state.persisted = tag_for_regather(gm.graph, self.state.options)
         kwargs.setdefault("compiler", "inductor")
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        opts = self.state.options
+
+        def min_cut(joint: torch.fx.GraphModule):
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def tag(joint: torch.fx.Graph, activation_peak: int | None) -> Persisted:
+            with record_function("zbuf::tag_for_regather"):
+                return tag_for_regather(joint, opts, activation_peak)
+
+        with record_function("zbuf::partition"):
+            fw, bw, persisted, stats = recompute.partition(gm, opts, min_cut, tag)
+        # The partition chosen carries its own persistence ([Note: budgeted recompute]).
+        self.state.persisted, self.state.recompute = persisted, stats
+        return fw, bw
 
     def uuid(self) -> str:
         return "partitioner:" + self.state.uuid()
@@ -173,7 +190,7 @@ class GatherSchedulePass(CustomGraphPass):
         rec = report.schedule_record(
             graph, kind=kind, index=index, sched=sched, options=opts,
             persistent_bytes=persisted.nbytes, activation_profile=act_profile, order=order,
-            fingerprint=fp, checked=checked)
+            fingerprint=fp, checked=checked, recompute=self.state.recompute)
         if checked:  # 8
             counts = buffer_counts(index.summary, sched) if sched else {}
             if kind == "backward":

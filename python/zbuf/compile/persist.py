@@ -36,19 +36,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import budget as budget_mod
 from .graph_info import (
     activation_peak_bytes,
+    backward_nodes,
     gather_args,
     gather_nodes,
     gathered_nbytes,
     group_and_device,
-    is_view,
+    weight_tree,
 )
 from .options import CompileOptions
 
 __all__ = ["Persisted", "tag_for_regather"]
 
-aten = torch.ops.aten
-
-_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 
 
 class Persisted(NamedTuple):
@@ -61,15 +59,6 @@ class Persisted(NamedTuple):
     buffers: tuple[tuple[int, int], ...] = ()
     """(pool id, bytes) of each: they come back to their pools during backward ([Note: pool
     sizing] in schedule.py)."""
-
-
-def _is_backward_node_set(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes of a joint graph that depend on a tangent: the backward part."""
-    bw: set[torch.fx.Node] = set()
-    for n in graph.nodes:
-        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in bw for a in n.all_input_nodes):
-            bw.add(n)
-    return bw
 
 
 def _backward_need(joint: torch.fx.Graph, bw: set[torch.fx.Node], recomputed,
@@ -98,28 +87,20 @@ def _backward_need(joint: torch.fx.Graph, bw: set[torch.fx.Node], recomputed,
     return need_at
 
 
-def _view_and_cast_tree(g: torch.fx.Node) -> list[torch.fx.Node]:
-    out, stack = [], [g]
-    while stack:
-        for u in stack.pop().users:
-            if is_view(u) or u.target in _CASTS:
-                out.append(u)
-                stack.append(u)
-    return out
-
-
-def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions) -> Persisted:
+def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
+                     activation_peak: int | None = None) -> Persisted:
     """Recompute tags on the joint graph; picks the persistent gathers ([Note: selective
-    persistence]) and returns them."""
-    bw = _is_backward_node_set(joint)
+    persistence]) within the budget left by ``activation_peak`` (None: the joint graph's static
+    peak, every activation kept; recompute.py passes its plan's) and returns them."""
+    bw = backward_nodes(joint)
     gathers = gather_nodes(joint)
-    trees = {g: _view_and_cast_tree(g) for g in gathers}
+    trees = {g: weight_tree(g) for g in gathers}
     persist: set[torch.fx.Node] = set()
     kept_bytes = 0
     buffers: list[tuple[int, int]] = []
     if opts.persist and gathers:
         _, device = group_and_device(joint)
-        peak = activation_peak_bytes(joint)
+        peak = activation_peak_bytes(joint) if activation_peak is None else activation_peak
         budget = budget_mod.graph_budget(opts, device, peak)
         # What one node needs at once is off limits; persistence may use a share of the rest.
         need: dict[torch.fx.Node, int] = {}
@@ -153,6 +134,9 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions) -> Persisted:
             buffers.append((gather_args(g).pool_id, nbytes))
     for g in gathers:
         g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
+        # The backward graph's placeholder of a kept weight shares this meta dict: there it is
+        # gathered bytes, not an activation (graph_info.activation_profile).
+        g.meta["zbuf_persistent"] = g in persist
         for v in trees[g]:
             v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return Persisted(kept_bytes, len(persist), tuple(buffers))

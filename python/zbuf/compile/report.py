@@ -23,6 +23,7 @@ from ..shard import roots
 from .graph_info import GraphIndex
 from .graph_model import GraphSummary
 from .options import CompileOptions
+from .recompute import RecomputeStats
 from .schedule import Schedule, exposed_seconds
 
 __all__ = [
@@ -86,6 +87,10 @@ class ScheduleRecord:
     modelled_exposed_seconds: float = 0.0
     """Gather time the compute stream would wait for under the same model
     (``schedule.exposed_seconds``, [Note: modelled exposure]); 0 when every gather is hidden."""
+    recompute: RecomputeStats | None = None
+    """What the forward/backward pair of this graph kept for backward and what backward
+    recomputes, in bytes and FLOPs, and the recompute mode's decisions (the same in both graphs'
+    records; None in records written before the field existed)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -97,13 +102,15 @@ class ScheduleRecord:
         d["op_order"] = tuple(d["op_order"])
         for name in ("live_gathered_profile", "activation_profile"):
             d[name] = tuple(d.get(name, ()))
+        if d.get("recompute") is not None:
+            d["recompute"] = RecomputeStats(**d["recompute"])
         return cls(**d)
 
 
 def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex,
                     sched: Schedule | None, options: CompileOptions, persistent_bytes: int,
                     activation_profile: np.ndarray, order: list[str], fingerprint: str,
-                    checked: bool) -> ScheduleRecord:
+                    checked: bool, recompute: RecomputeStats | None) -> ScheduleRecord:
     """The record of a graph the schedule pass just rewrote (``sched``: None when it gathers
     nothing; ``checked``: the graph starts with ``zbuf::check_schedule``)."""
     zbuf = torch.ops.zbuf
@@ -141,6 +148,7 @@ def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex
         activation_profile=downsample_peaks(activation_profile),
         modelled_compute_seconds=float(sum(index.summary.compute_seconds)),
         modelled_exposed_seconds=exposed_seconds(index.summary, sched, options) if sched else 0.0,
+        recompute=recompute,
     )
 
 
