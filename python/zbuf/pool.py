@@ -184,6 +184,8 @@ class GatherBufferPool:
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.acquire = self._core.acquire  # [Note: hot-path methods]
         self.release = self._core.release
+        if kind == "cuda":
+            self._core.set_reclaim_hook(_release_torch_cache)
 
     def __repr__(self) -> str:
         s = self._core.stats()
@@ -233,6 +235,17 @@ class GatherBufferPool:
             return self._core.trim()
 
     # -- allocator pressure -----------------------------------------------------------------
+
+    def set_reclaim_hook(self, hook: Callable[[int], object] | None) -> None:
+        """What the pool does when the device refuses it a block even after it freed its own idle
+        blocks: ``hook(nbytes)`` runs (pool unlocked) and the acquire is retried once; an
+        exception from the hook propagates. CUDA pools start with a hook that empties torch's
+        caching allocator (its unused cache must not starve the pool: [Note: reclaim hook] in
+        rust/python/pool.rs); host pools with none. None removes the hook."""
+        if hook is not None and not callable(hook):
+            raise InvalidRequestError(
+                f"the reclaim hook must be a callable taking a byte count, got {type(hook).__name__}")
+        self._core.set_reclaim_hook(hook)
 
     def observe_pressure(self, num_alloc_retries: int, free_bytes: int, total_bytes: int) -> str:
         """Feeds the caching allocator's cumulative retry counter and the device's free/total bytes.
@@ -295,6 +308,11 @@ class GatherBufferPool:
         """Testing hook: the next `count` device allocations fail with out-of-memory (host
         backend only; returns False on CUDA)."""
         return self._core._inject_oom(count)
+
+
+def _release_torch_cache(nbytes: int) -> None:
+    """The CUDA pools' reclaim hook: hand torch's unused cached blocks back to the device."""
+    torch.cuda.empty_cache()
 
 
 _default_pools: dict[torch.device, GatherBufferPool] = {}

@@ -22,13 +22,14 @@ from __future__ import annotations
 import sys
 import types
 
-from .backend import compile_model, zbuf_backend
+from .backend import compile_model, step_memory_of, zbuf_backend
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
 from .report import ScheduleRecord, schedule_report
 
 __all__ = [
     "compile_model",
+    "step_memory_of",
     "zbuf_backend",
     "CompileOptions",
     "ScheduleMismatchError",

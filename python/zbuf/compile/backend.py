@@ -22,7 +22,7 @@ from ..shard import roots
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 
-__all__ = ["zbuf_backend", "compile_model"]
+__all__ = ["zbuf_backend", "compile_model", "step_memory_of"]
 
 
 def zbuf_backend(
@@ -79,14 +79,27 @@ def compile_model(
     persist: bool = True,
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     **options: Any,
 ) -> torch.nn.Module:
-    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``).
+    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
+    the whole training step under one measured memory budget.
 
     Every rank must call this at the same point: without an explicit ``budget_bytes`` it agrees on
     the rank-minimum free memory with one all-reduce over the model's sharding group.
+
+    For a model sharded with ``zbuf.shard``, the first step is measured and, if the step does not
+    fit the plans, the model is re-planned once, at the first forward of the second step, on
+    every rank ([Note: whole-step budget] in zbuf/step_memory.py; ``zbuf.step_memory_of``).
+    ``optimizer``: the model's optimizer. zbuf then measures its step separately and lends it the
+    pool's idle blocks when it needs them; without it the optimizer step is measured as part of
+    backward and the budget leaves room for it beside the pool. An explicit ``budget_bytes`` is
+    never re-planned.
     """
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist, **options)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     if budget_bytes is None:
         import torch.distributed as dist
 
@@ -95,6 +108,27 @@ def compile_model(
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
             agree_free_memory(group)
-    return torch.compile(
+    compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )
+    if _shard_group(model) is None:
+        if optimizer is not None:
+            raise ValueError("zbuf.compile(..., optimizer=...) measures the step of a model "
+                             "sharded with zbuf.shard; shard the model first, or leave out "
+                             "optimizer=")
+        return compiled
+    from ..step_memory import StepMemory
+    from .replan import Replanner
+
+    replanner = None
+    if budget_bytes is None:
+        replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
+    compiled.__dict__["_zbuf_step_memory"] = StepMemory(
+        model, optimizer, hooked=compiled, replanner=replanner)
+    return compiled
+
+
+def step_memory_of(compiled: torch.nn.Module):
+    """The ``zbuf.step_memory.StepMemory`` that ``zbuf.compile`` attached to ``compiled`` (its
+    measured budget, per-step rows and events), or None."""
+    return compiled.__dict__.get("_zbuf_step_memory")
