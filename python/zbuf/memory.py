@@ -81,6 +81,13 @@ class SharedMemory:
                 torch.cuda.empty_cache()
 
         pool.set_reclaim_hook(reclaim)
+
+        def budget_moved(_budget: int) -> None:
+            me = ref()
+            if me is not None:
+                me._apply_capacity()
+
+        pool.set_budget_observer(budget_moved)
         if self.device.type == "cuda":
             def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
                 me = ref()

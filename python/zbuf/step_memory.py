@@ -154,8 +154,12 @@ class StepMemory:
             default ``model``).
         replanner: the compiled model's re-planner (compile/replan.py); None for an eager model,
             which is measured and arbitrated but has no plan to remake.
-        host_free_bytes: CPU stand-in only: the agreed free memory the limit starts from
-            (default: the value ``zbuf.compile`` agreed, else the host's available memory).
+        host_free_bytes: CPU stand-in only: the free memory the limit starts from (what
+            ``zbuf.compile`` agreed, before the gradients came off; default: the host's
+            available memory).
+        plan_sizes_pool: the model is compiled, so its plans size the pool on their first runs:
+            the pool's budget starts at 0 and becomes exactly what the plans need (an emulated
+            card's split follows it: [Note: emulated capacity] in zbuf/memory.py).
     """
 
     MEASURED_STEP = 0
@@ -163,8 +167,10 @@ class StepMemory:
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
-                 host_free_bytes: Optional[int] = None) -> None:
+                 host_free_bytes: Optional[int] = None, plan_sizes_pool: bool = False) -> None:
         pool = _pool_of(model)
+        if plan_sizes_pool:
+            pool.set_budget(0)
         self.model = model
         self.optimizer = optimizer
         self.group = _group_of(model)
@@ -179,12 +185,9 @@ class StepMemory:
         self._host_limit = None
         if pool.device.type != "cuda":
             if host_free_bytes is None:
-                from .compile.budget import agreed_free_memory, local_free_bytes
+                from .compile.budget import local_free_bytes
 
-                group_name = self.group.group_name if self.group is not None else None
-                host_free_bytes = agreed_free_memory(group_name)
-                if host_free_bytes is None:
-                    host_free_bytes = local_free_bytes(pool.device)
+                host_free_bytes = local_free_bytes(pool.device)
             self._host_limit = int(host_free_bytes) + self.meter.tracked_bytes()
         hooked = hooked if hooked is not None else model
         # Order matters: the meter closes step 0 before the decision reads it.

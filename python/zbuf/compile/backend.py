@@ -71,6 +71,17 @@ def _shard_group(model: torch.nn.Module):
     return found[0].group if found else None
 
 
+def _gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients of ``model``'s trainable parameters (shards, once each)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def compile_model(
     model: torch.nn.Module,
     *,
@@ -100,6 +111,7 @@ def compile_model(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    host_free = None
     if budget_bytes is None:
         import torch.distributed as dist
 
@@ -107,7 +119,10 @@ def compile_model(
 
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            agree_free_memory(group)
+            # The gradients will exist during every backward (and are known exactly); the rest
+            # of what the step holds is measured on its first run ([Note: whole-step budget]).
+            grads = _gradient_bytes(model)
+            host_free = agree_free_memory(group, reserve_bytes=grads) + grads
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )
@@ -124,7 +139,8 @@ def compile_model(
     if budget_bytes is None:
         replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
     compiled.__dict__["_zbuf_step_memory"] = StepMemory(
-        model, optimizer, hooked=compiled, replanner=replanner)
+        model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
+        host_free_bytes=host_free)
     return compiled
 
 
