@@ -21,9 +21,14 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
    - peaks are the caching allocator's *reserved* bytes (live tensors, its cache and its
      fragmentation: what competes with the pool), forward and backward;
    - one all-reduce agrees on them: the smallest limit and the largest peaks of any rank;
-   - the gather budget is ``limit - limit / 64 - max(forward, backward)``, rounded down to 1/16
-     of its leading power of two (so that launches of one configuration land on the same value
-     and Inductor's cache keeps hitting: the budget is part of the pass uuid).
+   - the gather budget is ``limit - limit / 64 - max(forward, backward) - excess``, rounded
+     down to 1/16 of its leading power of two (so that launches of one configuration land on
+     the same value and Inductor's cache keeps hitting: the budget is part of the pass uuid).
+     ``excess`` is what the pool held after step 0's backward beyond the largest number of
+     gathered bytes its plans have live at once: the pool keeps, per block size, as many blocks
+     as are ever live together ([Note: pool sizing] in compile/schedule.py), which can be more
+     bytes than are live at any one node; the budget bounds the latter, the device sees the
+     former.
    One budget serves every graph: the pool keeps the blocks of the forward's plan while backward
    runs and vice versa, so each phase's peak meets the pool's whole size.
 3. If a graph's current plan does not fit the budget (its peak live gathered bytes, plus the
@@ -53,6 +58,7 @@ with the optimizer counted as part of backward.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
@@ -60,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .memory import SharedMemory
-from .step_phases import PhaseMeter, StepPhases
+from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
 
 if TYPE_CHECKING:
     from .compile.replan import Replanner
@@ -95,6 +101,8 @@ class MeasuredBudget(NamedTuple):
     """Torch's backward peak, likewise (without an optimizer: backward and optimizer)."""
     optimizer_peak_bytes: Optional[int]
     """Torch's optimizer-step peak (largest over the ranks); None without an optimizer."""
+    pool_excess_bytes: int
+    """What the pool held beyond its plans' largest live gathered bytes (largest over ranks)."""
     budget_bytes: int
     """The gather budget every graph is planned within (quantised)."""
     planned_budget_bytes: Optional[int]
@@ -178,9 +186,12 @@ class StepMemory:
         self.meter = PhaseMeter(pool.device, model, optimizer)
         self.replanner = replanner
         self.measured: Optional[MeasuredBudget] = None
-        self.rows: list[StepMemoryRow] = []
+        self.rows: collections.deque[StepMemoryRow] = collections.deque(maxlen=ROWS_KEPT)
+        """The latest closed steps' rows, oldest first."""
+        self._measured_row: Optional[tuple[StepPhases, int]] = None  # (phases, pool held)
         self._replan_step: Optional[int] = None
         self._yielded = 0
+        self._pool_after_backward: Optional[int] = None  # of the running step
         self._events0 = self._event_counts()
         self._host_limit = None
         if pool.device.type != "cuda":
@@ -189,6 +200,7 @@ class StepMemory:
 
                 host_free_bytes = local_free_bytes(pool.device)
             self._host_limit = int(host_free_bytes) + self.meter.tracked_bytes()
+        self.meter.on_close = self._row
         hooked = hooked if hooked is not None else model
         # Order matters: the meter closes step 0 before the decision reads it.
         self.meter.attach(hooked)
@@ -209,12 +221,13 @@ class StepMemory:
     # -- hooks --------------------------------------------------------------------------------
 
     def _on_forward(self) -> None:
-        if self.measured is None and len(self.meter.rows) > self.MEASURED_STEP:
-            self.measured = self._decide(self.meter.rows[self.MEASURED_STEP])
+        if self.measured is None and self._measured_row is not None:
+            self.measured = self._decide(*self._measured_row)
         self.memory.observe_step()
         self.memory.take_back()  # the pool's share may have moved (first runs size it)
 
     def _before_optimizer(self) -> None:
+        self._pool_after_backward = self.memory.pool.stats().charged_bytes
         m = self.measured
         usable = self._usable(self.limit_bytes())
         if m is None or m.optimizer_peak_bytes is None:
@@ -236,42 +249,44 @@ class StepMemory:
             return self._host_limit
         return self.memory.limit_bytes()
 
-    def _decide(self, row: StepPhases) -> MeasuredBudget:
+    def _decide(self, row: StepPhases, pool_held: int) -> MeasuredBudget:
         growth = max(0, self.meter.resident_bytes() - row.start_bytes)
         fw = row.forward_reserved_bytes + growth
         bw = row.backward_reserved_bytes + growth
         opt = row.optimizer_reserved_bytes
-        if self._host_limit is not None and self.replanner is not None:
-            # CPU stand-in: activations are invisible to the meter; the plans project them.
-            act = self.replanner.activation_peaks()
-            fw += act.get("forward", 0)
-            bw += act.get("backward", 0)
-        limit, fw, bw, opt = self._agree(self.limit_bytes(), fw, bw, opt)
-        budget = quantize_budget(self._usable(limit) - max(fw, bw))
+        excess = 0
+        if self.replanner is not None:
+            excess = max(0, pool_held - self.replanner.largest_need())
+            if self._host_limit is not None:
+                # CPU stand-in: activations are invisible to the meter; the plans project them.
+                act = self.replanner.activation_peaks()
+                fw += act.get("forward", 0)
+                bw += act.get("backward", 0)
+        limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
+        budget = quantize_budget(self._usable(limit) - max(fw, bw) - excess)
         planned = replanned = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
             replanned = self.replanner.replan_if_needed(budget)
         if replanned:
-            self._replan_step = len(self.meter.rows)
+            self._replan_step = self.meter.closed  # the step now opening
             self.memory.pool.set_budget(budget)
-        else:
-            s = self.memory.pool.stats()
-            # What step 0 held is what the plan needs: keep the pool (and its share of an
-            # emulated card) to that.
-            if s.high_water_bytes < s.budget_bytes:
-                self.memory.pool.set_budget(max(s.high_water_bytes, s.checked_out_bytes))
-        return MeasuredBudget(limit, fw, bw, opt, budget, planned, bool(replanned), row.step)
+        elif self.replanner is not None and pool_held < self.memory.pool.stats().budget_bytes:
+            # What the plans held after step 0's backward is what they need: keep the pool (and
+            # its share of an emulated card) to that.
+            self.memory.pool.set_budget(pool_held)
+        return MeasuredBudget(limit, fw, bw, opt, excess, budget, planned, bool(replanned),
+                              row.step)
 
-    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int]):
-        """One all-reduce(MIN) over the sharding group: the smallest limit, the largest peaks."""
-        vals = [limit, -fw, -bw, -(opt or 0)]
+    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
+        """One all-reduce(MIN) over the sharding group: the smallest limit, the largest rest."""
+        vals = [limit, -fw, -bw, -(opt or 0), -excess]
         if self.group is not None and dist.is_available() and dist.is_initialized():
             dev = self.memory.device if dist.get_backend(self.group) == "nccl" else "cpu"
             t = torch.tensor(vals, dtype=torch.int64, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             vals = [int(v) for v in t.tolist()]
-        return vals[0], -vals[1], -vals[2], (None if opt is None else -vals[3])
+        return vals[0], -vals[1], -vals[2], (None if opt is None else -vals[3]), -vals[4]
 
     # -- telemetry ----------------------------------------------------------------------------
 
@@ -281,10 +296,15 @@ class StepMemory:
 
     def close_step(self) -> Optional[StepMemoryRow]:
         """Close the running step (call after it, e.g. after ``loss.item()``); returns its row."""
-        phases = self.meter.close_step()
-        if phases is None:
-            return None
+        phases = self.meter.close_step()  # its on_close is _row
+        return None if phases is None else self.rows[-1]
+
+    def _row(self, phases: StepPhases) -> None:
         s = self.memory.pool.stats()
+        if phases.step == self.MEASURED_STEP:
+            held = self._pool_after_backward
+            self._measured_row = (phases, s.charged_bytes if held is None else held)
+        self._pool_after_backward = None
         counts = self._event_counts()
         m = self.measured
         if m is not None and m.replanned:
@@ -300,7 +320,6 @@ class StepMemory:
         self._yielded = 0
         self._events0 = counts
         self.rows.append(row)
-        return row
 
     def report(self) -> dict[str, Any]:
         """The measured budget and the cumulative events, JSON-able (for a run record)."""

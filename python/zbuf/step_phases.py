@@ -24,7 +24,8 @@ forward or at ``close_step``. With an optimizer attached, forwards before the op
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import collections
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from torch import nn
 __all__ = ["StepPhases", "PhaseMeter", "PHASES"]
 
 PHASES = ("forward", "backward", "optimizer")
+
+ROWS_KEPT = 4096
+"""Closed steps whose rows a meter keeps (a long run keeps the latest)."""
 
 
 class StepPhases(NamedTuple):
@@ -85,7 +89,12 @@ class PhaseMeter:
         self.device = torch.device(device)
         self.module = module
         self.optimizer = optimizer
-        self.rows: list[StepPhases] = []
+        self.rows: collections.deque[StepPhases] = collections.deque(maxlen=ROWS_KEPT)
+        """The latest closed steps' rows, oldest first."""
+        self.closed = 0
+        """Steps closed so far."""
+        self.on_close: Optional[Callable[[StepPhases], None]] = None
+        """Called with each row as its step closes (however it closes)."""
         self._phase: Optional[str] = None  # None: no step open; else the running phase
         self._start = 0
         self._peaks: dict[str, tuple[int, int]] = {}
@@ -144,10 +153,13 @@ class PhaseMeter:
         fw = p.get("forward", (self._start, self._start))
         bw = p.get("backward", fw)
         opt = p.get("optimizer") if self.optimizer is not None else None
-        row = StepPhases(len(self.rows), self._start, fw[0], bw[0], opt[0] if opt else None,
+        row = StepPhases(self.closed, self._start, fw[0], bw[0], opt[0] if opt else None,
                          fw[1], bw[1], opt[1] if opt else None)
         self.rows.append(row)
+        self.closed += 1
         self._phase = None
+        if self.on_close is not None:
+            self.on_close(row)
         return row
 
     # -- measuring ----------------------------------------------------------------------------

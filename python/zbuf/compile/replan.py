@@ -86,6 +86,10 @@ class Replanner:
         backward graph, the weights kept from forward (they are not in its profile)."""
         return r.peak_live_gathered_bytes + (r.persistent_bytes if r.kind == "backward" else 0)
 
+    def largest_need(self) -> int:
+        """The most gathered bytes any current graph holds at once (0: nothing compiled)."""
+        return max((self.needs(r) for r in self.records()), default=0)
+
     def fits(self, budget_bytes: int) -> bool:
         """Whether no current graph would gain from a plan under ``budget_bytes``: each needs
         at most that, or already no more than its floor (the bytes one node needs at once, which
