@@ -413,3 +413,73 @@ def test_pool_backend_refusing_memory_mid_step_is_survived(two_ranks):
     assert r0["idle_before"] > 0 and r0["evicted"] >= 1  # the pool gave its idle block up
     assert r0["alloc_failures"] == 2 and r0["reclaims"] == [0, 1, 0]
     assert r1["alloc_failures"] == 0 and r1["reclaims"] == [0, 0, 0]
+
+
+# -- zbuf bench / zbuf report ------------------------------------------------------------------
+
+
+def _sgd_reference(steps, micro_batch, seq_len, world=2):
+    """Unsharded fp32 SGD (momentum 0.9) on the same model and global batches as ``zbuf bench``."""
+    from zbuf.models import loss
+    from zbuf.train.config import TrainConfig
+    from zbuf.train.data import global_batch
+    from zbuf.train.engines import build_base_model, build_optimizer
+
+    cfg = TrainConfig(optimizer="sgd", micro_batch=micro_batch, seq_len=seq_len).resolve(
+        cuda=False, world=world, bench=True)
+    model = build_base_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
+    out = []
+    for step in range(steps):
+        tokens, targets = global_batch(cfg.task, cfg.seed, step, micro_batch * world, seq_len,
+                                       model.config.vocab_size)
+        value = loss(model, tokens, targets)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        out.append(value.item())
+    return out
+
+
+def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    steps, mb, seq = 3, 2, 32
+    cli = [sys.executable, "-m", "zbuf.cli"]
+    res = subprocess.run(cli + ["bench", "--engines", "zbuf-eager,fsdp2", "--optimizer", "sgd",
+                                "--steps", str(steps), "--warmup", "1", "--micro-batch", str(mb),
+                                "--seq-len", str(seq), "--no-progress", "--out", str(out)],
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["config"]["optimizer"] == "sgd" and record["config"]["lr"] == 0.1
+    assert "sgd" in (tmp_path / "bench.md").read_text()
+    ref = _sgd_reference(steps, mb, seq)
+    for eng in record["engines"]:
+        assert eng["status"] == "ok", eng.get("error")
+        assert eng["summary"]["losses"] == pytest.approx(ref, rel=1e-5)
+        for s in eng["steps"]:
+            for key in ("alloc_retries", "forward_peak_bytes", "backward_peak_bytes",
+                        "optimizer_peak_bytes", "pool_held_bytes", "pool_idle_bytes",
+                        "pool_yielded_bytes", "budget_bytes", "replanned"):
+                assert len(s[key]) == 2, (key, s[key])  # one entry per rank
+        # CPU stand-in: a rank's fp32 shards of parameters, gradients and SGD's momentum (which
+        # appears in the first optimizer step and stays), the same for both sharded engines
+        # (up to each one's padding).
+        half = record["model"]["params"] * 4 // 2
+        first, later = eng["steps"][0], eng["steps"][-1]
+        for r in range(2):
+            assert first["forward_peak_bytes"][r] == pytest.approx(half, rel=0.05)
+            assert later["forward_peak_bytes"][r] == pytest.approx(2 * half, rel=0.05)
+            assert later["optimizer_peak_bytes"][r] == pytest.approx(3 * half, rel=0.05)
+    zbuf_eager = record["engines"][0]
+    # zbuf-eager: the pool is measured and lends its idle blocks to the optimizer step (step 0).
+    assert all(v > 0 for v in zbuf_eager["steps"][0]["pool_yielded_bytes"])
+    assert zbuf_eager["step_memory"]["measured"]["measured_step"] == 0
+    fsdp2 = record["engines"][1]
+    assert fsdp2["steps"][0]["pool_held_bytes"] == [0, 0] and fsdp2["step_memory"] is None
+
+    rep = subprocess.run(cli + ["report", str(out), "-o", str(plots)], capture_output=True,
+                         text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "step_memory.png" in os.listdir(plots)
+    assert "optimizer peak" in rep.stdout and "re-planned" in rep.stdout  # the step-memory table

@@ -73,7 +73,13 @@ class StepPhases(NamedTuple):
 
 
 def _tensor_bytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    """Bytes this rank holds for ``t`` (a DTensor, as FSDP2's parameters: its local shard)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
+    return t.numel() * t.element_size()
 
 
 class PhaseMeter:
