@@ -7,7 +7,9 @@ the optimizer's state (created lazily by its first ``step()``) and temporaries, 
 an eager loss, NCCL's buffers (allocated by the first collective), the allocator's
 fragmentation. Rather than guess them, zbuf measures the first step and plans again once:
 
-1. Step 0 runs on the first plan. Its phases are measured ([Note: phase peaks] in
+1. Step 0 runs on the first plan, which already left the gradients' bytes out of the free
+   memory (known exactly from the shards). The pool's budget starts at 0, so the plans' first
+   runs size it to exactly what they need. Step 0's phases are measured ([Note: phase peaks] in
    step_phases.py). Before its optimizer step the pool gives all its idle blocks back (nothing is
    known yet about what the optimizer needs; ``zbuf.memory.SharedMemory.yield_idle``).
 2. At the first forward of step 1, on every rank (the same program point of every rank), the
