@@ -30,6 +30,7 @@ from .. import models
 from .. import shard as zshard
 from ..compile import backend as zbackend
 from ..compile import schedule_report as zschedule_report
+from ..pool import GatherBufferPool
 from ..step_memory import StepMemory
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
@@ -190,8 +191,11 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
 
 
 def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
-    zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    pool = zshard.root_of(model).pool
+    # A pool of its own per engine: what one engine's plans and step memory did to a pool (its
+    # budget, its blocks) must not carry over to the next engine of a bench.
+    pool = GatherBufferPool(device)
+    zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                 pool=pool)
     if pool_budget and cfg.budget is not None:
         # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
         pool.set_budget(cfg.budget)
