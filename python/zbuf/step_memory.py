@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .memory import SharedMemory
+from .shard import roots
 from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
 
 if TYPE_CHECKING:
@@ -137,25 +138,19 @@ class StepMemoryRow(NamedTuple):
     """The re-plan took effect in this step (its graphs were compiled in it)."""
 
 
-def _group_of(model: nn.Module) -> Optional[dist.ProcessGroup]:
-    for m in model.modules():
-        root = m.__dict__.get("_zbuf_root")
-        if root is not None:
-            return root.group
-    return None
-
-
-def _pool_of(model: nn.Module):
-    for m in model.modules():
-        root = m.__dict__.get("_zbuf_root")
-        if root is not None:
-            return root.pool
-    raise ValueError("zbuf's step memory needs a model sharded with zbuf.shard (it finds the "
-                     "pool and the process group there); call zbuf.shard(model) first")
+def _root_of(model: nn.Module):
+    found = roots(model)
+    if not found:
+        raise ValueError("zbuf's step memory needs a model sharded with zbuf.shard (it finds the "
+                         "pool and the process group there); call zbuf.shard(model) first")
+    return found[0]
 
 
 class StepMemory:
     """The whole-step budget of one sharded model ([Note: whole-step budget]).
+
+    A model sharded by several ``zbuf.shard`` calls onto different pools is arbitrated on its
+    first root's pool only (the others keep their idle blocks through the optimizer step).
 
     Args:
         model: the sharded model (``zbuf.shard``).
@@ -178,12 +173,13 @@ class StepMemory:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
                  host_free_bytes: Optional[int] = None, plan_sizes_pool: bool = False) -> None:
-        pool = _pool_of(model)
+        root = _root_of(model)
+        pool = root.pool
         if plan_sizes_pool:
             pool.set_budget(0)
         self.model = model
         self.optimizer = optimizer
-        self.group = _group_of(model)
+        self.group = root.group
         self.memory = SharedMemory(pool)
         self.meter = PhaseMeter(pool.device, model, optimizer)
         self.replanner = replanner
