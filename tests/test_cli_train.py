@@ -163,10 +163,12 @@ def test_train_default_engine_then_report(tmp_path):
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
     assert rep.returncode == 0, rep.stderr
     names = sorted(os.listdir(plots))
-    assert names == ["loss.png", "memory.png", "schedule_memory.png", "step_time.png"]
+    assert names == ["loss.png", "memory.png", "schedule_memory.png", "step_memory.png",
+                     "step_time.png"]
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
+    assert "gather budget, measured" in rep.stdout  # the step-memory table
 
 
 def test_two_steps_with_a_budget_below_the_floor(tmp_path):

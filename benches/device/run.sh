@@ -9,6 +9,16 @@
 #   bash benches/device/run.sh 14b zbuf   # qwen3-14b on nvidia-h200-x8, one engine per call;
 #                                           14b-cap: --mem-frac 0.57 (issue 8)
 #   bash benches/device/run.sh 14b-x2     # qwen3-14b shape, 8 layers, on x2; 14b-x2-cap capped
+#   bash benches/device/run.sh 1gpu-memfloor [FRACS]  # ONE H200 (nvidia-h200): qwen3-1.7b, 1 rank,
+#                                           zbuf vs fsdp2, adamw, --mem-frac 0.30,0.25,0.20 by default,
+#                                           each engine until its first failure (~8 min)
+#   bash benches/device/run.sh memfloor-8b ENGINE OPTIMIZER FRACS  # nvidia-h200-x2, issue 12's
+#                                           table: qwen3-8b, one engine, adamw|adamw-fused, about
+#                                           two fractions per call (e.g. 0.60,0.55), stopping at
+#                                           the first failure; run it down from 0.70 by 0.05 per
+#                                           engine and optimizer, then summarise all calls with
+#                                           python3 benches/memfloor.py --summarize DIR... --out
+#                                           benches/results/memfloor_qwen3-8b
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,7 +69,16 @@ case "${1:-}" in
     # per-rank state of the whole model on 8 GPUs), when the x8 kind is not lent
     cap=(); [ "$1" = 14b-x2-cap ] && cap=(--mem-frac 0.57)
     for e in zbuf fsdp2 zbuf-eager; do bench "$1" "$e" --preset qwen3-14b --layers 8 "${cap[@]}"; done ;;
+  1gpu-memfloor)  # one H200: where each engine stops completing steps as the card shrinks
+    timeout 560 python3 benches/memfloor.py --engines zbuf,fsdp2 --optimizer adamw \
+      --fracs "${2:-0.30,0.25,0.20}" --out-dir "$OUT" --time-limit 540 -- \
+      --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 2>&1 | tail -20 ;;
+  memfloor-8b)  # nvidia-h200-x2: memfloor-8b ENGINE OPTIMIZER FRAC[,FRAC...]
+    [ $# -eq 4 ] || { echo "usage: $0 memfloor-8b zbuf|fsdp2 adamw|adamw-fused 0.60,0.55" >&2; exit 2; }
+    timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
+      --out-dir "$OUT" --time-limit 575 -- \
+      --preset qwen3-8b --micro-batch 4 --seq-len 4096 --ac --steps 20 --warmup 5 2>&1 | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS" >&2
     exit 2 ;;
 esac

@@ -6,8 +6,10 @@ The public surface:
 - ``shard`` / ``full_state_dict`` / ``load_full_state_dict`` / ``clip_grad_norm_``: the ZeRO-3
   parameter model.
 - ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=True,
-  inner="inductor")``), ``schedule_report``, ``ScheduleMismatchError``: the ``torch.compile``
-  backend ``"zbuf"``.
+  inner="inductor", recompute="checkpointed", optimizer=None)``), ``schedule_report``,
+  ``ScheduleMismatchError``: the ``torch.compile`` backend ``"zbuf"``, with the whole training step
+  under one measured memory budget (``zbuf.step_memory``; ``zbuf.memory``: the pool and torch's
+  allocator on one device).
 - ``save_checkpoint`` / ``load_checkpoint`` / ``checkpoint_path`` / ``list_checkpoints`` /
   ``latest_checkpoint``: sharded, atomic checkpoints through DCP (``zbuf.checkpoint``).
 - ``models``: the built-in Qwen3-shaped decoder presets.

@@ -42,6 +42,9 @@ class PoolCore:
         ForeignBufferError, DoubleReleaseError, UnverifiableReleaseError."""
     def owns(self, tensor: torch.Tensor) -> bool: ...
     def set_budget(self, nbytes: int) -> int: ...
+    def set_reclaim_hook(self, hook: Any) -> None:
+        """`hook(nbytes)` runs (pool unlocked) when the device refuses an acquire even after the
+        pool freed its idle blocks; the acquire is then retried once. None removes it."""
     def trim(self) -> int: ...
     def observe_pressure(self, num_alloc_retries: int, free_bytes: int) -> tuple[str, int]:
         """Returns (action, budget_bytes); action is "none", "shrink" or "recover"."""

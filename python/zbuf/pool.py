@@ -154,7 +154,7 @@ class GatherBufferPool:
     #     release contract]. `stream`: the last stream that used it (default: the current
     #     stream). Raises ForeignBufferError / DoubleReleaseError (UnverifiableReleaseError for
     #     `acquire_dlpack` buffers, see the note), leaving the pool unchanged.
-    __slots__ = ("_core", "device", "acquire", "release")
+    __slots__ = ("_core", "device", "acquire", "release", "_budget_observer")
     acquire: Callable[..., torch.Tensor]
     release: Callable[..., None]
 
@@ -184,6 +184,9 @@ class GatherBufferPool:
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
         self.acquire = self._core.acquire  # [Note: hot-path methods]
         self.release = self._core.release
+        self._budget_observer: Callable[[int], object] | None = None
+        if kind == "cuda":
+            self._core.set_reclaim_hook(_release_torch_cache)
 
     def __repr__(self) -> str:
         s = self._core.stats()
@@ -225,7 +228,19 @@ class GatherBufferPool:
         if nbytes is None:
             raise InvalidRequestError("set_budget() needs a number of bytes, got None")
         with record_function("zbuf::pool::set_budget"):
-            return self._core.set_budget(nbytes)
+            effective = self._core.set_budget(nbytes)
+        if self._budget_observer is not None:
+            self._budget_observer(effective)
+        return effective
+
+    def set_budget_observer(self, observer: Callable[[int], object] | None) -> None:
+        """``observer(effective_budget)`` runs after every ``set_budget`` (e.g. the schedule
+        sizing the pool on a graph's first run); ``zbuf.memory`` uses it to keep an emulated
+        card's split between torch and the pool current. None removes it."""
+        if observer is not None and not callable(observer):
+            raise InvalidRequestError(
+                f"the budget observer must be callable, got {type(observer).__name__}")
+        self._budget_observer = observer
 
     def trim(self) -> int:
         """Frees every idle block (waiting for their release events); returns the bytes freed."""
@@ -233,6 +248,17 @@ class GatherBufferPool:
             return self._core.trim()
 
     # -- allocator pressure -----------------------------------------------------------------
+
+    def set_reclaim_hook(self, hook: Callable[[int], object] | None) -> None:
+        """What the pool does when the device refuses it a block even after it freed its own idle
+        blocks: ``hook(nbytes)`` runs (pool unlocked) and the acquire is retried once; an
+        exception from the hook propagates. CUDA pools start with a hook that empties torch's
+        caching allocator (its unused cache must not starve the pool: [Note: reclaim hook] in
+        rust/python/pool.rs); host pools with none. None removes the hook."""
+        if hook is not None and not callable(hook):
+            raise InvalidRequestError(
+                f"the reclaim hook must be a callable taking a byte count, got {type(hook).__name__}")
+        self._core.set_reclaim_hook(hook)
 
     def observe_pressure(self, num_alloc_retries: int, free_bytes: int, total_bytes: int) -> str:
         """Feeds the caching allocator's cumulative retry counter and the device's free/total bytes.
@@ -295,6 +321,11 @@ class GatherBufferPool:
         """Testing hook: the next `count` device allocations fail with out-of-memory (host
         backend only; returns False on CUDA)."""
         return self._core._inject_oom(count)
+
+
+def _release_torch_cache(nbytes: int) -> None:
+    """The CUDA pools' reclaim hook: hand torch's unused cached blocks back to the device."""
+    torch.cuda.empty_cache()
 
 
 _default_pools: dict[torch.device, GatherBufferPool] = {}

@@ -1,7 +1,7 @@
 //! `zbuf._core.PoolCore`: the Python face of one pool. Thin: argument checks, locking, DLPack
 //! export. Policy lives in `crate::pool`; the torch-facing API in python/zbuf/pool.py.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
@@ -85,6 +85,9 @@ pub struct PoolCore {
     current_stream: Option<(Py<PyAny>, Py<PyAny>)>,
     /// `torch.Tensor`: `release` takes tensors (exact type checked first, by pointer).
     tensor_type: Py<PyAny>,
+    /// Called with the request's byte count when the device refused an allocation even after
+    /// the pool freed its idle blocks; the acquire is then retried once ([Note: reclaim hook]).
+    reclaim_hook: Mutex<Option<Py<PyAny>>>,
 }
 
 impl PoolCore {
@@ -126,9 +129,42 @@ impl PoolCore {
         }
     }
 
+    /// Checks out `nbytes` on `stream`; on a device out-of-memory, runs the reclaim hook and
+    /// retries once.
+    ///
+    /// [Note: reclaim hook]
+    /// The pool and torch's caching allocator draw on one device. When the device refuses the
+    /// pool a block, the pool first frees its own idle blocks and retries (pool/mod.rs); if that
+    /// fails too, memory the other allocator caches unused may be what is missing, and only
+    /// Python can ask it back (`torch.cuda.empty_cache()`: python/zbuf/pool.py installs that on
+    /// CUDA pools). The hook runs with the pool unlocked (it may free tensors whose deleters
+    /// lock it) and the acquire is retried once. An exception from the hook propagates.
+    fn checkout(&self, py: Python<'_>, nbytes: u64, stream: u64) -> PyResult<Lease> {
+        // Bound first: the guard of a match scrutinee would live through the arms.
+        let first = self.shared.lock().acquire(nbytes, stream);
+        let retry = match first {
+            Err(PoolError::OutOfMemory { .. }) => {
+                let hook = self.reclaim_hook.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|h| h.clone_ref(py));
+                match hook {
+                    Some(h) => {
+                        h.call1(py, (nbytes,))?;
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
+        };
+        if retry {
+            let second = self.shared.lock().acquire(nbytes, stream);
+            return second.map_err(to_py);
+        }
+        first.map_err(to_py)
+    }
+
     fn export<'py>(&self, py: Python<'py>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: u64, versioned: bool) -> PyResult<(Bound<'py, PyAny>, Lease)> {
         let (dtype, layout) = self.layout(py, shape, dtype)?;
-        let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
+        let lease = self.checkout(py, layout.nbytes, stream)?;
         let req = ExportRequest {
             shared: Arc::clone(&self.shared),
             lease: lease.id,
@@ -217,6 +253,7 @@ impl PoolCore {
             dtypes,
             current_stream,
             tensor_type: torch.getattr("Tensor")?.unbind(),
+            reclaim_hook: Mutex::new(None),
         })
     }
 
@@ -265,7 +302,7 @@ impl PoolCore {
     fn acquire_buffer(&self, py: Python<'_>, shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<DLPackBuffer> {
         let stream = self.stream_handle(py, stream)?;
         let (dtype, layout) = self.layout(py, shape, dtype)?;
-        let lease = self.shared.lock().acquire(layout.nbytes, stream).map_err(to_py)?;
+        let lease = self.checkout(py, layout.nbytes, stream)?;
         Ok(DLPackBuffer::new(Arc::clone(&self.shared), self.dl_device, lease.id, lease.ptr, dtype, layout.dims, stream))
     }
 
@@ -314,6 +351,20 @@ impl PoolCore {
         let key = self.owner_key(py, tensor)?;
         let base = storage_ptr(py, tensor)?;
         Ok(self.shared.lock().owns_ptr(base, key))
+    }
+
+    /// Sets (or, with None, removes) the reclaim hook: a callable taking the byte count of an
+    /// acquire the device refused ([Note: reclaim hook]).
+    #[pyo3(signature = (hook))]
+    fn set_reclaim_hook(&self, py: Python<'_>, hook: Option<Py<PyAny>>) -> PyResult<()> {
+        if let Some(h) = &hook {
+            if !h.bind(py).is_callable() {
+                return Err(raise(py, "InvalidRequestError", format!("the reclaim hook must be callable (it gets the refused byte count), got {}", h.bind(py).get_type().name()?)));
+            }
+        }
+        let old = std::mem::replace(&mut *self.reclaim_hook.lock().unwrap_or_else(|p| p.into_inner()), hook);
+        drop(old); // after the std mutex is released: dropping a Python object may run Python code
+        Ok(())
     }
 
     /// Sets the budget (clamped to the hard cap); returns the effective value.

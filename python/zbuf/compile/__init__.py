@@ -1,7 +1,7 @@
 """zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
 
 The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
-persist=True, ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
+persist=True, optimizer=None, ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
 importable modules (the ``torch_dynamo_backends`` entry point names
 ``zbuf.compile.backend:zbuf_backend``).
 
@@ -22,13 +22,14 @@ from __future__ import annotations
 import sys
 import types
 
-from .backend import compile_model, zbuf_backend
+from .backend import compile_model, step_memory_of, zbuf_backend
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
 from .report import ScheduleRecord, schedule_report
 
 __all__ = [
     "compile_model",
+    "step_memory_of",
     "zbuf_backend",
     "CompileOptions",
     "ScheduleMismatchError",

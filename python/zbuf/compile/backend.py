@@ -22,7 +22,7 @@ from ..shard import roots
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 
-__all__ = ["zbuf_backend", "compile_model"]
+__all__ = ["zbuf_backend", "compile_model", "step_memory_of"]
 
 
 def zbuf_backend(
@@ -71,6 +71,17 @@ def _shard_group(model: torch.nn.Module):
     return found[0].group if found else None
 
 
+def _gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients of ``model``'s trainable parameters (shards, once each)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def compile_model(
     model: torch.nn.Module,
     *,
@@ -80,9 +91,11 @@ def compile_model(
     recompute: str = "checkpointed",
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     **options: Any,
 ) -> torch.nn.Module:
-    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``).
+    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
+    the whole training step under one measured memory budget.
 
     ``recompute``: ``"checkpointed"`` (backward recomputes the model's checkpointed regions as
     written), ``"auto"`` (zbuf decides per checkpointed region what to keep and what to recompute
@@ -92,9 +105,21 @@ def compile_model(
     Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
     ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
     model's sharding group ([Note: rank-agreed budget] in budget.py).
+
+    For a model sharded with ``zbuf.shard``, the first step is measured and, if the step does not
+    fit the plans, the model is re-planned once, at the first forward of the second step, on
+    every rank ([Note: whole-step budget] in zbuf/step_memory.py; ``zbuf.step_memory_of``).
+    ``optimizer``: the model's optimizer. zbuf then measures its step separately and lends it the
+    pool's idle blocks when it needs them; without it the optimizer step is measured as part of
+    backward and the budget leaves room for it beside the pool. An explicit ``budget_bytes`` is
+    never re-planned.
     """
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
                           recompute=recompute, **options)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    host_free = None
     if budget_bytes is None and opts.free_memory_bytes is None:
         import torch.distributed as dist
 
@@ -102,7 +127,34 @@ def compile_model(
 
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            opts = dataclasses.replace(opts, free_memory_bytes=agree_free_memory(group))
-    return torch.compile(
+            # The gradients will exist during every backward (and are known exactly); the rest
+            # of what the step holds is measured on its first run ([Note: whole-step budget]).
+            grads = _gradient_bytes(model)
+            free = agree_free_memory(group, reserve_bytes=grads)
+            opts = dataclasses.replace(opts, free_memory_bytes=free)
+            host_free = free + grads
+    compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )
+    if _shard_group(model) is None:
+        if optimizer is not None:
+            raise ValueError("zbuf.compile(..., optimizer=...) measures the step of a model "
+                             "sharded with zbuf.shard; shard the model first, or leave out "
+                             "optimizer=")
+        return compiled
+    from ..step_memory import StepMemory
+    from .replan import Replanner
+
+    replanner = None
+    if budget_bytes is None:
+        replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
+    compiled.__dict__["_zbuf_step_memory"] = StepMemory(
+        model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
+        host_free_bytes=host_free)
+    return compiled
+
+
+def step_memory_of(compiled: torch.nn.Module):
+    """The ``zbuf.step_memory.StepMemory`` that ``zbuf.compile`` attached to ``compiled`` (its
+    measured budget, per-step rows and events), or None."""
+    return compiled.__dict__.get("_zbuf_step_memory")

@@ -4,9 +4,12 @@
 The planner's output must be identical on all ranks ([Note: rank-invariant schedule]), so its
 budget cannot be each rank's own free memory. ``agree_free_memory`` takes the minimum free memory
 over the group with one all-reduce; ``zbuf.compile`` calls it (every rank calls ``zbuf.compile``
-at the same point of its program) and passes the result to the backend as the option
+at the same point of its program), taking the gradients' bytes off each rank's free memory first
+(they will exist in every backward), and passes the result to the backend as the option
 ``free_memory_bytes``, so the value lives with the compiled model that planned with it (and is
-part of the passes' cache key through the options' digest). A graph's budget is then
+part of the passes' cache key through the options' digest). The rest of what a step holds
+(optimizer state, temporaries, NCCL) is measured on the first step, which may re-plan once
+([Note: whole-step budget] in zbuf/step_memory.py). A graph's budget is then
 ``free_memory_bytes * (1 - margin_fraction) - projected activation peak of the graph``; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
 explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
@@ -59,12 +62,16 @@ def _total_bytes(device: torch.device) -> int:
     return _host_bytes("total")
 
 
-def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> int:
+def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                      reserve_bytes: int = 0) -> int:
     """The minimum free memory over ``group`` (None: the default group), with one all-reduce;
-    this process's own free memory when no process group is initialised. See the Note."""
+    this process's own free memory when no process group is initialised. See the Note.
+
+    ``reserve_bytes``: memory the step will hold that is not allocated yet and that this rank
+    knows exactly (``zbuf.compile`` passes its gradients' bytes), taken off the free memory."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    free = local_free_bytes(device)
+    free = max(0, local_free_bytes(device) - reserve_bytes)
     if dist.is_available() and dist.is_initialized():
         pg = group if group is not None else dist.group.WORLD
         t = torch.tensor([free], dtype=torch.int64, device=device if dist.get_backend(pg) == "nccl" else "cpu")

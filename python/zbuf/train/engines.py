@@ -30,11 +30,13 @@ from .. import models
 from .. import shard as zshard
 from ..compile import backend as zbackend
 from ..compile import schedule_report as zschedule_report
+from ..pool import GatherBufferPool
+from ..step_memory import StepMemory
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
 from .hf import check_hf_model
 
-__all__ = ["EngineSetup", "build_engine", "build_base_model"]
+__all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer"]
 
 
 class EngineSetup(NamedTuple):
@@ -47,6 +49,9 @@ class EngineSetup(NamedTuple):
     """The zbuf gather-buffer pool feeding this model (zbuf engines), else None."""
     schedule_report: Callable[[], Optional[dict]]
     """The zbuf schedule (JSON-able) once compiled, else None."""
+    step_memory: Optional[object] = None
+    """The zbuf engines' ``zbuf.step_memory.StepMemory`` (whole-step budget, the pool lending
+    its idle blocks to the optimizer step, per-phase telemetry), else None."""
 
 
 class HFDecoder(nn.Module):
@@ -115,9 +120,20 @@ def _compute_dtype(cfg: TrainConfig) -> Optional[torch.dtype]:
     return torch.bfloat16 if cfg.dtype == "bf16" else None
 
 
-def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``cfg.optimizer`` over ``model``'s parameters (shards for the zbuf engines, DTensors for
+    FSDP2, full tensors for DDP): ``adamw`` is torch's default AdamW (foreach on GPU, the
+    single-tensor loop on CPU), ``adamw-fused`` AdamW with ``fused=True`` (CUDA and, since torch
+    2.4, CPU), ``sgd`` SGD with momentum 0.9."""
     # weight_decay 0: the synthetic tasks need no regularisation and it keeps engines identical.
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    params = model.parameters()
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    if cfg.optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=0.0)
+    raise ConfigError(f"unknown --optimizer {cfg.optimizer!r}")
 
 
 def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
@@ -143,7 +159,7 @@ def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
         with autocast:
             return compiled(batch.tokens, batch.targets)
 
-    return EngineSetup(step_loss, model, _optimizer(model, cfg), None, lambda: None)
+    return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
 
 def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
@@ -162,12 +178,15 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
     def step_loss(batch: Batch) -> torch.Tensor:
         return loss_fn(model(batch.tokens), batch.targets)
 
-    return EngineSetup(step_loss, model, _optimizer(model, cfg), None, lambda: None)
+    return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
 
 def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
-    zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    pool = zshard.root_of(model).pool
+    # A pool of its own per engine: what one engine's plans and step memory did to a pool (its
+    # budget, its blocks) must not carry over to the next engine of a bench.
+    pool = GatherBufferPool(device)
+    zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                 pool=pool)
     if pool_budget and cfg.budget is not None:
         # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
         pool.set_budget(cfg.budget)
@@ -176,20 +195,25 @@ def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
 
 def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
     pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=True)
+    optimizer = build_optimizer(model, cfg)
+    # No plan to remake; measured, and the pool lends its idle blocks to the optimizer step.
+    step_memory = StepMemory(model, optimizer)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return _loss_from_logits(model(batch.tokens), batch.targets)
 
-    return EngineSetup(step_loss, model, _optimizer(model, cfg), pool, lambda: None)
+    return EngineSetup(step_loss, model, optimizer, pool, lambda: None, step_memory)
 
 
 def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=False)
     whole = _WithLoss(model)
+    optimizer = build_optimizer(model, cfg)
     # compile_model, not torch.compile(backend="zbuf"): without --budget it agrees the
-    # rank-minimum free memory over the sharding group, so every rank plans the same schedule.
+    # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
+    # with the optimizer it puts the whole step under one measured budget.
     compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
-                             inner=cfg.compiler)
+                                      inner=cfg.compiler, optimizer=optimizer)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)
@@ -198,7 +222,8 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
         records = zschedule_report(model) or zschedule_report(whole) or zschedule_report(None)
         return {"graphs": to_jsonable(records)} if records else None
 
-    return EngineSetup(step_loss, model, _optimizer(model, cfg), pool, schedule_report)
+    return EngineSetup(step_loss, model, optimizer, pool, schedule_report,
+                       zbackend.step_memory_of(compiled))
 
 
 def to_jsonable(obj):

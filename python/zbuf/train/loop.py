@@ -32,6 +32,8 @@ from .. import faults
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
+from ..step_memory import StepMemoryRow
+from ..step_phases import PhaseMeter, StepPhases
 from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
 from .record import budget_notices
@@ -47,29 +49,31 @@ class StepRow(NamedTuple):
     loss: float
     memory: MemorySample
     """Memory after the step."""
+    phases: StepPhases
+    """Torch's peak in each phase of the step ([Note: phase peaks] in zbuf/step_phases.py)."""
+    step_memory: Optional[StepMemoryRow]
+    """The zbuf engines' pool and budget in the step ([Note: whole-step budget] in
+    zbuf/step_memory.py); None for the other engines."""
 
 
-def _cap_memory(cfg: TrainConfig, device: torch.device, pool) -> Optional[dict[str, Any]]:
-    """Apply ``--mem-frac``; for zbuf engines the pool's bytes come out of the same cap.
+def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional[dict[str, Any]]:
+    """Apply ``--mem-frac``: torch's allocator gets that fraction of the card.
 
     [Note: fair memory cap] ``set_per_process_memory_fraction`` limits only the caching
     allocator, and the zbuf pool allocates beside it. So that zbuf does not get more memory than
-    the engines it is compared with, its allocator fraction is lowered by the pool's budget once
-    the schedule has sized the pool (after the first step): allocator + pool <= mem_frac of the
-    card, the same total every engine gets.
+    the engines it is compared with, the zbuf engines hand the cap to their ``SharedMemory``,
+    which keeps allocator + pool <= mem_frac of the card at every moment, the same total every
+    engine gets ([Note: emulated capacity] in zbuf/memory.py). Applied before the engine is
+    built (so that the rank-agreed budget sees it) and again, through the pool's arbiter, after.
     """
     if cfg.mem_frac is None or device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory
-    frac = cfg.mem_frac
-    pool_bytes = 0
-    if pool is not None:
-        stats = pool.stats()
-        pool_bytes = max(getattr(stats, "budget_bytes", 0) or 0,
-                         getattr(stats, "high_water_bytes", 0) or 0)
-        frac = max(0.01, cfg.mem_frac - pool_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(frac, device)
-    return {"mem_frac": cfg.mem_frac, "allocator_fraction": frac, "pool_bytes": pool_bytes,
+    if step_memory is not None:
+        step_memory.memory.emulate_capacity(int(cfg.mem_frac * total))
+        return None
+    torch.cuda.set_per_process_memory_fraction(cfg.mem_frac, device)
+    return {"mem_frac": cfg.mem_frac, "allocator_fraction": cfg.mem_frac, "pool_share_bytes": 0,
             "device_total_bytes": total}
 
 
@@ -95,6 +99,13 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     if start >= cfg.steps:  # the launcher checks this before starting workers; a race is left
         raise RuntimeError(f"the checkpoint under {cfg.checkpoint_dir} is at step {start}, at or "
                            f"past --steps {cfg.steps}: nothing to train")
+    step_memory = setup.step_memory
+    if step_memory is not None:
+        _cap_memory(cfg, device, step_memory)
+    # zbuf engines measure phases with hooks of their own; the loop marks them for the others.
+    meter = step_memory.meter if step_memory is not None else \
+        PhaseMeter(device, setup.model, setup.optimizer)
+    marks = None if step_memory is not None else meter.mark
     probe = MemoryProbe(device, setup.pool)
     probe.reset()
     dist.barrier()
@@ -108,20 +119,23 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                            mcfg_vocab, device)
         t_step = time.perf_counter()
-        loss = _train_step(setup, batch)
+        loss = _train_step(setup, batch, marks)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t_step
         value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
-        probe.feed_pool()
-        if step == start and setup.pool is not None and cfg.mem_frac is not None:
-            memory_cap = _cap_memory(cfg, device, setup.pool)
+        if step_memory is not None:
+            mem = step_memory.close_step()
+            phases = mem.phases
+        else:
+            probe.feed_pool()
+            mem, phases = None, meter.close_step()
         if step == start:  # the first step planned the schedule: say what it changed
             notices = budget_notices(cfg.budget, setup.schedule_report())
             for text in notices:
                 progress.notice(text)
-        m = probe.sample()
-        rows.append(StepRow(elapsed, value, m))
+        m = probe.sample(phases)
+        rows.append(StepRow(elapsed, value, m, phases, mem))
         progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
         faults.fault_point("train.step_done")  # [Note: fault points]
         t0 = time.perf_counter()
@@ -141,11 +155,18 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
 
     schedule = setup.schedule_report()
     pool_stats = probe.pool_stats()
+    if step_memory is not None:
+        memory_cap = step_memory.memory.capacity_fraction()
+        if memory_cap is not None:
+            memory_cap["mem_frac"] = cfg.mem_frac
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, rows)
     result = _combine(engine, cfg, everyone, world, start)
     result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
-                  memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves)
+                  memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves,
+                  step_memory=step_memory.report() if step_memory is not None else None)
+    if step_memory is not None:
+        step_memory.detach()
     del setup, loss
     gc.collect()
     if cuda:
@@ -153,15 +174,21 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     return result
 
 
-def _train_step(setup, batch) -> torch.Tensor:
-    """Forward + loss, backward, optimizer step; returns the loss (not synchronized)."""
+def _train_step(setup, batch, marks=None) -> torch.Tensor:
+    """Forward + loss, backward, optimizer step; returns the loss (not synchronized).
+    ``marks``: the phase meter's ``mark`` when the engine's modules carry no phase hooks."""
+    mark = marks or (lambda _phase: None)
     with record_function("zbuf.train.step"):
         with record_function("zbuf.train.forward"):
+            mark("forward")
             loss = setup.step_loss(batch)
         with record_function("zbuf.train.backward"):
+            mark("backward")
             loss.backward()
         with record_function("zbuf.train.optimizer"):
+            mark("optimizer")
             setup.optimizer.step()
+            mark("after")
             setup.optimizer.zero_grad(set_to_none=True)
     return loss
 
@@ -179,6 +206,28 @@ def _vocab(model: torch.nn.Module) -> int:
     return model.hf.config.vocab_size
 
 
+def _pool_field(name: str):
+    return lambda r: getattr(r.step_memory, name) if r.step_memory is not None else 0
+
+
+_PER_RANK: dict[str, Any] = {
+    "alloc_retries": lambda r: int(r.memory.alloc_retries),
+    "forward_peak_bytes": lambda r: r.phases.forward_peak_bytes,
+    "backward_peak_bytes": lambda r: r.phases.backward_peak_bytes,
+    "optimizer_peak_bytes": lambda r: r.phases.optimizer_peak_bytes,
+    "reserved_peak_bytes": lambda r: r.phases.reserved_peak_bytes,
+    "pool_held_bytes": _pool_field("pool_held_bytes"),
+    "pool_idle_bytes": _pool_field("pool_idle_bytes"),
+    "pool_yielded_bytes": _pool_field("yielded_bytes"),
+    "pool_reclaims": _pool_field("reclaims"),
+    "torch_ooms": _pool_field("torch_ooms"),
+    "budget_bytes": lambda r: r.step_memory.budget_bytes if r.step_memory is not None else None,
+    "replanned": lambda r: bool(r.step_memory is not None and r.step_memory.replanned),
+}
+"""Step fields the record keeps per rank (lists indexed by rank): retries and the memory
+telemetry (record.py lists what each means)."""
+
+
 def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
              world: int, start: int = 0) -> dict:
     """Rows of steps ``start..cfg.steps-1`` from every rank -> the engine's record entry."""
@@ -188,7 +237,7 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
     steps = []
     for i in range(n):
         col = [r[i] for r in per_rank]
-        steps.append({
+        entry = {
             "step": start + i,
             "loss": col[0].loss,  # already the mean over ranks, the same on every rank
             "time_s": max(c.time_s for c in col),
@@ -196,8 +245,9 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
             "device_bytes": int(max(c.memory.device_bytes for c in col)),
             "peak_device_bytes": int(max(c.memory.peak_device_bytes for c in col)),
             "pool_bytes": int(max(c.memory.pool_bytes for c in col)),
-            "alloc_retries": [int(c.memory.alloc_retries) for c in col],
-        })
+        }
+        entry.update((name, [get(c) for c in col]) for name, get in _PER_RANK.items())
+        steps.append(entry)
     ranks = []
     for r, rows in enumerate(per_rank):
         last = rows[-1]

@@ -55,15 +55,23 @@ def _rss_bytes() -> int:
 
 
 class MemoryProbe:
-    """Samples one rank's memory; ``reset()`` at the start of each engine's measurement."""
+    """Samples one rank's memory; ``reset()`` at the start of each engine's measurement.
+
+    The device's peak counters belong to the step's ``PhaseMeter`` ([Note: phase peaks] in
+    zbuf/step_phases.py), which resets them at every phase boundary: the peaks here are the
+    running maximum of the peaks it measured, passed to ``sample``.
+    """
 
     def __init__(self, device: torch.device, pool=None) -> None:
         self.device = device
         self.pool = pool
         self._retries0 = 0
+        self._reserved_peak = 0
+        self._allocated_peak = 0
         self.reset()
 
     def reset(self) -> None:
+        self._reserved_peak = self._allocated_peak = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._retries0 = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
@@ -71,16 +79,22 @@ class MemoryProbe:
     def pool_stats(self) -> dict[str, Any]:
         return _pool_stats(self.pool)
 
-    def sample(self) -> MemorySample:
+    def sample(self, phases=None) -> MemorySample:
+        """Memory after a step; ``phases``: the step's ``StepPhases`` (its peaks)."""
         ps = self.pool_stats()
         pool_now = int(ps.get("charged_bytes", 0))
         pool_hw = int(ps.get("high_water_bytes", 0))
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
+            if phases is not None:
+                self._reserved_peak = max(self._reserved_peak, phases.reserved_peak_bytes)
+                self._allocated_peak = max(self._allocated_peak, phases.allocated_peak_bytes)
+            reserved_peak = max(self._reserved_peak, stats.get("reserved_bytes.all.peak", 0))
+            allocated_peak = max(self._allocated_peak, stats.get("allocated_bytes.all.peak", 0))
             return MemorySample(
                 device_bytes=stats.get("reserved_bytes.all.current", 0) + pool_now,
-                peak_device_bytes=stats.get("reserved_bytes.all.peak", 0) + pool_hw,
-                allocated_peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+                peak_device_bytes=reserved_peak + pool_hw,
+                allocated_peak_bytes=allocated_peak,
                 pool_bytes=pool_now, pool_high_water_bytes=pool_hw,
                 alloc_retries=stats.get("num_alloc_retries", 0) - self._retries0)
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

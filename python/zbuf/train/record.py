@@ -12,12 +12,22 @@ Record layout (``schema: zbuf.run/1``)::
                    warmup_steps (warm-up actually left out of the statistics),
                    resume_seconds, checkpoints[] (step, path, seconds: saves of this run),
                    steps[] (step, loss [mean over ranks], time_s [slowest rank], tokens,
-                            device_bytes, peak_device_bytes, pool_bytes, alloc_retries[per rank]),
+                            device_bytes, peak_device_bytes, pool_bytes [max over ranks],
+                            and per rank (lists indexed by rank): alloc_retries [cumulative],
+                            forward_peak_bytes, backward_peak_bytes, optimizer_peak_bytes
+                            [torch's peak allocated bytes of each phase], reserved_peak_bytes,
+                            pool_held_bytes, pool_idle_bytes [at the step's end],
+                            pool_yielded_bytes [lent to the optimizer step], pool_reclaims,
+                            torch_ooms, budget_bytes [the gather budget in force: planned,
+                            then re-planned], replanned [the re-plan took effect here]),
                    per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
                                alloc_retries_total, alloc_retries_measured),
                    pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
                    notices[] (what the run changed of the options, shown live too, e.g. a
-                   --budget below the schedule's floor), summary (see ``summarize``)
+                   --budget below the schedule's floor),
+                   step_memory (zbuf engines, rank 0: the measured whole-step budget and the
+                                pool/allocator events; see ``zbuf.step_memory``),
+                   summary (see ``summarize``)
 """
 
 from __future__ import annotations
@@ -71,6 +81,42 @@ def budget_notices(requested: Optional[int], schedule: Optional[dict[str, Any]])
             f"at once; planned with {format_bytes(floor)} instead"]
 
 
+def _retries_after(steps: list[dict[str, Any]], n: int) -> Optional[list[int]]:
+    """Allocator retries per rank after the first ``n`` steps of the record (None: too short)."""
+    if len(steps) <= n:
+        return None
+    last, base = steps[-1]["alloc_retries"], steps[n - 1]["alloc_retries"]
+    return [int(a - b) for a, b in zip(last, base)]
+
+
+def _phase_peaks(steps: list[dict[str, Any]]) -> Optional[dict[str, Optional[int]]]:
+    """The largest peak of each phase over ``steps`` and ranks (None: not recorded)."""
+    if not steps or "forward_peak_bytes" not in steps[0]:
+        return None
+    out: dict[str, Optional[int]] = {}
+    for phase in ("forward", "backward", "optimizer"):
+        vals = [v for s in steps for v in s[f"{phase}_peak_bytes"] if v is not None]
+        out[phase] = max(vals) if vals else None
+    return out
+
+
+def _step_memory_summary(report: Optional[dict[str, Any]],
+                         steps: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The whole-step budget of a zbuf engine: what was planned, measured and re-planned."""
+    if not report:
+        return None
+    m = report.get("measured") or {}
+    return {
+        "planned_budget_bytes": m.get("planned_budget_bytes"),
+        "measured_budget_bytes": m.get("budget_bytes"),
+        "replanned": bool(m.get("replanned")),
+        "replan_steps": sorted({s["step"] for s in steps if any(s.get("replanned") or [])}),
+        "limit_bytes": m.get("limit_bytes"),
+        "pool_yields": sum(1 for s in steps for v in s.get("pool_yielded_bytes") or [] if v),
+        "events": report.get("events"),
+    }
+
+
 def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optional[float],
               peak_flops: Optional[float]) -> dict[str, Any]:
     """Statistics over the measured steps (those after ``cfg.warmup``)."""
@@ -103,6 +149,9 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "pool": {k: result["pool"][k] for k in ("hits", "misses", "high_water_bytes",
                                                   "budget_bytes", "evictions", "allocations")
                  if k in result["pool"]} if result.get("pool") else None,
+        "alloc_retries_after_step_2_per_rank": _retries_after(steps, 2),
+        "phase_peak_bytes": _phase_peaks(measured),
+        "step_memory": _step_memory_summary(result.get("step_memory"), steps),
         "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
         "schedule_peak_live_bytes": _find(result.get("schedule"),
                                           ("peak_live_bytes", "peak_live_gathered_bytes")),
@@ -166,7 +215,8 @@ def markdown(record: dict[str, Any]) -> str:
           else f"CPU ({env.get('cpu_count')} cores)")
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
-        f"{record['world_size']} ranks, AC {'on' if cfg['ac'] else 'off'}, {cfg['dtype']}"
+        f"{record['world_size']} ranks, AC {'on' if cfg['ac'] else 'off'}, {cfg['dtype']}, "
+        f"{cfg.get('optimizer', 'adamw')}"
         + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
         "",
         f"Hardware: {hw}. torch {env.get('torch')}, CUDA {env.get('cuda') or '-'}, "

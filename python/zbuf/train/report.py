@@ -10,6 +10,12 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
   nodes against the budget and the projected activations when the schedule report carries the
   per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
   per graph as bars.
+- ``step_memory.png`` (records with per-phase telemetry): per engine and step, torch's peak of
+  each phase (forward, backward, optimizer), the pool's bytes held and idle, the gather budget
+  as planned and as re-planned, and per rank the allocator's retries and the idle bytes the pool
+  lent to the optimizer step ([Note: whole-step budget] in zbuf/step_memory.py).
+
+The terminal shows the schedule table and, for such records, the step-memory table.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from .config import format_bytes
 from .progress import print_error
 from .record import load_record
 
-__all__ = ["make_plots", "schedule_table", "main"]
+__all__ = ["make_plots", "schedule_table", "step_memory_table", "main"]
 
 _GIB = float(1 << 30)
 
@@ -197,6 +203,90 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
     return _save(fig, os.path.join(out_dir, "schedule_memory.png"))
 
 
+def _with_phases(record) -> list[dict[str, Any]]:
+    return [e for e in _ok(record) if "forward_peak_bytes" in e["steps"][0]]
+
+
+def _rank_max(values: list) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def _step_memory_plot(record, out_dir) -> Optional[str]:
+    engines = _with_phases(record)
+    if not engines:
+        return None
+    plt = _plt()
+    cuda = record["environment"].get("device_type") == "cuda"
+    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
+    data_top = max([v for e in engines for s in e["steps"]
+                    for k in ("forward_peak_bytes", "backward_peak_bytes",
+                              "optimizer_peak_bytes", "pool_held_bytes")
+                    for v in s.get(k) or [] if v is not None] + [1])
+    budget_top = max([v for e in engines for s in e["steps"] for v in s.get("budget_bytes") or []
+                      if v is not None] + [0])
+    # A budget far above the data (a roomy card, the CPU default) would flatten the curves: the
+    # axis then follows the data and the budget is written, not drawn (as in the schedule plot).
+    budget_on_scale = budget_top <= 4 * data_top
+    top = max(data_top, budget_top) if budget_on_scale else data_top
+    scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
+    for row, eng in enumerate(engines):
+        steps = eng["steps"]
+        x = [s["step"] for s in steps]
+        ax = axes[row, 0]
+        for key, label, style, color in (
+                ("forward_peak_bytes", "forward peak", "-", "tab:blue"),
+                ("backward_peak_bytes", "backward peak", "-", "tab:orange"),
+                ("optimizer_peak_bytes", "optimizer peak", "-", "tab:green"),
+                ("pool_held_bytes", "pool held", "--", "tab:purple"),
+                ("pool_idle_bytes", "pool idle", ":", "tab:brown")):
+            ys = [_rank_max(s.get(key) or []) for s in steps]
+            if any(y for y in ys):
+                ax.plot(x, [None if y is None else y / scale for y in ys], style, marker=".",
+                        color=color, label=label)
+        budget = [_rank_max(s.get("budget_bytes") or []) for s in steps]
+        if any(b is not None for b in budget):
+            if budget_on_scale:
+                ax.step(x, [None if b is None else b / scale for b in budget], where="mid",
+                        color="tab:red", label="gather budget (planned, then re-planned)")
+            else:
+                text = " -> ".join(f"{b / _GIB:.2f}" for b in dict.fromkeys(
+                    b for b in budget if b is not None))
+                ax.text(0.01, 0.96, f"gather budget {text} GiB (off scale)",
+                        transform=ax.transAxes, va="top", color="tab:red", fontsize="small")
+            for s in steps:
+                if any(s.get("replanned") or []):
+                    ax.axvline(s["step"], color="tab:red", alpha=0.3, linestyle="--",
+                               label="re-plan")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{unit} (max over ranks)")
+        what = "torch allocated" if cuda else "tracked tensors (CPU stand-in)"
+        ax.set_title(f"{eng['engine']}: phase peaks ({what}) and the pool")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        ax = axes[row, 1]
+        ranks = len(steps[0]["alloc_retries"])
+        for r in range(ranks):
+            ax.plot(x, [s["alloc_retries"][r] for s in steps], marker=".",
+                    label=f"rank {r}: allocator retries (cumulative)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("retries")
+        ax.set_ylim(0, 1.15 * max([1] + [v for s in steps for v in s["alloc_retries"]]))
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        width = 0.8 / max(1, ranks)
+        for r in range(ranks):
+            twin.bar([s["step"] - 0.4 + (r + 0.5) * width for s in steps],
+                     [(s.get("pool_yielded_bytes") or [0] * ranks)[r] / scale for s in steps],
+                     width, alpha=0.35, label=f"rank {r}: pool lent to the optimizer")
+        twin.set_ylabel(unit)
+        lines = ax.get_legend_handles_labels()
+        bars = twin.get_legend_handles_labels()
+        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper left")
+        ax.set_title(f"{eng['engine']}: allocator retries and pool lending, per rank")
+    return _save(fig, os.path.join(out_dir, "step_memory.png"))
+
+
 def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     """Write every plot the record supports; returns the paths."""
     if not _ok(record):
@@ -204,8 +294,63 @@ def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [_loss_plot(record, out_dir), _step_time_plot(record, out_dir),
              _memory_plot(record, out_dir)]
-    sched = _schedule_plot(record, out_dir)
-    return paths + ([sched] if sched else [])
+    extra = [_schedule_plot(record, out_dir), _step_memory_plot(record, out_dir)]
+    return paths + [p for p in extra if p]
+
+
+def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
+    """The whole step's memory per engine: measured phase peaks, budgets, pool and allocator."""
+    engines = _with_phases(record)
+    if not engines:
+        return None
+    table = Table(title="step memory (max over ranks; pool events summed over ranks)")
+    table.add_column("")
+    for eng in engines:
+        table.add_column(eng["engine"], justify="right")
+
+    def cells(fn):
+        return [fn(e) for e in engines]
+
+    def total(key):
+        return lambda e: str(sum(v or 0 for s in e["steps"] for v in s.get(key) or []))
+
+    def peak(key, steps=slice(None)):
+        return lambda e: format_bytes(_rank_max([v for s in e["steps"][steps]
+                                                 for v in s.get(key) or []]))
+
+    def measured(key):
+        return lambda e: format_bytes(((e.get("step_memory") or {}).get("measured") or {})
+                                      .get(key))
+
+    def retries_after(e):
+        steps = e["steps"]
+        if len(steps) <= 2:
+            return "-"
+        return ",".join(str(a - b) for a, b in zip(steps[-1]["alloc_retries"],
+                                                    steps[1]["alloc_retries"]))
+
+    rows = [("forward peak", peak("forward_peak_bytes", slice(1, None))),
+            ("backward peak", peak("backward_peak_bytes", slice(1, None))),
+            ("optimizer peak", peak("optimizer_peak_bytes", slice(1, None))),
+            ("first step: forward / backward / optimizer",
+             lambda e: " / ".join(format_bytes(_rank_max(e["steps"][0].get(k) or []))
+                                  for k in ("forward_peak_bytes", "backward_peak_bytes",
+                                            "optimizer_peak_bytes"))),
+            ("measured limit (torch + pool)", measured("limit_bytes")),
+            ("gather budget, planned", measured("planned_budget_bytes")),
+            ("gather budget, measured", measured("budget_bytes")),
+            ("re-planned", lambda e: ",".join(str(s["step"]) for s in e["steps"]
+                                              if any(s.get("replanned") or [])) or "no"),
+            ("pool held, last step", peak("pool_held_bytes", slice(-1, None))),
+            ("pool idle, last step", peak("pool_idle_bytes", slice(-1, None))),
+            ("steps the pool lent to the optimizer",
+             lambda e: str(sum(1 for s in e["steps"] if any(s.get("pool_yielded_bytes") or [])))),
+            ("pool reclaims (torch cache emptied)", total("pool_reclaims")),
+            ("torch out-of-memory", total("torch_ooms")),
+            ("alloc retries per rank after step 2", retries_after)]
+    for label, fn in rows:
+        table.add_row(label, *cells(fn))
+    return table
 
 
 def schedule_table(record: dict[str, Any]) -> Optional[Table]:
@@ -269,6 +414,9 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
         console.print(table)
     else:
         console.print("no zbuf schedule in this record (engines without the zbuf compiler)")
+    memory = step_memory_table(record)
+    if memory is not None:
+        console.print(memory)
     for p in paths:
         console.print(f"wrote {p}", highlight=False)
     return 0

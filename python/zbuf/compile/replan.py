@@ -1,0 +1,118 @@
+"""Re-planning a zbuf-compiled model once, under the budget the whole step measured.
+
+[Note: bounded re-plan]
+``zbuf.step_memory`` measures the first step and may find that the plans it ran do not fit the
+step ([Note: whole-step budget] in zbuf/step_memory.py). The plans live in compiled code, so a new
+plan needs a new compile of the model's frames, and nothing else:
+
+* the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
+  callable. Re-planning compiles the same module again with ``torch.compile(...,
+  backend="zbuf", options=<budget_bytes=the measured budget>)``: a new backend instance, so
+  Dynamo's backend-match guard fails for the old cache entries of these frames and they are
+  traced and planned again (one recompile per frame, well inside Dynamo's recompile limit); every
+  other compiled function in the process keeps its code (no ``torch._dynamo.reset()``).
+* the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
+  ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to the
+  new compiled callable, so the step that decides is the first step of the new plan;
+* the budget is a ``budget_bytes`` option, quantised by the caller, so it enters the passes'
+  cache uuid and a relaunch of the same configuration finds the same compiled graphs in
+  Inductor's cache;
+* the old plans' schedule records stay (``schedule_report`` lists every graph compiled); the
+  re-planner knows which ones are current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from .options import CompileOptions
+from .report import ScheduleRecord, schedule_report
+
+__all__ = ["PlannedForward", "Replanner"]
+
+
+class PlannedForward:
+    """The compiled module's ``forward``: calls the compiled callable of the current plan."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class Replanner:
+    """Remakes the plans of ``compiled`` (what ``torch.compile(model, backend="zbuf")`` returned)
+    at most once ([Note: bounded re-plan])."""
+
+    def __init__(self, compiled: torch.nn.Module, options: CompileOptions, *, fullgraph: bool,
+                 dynamic: Optional[bool]) -> None:
+        self.compiled = compiled
+        self.model = compiled._orig_mod
+        self.options = options
+        self.fullgraph = fullgraph
+        self.dynamic = dynamic
+        self.forward = PlannedForward(compiled.forward)
+        compiled.forward = self.forward
+        self.replanned = False
+        self._first_graph = 0  # graph_id of the first record of the current plan
+
+    # -- the current plan ---------------------------------------------------------------------
+
+    def records(self) -> list[ScheduleRecord]:
+        """Schedule records of the model's graphs under the current plan."""
+        return [r for r in schedule_report(self.model) if r.graph_id >= self._first_graph]
+
+    def planned_budget(self) -> Optional[int]:
+        """The smallest budget any current graph was planned within (None: none gathers)."""
+        budgets = [r.budget_bytes for r in self.records() if r.gathers]
+        return min(budgets) if budgets else None
+
+    def activation_peaks(self) -> dict[str, int]:
+        """The largest projected activation peak of the current graphs, by kind."""
+        out: dict[str, int] = {}
+        for r in self.records():
+            out[r.kind] = max(out.get(r.kind, 0), r.activation_peak_bytes)
+        return out
+
+    @staticmethod
+    def needs(r: ScheduleRecord) -> int:
+        """Gathered bytes graph ``r`` holds at its peak: its live gathered bytes, plus, in a
+        backward graph, the weights kept from forward (they are not in its profile)."""
+        return r.peak_live_gathered_bytes + (r.persistent_bytes if r.kind == "backward" else 0)
+
+    def largest_need(self) -> int:
+        """The most gathered bytes any current graph holds at once (0: nothing compiled)."""
+        return max((self.needs(r) for r in self.records()), default=0)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether no current graph would gain from a plan under ``budget_bytes``: each needs
+        at most that, or already no more than its floor (the bytes one node needs at once, which
+        no plan goes below)."""
+        return all(self.needs(r) <= max(budget_bytes, r.floor_bytes) for r in self.records())
+
+    # -- re-planning --------------------------------------------------------------------------
+
+    def replan_if_needed(self, budget_bytes: int) -> bool:
+        """Compile again under ``budget_bytes`` unless every current plan fits it, or the model
+        was re-planned before. Returns whether it re-planned. Every rank must get the same
+        answer: call it with rank-agreed numbers, at the same point of every rank's program."""
+        if self.replanned or self.fits(budget_bytes):
+            return False
+        self.replan(budget_bytes)
+        return True
+
+    def replan(self, budget_bytes: int) -> None:
+        self.options = dataclasses.replace(self.options, budget_bytes=budget_bytes)
+        self._first_graph = len(schedule_report(None))
+        fresh = torch.compile(self.model, backend="zbuf", options=dataclasses.asdict(self.options),
+                              fullgraph=self.fullgraph, dynamic=self.dynamic)
+        # The wrapper's Dynamo context follows its plan (torch reads it for pickling and AOT).
+        self.compiled.dynamo_ctx = fresh.dynamo_ctx
+        self.forward.fn = fresh.forward
+        self.replanned = True

@@ -1,0 +1,195 @@
+"""One device, two allocators: the gather-buffer pool and torch's caching allocator.
+
+[Note: one memory, two allocators]
+The pool allocates its blocks with the driver, beside torch's caching allocator, and each keeps
+memory the other cannot use: the pool its idle blocks, torch its cache of freed segments. An
+out-of-memory error that the other side could have prevented by letting go is a zbuf bug, so
+``SharedMemory`` makes each side yield to the other:
+
+* the pool needs a block: the pool first frees its own idle blocks and retries; if the device
+  still refuses, its reclaim hook empties torch's unused cache and the acquire is retried once
+  ([Note: reclaim hook] in rust/python/pool.rs). Counted as ``reclaims``.
+* torch needs memory: the pool's idle blocks go back to the device
+  - before the optimizer step, when the step's measured need says torch will want them
+    (``yield_idle``, called by ``zbuf.step_memory``: [Note: whole-step budget] there);
+  - when torch's allocator raised out-of-memory (CUDA's out-of-memory observer): torch raises
+    anyway, the observer cannot turn the failure into a success, but the memory is free for the
+    caller's retry and the event is counted (``torch_ooms``, and ``torch_ooms_with_idle_pool``
+    when the pool held idle blocks at that moment: the case that must not happen);
+  - when torch's allocator retried (``num_alloc_retries`` rose) since the last step boundary:
+    the pool's pressure policy shrinks its budget (``observe_step``, rust/budget.rs).
+
+[Note: emulated capacity]
+``zbuf bench --mem-frac F`` emulates a card with F of the memory. ``set_per_process_memory_fraction``
+caps only torch's allocator, and the pool allocates beside it: so that allocator + pool never
+exceed F of the card (the same total every engine gets), ``emulate_capacity`` keeps torch's
+fraction at ``(capacity - what the pool may hold) / total`` and moves it whenever that changes:
+lower while the pool holds its blocks, higher while they are lent to the optimizer step. When the
+pool takes its share back and torch's cache has grown into it, that cache is emptied, as the
+reclaim hook would do on a real card of that size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Optional
+
+import torch
+
+from .pool import GatherBufferPool
+
+__all__ = ["MemoryEvents", "SharedMemory"]
+
+
+@dataclasses.dataclass
+class MemoryEvents:
+    """Cumulative counts of ``SharedMemory``'s interventions (telemetry)."""
+
+    reclaims: int = 0
+    """The pool's acquire was refused by the device and torch's cache was emptied for it."""
+    yields: int = 0
+    """Times the pool gave its idle blocks back for torch (before an optimizer step)."""
+    yielded_bytes: int = 0
+    """Bytes of idle blocks given back by those yields."""
+    torch_ooms: int = 0
+    """Out-of-memory errors raised by torch's caching allocator (CUDA observer)."""
+    torch_ooms_with_idle_pool: int = 0
+    """The subset of ``torch_ooms`` raised while the pool held idle blocks: a zbuf bug."""
+    cache_releases: int = 0
+    """Times torch's cache was emptied because the pool took its share back."""
+
+
+class SharedMemory:
+    """Arbitrates one device's memory between ``pool`` and torch's caching allocator ([Note: one
+    memory, two allocators]). One per pool; it installs the pool's reclaim hook (and on CUDA an
+    out-of-memory observer) that refer to it weakly, so dropping it undoes its effect."""
+
+    def __init__(self, pool: GatherBufferPool) -> None:
+        self.pool = pool
+        self.device = pool.device
+        self.events = MemoryEvents()
+        self._capacity: Optional[int] = None
+        self._lent = False
+        ref = weakref.ref(self)
+
+        def reclaim(nbytes: int) -> None:
+            me = ref()
+            if me is not None:
+                me._reclaim(nbytes)
+            elif pool.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        pool.set_reclaim_hook(reclaim)
+
+        def budget_moved(_budget: int) -> None:
+            me = ref()
+            if me is not None:
+                me._apply_capacity()
+
+        pool.set_budget_observer(budget_moved)
+        if self.device.type == "cuda":
+            def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+                me = ref()
+                if me is not None and device == me.device.index:
+                    me._on_torch_oom()
+
+            # torch has no way to detach an observer; this one is inert once ``self`` is gone.
+            torch._C._cuda_attach_out_of_memory_observer(observer)
+
+    # -- the pool asks ------------------------------------------------------------------------
+
+    def _reclaim(self, nbytes: int) -> None:
+        self.events.reclaims += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- torch asks ---------------------------------------------------------------------------
+
+    def _on_torch_oom(self) -> None:
+        self.events.torch_ooms += 1
+        if self.pool.stats().idle_bytes > 0:
+            self.events.torch_ooms_with_idle_pool += 1
+        self.pool.trim()
+        self._apply_capacity()
+
+    def yield_idle(self) -> int:
+        """Give every idle pool block back to the device now (the pool keeps its budget and
+        allocates again on its next misses); returns the bytes freed. Until ``take_back``,
+        torch's emulated share includes them."""
+        freed = self.pool.trim()
+        self._lent = True
+        if freed:
+            self.events.yields += 1
+            self.events.yielded_bytes += freed
+        self._apply_capacity()
+        return freed
+
+    def take_back(self) -> None:
+        """End of the lending that ``yield_idle`` started: the pool's budget counts again (and
+        the emulated capacity follows the pool's share, which its first runs may have moved)."""
+        self._lent = False
+        self._apply_capacity()
+
+    def observe_step(self) -> str:
+        """Step boundary: feed torch's retry counter and free memory to the pool's pressure
+        policy (CUDA; "none" on the host)."""
+        return self.pool.observe_torch_allocator()
+
+    # -- what the device holds ----------------------------------------------------------------
+
+    def pool_share_bytes(self) -> int:
+        """Bytes the pool may hold now: its budget or what it holds, whichever is larger (while
+        it lends its idle blocks: what it holds)."""
+        s = self.pool.stats()
+        held = s.charged_bytes + s.outside_bytes + s.pending_free_bytes
+        return held if self._lent else max(held, s.budget_bytes)
+
+    def limit_bytes(self) -> Optional[int]:
+        """Bytes torch and the pool may use together on this device (CUDA: the driver's free
+        memory plus what both hold, capped by the emulated capacity); None on the host, which
+        has no device limit to measure."""
+        if self.device.type != "cuda":
+            return None
+        free, _total = torch.cuda.mem_get_info(self.device)
+        s = self.pool.stats()
+        held = torch.cuda.memory_reserved(self.device) + s.charged_bytes + s.outside_bytes \
+            + s.pending_free_bytes
+        limit = free + held
+        return limit if self._capacity is None else min(limit, self._capacity)
+
+    def torch_reserved_bytes(self) -> int:
+        """Bytes torch's caching allocator holds (0 on the host)."""
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    # -- emulated capacity --------------------------------------------------------------------
+
+    def emulate_capacity(self, capacity_bytes: Optional[int]) -> None:
+        """Emulate a card of ``capacity_bytes`` shared by torch and the pool ([Note: emulated
+        capacity]); None stops managing torch's fraction. CUDA only."""
+        if capacity_bytes is not None and self.device.type != "cuda":
+            raise ValueError("emulate_capacity caps CUDA memory (torch.cuda."
+                             "set_per_process_memory_fraction); this pool is on the host")
+        self._capacity = capacity_bytes
+        self._apply_capacity()
+
+    def _apply_capacity(self) -> None:
+        if self._capacity is None:
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        allowed = max(self._capacity - self.pool_share_bytes(), total // 100)
+        torch.cuda.set_per_process_memory_fraction(allowed / total, self.device)
+        if torch.cuda.memory_reserved(self.device) > allowed:
+            # torch's cache grew into the pool's share while it was lent: hand it back now, as
+            # the pool's reclaim hook would on a card of this size.
+            self.events.cache_releases += 1
+            torch.cuda.empty_cache()
+
+    def capacity_fraction(self) -> Optional[dict]:
+        """The emulated capacity and torch's current share of it (for the run record)."""
+        if self._capacity is None:
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return {"capacity_bytes": self._capacity, "device_total_bytes": total,
+                "pool_share_bytes": self.pool_share_bytes(),
+                "allocator_fraction": (self._capacity - self.pool_share_bytes()) / total}

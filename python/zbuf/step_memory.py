@@ -1,0 +1,330 @@
+"""The whole training step under one memory budget, measured on the first step.
+
+[Note: whole-step budget]
+The gather schedule is planned before the first step, from the rank-agreed free memory
+([Note: rank-agreed budget] in compile/budget.py). Much of what a step holds is not there yet:
+the optimizer's state (created lazily by its first ``step()``) and temporaries, the gradients,
+an eager loss, NCCL's buffers (allocated by the first collective), the allocator's
+fragmentation. Rather than guess them, zbuf measures the first step and plans again once:
+
+1. Step 0 runs on the first plan, which already left the gradients' bytes out of the free
+   memory (known exactly from the shards). The pool's budget starts at 0, so the plans' first
+   runs size it to exactly what they need. Step 0's phases are measured ([Note: phase peaks] in
+   step_phases.py). Before its optimizer step the pool gives all its idle blocks back (nothing is
+   known yet about what the optimizer needs; ``zbuf.memory.SharedMemory.yield_idle``).
+2. At the first forward of step 1, on every rank (the same program point of every rank), the
+   measurement becomes a budget:
+   - ``growth``: what step 0 left resident that was not there when it started (the optimizer's
+     state, kept gradients, ...); the forward and backward of step 0 ran without it, later ones
+     will not, so it is added to their peaks;
+   - ``limit``: the bytes torch and the pool may use together (CUDA: the driver's free memory
+     plus what both hold, so NCCL's and the context's memory are out; capped by ``--mem-frac``'s
+     emulated card);
+   - peaks are the caching allocator's *reserved* bytes (live tensors, its cache and its
+     fragmentation: what competes with the pool), forward and backward;
+   - one all-reduce agrees on them: the smallest limit and the largest peaks of any rank;
+   - the gather budget is ``limit - limit / 64 - max(forward, backward) - excess``, rounded
+     down to 1/16 of its leading power of two (so that launches of one configuration land on
+     the same value and Inductor's cache keeps hitting: the budget is part of the pass uuid).
+     ``excess`` is what the pool held after step 0's backward beyond the largest number of
+     gathered bytes its plans have live at once: the pool keeps, per block size, as many blocks
+     as are ever live together ([Note: pool sizing] in compile/schedule.py), which can be more
+     bytes than are live at any one node; the budget bounds the latter, the device sees the
+     former.
+   One budget serves every graph: the pool keeps the blocks of the forward's plan while backward
+   runs and vice versa, so each phase's peak meets the pool's whole size.
+3. If a graph's current plan does not fit the budget (its peak live gathered bytes, plus the
+   weights kept for backward, exceed it), the model is re-planned: compiled again under a new
+   backend instance with that ``budget_bytes`` (compile/replan.py), which recompiles exactly the
+   model's frames, once, and leaves every other compiled function alone (no
+   ``torch._dynamo.reset()``). The pool's budget is set to the new budget. If the plan fits,
+   nothing is recompiled and the pool's budget shrinks to what step 0 held. This happens once.
+4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
+   optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
+   without one the optimizer runs inside "backward" and its peak is part of the budget).
+
+The host (CPU) runs the same steps on a stand-in ([Note: phase peaks]): peaks are the tracked
+parameter, gradient and optimizer-state bytes plus the plans' projected activation peaks, and the
+limit is the agreed free memory at compile time plus the tracked bytes then. On a real host that
+limit is far above anything a test model uses, so the CPU default never re-plans; tests shrink
+the agreed free memory to see the mechanism work.
+
+How zbuf learns of the optimizer: ``zbuf.compile(model, optimizer=opt)``. Its step hooks delimit
+the optimizer phase (so that the pool can lend its idle blocks to it instead of the budget
+having to leave room for the optimizer's temporaries beside the pool) and expose its state to
+the CPU stand-in. Creating the state eagerly was the alternative; it needs a real first step
+(AdamW's state is created inside ``step()``, and a dry step would advance its step counter), so
+the measured first step is used instead. Without ``optimizer=`` the budget is still measured,
+with the optimizer counted as part of backward.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .memory import SharedMemory
+from .shard import roots
+from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
+
+if TYPE_CHECKING:
+    from .compile.replan import Replanner
+
+__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "quantize_budget",
+           "SAFETY_DIVISOR"]
+
+SAFETY_DIVISOR = 64
+"""``limit / SAFETY_DIVISOR`` of the measured limit stays unplanned: allocations that differ from
+step 0 to later steps (the measurement itself is exact for what it saw)."""
+
+_QUANT_BITS = 4
+
+
+def quantize_budget(nbytes: int) -> int:
+    """``nbytes`` rounded down to a multiple of 1/16 of its leading power of two (at most 6 % less),
+    at least 1: nearby measurements give the same budget, so a relaunch hits Inductor's cache."""
+    if nbytes <= 1:
+        return 1
+    step = 1 << max(0, nbytes.bit_length() - 1 - _QUANT_BITS)
+    return max(1, nbytes // step * step)
+
+
+class MeasuredBudget(NamedTuple):
+    """The rank-agreed outcome of the measured step ([Note: whole-step budget], step 2)."""
+
+    limit_bytes: int
+    """Bytes torch and the pool may use together (smallest over the ranks)."""
+    forward_peak_bytes: int
+    """Torch's forward peak with step 0's growth added (largest over the ranks)."""
+    backward_peak_bytes: int
+    """Torch's backward peak, likewise (without an optimizer: backward and optimizer)."""
+    optimizer_peak_bytes: Optional[int]
+    """Torch's optimizer-step peak (largest over the ranks); None without an optimizer."""
+    pool_excess_bytes: int
+    """What the pool held beyond its plans' largest live gathered bytes (largest over ranks)."""
+    budget_bytes: int
+    """The gather budget every graph is planned within (quantised)."""
+    planned_budget_bytes: Optional[int]
+    """The smallest budget of the plans step 0 ran (None: nothing compiled, or an explicit
+    ``budget_bytes``)."""
+    replanned: bool
+    """Whether the model was compiled again under ``budget_bytes``."""
+    measured_step: int
+    """The step the numbers come from."""
+
+
+class StepMemoryRow(NamedTuple):
+    """One step of one rank (the run record's ``memory`` rows)."""
+
+    phases: StepPhases
+    pool_held_bytes: int
+    """The pool's bytes (idle + checked out) at the step's end."""
+    pool_idle_bytes: int
+    """The pool's idle bytes at the step's end."""
+    yielded_bytes: int
+    """Idle pool bytes given back to the device before this step's optimizer step."""
+    reclaims: int
+    """Pool acquires for which torch's cache was emptied during this step."""
+    torch_ooms: int
+    """Torch allocator out-of-memory errors during this step (CUDA)."""
+    budget_bytes: Optional[int]
+    """The gather budget in force in this step: the first plan's (smallest over its graphs) until
+    the re-plan, the measured one after it (None: no compiled plan)."""
+    replanned: bool
+    """The re-plan took effect in this step (its graphs were compiled in it)."""
+
+
+def _root_of(model: nn.Module):
+    found = roots(model)
+    if not found:
+        raise ValueError("zbuf's step memory needs a model sharded with zbuf.shard (it finds the "
+                         "pool and the process group there); call zbuf.shard(model) first")
+    return found[0]
+
+
+class StepMemory:
+    """The whole-step budget of one sharded model ([Note: whole-step budget]).
+
+    A model sharded by several ``zbuf.shard`` calls onto different pools is arbitrated on its
+    first root's pool only (the others keep their idle blocks through the optimizer step).
+
+    Args:
+        model: the sharded model (``zbuf.shard``).
+        optimizer: its optimizer, or None (the optimizer then counts as part of backward).
+        hooked: the module whose forward delimits a step (the compiled wrapper when compiled;
+            default ``model``).
+        replanner: the compiled model's re-planner (compile/replan.py); None for an eager model,
+            which is measured and arbitrated but has no plan to remake.
+        host_free_bytes: CPU stand-in only: the free memory the limit starts from (what
+            ``zbuf.compile`` agreed, before the gradients came off; default: the host's
+            available memory).
+        plan_sizes_pool: the model is compiled, so its plans size the pool on their first runs:
+            the pool's budget starts at 0 and becomes exactly what the plans need (an emulated
+            card's split follows it: [Note: emulated capacity] in zbuf/memory.py).
+    """
+
+    MEASURED_STEP = 0
+    """The step whose measurement sets the budget (the re-plan happens at the next forward)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
+                 host_free_bytes: Optional[int] = None, plan_sizes_pool: bool = False) -> None:
+        root = _root_of(model)
+        pool = root.pool
+        if plan_sizes_pool:
+            pool.set_budget(0)
+        self.model = model
+        self.optimizer = optimizer
+        self.group = root.group
+        self.memory = SharedMemory(pool)
+        self.meter = PhaseMeter(pool.device, model, optimizer)
+        self.replanner = replanner
+        self.measured: Optional[MeasuredBudget] = None
+        self.rows: collections.deque[StepMemoryRow] = collections.deque(maxlen=ROWS_KEPT)
+        """The latest closed steps' rows, oldest first."""
+        self._measured_row: Optional[tuple[StepPhases, int]] = None  # (phases, pool held)
+        self._replan_step: Optional[int] = None
+        self._yielded = 0
+        self._pool_after_backward: Optional[int] = None  # of the running step
+        self._events0 = self._event_counts()
+        self._host_limit = None
+        if pool.device.type != "cuda":
+            if host_free_bytes is None:
+                from .compile.budget import local_free_bytes
+
+                host_free_bytes = local_free_bytes(pool.device)
+            self._host_limit = int(host_free_bytes) + self.meter.tracked_bytes()
+        self.meter.on_close = self._row
+        hooked = hooked if hooked is not None else model
+        # Order matters: the meter closes step 0 before the decision reads it.
+        self.meter.attach(hooked)
+        self._handles = [hooked.register_forward_pre_hook(lambda _m, _a: self._on_forward())]
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(
+                lambda _o, _a, _k: self._before_optimizer()))
+            self._handles.append(optimizer.register_step_post_hook(
+                lambda _o, _a, _k: self.memory.take_back()))
+
+    def detach(self) -> None:
+        """Remove every hook (the meter's too)."""
+        self.meter.detach()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _on_forward(self) -> None:
+        if self.measured is None and self._measured_row is not None:
+            self.measured = self._decide(*self._measured_row)
+        self.memory.observe_step()
+        self.memory.take_back()  # the pool's share may have moved (first runs size it)
+
+    def _before_optimizer(self) -> None:
+        self._pool_after_backward = self.memory.pool.stats().charged_bytes
+        m = self.measured
+        usable = self._usable(self.limit_bytes())
+        if m is None or m.optimizer_peak_bytes is None:
+            lend = True  # [Note: whole-step budget], step 1: nothing measured yet
+        else:
+            lend = m.optimizer_peak_bytes + self.memory.pool_share_bytes() > usable
+        if lend:
+            self._yielded += self.memory.yield_idle()
+
+    # -- the decision -------------------------------------------------------------------------
+
+    @staticmethod
+    def _usable(limit: int) -> int:
+        return limit - limit // SAFETY_DIVISOR
+
+    def limit_bytes(self) -> int:
+        """This rank's limit for torch + pool ([Note: whole-step budget])."""
+        if self._host_limit is not None:
+            return self._host_limit
+        return self.memory.limit_bytes()
+
+    def _decide(self, row: StepPhases, pool_held: int) -> MeasuredBudget:
+        growth = max(0, self.meter.resident_bytes() - row.start_bytes)
+        fw = row.forward_reserved_bytes + growth
+        bw = row.backward_reserved_bytes + growth
+        opt = row.optimizer_reserved_bytes
+        excess = 0
+        if self.replanner is not None:
+            excess = max(0, pool_held - self.replanner.largest_need())
+            if self._host_limit is not None:
+                # CPU stand-in: activations are invisible to the meter; the plans project them.
+                act = self.replanner.activation_peaks()
+                fw += act.get("forward", 0)
+                bw += act.get("backward", 0)
+        limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
+        budget = quantize_budget(self._usable(limit) - max(fw, bw) - excess)
+        planned = replanned = None
+        if self.replanner is not None:
+            planned = self.replanner.planned_budget()
+            replanned = self.replanner.replan_if_needed(budget)
+        if replanned:
+            self._replan_step = self.meter.closed  # the step now opening
+            self.memory.pool.set_budget(budget)
+        elif self.replanner is not None and pool_held < self.memory.pool.stats().budget_bytes:
+            # What the plans held after step 0's backward is what they need: keep the pool (and
+            # its share of an emulated card) to that.
+            self.memory.pool.set_budget(pool_held)
+        return MeasuredBudget(limit, fw, bw, opt, excess, budget, planned, bool(replanned),
+                              row.step)
+
+    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
+        """One all-reduce(MIN) over the sharding group: the smallest limit, the largest rest."""
+        vals = [limit, -fw, -bw, -(opt or 0), -excess]
+        if self.group is not None and dist.is_available() and dist.is_initialized():
+            dev = self.memory.device if dist.get_backend(self.group) == "nccl" else "cpu"
+            t = torch.tensor(vals, dtype=torch.int64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            vals = [int(v) for v in t.tolist()]
+        return vals[0], -vals[1], -vals[2], (None if opt is None else -vals[3]), -vals[4]
+
+    # -- telemetry ----------------------------------------------------------------------------
+
+    def _event_counts(self) -> tuple[int, int]:
+        e = self.memory.events
+        return e.reclaims, e.torch_ooms
+
+    def close_step(self) -> Optional[StepMemoryRow]:
+        """Close the running step (call after it, e.g. after ``loss.item()``); returns its row."""
+        phases = self.meter.close_step()  # its on_close is _row
+        return None if phases is None else self.rows[-1]
+
+    def _row(self, phases: StepPhases) -> None:
+        s = self.memory.pool.stats()
+        if phases.step == self.MEASURED_STEP:
+            held = self._pool_after_backward
+            self._measured_row = (phases, s.charged_bytes if held is None else held)
+        self._pool_after_backward = None
+        counts = self._event_counts()
+        m = self.measured
+        if m is not None and m.replanned:
+            budget = m.budget_bytes
+        elif m is not None:
+            budget = m.planned_budget_bytes
+        else:
+            budget = self.replanner.planned_budget() if self.replanner is not None else None
+        row = StepMemoryRow(
+            phases, s.charged_bytes, s.idle_bytes, self._yielded,
+            counts[0] - self._events0[0], counts[1] - self._events0[1], budget,
+            self._replan_step == phases.step)
+        self._yielded = 0
+        self._events0 = counts
+        self.rows.append(row)
+
+    def report(self) -> dict[str, Any]:
+        """The measured budget and the cumulative events, JSON-able (for a run record)."""
+        m = self.measured
+        return {
+            "measured": None if m is None else m._asdict(),
+            "events": dict(vars(self.memory.events)),
+            "optimizer_attached": self.optimizer is not None,
+            "capacity": self.memory.capacity_fraction(),
+        }
