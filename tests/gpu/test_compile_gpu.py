@@ -122,33 +122,27 @@ def _gpu_worker(rank, world):
         worst = max(_rel(full[k].to(dev), ref[k].to(dev)) for k in ref)
         if dtype is None:
             # [Note: fp32 parity bound on CUDA]
-            # Two correct fp32 implementations of the same step differ on CUDA by the order of
-            # their reductions (Inductor fuses and splits differently around zbuf's ops), and
-            # four AdamW steps amplify that for weights whose gradients are near zero (Adam
-            # divides by sqrt(v)). On 2x H200 zbuf's worst weight differed from stock Inductor's
-            # by 1.41e-5. The bound is therefore set from the same run: zbuf may differ from
-            # stock Inductor by at most twice what DDP (unsharded, compiled with Inductor, same
-            # batches) differs from it, and never by more than 1e-5 when DDP agrees closer.
-            spread = _ddp_spread(init, batches, rank, world, dev, ref)
+            # zbuf's compiled step is not the same kernel sequence as stock Inductor's on the same
+            # sharded model: gathers split into start / wait, releases that take their readers'
+            # outputs, a 4 MiB budget that re-gathers in backward and no peak-memory reordering
+            # all change what Inductor fuses, so reductions run in another order, and four AdamW
+            # steps amplify that for weights whose gradients are near zero (Adam divides by
+            # sqrt(v)). Measured on one H200 (world 1, so no collective is involved): zbuf vs
+            # stock 1.32e-5 worst relative weight difference; DDP compiled with Inductor vs stock
+            # 2e-8 (the same graph, the same kernels: not a measure of reduction-order noise);
+            # eager zbuf vs stock is the spread of two correct fp32 implementations with
+            # different kernels. The bound is that spread, measured in the same run: zbuf may
+            # differ from stock Inductor by at most twice what eager differs from it, and never by
+            # more than 1e-5 when eager agrees closer.
+            eager_full = full_state_dict(eager)
+            spread = max(_rel(eager_full[k].to(dev), ref[k].to(dev)) for k in ref)
             bound = max(1e-5, 2 * spread)
         else:
             spread, bound = None, 1e-2
         assert worst <= bound, (worst, spread)
         out[str(dtype)] = {"losses": losses, "records": [json_safe(r) for r in recs], "vs_stock": worst,
-                           "ddp_vs_stock": spread}
+                           "eager_vs_stock": spread}
     return out
-
-
-def _ddp_spread(init, batches, rank, world, dev, ref) -> float:
-    """Worst relative weight difference between DDP (compiled with Inductor) and ``ref``."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch._dynamo.reset()
-    plain = copy.deepcopy(init)
-    ddp = DDP(plain, device_ids=[dev.index])
-    _train(torch.compile(ddp), plain, batches, rank, world)
-    state = plain.state_dict()
-    return max(_rel(state[k].to(dev), ref[k].to(dev)) for k in ref)
 
 
 def json_safe(rec):
