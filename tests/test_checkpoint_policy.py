@@ -32,13 +32,21 @@ def _step(model, opt, step: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+RUN = {"lr": 0.01, "seed": 0, "task": "stride"}
+
+
+def _policy(root, **kw) -> SaveResumePolicy:
+    kw.setdefault("run", RUN)
+    return SaveResumePolicy(directory=str(root), **kw)
+
+
 def _run(policy: SaveResumePolicy, total: int, stop_after=None):
     model, opt = _make()
-    start = policy.resume_step(model, opt)
-    for step in range(start, total if stop_after is None else stop_after):
+    run = policy.begin(model, opt)
+    for step in range(run.start_step, total if stop_after is None else stop_after):
         _step(model, opt, step)
-        policy.after_step(step + 1, model, opt)
-    return start, model, opt
+        run.after_step(step + 1, model, opt)
+    return run, model, opt
 
 
 def _flat(model, opt) -> list[torch.Tensor]:
@@ -48,36 +56,117 @@ def _flat(model, opt) -> list[torch.Tensor]:
     return out
 
 
+def _steps(root) -> list[int]:
+    return [s for s, _ in ckpt.list_checkpoints(root)]
+
+
+def _same(a, b) -> bool:
+    a, b = _flat(*a), _flat(*b)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_save_every_prune_and_bit_exact_resume(tmp_path):
     root = tmp_path / "ck"
-    policy = SaveResumePolicy(directory=str(root), save_every=2, resume=True, keep_last=2)
+    policy = _policy(root, save_every=2, resume=True, keep_last=2, total_steps=7)
 
     _, ref_model, ref_opt = _run(SaveResumePolicy(), 7)  # no checkpoints at all
     assert not root.exists()
 
-    start, _, _ = _run(policy, 7, stop_after=5)  # "killed" after step 5
-    assert start == 0
-    assert [s for s, _ in ckpt.list_checkpoints(root)] == [2, 4]
+    first, _, _ = _run(policy, 7, stop_after=5)  # "killed" after step 5
+    assert first.start_step == 0 and first.run_id
+    assert _steps(root) == [2, 4]
 
-    start, model, opt = _run(policy, 7)  # the restart: same command line
-    assert start == 4
-    assert [s for s, _ in ckpt.list_checkpoints(root)] == [4, 6]
-    a, b = _flat(ref_model, ref_opt), _flat(model, opt)
-    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    run, model, opt = _run(policy, 7)  # the restart: same command line
+    assert run.start_step == 4 and run.run_id == first.run_id
+    assert _steps(root) == [6, 7]  # the final step is saved too
+    assert _same((ref_model, ref_opt), (model, opt))
+    info = ckpt.read_checkpoint_info(root)
+    assert info.step == 7 and info.run["id"] == first.run_id and info.run["definition"] == RUN
 
 
 def test_resume_without_checkpoints_starts_fresh(tmp_path):
-    policy = SaveResumePolicy(directory=str(tmp_path / "empty"), resume=True)
+    policy = _policy(tmp_path / "empty", resume=True)
     model, opt = _make()
-    assert policy.resume_step(model, opt) == 0
-    assert policy.after_step(3, model, opt) is None  # no save_every: never saves
+    run = policy.begin(model, opt)
+    assert run.start_step == 0 and run.resumed_from is None
+    assert run.after_step(3, model, opt) is None  # no save_every: never saves
 
 
 def test_disabled_policy_does_nothing(tmp_path):
     model, opt = _make()
     policy = SaveResumePolicy()
     assert not policy.enabled
-    assert policy.resume_step(model, opt) == 0 and policy.after_step(10, model, opt) is None
+    run = policy.begin(model, opt)
+    assert run.start_step == 0 and run.after_step(10, model, opt) is None
+
+
+def test_a_new_run_refuses_a_directory_with_checkpoints(tmp_path):
+    root = tmp_path / "ck"
+    _run(_policy(root, save_every=2), 4)
+    model, opt = _make()
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        _policy(root, save_every=2).begin(model, opt)  # no resume: a new run
+    msg = str(e.value)
+    assert "step_00000002, step_00000004" in msg and "--resume" in msg and "empty" in msg, msg
+    assert _steps(root) == [2, 4]
+
+
+def test_resume_refuses_other_settings_unless_allowed(tmp_path):
+    root = tmp_path / "ck"
+    first, _, _ = _run(_policy(root, save_every=2, keep_last=5), 4)
+    other = {"lr": 0.02, "seed": 1, "task": "copy"}
+    model, opt = _make()
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        _policy(root, resume=True, run=other).begin(model, opt)
+    msg = " ".join(str(e.value).split())
+    for part in ("--lr 0.01 there, 0.02 here", "--seed 0 there, 1 here",
+                 "--task stride there, copy here", "--allow-change lr,seed,task"):
+        assert part in msg, msg
+    with pytest.raises(ckpt.CheckpointMismatchError, match="--task stride there"):
+        _policy(root, resume=True, run=other, allow_change=("lr", "seed")).begin(model, opt)
+    # Allowed on purpose: the run goes on under its id, and records its new settings.
+    run, _, _ = _run(_policy(root, resume=True, save_every=2, keep_last=5, run=other,
+                             allow_change=("lr", "seed", "task")), 6)
+    assert run.start_step == 4 and run.run_id == first.run_id
+    info = ckpt.read_checkpoint_info(root)
+    assert info.step == 6 and info.run["definition"] == other and info.run["id"] == first.run_id
+
+
+def test_retention_never_deletes_what_the_run_did_not_write(tmp_path):
+    root = tmp_path / "ck"
+    _run(_policy(root, save_every=2), 2)
+    model, opt = _make()
+    foreign = ckpt.save_checkpoint(ckpt.checkpoint_path(root, 1), model, opt, step=1)  # not this run's
+    _run(_policy(root, resume=True, save_every=2, keep_last=1), 8)
+    assert _steps(root) == [1, 8] and foreign.is_dir()
+    # A checkpoint without a run record is not resumed by zbuf train either.
+    lone = tmp_path / "lone"
+    ckpt.save_checkpoint(ckpt.checkpoint_path(lone, 3), model, opt, step=3)
+    with pytest.raises(ckpt.CheckpointMismatchError, match="records no zbuf train run"):
+        _policy(lone, resume=True).begin(model, opt)
+
+
+def test_resume_from_an_older_checkpoint_when_the_newest_is_damaged(tmp_path, capfd):
+    root = tmp_path / "ck"
+    _, ref_model, ref_opt = _run(SaveResumePolicy(), 8)
+    _run(_policy(root, save_every=2, keep_last=3), 6)
+    assert _steps(root) == [2, 4, 6]
+    data = next(p for p in (root / "step_00000006").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    model, opt = _make()
+    with pytest.raises(ckpt.CheckpointCorruptError, match="--resume-from step_00000004"):
+        _policy(root, resume=True).begin(model, opt)
+    policy = _policy(root, resume=True, resume_from="step_00000004", save_every=2, keep_last=3)
+    run, model, opt = _run(policy, 8)
+    assert run.start_step == 4 and run.resumed_from.name == "step_00000004"
+    assert _same((ref_model, ref_opt), (model, opt))
+    assert _steps(root) == [4, 6, 8]  # the new step_6, not the damaged one
+    assert (root / "superseded" / "step_00000006").is_dir()
+    assert "moved this run's later checkpoint(s) step_00000006" in capfd.readouterr().err
+    with pytest.raises(ckpt.CheckpointMismatchError, match="no complete checkpoint step_00000005"):
+        _policy(root, resume=True, resume_from="5").begin(model, opt)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +179,9 @@ def test_disabled_policy_does_nothing(tmp_path):
         ({"directory": "d", "keep_last": 0}, "keep_last must be an int >= 1"),
         ({"directory": "d", "resume": "yes"}, "resume must be a bool"),
         ({"directory": ""}, "checkpoint directory must be a path"),
+        ({"directory": "d", "resume_from": "step_5"}, "resume_from needs resume=True"),
+        ({"directory": "d", "resume": True, "resume_from": "latest"}, "expected a checkpoint name"),
+        ({"directory": "d", "run": {"lr": 1}, "allow_change": ("lrr",)}, "choose from lr"),
     ],
 )
 def test_policy_validation(kwargs, match):

@@ -283,15 +283,64 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
     assert main(args + ["--steps", "5", "--out", str(tmp_path / "again.json")]) == 2
     assert "past --steps 5" in " ".join(capsys.readouterr().err.split())
 
-    # A damaged latest checkpoint stops every rank with the checkpoint's error and status 2.
+    # A damaged latest checkpoint stops every rank with the checkpoint's error and status 2, and
+    # names the way back; --resume-from takes it (one rank: the same global batch of 16).
     shard = resumed_dir / "step_00000006" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    res = _run(common + ["--steps", "9", "--nproc", "1", "--resume", "--checkpoint-dir", str(resumed_dir),
-                         "--out", str(tmp_path / "bad.json")])
+    one_rank = ["--steps", "9", "--nproc", "1", "--micro-batch", "16", "--checkpoint-dir",
+                str(resumed_dir)]
+    res = _run(common + one_rank + ["--resume", "--out", str(tmp_path / "bad.json")])
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "CheckpointCorruptError" in res.stderr and "Traceback" not in res.stderr
+    assert "--resume-from step_00000003" in " ".join(res.stderr.split()), res.stderr
+    out = tmp_path / "back.json"
+    res = _run(common + one_rank + ["--resume-from", "step_00000003", "--out", str(out)])
+    assert res.returncode == 0, _why(res, out)
+    eng = json.loads(out.read_text())["engines"][0]
+    assert eng["start_step"] == 3 and eng["resumed_from"].endswith("step_00000003")
+    # Saves at 6 and at the final step 9; retention kept the run's newest two, and the record
+    # lists what exists.
+    assert [c["step"] for c in eng["checkpoints"]] == [6, 9]
+    assert sorted(p.name for p in resumed_dir.iterdir() if not p.name.startswith(".")) == \
+        ["step_00000006", "step_00000009", "superseded"]
+    assert (resumed_dir / "superseded" / "step_00000006" / "__1_0.distcp").read_bytes() == bytes(data)
+
+
+def test_checkpoints_belong_to_one_run(tmp_path, capsys):
+    """A run saves at its last step too, keeps only its own newest checkpoints, and lists only
+    what exists; another run cannot start in its directory, and a resume with other settings is
+    refused naming them (issue 15, item 3)."""
+    from zbuf.cli import build_parser, main
+
+    ck = tmp_path / "ck"
+    base = ["train", "--engine", "zbuf-eager", "--warmup", "1", "--checkpoint-dir", str(ck)]
+    out = tmp_path / "a.json"
+    res = _run(base + ["--steps", "5", "--save-every", "2", "--out", str(out)])
+    assert res.returncode == 0, _why(res, out)
+    eng = json.loads(out.read_text())["engines"][0]
+    assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000005"]
+    assert [c["step"] for c in eng["checkpoints"]] == [4, 5] and eng["run_id"]
+
+    def refused(args):
+        assert main(base + args + ["--out", str(tmp_path / "b.json")]) == 2
+        return " ".join(capsys.readouterr().err.split())
+
+    # A new run in the directory: refused before anything starts; nothing deleted.
+    err = refused(["--steps", "3", "--save-every", "1", "--seed", "1"])
+    assert "already holds checkpoints (step_00000004, step_00000005)" in err and "--resume" in err
+    # Resuming with other settings: refused, naming each difference and the way to allow it.
+    err = refused(["--steps", "8", "--resume", "--seed", "1", "--lr", "0.001", "--task", "copy"])
+    for part in ("--lr 0.003 there, 0.001 here", "--seed 0 there, 1 here",
+                 "--task stride there, copy here", "--allow-change lr,seed,task"):
+        assert part in err, err
+    err = refused(["--steps", "8", "--resume", "--seed", "1", "--lr", "0.001", "--allow-change", "lr"])
+    assert "--seed 0 there, 1 here" in err and "--lr" not in err.split("other settings:")[1], err
+    assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000005"]
+    assert not (tmp_path / "b.json").exists()
+    helptext = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "--resume-from step_N" in helptext and "damaged" in helptext and "--allow-change" in helptext
 
 
 def _children(pid):

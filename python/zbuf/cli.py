@@ -16,7 +16,15 @@ import argparse
 import sys
 from typing import Optional
 
-from .train.config import OPTIMIZERS, ConfigError, Engine, Task, TrainConfig, parse_bytes
+from .train.config import (
+    OPTIMIZERS,
+    RUN_DEFINING,
+    ConfigError,
+    Engine,
+    Task,
+    TrainConfig,
+    parse_bytes,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -59,6 +67,10 @@ def _bytes(text: str) -> int:
         return parse_bytes(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _engine_list(text: str) -> tuple[Engine, ...]:
@@ -140,13 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(train)
     c = train.add_argument_group("checkpoints and faults (zbuf engines)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="root of sharded step_<N> checkpoints (created if missing; the last 2 "
-                        "are kept)")
+                   help="root of sharded step_<N> checkpoints of one run (created if missing; "
+                        "the run's last 2 are kept; a new run needs a directory without "
+                        "checkpoints)")
     c.add_argument("--save-every", type=_positive_int, metavar="N",
-                   help="save a checkpoint after every N steps (needs --checkpoint-dir)")
+                   help="save a checkpoint after every N steps and at the last step (needs "
+                        "--checkpoint-dir)")
     c.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in --checkpoint-dir, if "
-                        "any (bit-identical to an uninterrupted run)")
+                   help="continue the run whose checkpoints are in --checkpoint-dir from its "
+                        "latest complete one, if any (bit-identical to an uninterrupted run); "
+                        "refused if that run's settings differ from these")
+    c.add_argument("--resume-from", metavar="step_N",
+                   help="like --resume, from this older checkpoint (e.g. step_00000005 or 5): "
+                        "the way back when the newest is damaged; the run's later checkpoints "
+                        "move to DIR/superseded/")
+    c.add_argument("--allow-change", type=_name_list, metavar="SETTING,...", default=(),
+                   help="resume although these settings differ from the checkpoint's run, on "
+                        f"purpose (e.g. lr); any of {','.join(RUN_DEFINING)}")
     c.add_argument("--collective-timeout", type=_positive_float, metavar="SECONDS",
                    help="a rank waiting longer than this for a peer stops with a clear message "
                         "and exit status 75 (default 600; raise it if saves or first compiles "
@@ -194,7 +216,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         peak_tflops=args.peak_tflops, profile_dir=args.profile_dir,
         progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir if train else None,
-        save_every=args.save_every if train else None, resume=train and args.resume,
+        save_every=args.save_every if train else None,
+        resume=train and (args.resume or args.resume_from is not None),
+        resume_from=args.resume_from if train else None,
+        allow_change=args.allow_change if train else (),
         **({"collective_timeout_s": args.collective_timeout}
            if train and args.collective_timeout is not None else {}))
 

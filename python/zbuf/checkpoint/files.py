@@ -35,7 +35,7 @@ import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = [
     "MANIFEST_NAME",
@@ -231,16 +231,19 @@ def commit(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
-def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
+def prune(root: str | os.PathLike, keep_last: int,
+          only: Optional[Callable[[Path], bool]] = None) -> list[Path]:
     """Delete all but the ``keep_last`` newest complete ``step_<N>`` checkpoints under ``root``.
 
+    ``only``: when given, only checkpoints for which ``only(path)`` is true count and can be
+    deleted; the others are left alone (``zbuf train`` passes "written by this run").
     Call it from one rank after a save returned (every rank has finished by then). Returns the
     deleted paths.
     """
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    found = list_checkpoints(root)
-    doomed = [p for _, p in found[:-keep_last]]
+    found = [p for _, p in list_checkpoints(root) if only is None or only(p)]
+    doomed = found[:-keep_last]
     for p in doomed:
         shutil.rmtree(p)
     return doomed

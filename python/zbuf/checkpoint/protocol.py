@@ -37,6 +37,7 @@ step (``zbuf.train.data``), which is why ``step`` is enough to resume it bit-exa
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,8 @@ class CheckpointInfo:
     """When the save committed (seconds since the epoch)."""
     has_optimizer: bool
     """Whether optimizer state was saved."""
+    run: Optional[dict] = None
+    """The ``run`` passed to ``save_checkpoint`` (None if none): what run the state belongs to."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +128,7 @@ def save_checkpoint(
     *,
     step: int,
     extra: Any = None,
+    run: Optional[dict] = None,
 ) -> Path:
     """Save ``model``'s shards (and ``optimizer``'s state) to the directory ``path``, atomically.
 
@@ -141,12 +145,24 @@ def save_checkpoint(
             rank); returned by ``load_checkpoint``.
         extra: anything else to resume with ([Note: what is not in a checkpoint]); must be the
             same on every rank (DCP stores one rank's copy).
+        run: a JSON-serialisable dict describing the run this state belongs to (``zbuf train``
+            records its run id and configuration: [Note: checkpoints belong to one run] in
+            ``zbuf/train/save_resume.py``). Kept in the manifest, so ``read_checkpoint_info``
+            returns it without loading anything; rank 0's copy is stored.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise LayoutError(f"step must be a non-negative int, got {step!r}")
+    if run is not None:
+        try:
+            if not isinstance(run, dict):
+                raise TypeError(f"a {type(run).__name__}")
+            json.dumps(run)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"run must be a JSON-serialisable dict (plain str, int, float, bool, "
+                              f"None, lists and dicts), got {e}") from None
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod
     path = Path(path)
@@ -155,7 +171,7 @@ def save_checkpoint(
         group = inv.group
         rank, world = dist.get_rank(group), group.size()
         state, manifest = _save_state(inv, optimizer, extra)
-    manifest.update(step=step, world_size=world)
+    manifest.update(step=step, world_size=world, run=run)
 
     with record_function("zbuf::checkpoint::prepare"):
         problem = None
@@ -291,6 +307,7 @@ def _info(path: Path, manifest: dict, extra: Any) -> CheckpointInfo:
         extra=extra,
         created_unix=float(manifest.get("created_unix", 0.0)),
         has_optimizer=manifest.get("optimizer") is not None,
+        run=manifest.get("run"),
     )
 
 

@@ -16,7 +16,13 @@ from typing import Any, Optional
 
 from ..presets import PRESETS, ModelConfig, resolve_config
 
-__all__ = ["ConfigError", "Engine", "OPTIMIZERS", "Task", "TrainConfig", "parse_bytes", "format_bytes"]
+__all__ = ["ConfigError", "Engine", "OPTIMIZERS", "RUN_DEFINING", "Task", "TrainConfig", "parse_bytes",
+           "format_bytes"]
+
+
+RUN_DEFINING = ("preset", "model", "layers", "seq-len", "global-batch", "dtype", "optimizer", "lr",
+                "task", "seed")
+"""The settings that define a run, by flag name (``TrainConfig.run_definition``)."""
 
 
 class ConfigError(ValueError):
@@ -168,8 +174,15 @@ class TrainConfig:
     data of step ``s`` is a pure function of ``s``, so a resumed run is bit-identical to an
     uninterrupted one."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept under ``checkpoint_dir``; older ones are deleted after a save
-    (two: if the newest turns out damaged, its predecessor is still there)."""
+    """This run's complete checkpoints kept under ``checkpoint_dir``; its older ones are deleted
+    after a save (two: if the newest turns out damaged, its predecessor is still there). A
+    checkpoint the run did not write is never deleted."""
+    resume_from: Optional[str] = None
+    """Resume from this checkpoint under ``checkpoint_dir`` (``step_00000005`` or ``5``) instead
+    of the latest one: the way back when the newest is damaged. Implies ``resume``."""
+    allow_change: tuple[str, ...] = ()
+    """Settings that define a run (``RUN_DEFINING``) in which ``--resume`` may differ from the
+    checkpoint's run on purpose, e.g. ``("lr",)``; any other difference refuses the resume."""
     collective_timeout_s: Optional[float] = None
     """Seconds a collective may wait for a peer before the rank gives up with a clear message
     and exit status 75 (``zbuf.faults``); default ``zbuf.faults.DEFAULT_COLLECTIVE_TIMEOUT_S``
@@ -224,7 +237,14 @@ class TrainConfig:
                 self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0):
             raise ConfigError(f"--collective-timeout must be a positive number of seconds, got "
                               f"{self.collective_timeout_s!r}")
-        self.save_resume_policy()
+        unknown = [k for k in self.allow_change if k not in RUN_DEFINING]
+        if unknown:
+            raise ConfigError(f"--allow-change {','.join(unknown)}: not a setting that defines a "
+                              f"run; choose from {', '.join(RUN_DEFINING)}")
+        if self.allow_change and not self.resume:
+            raise ConfigError("--allow-change applies to --resume (or --resume-from); a new run "
+                              "has no checkpoint to differ from")
+        self._policy(run=None)
         if self.checkpoint_dir is not None:
             other = [e.value for e in self.engines if not e.uses_zbuf]
             if other:
@@ -234,14 +254,38 @@ class TrainConfig:
                     f"drop the checkpoint options")
 
     def save_resume_policy(self):
-        """The ``save_resume.SaveResumePolicy`` of these options (validates them)."""
+        """The ``save_resume.SaveResumePolicy`` of these (resolved) options."""
+        return self._policy(run=self.run_definition())
+
+    def _policy(self, run: Optional[dict]):
         from .save_resume import SaveResumePolicy
 
         try:
             return SaveResumePolicy(self.checkpoint_dir, self.save_every, self.resume,
-                                    self.keep_checkpoints)
+                                    self.keep_checkpoints, resume_from=self.resume_from,
+                                    run=run, allow_change=tuple(self.allow_change),
+                                    total_steps=self.steps)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def run_definition(self) -> dict[str, Any]:
+        """The settings that define this (resolved) run's trajectory, by flag name: a checkpoint
+        records them and a resume compares them ([Note: checkpoints belong to one run] in
+        ``save_resume.py``). Performance and bookkeeping options (engine, compiler, budget,
+        activation checkpointing, steps) may change between restarts; the world size may too,
+        as long as the global batch stays (the data of a step depends on it, not on the split)."""
+        return {
+            "preset": self.preset,
+            "model": f"hf:{self.hf_model}" if self.hf_model else None,
+            "layers": self.model_config().num_layers,
+            "seq-len": self.seq_len,
+            "global-batch": self.global_batch,
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+            "lr": self.lr,
+            "task": self.task.value,
+            "seed": self.seed,
+        }
 
     def resolve(self, *, cuda: bool, world: int, bench: bool) -> "TrainConfig":
         """Fill every ``None`` for this machine and world size; check what depends on them."""
@@ -274,9 +318,6 @@ class TrainConfig:
             if os.path.exists(c.checkpoint_dir) and not os.path.isdir(c.checkpoint_dir):
                 raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: exists and is not a "
                                   f"directory; give a directory (it is created if missing)")
-        if c.save_every is not None and c.save_every > c.steps:
-            raise ConfigError(f"--save-every {c.save_every} with --steps {c.steps} never saves; "
-                              f"use --save-every {c.steps} or less")
         if c.warmup is None:  # never more than half the steps: --steps 2 works as given
             c.warmup = min(10 if bench else 3, c.steps // 2)
         elif c.warmup >= c.steps:
@@ -319,6 +360,7 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["engines"] = [e.value for e in self.engines]
         d["task"] = self.task.value
+        d["allow_change"] = list(self.allow_change)
         return d
 
     @classmethod
@@ -326,6 +368,7 @@ class TrainConfig:
         d = dict(d)
         d["engines"] = tuple(Engine(e) for e in d["engines"])
         d["task"] = Task(d["task"])
+        d["allow_change"] = tuple(d.get("allow_change", ()))
         return cls(**d)
 
 

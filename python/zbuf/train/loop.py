@@ -10,7 +10,8 @@ loss per step, after the step's clock stopped. Every other cross-rank reduction 
 after the last step, so measuring adds no collective to the time being measured.
 
 [Note: resumed runs]
-With ``--resume`` the run starts at the step of the latest checkpoint (``SaveResumePolicy``),
+With ``--resume`` the run starts at the step of the latest checkpoint (``SaveResumePolicy``; or
+the one ``--resume-from`` names),
 loaded after the engine is built and before the clock starts. Its rows cover steps
 ``start..steps-1`` only; the record says where it resumed (``start_step``). Warm-up counts from
 the first step this process runs (that is the step that compiles), shortened so that at least one
@@ -21,6 +22,7 @@ them; their durations go to the record's ``checkpoints`` list.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -91,10 +93,10 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the full model the shards were cut from
     setup_seconds = time.perf_counter() - t0
-    policy = cfg.save_resume_policy()
     t0 = time.perf_counter()
     with record_function("zbuf.train.resume"):
-        start = policy.resume_step(setup.model, setup.optimizer)
+        checkpoints = cfg.save_resume_policy().begin(setup.model, setup.optimizer)
+    start = checkpoints.start_step
     resume_seconds = time.perf_counter() - t0
     if start >= cfg.steps:  # the launcher checks this before starting workers; a race is left
         raise RuntimeError(f"the checkpoint under {cfg.checkpoint_dir} is at step {start}, at or "
@@ -140,7 +142,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
         faults.fault_point("train.step_done")  # [Note: fault points]
         t0 = time.perf_counter()
         with record_function("zbuf.train.checkpoint"):
-            path = policy.after_step(step + 1, setup.model, setup.optimizer)
+            path = checkpoints.after_step(step + 1, setup.model, setup.optimizer)
         if path is not None:
             saves.append({"step": step + 1, "path": str(path),
                           "seconds": time.perf_counter() - t0})
@@ -162,8 +164,13 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, rows)
     result = _combine(engine, cfg, everyone, world, start)
+    # Retention may have deleted this run's older saves (rank 0 prunes before the collective
+    # above returns): the record lists the checkpoints that exist.
+    saves = [s for s in saves if os.path.isdir(s["path"])]
     result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
                   memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves,
+                  run_id=checkpoints.run_id,
+                  resumed_from=str(checkpoints.resumed_from) if checkpoints.resumed_from else None,
                   step_memory=step_memory.report() if step_memory is not None else None)
     if step_memory is not None:
         step_memory.detach()

@@ -10,7 +10,9 @@ Record layout (``schema: zbuf.run/1``)::
     engines[]      engine, status ("ok" | "failed"), error, setup_seconds,
                    start_step (0, or the checkpoint step a --resume run continued from),
                    warmup_steps (warm-up actually left out of the statistics),
-                   resume_seconds, checkpoints[] (step, path, seconds: saves of this run),
+                   resume_seconds, checkpoints[] (step, path, seconds: saves of this run
+                   still on disk at its end), run_id (the checkpointed run's id, or null),
+                   resumed_from (the checkpoint loaded, or null),
                    steps[] (step, loss [mean over ranks], time_s [slowest rank], tokens,
                             device_bytes, peak_device_bytes, pool_bytes [max over ranks],
                             and per rank (lists indexed by rank): alloc_retries [cumulative],
@@ -247,7 +249,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 # Config fields that may differ between records merged into one comparison.
 _MERGE_FREE = {"engines", "out", "progress", "budget", "checkpoint_dir", "save_every",
-               "keep_checkpoints", "collective_timeout_s"}
+               "keep_checkpoints", "resume_from", "allow_change", "collective_timeout_s"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:

@@ -48,12 +48,13 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
 def _resume_point(cfg: TrainConfig) -> int:
     """Check the checkpoint options against the file system before any worker starts; the step
     a ``--resume`` run will continue from (0: a fresh start). ``ConfigError`` if they cannot
-    work: a directory that cannot be created or written, or a checkpoint already past
+    work: a directory that cannot be created or written, another run's checkpoints or settings
+    ([Note: checkpoints belong to one run] in save_resume.py), or a checkpoint already past
     ``--steps``. Reads files only (no process group), so every torchrun rank may call it."""
     if cfg.checkpoint_dir is None:
         return 0
-    from ..checkpoint import latest_checkpoint, read_checkpoint_info
     from ..checkpoint import CheckpointError
+    from .save_resume import resume_point
 
     root = cfg.checkpoint_dir
     try:
@@ -63,20 +64,18 @@ def _resume_point(cfg: TrainConfig) -> int:
     except OSError as e:
         raise ConfigError(f"--checkpoint-dir {root}: cannot write there ({e.strerror}); choose "
                           f"another directory") from None
-    if not cfg.resume:
-        return 0
-    latest = latest_checkpoint(root)
-    if latest is None:
-        return 0
     try:
-        step = read_checkpoint_info(latest).step
+        info = resume_point(cfg.save_resume_policy())
     except CheckpointError as e:
-        raise ConfigError(f"--resume: {e}") from None
-    if step > cfg.steps:
-        raise ConfigError(f"--resume: the latest checkpoint ({latest}) is at step {step}, past "
-                          f"--steps {cfg.steps}; pass --steps {step + 1} or more to continue it, "
-                          f"or another --checkpoint-dir to start afresh")
-    return step
+        text = str(e)
+        raise ConfigError(text if text.startswith("--") else f"--resume: {text}") from None
+    if info is None:
+        return 0
+    if info.step > cfg.steps:
+        raise ConfigError(f"--resume: the checkpoint {info.path} is at step {info.step}, past "
+                          f"--steps {cfg.steps}; pass --steps {info.step + 1} or more to continue "
+                          f"it, or another --checkpoint-dir to start afresh")
+    return info.step
 
 
 def _failure(engine: Engine, status: str, error: str) -> dict[str, Any]:
