@@ -400,16 +400,27 @@ def test_latest_skips_unfinished_and_prune_keeps_newest(tmp_path):
 
 
 def test_call_after_process_group_destroyed():
+    import gc
+    import weakref
+
+    import zbuf
     import zbuf.shard
 
     model = zbuf.shard(_net())
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(2, 4)
     compiled(x)
+    group = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
     try:
+        # The live model does not keep the group (and gloo's threads) alive: [Note: a model does
+        # not keep its group alive] in shard.py.
+        gc.collect()
+        assert group() is None
         for fn in (model, compiled):
             with pytest.raises(RuntimeError, match="destroyed"):
                 fn(x)
+        with pytest.raises(zbuf.ShardingError, match="destroy_process_group"):
+            zbuf.clip_grad_norm_(model, 1.0)
     finally:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
