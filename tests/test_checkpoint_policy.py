@@ -167,6 +167,10 @@ def test_resume_from_an_older_checkpoint_when_the_newest_is_damaged(tmp_path, ca
     assert "moved this run's later checkpoint(s) step_00000006" in capfd.readouterr().err
     with pytest.raises(ckpt.CheckpointMismatchError, match="no complete checkpoint step_00000005"):
         _policy(root, resume=True, resume_from="5").begin(model, opt)
+    # A newest checkpoint whose manifest cannot be read names the way back too.
+    (root / "step_00000008" / ckpt.files.MANIFEST_NAME).write_text("{ cut")
+    with pytest.raises(ckpt.CheckpointCorruptError, match="--resume-from step_00000006"):
+        _policy(root, resume=True).begin(model, opt)
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,10 @@ def resume_point(policy: SaveResumePolicy) -> Optional[ckpt.CheckpointInfo]:
         path = found[-1][1]
     else:
         return None
-    info = ckpt.read_checkpoint_info(path)
+    try:
+        info = ckpt.read_checkpoint_info(path)
+    except ckpt.CheckpointCorruptError as e:
+        raise ckpt.CheckpointCorruptError(f"{e}{_way_back(policy, path)}") from None
     _check_same_run(policy, info)
     return info
 
