@@ -131,10 +131,13 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert eng["status"] == "failed" and said in eng["error"]
 
 
-def _assert_clean_teardown(res, ranks):
-    """Every rank destroyed its group with no gloo thread left ([Note: worker teardown order])."""
+def _assert_clean_teardown(res, ranks, torch_keeps=0):
+    """Every rank destroyed its group; no gloo thread was left but on ``torch_keeps`` ranks, which
+    ended without interpreter finalisation ([Note: worker teardown order])."""
     lines = [line for line in res.stderr.splitlines() if "zbuf: released resources" in line]
-    assert len(lines) == ranks and all("0 gloo worker thread(s) left" in line for line in lines), lines
+    clean = [line for line in lines if "0 gloo worker thread(s) left" in line]
+    assert len(lines) == ranks and len(clean) == ranks - torch_keeps, lines
+    assert res.stderr.count("exiting without interpreter finalisation") == torch_keeps, res.stderr
 
 
 def test_train_default_engine_then_report(tmp_path):
@@ -197,7 +200,7 @@ def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
     res = _run(["bench", "--engines", "fsdp2,ddp", "--steps", str(steps), "--warmup", "1",
                 "--out", str(out)], env={"ZBUF_LOG_EXIT": "1"})
     assert res.returncode == 0, _why(res, out)
-    _assert_clean_teardown(res, 4)
+    _assert_clean_teardown(res, 4, torch_keeps=2)  # fsdp2's 2 ranks: DTensor's caches keep its mesh
     record = json.loads(out.read_text())
     _check_record(record, ["fsdp2", "ddp"], steps)
     # Same seed, same data, fp32 on CPU: every engine trains the unsharded reference model.

@@ -245,4 +245,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .faults import end_process
+
+    end_process(main())  # under torchrun this process is a rank: [Note: worker teardown order]

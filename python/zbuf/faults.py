@@ -65,6 +65,7 @@ __all__ = [
     "supervised",
     "install_exit_handlers",
     "release_resources",
+    "end_process",
     "fault_point",
 ]
 
@@ -189,6 +190,27 @@ def release_resources(*, peer_failed: bool = False) -> None:
         print(f"zbuf: released resources: {pools} pool(s) trimmed ({freed} idle bytes freed), "
               f"process group {pg}, {_gloo_threads()} gloo worker thread(s) left",
               file=sys.stderr, flush=True)
+
+
+def end_process(code: int) -> None:
+    """End a rank's process with ``code``, as its last statement, after ``release_resources``.
+
+    Normally through ``sys.exit``. But while gloo worker threads are still alive, interpreter
+    finalisation can kill the process with SIGABRT after all its work succeeded ([Note: a model
+    does not keep its group alive] in shard.py). zbuf keeps no group alive, but torch's own
+    state can: DTensor's sharding-propagation caches keep FSDP2's DeviceMesh, and with it the
+    group, for the life of the process. Then this flushes stdout and stderr and ends the process
+    with ``os._exit(code)``, skipping finalisation (``release_resources`` already ran).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    left = _gloo_threads()
+    if left:
+        if os.environ.get("ZBUF_LOG_EXIT") == "1":
+            print(f"zbuf: {left} gloo worker thread(s) outlived destroy_process_group (held by "
+                  f"torch); exiting without interpreter finalisation", file=sys.stderr, flush=True)
+        os._exit(code)
+    sys.exit(code)
 
 
 def _gloo_threads() -> int:

@@ -30,9 +30,12 @@ tiny preset, aot_eager; ``tests/test_varlen.py``):
 - ``torch._dynamo.mark_dynamic(tokens, 1, max=L)`` on every batch (the targets too) makes the
   first graph dynamic: one graph in all.
 - The plan must hold for the longest input a graph accepts, so the planner counts a symbolic size
-  at its upper bound, when it has one (``mark_dynamic(..., max=L)``), else at the size the graph
-  was compiled at (``graph_info._hint``). Unbounded, a longer input than that runs with more
-  activation memory than the budget was planned with: bound the dimension where memory is tight.
+  at its upper bound when it has one, else at the size the graph was compiled at
+  (``graph_info._hint``). Bounds come from ``mark_dynamic(..., max=L)`` or from the model's own
+  checks: ``zbuf.models`` decoders check the length against ``max_seq_len``, so their automatic
+  dynamic graph is planned for ``max_seq_len`` (2048 on ``tiny``: an activation estimate 7x the
+  one at 256 tokens). Unbounded, a longer input than the compiled one runs with more activation
+  memory than the budget was planned with: bound the dimension where memory is tight.
 - Ranks that see different lengths in the same step run different graphs unless the dimension is
   dynamic in the graph every rank runs (marked from the first step, and no rank compiled another
   graph since). The input shapes are part of each graph's description, so the check above stops

@@ -72,7 +72,9 @@ def run_engines(cfg: TrainConfig, engines: tuple[Engine, ...],
     # can still reference a model (a DDP wrapper holds its group strongly), so it goes too, and
     # the collector frees what cycles kept, all before the caller destroys the process group.
     # Then destroy frees the groups and joins gloo's threads while the interpreter is whole
-    # ([Note: a model does not keep its group alive] in zbuf/shard.py).
+    # ([Note: a model does not keep its group alive] in zbuf/shard.py). What torch itself keeps
+    # (FSDP2's mesh, in DTensor's caches) outlives destroy; faults.end_process then ends the
+    # process without the finalisation those threads can crash.
     torch._dynamo.reset()
     gc.collect()
     env = environment(device)
@@ -124,4 +126,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    faults.end_process(main())  # [Note: worker teardown order]
