@@ -245,6 +245,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from .faults import end_process
+    code = main()
+    if "torch" in sys.modules:  # under torchrun this process was a rank: [Note: worker teardown order]
+        from .faults import end_process
 
-    end_process(main())  # under torchrun this process is a rank: [Note: worker teardown order]
+        end_process(code)
+    sys.exit(code)
