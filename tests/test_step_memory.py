@@ -420,25 +420,12 @@ def test_pool_backend_refusing_memory_mid_step_is_survived(two_ranks):
 
 def _sgd_reference(steps, micro_batch, seq_len, world=2):
     """Unsharded fp32 SGD (momentum 0.9) on the same model and global batches as ``zbuf bench``."""
-    from zbuf.models import loss
+    from train_reference import reference_losses
     from zbuf.train.config import TrainConfig
-    from zbuf.train.data import global_batch
-    from zbuf.train.engines import build_base_model, build_optimizer
 
     cfg = TrainConfig(optimizer="sgd", micro_batch=micro_batch, seq_len=seq_len).resolve(
         cuda=False, world=world, bench=True)
-    model = build_base_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg)
-    out = []
-    for step in range(steps):
-        tokens, targets = global_batch(cfg.task, cfg.seed, step, micro_batch * world, seq_len,
-                                       model.config.vocab_size)
-        value = loss(model, tokens, targets)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        out.append(value.item())
-    return out
+    return reference_losses(cfg, steps, micro_batch, seq_len, world)
 
 
 def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
