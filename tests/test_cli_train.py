@@ -72,27 +72,11 @@ def _reference_losses(steps):
 
 @functools.lru_cache(maxsize=1)
 def _reference_trajectory(micro_batch=8, seq_len=64, world=2):
-    steps = _TRAIN_STEPS
-    import torch
-
-    from zbuf.models import loss
     from zbuf.train.config import TrainConfig
-    from zbuf.train.data import global_batch
-    from zbuf.train.engines import build_base_model
+    from train_reference import reference_losses
 
     cfg = TrainConfig().resolve(cuda=False, world=world, bench=False)
-    model = build_base_model(cfg, torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    out = []
-    for step in range(steps):
-        tokens, targets = global_batch(cfg.task, cfg.seed, step, micro_batch * world, seq_len,
-                                       model.config.vocab_size)
-        value = loss(model, tokens, targets)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        out.append(value.item())
-    return out
+    return reference_losses(cfg, _TRAIN_STEPS, micro_batch, seq_len, world)
 
 
 def _assert_matches_reference(losses, ref):

@@ -278,8 +278,9 @@ def _replan_case(rank, world):
     batches = _batches(cfg.vocab_size, world, steps)
     ref_losses, ref_states = _reference(init, batches, steps_to_keep={1, steps - 1})
     model = zbuf.shard(copy.deepcopy(init))
-    # 6.5 x the shard bytes: roomy before the optimizer's state exists, tight after.
-    _shrink_free_memory(int(6.5 * _shard_bytes(model)))
+    # 5.5 x the shard bytes: roomy before the optimizer's state exists (the first plan keeps
+    # most gathered weights for backward), tight after.
+    _shrink_free_memory(int(5.5 * _shard_bytes(model)))
     opt, sched = _adamw(model.parameters())
     cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
@@ -297,6 +298,34 @@ def _replan_case(rank, world):
         "records": [(r.kind, r.budget_bytes, r.persistent_bytes, r.fingerprint) for r in recs],
         "errors": errors,
     }
+
+
+def _replan_auto_case(rank, world):
+    """recompute="auto" (checkpointed blocks): the re-plan hands the measured room to budgeted
+    recompute, which splits it between activations and gathers again; parity holds after it."""
+    import zbuf
+    from zbuf.models import apply_activation_checkpointing
+
+    torch._dynamo.reset()
+    init, cfg = _tiny(world)
+    apply_activation_checkpointing(init)
+    steps = 3
+    batches = _batches(cfg.vocab_size, world, steps)
+    ref_losses, ref_states = _reference(init, batches, steps_to_keep={1, 2})
+    model = zbuf.shard(copy.deepcopy(init))
+    _shrink_free_memory(int(5.5 * _shard_bytes(model)))
+    opt, sched = _adamw(model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
+    sm = zbuf.compile.step_memory_of(cm)
+    losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
+                                       keep={1, 2})
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    errors = {f"step {i}": _worst(states[i], ref_states[i]) for i in states}
+    assert max(errors.values()) <= RTOL, errors
+    o = sm.replanner.options
+    return {"replanned": [r.replanned for r in rows], "measured": sm.measured._asdict(),
+            "options": (o.budget_bytes, o.free_memory_bytes, o.margin_fraction),
+            "records": [(r.kind, r.budget_bytes) for r in zbuf.schedule_report(model)]}
 
 
 def _lending_case(rank, world, lend):
@@ -365,6 +394,7 @@ def _pool_refuses_case(rank, world):
 
 def _two_rank_worker(rank, world):
     return {"replan": _replan_case(rank, world),
+            "replan_auto": _replan_auto_case(rank, world),
             "lend": _lending_case(rank, world, lend=True),
             "no_lend": _lending_case(rank, world, lend=False),
             "refuse": _pool_refuses_case(rank, world)}
@@ -391,6 +421,21 @@ def test_replan_once_on_every_rank_and_parity_after_it(two_ranks):
     # Every rank measured, agreed and re-planned the same.
     assert out[0]["measured"] == out[1]["measured"]
     assert out[0]["records"] == out[1]["records"]
+
+
+def test_replan_with_budgeted_recompute_hands_it_the_measured_room(two_ranks):
+    out = [r["replan_auto"] for r in two_ranks]
+    for o in out:
+        assert o["replanned"] == [False, True, False], o
+        budget, free, margin = o["options"]
+        room = o["measured"]["room_bytes"]
+        # The activations are recompute's to choose: the new plans get the room as their memory
+        # (no fixed gather budget), and plan every graph's gathers within it.
+        assert budget is None and int(free * (1 - margin)) in (room, room - 1)
+        new = o["records"][len(o["records"]) // 2:]
+        assert [k for k, _ in new] == ["forward", "backward"]
+        assert all(b <= room for _, b in new)
+    assert out[0]["measured"] == out[1]["measured"] and out[0]["records"] == out[1]["records"]
 
 
 def test_pool_lends_its_idle_blocks_to_the_optimizer_step(two_ranks):
@@ -420,25 +465,12 @@ def test_pool_backend_refusing_memory_mid_step_is_survived(two_ranks):
 
 def _sgd_reference(steps, micro_batch, seq_len, world=2):
     """Unsharded fp32 SGD (momentum 0.9) on the same model and global batches as ``zbuf bench``."""
-    from zbuf.models import loss
+    from train_reference import reference_losses
     from zbuf.train.config import TrainConfig
-    from zbuf.train.data import global_batch
-    from zbuf.train.engines import build_base_model, build_optimizer
 
     cfg = TrainConfig(optimizer="sgd", micro_batch=micro_batch, seq_len=seq_len).resolve(
         cuda=False, world=world, bench=True)
-    model = build_base_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg)
-    out = []
-    for step in range(steps):
-        tokens, targets = global_batch(cfg.task, cfg.seed, step, micro_batch * world, seq_len,
-                                       model.config.vocab_size)
-        value = loss(model, tokens, targets)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        out.append(value.item())
-    return out
+    return reference_losses(cfg, steps, micro_batch, seq_len, world)
 
 
 def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):

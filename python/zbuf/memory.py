@@ -94,7 +94,9 @@ class SharedMemory:
                 if me is not None and device == me.device.index:
                     me._on_torch_oom()
 
-            # torch has no way to detach an observer; this one is inert once ``self`` is gone.
+            # Attached per device allocator, which exist only once CUDA is initialised. torch has
+            # no way to detach an observer; this one is inert once ``self`` is gone.
+            torch.cuda.init()
             torch._C._cuda_attach_out_of_memory_observer(observer)
 
     # -- the pool asks ------------------------------------------------------------------------

@@ -35,10 +35,16 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
    runs and vice versa, so each phase's peak meets the pool's whole size.
 3. If a graph's current plan does not fit the budget (its peak live gathered bytes, plus the
    weights kept for backward, exceed it), the model is re-planned: compiled again under a new
-   backend instance with that ``budget_bytes`` (compile/replan.py), which recompiles exactly the
-   model's frames, once, and leaves every other compiled function alone (no
-   ``torch._dynamo.reset()``). The pool's budget is set to the new budget. If the plan fits,
-   nothing is recompiled and the pool's budget shrinks to what step 0 held. This happens once.
+   backend instance (compile/replan.py), which recompiles exactly the model's frames, once, and
+   leaves every other compiled function alone (no ``torch._dynamo.reset()``). With the user's
+   checkpointing as written (``recompute="checkpointed"`` or ``"none"``) the activations are
+   what they are and the new plans get ``budget_bytes`` = the budget; with
+   ``recompute="auto"`` the activations are zbuf's to choose too, so the new plans get the
+   measured ``room`` as their free memory (``free_memory_bytes``), which budgeted recompute
+   splits between activations and gathers as at compile time ([Note: budgeted recompute] in
+   compile/recompute.py). The pool's budget starts again at 0 for the new plans to size. If
+   the plan fits, nothing is recompiled and the pool's budget shrinks to what step 0 held. This
+   happens once.
 4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
    optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
    without one the optimizer runs inside "backward" and its peak is part of the budget).
@@ -108,6 +114,10 @@ class MeasuredBudget(NamedTuple):
     """What the pool held beyond its plans' largest live gathered bytes (largest over ranks)."""
     budget_bytes: int
     """The gather budget every graph is planned within (quantised)."""
+    room_bytes: int
+    """What activations and gathered weights may share (quantised): the limit less the margin,
+    the pool's excess and the peaks without the plans' projected activations. A re-plan with
+    ``recompute="auto"`` plans its activations and gathers within it."""
     planned_budget_bytes: Optional[int]
     """The smallest budget of the plans step 0 ran (None: nothing compiled, or an explicit
     ``budget_bytes``)."""
@@ -253,28 +263,35 @@ class StepMemory:
         bw = row.backward_reserved_bytes + growth
         opt = row.optimizer_reserved_bytes
         excess = 0
+        act: dict[str, int] = {}
         if self.replanner is not None:
             excess = max(0, pool_held - self.replanner.largest_need())
+            act = self.replanner.activation_peaks()
             if self._host_limit is not None:
                 # CPU stand-in: activations are invisible to the meter; the plans project them.
-                act = self.replanner.activation_peaks()
                 fw += act.get("forward", 0)
                 bw += act.get("backward", 0)
         limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
-        budget = quantize_budget(self._usable(limit) - max(fw, bw) - excess)
+        usable = self._usable(limit) - excess
+        budget = quantize_budget(usable - max(fw, bw))
+        # What activations and gathered weights may share: the peaks less the plans' projected
+        # activations (rank-invariant: the same graphs on every rank).
+        room = quantize_budget(usable - max(fw - act.get("forward", 0),
+                                            bw - act.get("backward", 0)))
         planned = replanned = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
-            replanned = self.replanner.replan_if_needed(budget)
+            replanned = self.replanner.replan_if_needed(budget, room)
         if replanned:
             self._replan_step = self.meter.closed  # the step now opening
-            self.memory.pool.set_budget(budget)
+            # The new plans' first runs size the pool, as the first plans' did.
+            self.memory.pool.set_budget(0)
         elif self.replanner is not None and pool_held < self.memory.pool.stats().budget_bytes:
             # What the plans held after step 0's backward is what they need: keep the pool (and
             # its share of an emulated card) to that.
             self.memory.pool.set_budget(pool_held)
-        return MeasuredBudget(limit, fw, bw, opt, excess, budget, planned, bool(replanned),
-                              row.step)
+        return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
+                              bool(replanned), row.step)
 
     def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
         """One all-reduce(MIN) over the sharding group: the smallest limit, the largest rest."""

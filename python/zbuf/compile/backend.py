@@ -133,6 +133,8 @@ def compile_model(
             free = agree_free_memory(group, reserve_bytes=grads)
             opts = dataclasses.replace(opts, free_memory_bytes=free)
             host_free = free + grads
+    elif opts.free_memory_bytes is not None:
+        host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )

@@ -14,9 +14,9 @@ plan needs a new compile of the model's frames, and nothing else:
 * the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
   ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to the
   new compiled callable, so the step that decides is the first step of the new plan;
-* the budget is a ``budget_bytes`` option, quantised by the caller, so it enters the passes'
-  cache uuid and a relaunch of the same configuration finds the same compiled graphs in
-  Inductor's cache;
+* the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted recompute),
+  quantised by the caller, so it enters the passes' cache uuid and a relaunch of the same
+  configuration finds the same compiled graphs in Inductor's cache;
 * the old plans' schedule records stay (``schedule_report`` lists every graph compiled); the
   re-planner knows which ones are current.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -98,17 +99,27 @@ class Replanner:
 
     # -- re-planning --------------------------------------------------------------------------
 
-    def replan_if_needed(self, budget_bytes: int) -> bool:
-        """Compile again under ``budget_bytes`` unless every current plan fits it, or the model
-        was re-planned before. Returns whether it re-planned. Every rank must get the same
-        answer: call it with rank-agreed numbers, at the same point of every rank's program."""
+    def replan_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
+        """Compile again unless every current plan fits ``budget_bytes`` of gathered weights, or
+        the model was re-planned before. Returns whether it re-planned. Every rank must get the
+        same answer: call it with rank-agreed numbers, at the same point of every rank's program.
+        ``room_bytes``: what activations and gathers may share, for ``recompute="auto"``."""
         if self.replanned or self.fits(budget_bytes):
             return False
-        self.replan(budget_bytes)
+        self.replan(budget_bytes, room_bytes)
         return True
 
-    def replan(self, budget_bytes: int) -> None:
-        self.options = dataclasses.replace(self.options, budget_bytes=budget_bytes)
+    def replan(self, budget_bytes: int, room_bytes: int) -> None:
+        """[Note: whole-step budget] step 3 in zbuf/step_memory.py: with ``recompute="auto"``
+        (and no explicit activation budget) the measured room becomes the plans' free memory, so
+        that budgeted recompute chooses the split of activations and gathers again; otherwise
+        the gathers get ``budget_bytes``."""
+        o = self.options
+        if o.recompute == "auto" and o.activation_budget_bytes is None:
+            free = math.ceil(room_bytes / (1.0 - o.margin_fraction))
+            self.options = dataclasses.replace(o, free_memory_bytes=free)
+        else:
+            self.options = dataclasses.replace(o, budget_bytes=budget_bytes)
         self._first_graph = len(schedule_report(None))
         fresh = torch.compile(self.model, backend="zbuf", options=dataclasses.asdict(self.options),
                               fullgraph=self.fullgraph, dynamic=self.dynamic)
