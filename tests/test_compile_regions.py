@@ -49,9 +49,9 @@ def _capture(monkeypatch):
 
     prepare = region_graphs.prepare_body_joint
 
-    def seen(joint):
+    def seen(joint, options):
         bodies.append(joint)
-        prepare(joint)
+        prepare(joint, options)
 
     monkeypatch.setattr(GatherSchedulePass, "plan_and_rewrite", keep)
     monkeypatch.setattr(region_graphs, "prepare_body_joint", seen)
@@ -137,13 +137,23 @@ def test_blocks_compile_once_and_train_like_eager(monkeypatch, ac, persist):
         assert rec.peak_live_gathered_bytes <= rec.budget_bytes
 
 
-def test_off_by_default_keeps_one_flat_graph(monkeypatch):
+@pytest.mark.parametrize("options,regions", [
+    ({}, True),  # the default
+    ({"compile_blocks_once": False}, False),
+    ({"recompute": "auto"}, False),  # auto plans over the whole graph's checkpointed regions
+])
+def test_when_blocks_compile_once(monkeypatch, options, regions):
     graphs, bodies = _capture(monkeypatch)
     model = shard(_decoder(False))
-    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True)
+    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, **options)
     _train(cm, model, _batches(1))
-    assert not bodies
-    assert all(not any(n.target is REGION for n in g.nodes) for g in graphs)
+    assert bool(bodies) == regions
+    assert all(any(n.target is REGION for n in g.nodes) == regions for g in graphs)
+
+
+def test_blocks_once_with_auto_recompute_is_refused():
+    with pytest.raises(ValueError, match="does not combine with recompute='auto'"):
+        zbuf.compile.CompileOptions(compile_blocks_once=True, recompute="auto")
 
 
 def test_repeated_blocks_are_found():

@@ -69,7 +69,7 @@ for step in range(2):
         first = clock.result(0.0)
 print("RESULT " + json.dumps({"losses": losses, "caches": first.caches,
                               "kernel_work": first.kernel_compile_work_s,
-                              "agreed": budget.agreed_free_memory(dist.group.WORLD.group_name)}))
+                              "agreed": budget.agree_free_memory()}))
 """
 
 BASE = (10 << 30) + (40 << 20)
