@@ -57,6 +57,27 @@ def _check_record(record, engines, steps):
         assert summary["measured_steps"] == steps - record["config"]["warmup"]
         assert summary["step_time_min_s"] <= summary["step_time_median_s"] <= \
             summary["step_time_max_s"]
+        _check_phases(eng)
+
+
+def _check_phases(eng):
+    """The first step cut into phases on every rank ([Note: compile phases]): they add up to
+    the step, and the ones every compiling engine goes through took time."""
+    from zbuf.train.compile_phases import PHASES
+
+    assert len(eng["compile_phases"]) == 2
+    for ph in eng["compile_phases"]:
+        assert set(ph["phases"]) == set(PHASES)
+        assert abs(sum(ph["phases"].values()) - ph["first_step_s"]) <= 1e-6 * ph["first_step_s"]
+        assert ph["phases"]["first_run"] > 0
+        if eng["engine"] != "zbuf-eager":  # the engines that compile
+            assert ph["phases"]["dynamo"] > 0 and ph["phases"]["aot"] > 0
+            assert ph["caches"]["graphs"] >= 1
+        if eng["engine"] == "zbuf":
+            assert ph["phases"]["zbuf"] > 0 and ph["zbuf_passes"]["plan"] > 0
+    slowest = eng["summary"]["compile_phases"]
+    assert slowest["first_step_s"] == max(p["first_step_s"] for p in eng["compile_phases"])
+    assert slowest["first_step_s"] == pytest.approx(eng["steps"][0]["time_s"])
 
 
 _TRAIN_STEPS = 16  # the fewest in which the tiny preset's loss falls by well over 1.0 (1.45)
@@ -150,11 +171,12 @@ def test_train_default_engine_then_report(tmp_path):
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
     assert rep.returncode == 0, rep.stderr
     names = sorted(os.listdir(plots))
-    assert names == ["loss.png", "memory.png", "schedule_memory.png", "step_memory.png",
-                     "step_time.png"]
+    assert names == ["compile_phases.png", "loss.png", "memory.png", "schedule_memory.png",
+                     "step_memory.png", "step_time.png"]
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
+    assert "first step by phase" in rep.stdout and "Dynamo tracing" in rep.stdout
     assert "gather budget, measured" in rep.stdout  # the step-memory table
 
 
@@ -193,6 +215,7 @@ def test_bench_fsdp2_and_ddp_match_the_reference(tmp_path):
         _assert_matches_reference(eng["summary"]["losses"], ref)
     md = (tmp_path / "bench.md").read_text()
     assert "| fsdp2 |" in md and "| ddp |" in md and "torch 2." in md
+    assert "First step by phase" in md and "| Dynamo tracing |" in md
     assert "relative to fsdp2" in res.stdout
 
 

@@ -293,11 +293,13 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     losses, _, _ = _train(model, cm, batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     fw, bw = schedule_report(model)
-    # The budget derives from the agreed free memory (less the gradients' bytes, which every
-    # backward will hold: [Note: rank-agreed budget]) minus the graph's activation peak.
+    # The budget derives from the agreed free memory (less the gradients, rounded down to a value
+    # that repeats from launch to launch: [Note: stable agreed memory]) minus the graph's
+    # activation peak.
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    expected = int((agreed - grads) * (1 - CompileOptions().margin_fraction)) \
-        - fw.activation_peak_bytes
+    free = budget.stable_free_bytes(agreed - grads)
+    assert agreed - (64 << 20) <= free < agreed - grads
+    expected = int(free * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
     assert fw.budget_bytes == max(expected, fw.floor_bytes)
     with pytest.raises(TypeError):
         zbuf.compile(model, no_such_option=1)

@@ -19,6 +19,8 @@
 #                                           engine and optimizer, then summarise all calls with
 #                                           python3 benches/memfloor.py --summarize DIR... --out
 #                                           benches/results/memfloor_qwen3-8b
+#   bash benches/device/run.sh 1gpu-compile  # nvidia-h200 (one GPU), issue 14: qwen3-1.7b first
+#                                           step cold and warm, whole graph vs blocks once (~7 min)
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -78,7 +80,25 @@ case "${1:-}" in
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
       --out-dir "$OUT" --time-limit 575 -- \
       --preset qwen3-8b --micro-batch 4 --seq-len 4096 --ac --steps 20 --warmup 5 2>&1 | tail -20 ;;
+  1gpu-compile)  # issue 14: cold then warm caches, without and with compile_blocks_once
+    runs=()
+    for mode in whole once; do
+      flag=--no-compile-blocks-once; [ "$mode" = once ] && flag=--compile-blocks-once
+      export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache-$mode
+      rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+      for cache in cold warm; do
+        name=compile_1gpu_${mode}_${cache}
+        limit=180; [ "$cache" = warm ] && limit=80  # 4 runs within the 9-minute budget
+        timeout $limit python3 -m zbuf.cli train --nproc 1 --preset qwen3-1.7b --micro-batch 4 \
+          --seq-len 4096 --ac --steps 12 --warmup 4 --no-progress "$flag" --out "$OUT/$name.json" \
+          2>&1 | grep -v "Warning\|warn" > "$OUT/$name.log"
+        grep "first step\|step time, median\|peak device" "$OUT/$name.log"
+        runs+=("$mode, $cache=$OUT/$name.json")
+      done
+    done
+    unset TORCHINDUCTOR_CACHE_DIR
+    python3 benches/compile_phases.py --out "$OUT/compile_phases_1gpu" "${runs[@]}" ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile" >&2
     exit 2 ;;
 esac

@@ -131,6 +131,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--compiler", choices=["inductor", "aot_eager"],
                    help="what compiles the graphs (default: inductor on GPU, aot_eager on CPU)")
+    s.add_argument("--compile-blocks-once", action=argparse.BooleanOptionalAction,
+                   default=None, help="zbuf engine: compile each repeated block once, gathers "
+                   "in the outer graph (default: on)")
     s.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per GPU for MFU "
                    "(default: from the GPU name)")
     s.add_argument("--profile-dir", metavar="DIR", help="after the measured steps, profile 2 "
@@ -211,7 +214,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
         warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,
         seed=args.seed, nproc=args.nproc, out=args.out, dtype=args.dtype,
-        compiler=args.compiler, optimizer=args.optimizer, lr=args.lr, task=Task(args.task),
+        compiler=args.compiler, compile_blocks_once=args.compile_blocks_once,
+        optimizer=args.optimizer, lr=args.lr, task=Task(args.task),
         device=args.device,
         peak_tflops=args.peak_tflops, profile_dir=args.profile_dir,
         progress=not args.no_progress,

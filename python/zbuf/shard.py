@@ -59,6 +59,7 @@ from .param import ShardSpec, local_shard_of, shard_numel_for
 
 __all__ = [
     "shard",
+    "gathered_by_caller",
     "ShardingError",
     "ShardedRoot",
     "gather_param",
@@ -177,9 +178,40 @@ def sharded_parameters(module: nn.Module):
 _SUBCLASS_CACHE: dict[tuple[type, frozenset], type] = {}
 
 
+# [Note: weights gathered by the caller]
+# A block compiled once as a nested compile region (compile/regions.py) must not gather inside
+# its body: the body is traced once for all blocks, and a gather bakes in its parameter's id.
+# So the caller gathers the block's parameters in the outer graph and hands the full tensors to
+# the body, which reads them here instead of gathering: while the region is traced, the top of
+# this stack maps param_id -> the body's input for that parameter. It is pushed and popped only
+# by code that Dynamo traces (the region body), so at run time, eager or compiled, it is empty
+# and parameter access gathers as always.
+_GATHERED_BY_CALLER: list[dict[int, torch.Tensor]] = []
+
+
+class gathered_by_caller:
+    """``with gathered_by_caller(ids, tensors):`` parameter access inside returns
+    ``tensors[i]`` for parameter id ``ids[i]`` instead of gathering (see [Note: weights gathered
+    by the caller]); for code traced by ``torch.compile`` only."""
+
+    def __init__(self, param_ids, tensors) -> None:
+        self.mapping = dict(zip(param_ids, tensors))
+
+    def __enter__(self) -> None:
+        _GATHERED_BY_CALLER.append(self.mapping)
+
+    def __exit__(self, *exc) -> None:
+        _GATHERED_BY_CALLER.pop()
+
+
 def _make_property(name: str) -> property:
     def fget(self):
-        return gather_param(self._parameters[name], self._zbuf_specs[name])
+        spec = self._zbuf_specs[name]
+        if _GATHERED_BY_CALLER:  # [Note: weights gathered by the caller]
+            full = _GATHERED_BY_CALLER[-1].get(spec.param_id)
+            if full is not None:
+                return full
+        return gather_param(self._parameters[name], spec)
 
     return property(fget, doc=f"Full ``{name}``, all-gathered from this rank's shard on access.")
 

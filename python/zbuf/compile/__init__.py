@@ -25,6 +25,7 @@ import types
 from .backend import compile_model, step_memory_of, zbuf_backend
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
+from .regions import mark_repeated_blocks
 from .report import ScheduleRecord, schedule_report
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "step_memory_of",
     "zbuf_backend",
     "CompileOptions",
+    "mark_repeated_blocks",
     "ScheduleMismatchError",
     "ScheduleRecord",
     "schedule_report",

@@ -21,6 +21,7 @@ import torch
 from ..shard import roots
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
+from .regions import mark_repeated_blocks
 
 __all__ = ["zbuf_backend", "compile_model", "step_memory_of"]
 
@@ -100,7 +101,9 @@ def compile_model(
     ``recompute``: ``"checkpointed"`` (backward recomputes the model's checkpointed regions as
     written), ``"auto"`` (zbuf decides per checkpointed region what to keep and what to recompute
     within the rank-agreed budget) or ``"none"`` (keep every region's activations); see
-    [Note: recompute modes] in recompute.py.
+    [Note: recompute modes] in recompute.py. Unless ``compile_blocks_once=False`` (or
+    ``recompute="auto"``), the model's repeated blocks are marked to compile once, in place
+    ([Note: compile repeated blocks once] in regions.py).
 
     Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
     ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
@@ -116,6 +119,8 @@ def compile_model(
     """
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
                           recompute=recompute, **options)
+    if opts.blocks_once:
+        mark_repeated_blocks(model)  # [Note: compile repeated blocks once] in regions.py
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -46,6 +46,7 @@ __all__ = [
     "weight_tree",
     "block_of",
     "node_flops",
+    "unpacks_results",
 ]
 
 aten = torch.ops.aten
@@ -227,10 +228,17 @@ def node_flops(node: torch.fx.Node) -> float:
     return 0.0
 
 
+_REGION_OP = torch.ops.higher_order.invoke_subgraph
+
+
 def node_seconds(node: torch.fx.Node, options: CompileOptions) -> float:
-    """Static cost model: matmul flops at ``flops_per_second`` plus bytes moved at memory speed."""
+    """Static cost model: matmul flops at ``flops_per_second`` plus bytes moved at memory speed;
+    a region call ([Note: region bodies] in region_graphs.py) costs what its body's nodes do."""
     if node.op != "call_function" or is_view(node):
         return 0.0
+    if node.target is _REGION_OP:
+        body = getattr(node.graph.owning_module, node.args[0].target)
+        return sum(node_seconds(n, options) for n in body.graph.nodes)
     moved = tensor_bytes(node.meta.get("val")) + sum(
         tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
     )
@@ -268,6 +276,22 @@ def block_of(node: torch.fx.Node) -> str:
     return f"{a.group_name}|{a.param_dtype}|{'.'.join(parts)}"
 
 
+def _outputs_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``getitem`` nodes that unpack a multi-output, non-view node (a region call's results,
+    ``native_layer_norm``'s): in the graph they are the tensors that node makes, so a buffer it
+    reads is released after them ([Note: release after the readers] in collectives.py)."""
+    if is_view(node) or not isinstance(node.meta.get("val"), (tuple, list)):
+        return []
+    return [u for u in node.users if u.target is operator.getitem]
+
+
+def unpacks_results(node: torch.fx.Node) -> bool:
+    """Is ``node`` a ``getitem`` of a multi-output op that is no view: one of the tensors that op
+    made (not an alias of its input, although ``getitem`` is an alias function)?"""
+    src = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(src, torch.fx.Node) and bool(_outputs_of(src))
+
+
 def gathered_nbytes(gather: torch.fx.Node) -> int:
     """Bytes of the pool block a gather fills: ``world * shard_numel`` elements (padded).
 
@@ -302,6 +326,7 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
             for u in v.users:
                 if u not in members:
                     uses.add(pos[u])
+                    uses.update(pos[o] for o in _outputs_of(u))
                     escapes |= u.op == "output"
         nbytes = gathered_nbytes(g)
         # Inserted ops go after the placeholders (the schedule token is the first real node).
@@ -333,15 +358,17 @@ def activation_peak_bytes(graph: torch.fx.Graph) -> int:
     return int(profile.max()) if len(profile) else 0
 
 
-def activation_profile(graph: torch.fx.Graph) -> np.ndarray:
+def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndarray:
     """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
 
     Static liveness: a tensor is alive from the node that makes it to its last reader.
-    Placeholders count from the start (in a backward graph they are the saved activations),
-    graph outputs to the end; views and the gathered buffers (and views of them) count nothing,
-    nor do the gathered weights a backward graph receives from its forward (marked
-    ``zbuf_persistent`` by selective persistence: their bytes come off the gather budget, see
-    [Note: selective persistence] in persist.py).
+    Placeholders count from the start (in a backward graph they are the saved activations;
+    ``inputs=False`` leaves them out), graph outputs to the end; views and the gathered buffers
+    (and views of them) count nothing, nor do the gathered weights a backward graph receives from
+    its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
+    gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
+    count from their ``getitem`` nodes on; a region call counts, while it runs, the peak of what
+    its body makes ([Note: region bodies] in region_graphs.py).
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -351,8 +378,18 @@ def activation_profile(graph: torch.fx.Graph) -> np.ndarray:
         gathered.update(view_tree(g))
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
-        if (n.op in ("output", "get_attr") or n in gathered or is_view(n)
-                or n.meta.get("zbuf_persistent")):
+        if n.op in ("output", "get_attr") or n in gathered or n.meta.get("zbuf_persistent"):
+            continue
+        if n.target is _REGION_OP:
+            body = getattr(graph.owning_module, n.args[0].target)
+            inner = activation_profile(body.graph, inputs=False)
+            peak = int(inner.max()) if len(inner) else 0
+            delta[pos[n]] += peak
+            delta[pos[n] + 1] -= peak
+            continue
+        if _outputs_of(n) or (is_view(n) and not unpacks_results(n)):
+            continue  # a multi-output op's tensors count at its getitems; a view counts nothing
+        if n.op == "placeholder" and not inputs:
             continue
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:

@@ -53,6 +53,14 @@ class CompileOptions:
     coalesce_min_bytes: int = 32 << 20
     """Gathers at or above this size are never coalesced (they already saturate the link)."""
 
+    compile_blocks_once: bool | None = None
+    """Compile each block of a repeated stack once ([Note: compile repeated blocks once] in
+    regions.py): ``zbuf.compile`` marks the blocks before tracing, their gathers stay in the outer
+    graph and the planner keeps the whole-step view. ``None``: on, except with
+    ``recompute="auto"`` (which plans over the checkpointed regions of the whole graph, and a block
+    compiled once hides its own). A plain ``torch.compile(m, backend="zbuf")`` needs
+    ``zbuf.compile.mark_repeated_blocks(m)`` called first."""
+
     recompute: Recompute = "checkpointed"
     """What backward recomputes of the model's checkpointed regions ([Note: recompute modes] in
     recompute.py): ``"checkpointed"`` as the user checkpointed them; ``"auto"`` zbuf keeps each
@@ -94,6 +102,12 @@ class CompileOptions:
             if not ok:
                 raise ValueError(f"zbuf compile option {msg}")
 
+        need(self.compile_blocks_once in (None, True, False),
+             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
+        need(not (self.compile_blocks_once is True and self.recompute == "auto"),
+             "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
+             "the checkpointed regions of the whole graph, which a block compiled once hides; "
+             "leave compile_blocks_once unset (or False) for recompute='auto'")
         need(self.recompute in RECOMPUTE_MODES,
              f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
         if self.activation_budget_bytes is not None:
@@ -150,6 +164,13 @@ class CompileOptions:
                 f"unknown zbuf compile option(s) {unknown}; valid options: {sorted(known)}"
             )
         return cls(**dict(options))
+
+    @property
+    def blocks_once(self) -> bool:
+        """Whether ``zbuf.compile`` marks repeated blocks (``compile_blocks_once`` resolved)."""
+        if self.compile_blocks_once is None:
+            return self.recompute != "auto"
+        return self.compile_blocks_once
 
     def digest(self) -> str:
         """Stable hash of every field, part of the passes' cache uuid."""

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch.profiler import record_function
 
@@ -36,6 +37,7 @@ from .fingerprint import collective_order, describe_graph, fingerprint_of
 from .graph_info import activation_profile, gather_nodes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
+from .region_graphs import forward_region_inputs, is_body, mark_body, prepare_body_joint
 from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
@@ -57,6 +59,7 @@ CACHE_KEY_MODULES = (
     "zbuf.compile.persist",
     "zbuf.compile.recompute",
     "zbuf.compile.recompute_plan",
+    "zbuf.compile.region_graphs",
     "zbuf.compile.report",
     "zbuf.compile.rewrite",
     "zbuf.compile.schedule",
@@ -117,10 +120,19 @@ class ZbufPartitioner(CustomPartitionerFn):
         def min_cut(joint: torch.fx.GraphModule):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
+        # dynamo_timed: torch's compile timer, which zbuf.train.compile_phases reads.
+        if not joint_inputs:  # a region body's joint graph comes without inputs
+            with record_function("zbuf::tag_for_regather"), dynamo_timed("zbuf.tag_for_regather"):
+                prepare_body_joint(gm.graph, opts)  # [Note: region bodies]
+            fw, bw = min_cut(gm)
+            mark_body(fw, bw)
+            return fw, bw
+
         def tag(joint: torch.fx.Graph, activation_peak: int | None) -> Persisted:
-            with record_function("zbuf::tag_for_regather"):
+            with record_function("zbuf::tag_for_regather"), dynamo_timed("zbuf.tag_for_regather"):
                 return tag_for_regather(joint, opts, activation_peak)
 
+        forward_region_inputs(gm.graph)  # [Note: region bodies]
         with record_function("zbuf::partition"):
             fw, bw, persisted, stats = recompute.partition(gm, opts, min_cut, tag)
         # The partition chosen carries its own persistence ([Note: budgeted recompute]).
@@ -150,7 +162,9 @@ class GatherSchedulePass(CustomGraphPass):
         return "schedule:" + self.state.uuid()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        with record_function("zbuf::plan_and_rewrite"):
+        if is_body(graph):  # planned as part of the outer graph ([Note: region bodies])
+            return
+        with record_function("zbuf::plan_and_rewrite"), dynamo_timed("zbuf.schedule_pass"):
             self.plan_and_rewrite(graph)
 
     def plan_and_rewrite(self, graph: torch.fx.Graph) -> None:
@@ -169,23 +183,28 @@ class GatherSchedulePass(CustomGraphPass):
         """
         opts, persisted = self.state.options, self.state.persisted
         kind = "backward" if _is_backward_graph(graph) else "forward"
-        merge_reduce_scatters(graph)  # 1
-        _drop_dead_gathers(graph)  # 2
-        index = summarize(graph, opts)  # 3
-        group_name, device = group_and_device(graph)
-        act_profile = activation_profile(graph)
-        token, sched = None, None
-        if index.gathers:  # 4
-            peak_act = int(act_profile.max()) if len(act_profile) else 0
-            requested = budget_mod.graph_budget(opts, device, peak_act)
-            kept = persisted.nbytes if kind == "backward" else 0
-            # Persisted weights are live through backward: they come off its budget.
-            sched = plan_schedule(index.summary, max(1, requested - kept), opts)
-            token = rewrite(graph, index, sched)  # 5
-        token = thread_reduce_scatters(graph, token)  # 6
-        order = collective_order(graph)  # 7
-        description = describe_graph(graph, order)
-        fp = fingerprint_of(description)
+        # dynamo_timed spans: zbuf's passes in the first step's phases (compile_phases.py).
+        with dynamo_timed("zbuf.plan"):
+            merge_reduce_scatters(graph)  # 1
+            _drop_dead_gathers(graph)  # 2
+            index = summarize(graph, opts)  # 3
+            group_name, device = group_and_device(graph)
+            act_profile = activation_profile(graph)
+            token, sched = None, None
+            if index.gathers:  # 4
+                peak_act = int(act_profile.max()) if len(act_profile) else 0
+                requested = budget_mod.graph_budget(opts, device, peak_act)
+                kept = persisted.nbytes if kind == "backward" else 0
+                # Persisted weights are live through backward: they come off its budget.
+                sched = plan_schedule(index.summary, max(1, requested - kept), opts)
+        with dynamo_timed("zbuf.rewrite"):
+            if sched is not None:
+                token = rewrite(graph, index, sched)  # 5
+            token = thread_reduce_scatters(graph, token)  # 6
+        with dynamo_timed("zbuf.fingerprint"):
+            order = collective_order(graph)  # 7
+            description = describe_graph(graph, order)
+            fp = fingerprint_of(description)
         checked = bool(order) and token is not None
         rec = report.schedule_record(
             graph, kind=kind, index=index, sched=sched, options=opts,

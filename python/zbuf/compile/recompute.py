@@ -97,7 +97,7 @@ from .graph_info import (
 from .options import CompileOptions
 from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
 
-__all__ = ["RecomputeStats", "Region", "find_regions", "level_specs", "apply_levels", "partition",
+__all__ = ["LEVELS", "RecomputeStats", "Region", "find_regions", "level_specs", "apply_levels", "partition",
            "copy_joint", "forward_names", "measure_partition", "PREFETCH_BLOCKS", "MAX_PARTITIONS"]
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_start & co.)
-from .graph_info import GraphIndex, gather_args, group_and_device, is_view
+from .graph_info import GraphIndex, gather_args, group_and_device, is_view, unpacks_results
 from .schedule import Schedule
 
 __all__ = ["RS_IN_FLIGHT_BYTES", "new_token", "rewrite", "thread_reduce_scatters", "check_token_chain"]
@@ -155,7 +155,7 @@ def _readers(buf: torch.fx.Node) -> list[torch.fx.Node]:
             continue
         seen.add(n)
         val = n.meta.get("val")
-        if is_view(n):
+        if is_view(n) and not unpacks_results(n):  # a tensor a reader made is a reader itself
             todo.extend(n.users)
         elif isinstance(val, torch.Tensor):
             readers.append(n)

@@ -141,6 +141,9 @@ class TrainConfig:
     compiler: Optional[str] = None
     """What compiles the graphs: ``inductor`` or ``aot_eager``; default inductor on GPU,
     aot_eager on CPU (Inductor's C++ compile alone would exceed the one-minute CPU demo)."""
+    compile_blocks_once: Optional[bool] = None
+    """zbuf engine: compile each block of a repeated stack once
+    (``zbuf.CompileOptions.compile_blocks_once``); None: that option's default."""
     optimizer: str = "adamw"
     """The optimizer, the same for every engine: ``adamw`` (torch's default implementation:
     foreach on GPU, which holds about one more copy of the shards while it steps),

@@ -212,8 +212,9 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # compile_model, not torch.compile(backend="zbuf"): without --budget it agrees the
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
+    once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
     compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
-                                      inner=cfg.compiler, optimizer=optimizer)
+                                      inner=cfg.compiler, optimizer=optimizer, **once)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)

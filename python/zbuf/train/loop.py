@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import faults
+from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
@@ -116,15 +117,21 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     rows: list[StepRow] = []
     saves: list[dict[str, Any]] = []
     notices: list[str] = []
+    # The first step's phases, and those of a later step that compiled (a re-plan, a new shape).
+    compile_phases: list[dict[str, Any]] = []
     progress.start_engine(engine.value, cfg.steps, start)
     for step in range(start, cfg.steps):
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                            mcfg_vocab, device)
         t_step = time.perf_counter()
-        loss = _train_step(setup, batch, marks)
-        if cuda:
-            torch.cuda.synchronize(device)
+        with PhaseClock() as clock:  # [Note: compile phases]
+            loss = _train_step(setup, batch, marks)
+            if cuda:
+                torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t_step
+        timed = clock.result(elapsed)
+        if step == start or timed.caches["graphs"] > 0:
+            compile_phases.append(dict(timed.to_json(), step=step))
         value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
         if step_memory is not None:
             mem = step_memory.close_step()
@@ -167,7 +174,11 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     # Retention may have deleted this run's older saves (rank 0 prunes before the collective
     # above returns): the record lists the checkpoints that exist.
     saves = [s for s in saves if os.path.isdir(s["path"])]
+    phases_per_rank: list[Any] = [None] * world
+    dist.all_gather_object(phases_per_rank, compile_phases)
     result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
+                  compile_phases=[p[0] for p in phases_per_rank],
+                  recompile_phases=[p[1:] for p in phases_per_rank],
                   memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves,
                   run_id=checkpoints.run_id,
                   resumed_from=str(checkpoints.resumed_from) if checkpoints.resumed_from else None,

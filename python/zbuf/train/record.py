@@ -29,6 +29,10 @@ Record layout (``schema: zbuf.run/1``)::
                    --budget below the schedule's floor),
                    step_memory (zbuf engines, rank 0: the measured whole-step budget and the
                                 pool/allocator events; see ``zbuf.step_memory``),
+                   compile_phases[per rank] (the first step cut into phases, see
+                                            ``compile_phases.CompilePhases``),
+                   recompile_phases[per rank][] (the same for each later step that compiled:
+                                                a re-plan, a new input shape),
                    summary (see ``summarize``)
 """
 
@@ -39,10 +43,11 @@ import os
 import statistics
 from typing import Any, Optional
 
+from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
 
 __all__ = ["SCHEMA", "budget_notices", "summarize", "make_record", "write_record", "load_record", "markdown",
-           "merge_records"]
+           "phases_markdown", "slowest_phases", "merge_records"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -119,6 +124,16 @@ def _step_memory_summary(report: Optional[dict[str, Any]],
     }
 
 
+def slowest_phases(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The compile phases of the rank whose first step took longest (the step's time is that
+    rank's), or None for records without them."""
+    per_rank = [p for p in result.get("compile_phases") or [] if isinstance(p, dict)]
+    if not per_rank:
+        return None
+    i = max(range(len(per_rank)), key=lambda r: per_rank[r]["first_step_s"])
+    return dict(per_rank[i], rank=i)
+
+
 def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optional[float],
               peak_flops: Optional[float]) -> dict[str, Any]:
     """Statistics over the measured steps (those after ``cfg.warmup``)."""
@@ -157,6 +172,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
         "schedule_peak_live_bytes": _find(result.get("schedule"),
                                           ("peak_live_bytes", "peak_live_gathered_bytes")),
+        "compile_phases": slowest_phases(result),
     }
 
 
@@ -244,6 +260,39 @@ def markdown(record: dict[str, Any]) -> str:
             f"{format_bytes(s['peak_device_bytes'])} | "
             f"{','.join(map(str, s['alloc_retries_per_rank']))} | {s['first_step_s']:.2f} | "
             f"{s['final_loss']:.4f} |")
+    phases = phases_markdown(record)
+    return "\n".join(lines) + "\n" + ("\n" + phases if phases else "")
+
+
+def phases_markdown(record: dict[str, Any]) -> str:
+    """The first step cut into phases ([Note: compile phases]), one column per engine; empty
+    when no engine recorded them."""
+    engines = [e for e in record["engines"] if e.get("status") == "ok"
+               and (e.get("summary") or {}).get("compile_phases")]
+    if not engines:
+        return ""
+    ph = [e["summary"]["compile_phases"] for e in engines]
+    lines = ["First step by phase (seconds, slowest rank; [Note: compile phases] in "
+             "zbuf/train/compile_phases.py):", "",
+             "| phase | " + " | ".join(e["engine"] for e in engines) + " |",
+             "| --- |" + " ---: |" * len(engines)]
+    for name in PHASES:
+        lines.append(f"| {PHASE_LABELS[name]} | "
+                     + " | ".join(f"{p['phases'].get(name, 0.0):.2f}" for p in ph) + " |")
+    lines.append("| **first step** | " + " | ".join(f"**{p['first_step_s']:.2f}**" for p in ph)
+                 + " |")
+    names = sorted({k for p in ph for k in p.get("zbuf_passes", {})})
+    for k in names:
+        lines.append(f"| zbuf: {k} | " + " | ".join(
+            f"{p.get('zbuf_passes', {}).get(k, 0.0):.3f}" for p in ph) + " |")
+    lines.append("| first step CPU time (s, process + compilers) | "
+                 + " | ".join(f"{p.get('cpu_s', 0.0):.1f}" for p in ph) + " |")
+    lines.append("| kernel compile work (CPU s, all threads) | "
+                 + " | ".join(f"{p.get('kernel_compile_work_s', 0.0):.1f}" for p in ph) + " |")
+    for key, label in (("fxgraph", "FX-graph cache hit/miss"), ("aot", "AOT cache hit/miss")):
+        lines.append(f"| {label} | " + " | ".join(
+            f"{p.get('caches', {}).get(key + '_hit', 0)}/{p.get('caches', {}).get(key + '_miss', 0)}"
+            for p in ph) + " |")
     return "\n".join(lines) + "\n"
 
 

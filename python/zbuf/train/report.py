@@ -10,6 +10,9 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
   nodes against the budget and the projected activations when the schedule report carries the
   per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
   per graph as bars.
+- ``compile_phases.png``: the first step of each engine as a stacked bar of its phases (Dynamo,
+  AOT, zbuf passes, Inductor, kernel compile, first run; [Note: compile phases] in
+  ``compile_phases.py``), for records that carry them.
 - ``step_memory.png`` (records with per-phase telemetry): per engine and step, torch's peak of
   each phase (forward, backward, optimizer), the pool's bytes held and idle, the gather budget
   as planned and as re-planned, and per rank the allocator's retries and the idle bytes the pool
@@ -26,11 +29,12 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
 from .progress import print_error
 from .record import load_record
 
-__all__ = ["make_plots", "schedule_table", "step_memory_table", "main"]
+__all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table", "main"]
 
 _GIB = float(1 << 30)
 
@@ -130,6 +134,58 @@ def _memory_plot(record, out_dir) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return _save(fig, os.path.join(out_dir, "memory.png"))
+
+
+def _phased(record) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(eng, eng["summary"]["compile_phases"]) for eng in _ok(record)
+            if (eng.get("summary") or {}).get("compile_phases")]
+
+
+def _phases_plot(record, out_dir) -> Optional[str]:
+    phased = _phased(record)
+    if not phased:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(phased)))
+    left = [0.0] * len(phased)
+    rows = list(range(len(phased)))
+    for name in PHASES:
+        widths = [p["phases"].get(name, 0.0) for _, p in phased]
+        ax.barh(rows, widths, left=left, label=PHASE_LABELS[name])
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(rows, [eng["engine"] for eng, _ in phased])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (slowest rank's first step)")
+    ax.set_title(_title(record, "First step by phase"))
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize="small", ncol=3, loc="lower right")
+    return _save(fig, os.path.join(out_dir, "compile_phases.png"))
+
+
+def phases_table(record: dict[str, Any]) -> Optional[Table]:
+    """The first step by phase, one column per engine (None without phases)."""
+    phased = _phased(record)
+    if not phased:
+        return None
+    table = Table(title="first step by phase (slowest rank)")
+    table.add_column("")
+    for eng, p in phased:
+        table.add_column(f"{eng['engine']} (rank {p.get('rank', '?')})", justify="right")
+    for name in PHASES:
+        table.add_row(PHASE_LABELS[name], *[f"{p['phases'].get(name, 0.0):.2f} s"
+                                            for _, p in phased])
+    table.add_row("first step", *[f"{p['first_step_s']:.2f} s" for _, p in phased])
+    names = sorted({k for _, p in phased for k in p.get("zbuf_passes", {})})
+    for k in names:
+        table.add_row(f"  zbuf: {k}", *[f"{p.get('zbuf_passes', {}).get(k, 0.0) * 1e3:.0f} ms"
+                                        for _, p in phased])
+    table.add_row("first step CPU time", *[f"{p.get('cpu_s', 0.0):.1f} s" for _, p in phased])
+    table.add_row("kernel compile work (CPU)",
+                  *[f"{p.get('kernel_compile_work_s', 0.0):.1f} s" for _, p in phased])
+    for key, label in (("fxgraph", "FX-graph cache hit/miss"), ("aot", "AOT cache hit/miss")):
+        table.add_row(label, *[f"{p.get('caches', {}).get(key + '_hit', 0)} / "
+                               f"{p.get('caches', {}).get(key + '_miss', 0)}" for _, p in phased])
+    return table
 
 
 def _graphs(eng: dict[str, Any]) -> list[dict[str, Any]]:
@@ -294,7 +350,8 @@ def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [_loss_plot(record, out_dir), _step_time_plot(record, out_dir),
              _memory_plot(record, out_dir)]
-    extra = [_schedule_plot(record, out_dir), _step_memory_plot(record, out_dir)]
+    extra = [_phases_plot(record, out_dir), _schedule_plot(record, out_dir),
+             _step_memory_plot(record, out_dir)]
     return paths + [p for p in extra if p]
 
 
@@ -409,6 +466,9 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
         print_error("report", f"cannot write plots to {out_dir}: {e.strerror}")
         return 2
     console = Console()
+    phases = phases_table(record)
+    if phases is not None:
+        console.print(phases)
     table = schedule_table(record)
     if table is not None:
         console.print(table)

@@ -1,0 +1,250 @@
+"""Compiling repeated blocks once (``CompileOptions.compile_blocks_once``, compile/regions.py), one
+process: the block body is traced into one subgraph, partitioned and lowered once, the gathers
+stay in the outer graphs where the planner sees them, and training matches eager zbuf and the
+unsharded reference. Two and three ranks: test_compile_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zbuf.compile
+from zbuf.compile import region_graphs, schedule_report
+from zbuf.compile.passes import GatherSchedulePass
+from zbuf.compile.report import clear_records
+from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
+from zbuf.shard import shard
+from zbuf.state_dict import full_state_dict
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
+
+REGION = torch.ops.higher_order.invoke_subgraph
+LAYERS = 3
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    clear_records()
+    yield
+    torch._dynamo.reset()
+
+
+def _capture(monkeypatch):
+    """The outer forward/backward graphs as the schedule pass leaves them, and the region bodies
+    whose joint graph the partitioner saw."""
+    graphs, bodies = [], []
+    plan = GatherSchedulePass.plan_and_rewrite
+
+    def keep(self, graph):
+        plan(self, graph)
+        if not region_graphs.is_body(graph):
+            graphs.append(graph)
+
+    prepare = region_graphs.prepare_body_joint
+
+    def seen(joint, options):
+        bodies.append(joint)
+        prepare(joint, options)
+
+    monkeypatch.setattr(GatherSchedulePass, "plan_and_rewrite", keep)
+    monkeypatch.setattr(region_graphs, "prepare_body_joint", seen)
+    import zbuf.compile.passes as passes
+    monkeypatch.setattr(passes, "prepare_body_joint", seen)
+    return graphs, bodies
+
+
+def _decoder(ac: bool):
+    cfg = resolve_config("tiny").replace(num_layers=LAYERS, vocab_size=97)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, ac)
+    return init
+
+
+def _batches(n=3, vocab=97):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (2, 12), generator=g) for _ in range(n)]
+
+
+def _train(step_fn, model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for tokens in batches:
+        out = loss(step_fn, tokens[:, :-1], tokens[:, 1:])
+        out.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.item())
+    return losses
+
+
+def _rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _zbuf_ops(graph, name):
+    return [n for n in graph.nodes if getattr(n.target, "_schema", None) is not None
+            and n.target._schema.name == f"zbuf::{name}"]
+
+
+@pytest.mark.parametrize("ac,persist", [(False, False), (True, False), (False, True)])
+def test_blocks_compile_once_and_train_like_eager(monkeypatch, ac, persist):
+    graphs, bodies = _capture(monkeypatch)
+    init = _decoder(ac)
+    batches = _batches()
+    ref = copy.deepcopy(init)
+    ref_losses = _train(ref, ref, batches)
+    eager = shard(copy.deepcopy(init))
+    eager_losses = _train(eager, eager, batches)
+    model = shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="aot_eager", persist=persist, compile_blocks_once=True,
+                      fullgraph=True)
+    losses = _train(cm, model, batches)
+
+    # aot_eager runs eager kernels: the same numbers as eager zbuf, and the reference's to 1e-5.
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full, ref_sd = full_state_dict(model), ref.state_dict()
+    worst = max(_rel_err(full[k], ref_sd[k]) for k in ref_sd)
+    assert worst <= 1e-5, worst
+
+    # One body for all blocks: partitioned once, called once per block from each outer graph.
+    assert len(bodies) == 1
+    fw, bw = graphs
+    for g in (fw, bw):
+        calls = [n for n in g.nodes if n.target is REGION]
+        assert len(calls) == LAYERS
+        assert len({n.args[1] for n in calls}) == 1
+    # The gathers are the outer graphs' (the bodies hold none): every block parameter is gathered
+    # in forward, and, without persistence, gathered again in backward rather than kept.
+    block_params = sum(1 for _ in model.layers.parameters())
+    fw_rec, bw_rec = schedule_report(model)
+    assert fw_rec.gathers >= block_params
+    if persist:
+        assert fw_rec.persistent > 0
+    else:
+        assert fw_rec.persistent == 0 and bw_rec.gathers >= block_params
+        # Nothing gathered leaves the forward graph: every buffer is released there.
+        assert len(_zbuf_ops(fw, "all_gather_release")) == len(_zbuf_ops(fw, "gather_buffer"))
+    for rec in (fw_rec, bw_rec):
+        assert rec.peak_live_gathered_bytes <= rec.budget_bytes
+
+
+@pytest.mark.parametrize("options,regions", [
+    ({}, True),  # the default
+    ({"compile_blocks_once": False}, False),
+    ({"recompute": "auto"}, False),  # auto plans over the whole graph's checkpointed regions
+])
+def test_when_blocks_compile_once(monkeypatch, options, regions):
+    graphs, bodies = _capture(monkeypatch)
+    model = shard(_decoder(False))
+    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, **options)
+    _train(cm, model, _batches(1))
+    assert bool(bodies) == regions
+    assert all(any(n.target is REGION for n in g.nodes) == regions for g in graphs)
+
+
+def test_blocks_once_with_auto_recompute_is_refused():
+    with pytest.raises(ValueError, match="does not combine with recompute='auto'"):
+        zbuf.compile.CompileOptions(compile_blocks_once=True, recompute="auto")
+
+
+def test_repeated_blocks_are_found():
+    model = shard(_decoder(False))
+    assert [len(s) for s in zbuf.compile.regions.repeated_blocks(model)] == [LAYERS]
+    assert zbuf.compile.mark_repeated_blocks(model) == LAYERS
+    assert zbuf.compile.mark_repeated_blocks(model) == LAYERS  # idempotent
+    # Marking changes neither the eager results nor the state dict.
+    assert list(model.state_dict()) == list(shard(_decoder(False)).state_dict())
+    unmarked = shard(_decoder(False))
+    tokens = _batches(1)[0]
+    torch.testing.assert_close(model(tokens), unmarked(tokens), rtol=0, atol=0)
+    assert zbuf.compile.regions.repeated_blocks(shard(nn.Sequential(nn.Linear(4, 4)))) == []
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def test_gathers_inside_a_users_region_are_refused():
+    """A region the user marks around code that reads sharded parameters would hide its gathers
+    from the plan; the error says what to do instead."""
+    blocks = shard(nn.ModuleList(_Block() for _ in range(2)))
+    body = torch.compiler.nested_compile_region(lambda b, x: b(x))
+
+    def f(x):
+        for b in blocks:
+            x = body(b, x)
+        return x.sum()
+
+    cf = torch.compile(f, backend="zbuf", options={"inner": "aot_eager"}, fullgraph=True)
+    with pytest.raises(Exception, match="gathers sharded parameters inside its body"):
+        cf(torch.randn(3, 8, requires_grad=True)).backward()
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_hugging_face_layers_compile_once(monkeypatch, ac):
+    """Hugging Face checkpoints in the layer's ``__call__``, around ``forward``: marking wraps
+    ``__call__``, so the checkpoint is inside the region body too."""
+    transformers = pytest.importorskip("transformers")
+    graphs, bodies = _capture(monkeypatch)
+    cfg = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    init = transformers.Qwen3ForCausalLM(cfg)
+    if ac:
+        init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batches = _batches(2)
+
+    def run(fn, model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for tokens in batches:
+            lo = fn(input_ids=tokens, labels=tokens).loss
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(lo.item())
+        return out
+
+    ref = copy.deepcopy(init)
+    ref_losses = run(ref, ref)
+    model = shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="aot_eager", compile_blocks_once=True)
+    losses = run(cm, model)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    assert len(bodies) == 1
+    assert sum(n.target is REGION for n in graphs[0].nodes) == LAYERS
+
+
+@pytest.mark.skipif(os.environ.get("ZBUF_TEST_INDUCTOR", "0") != "1",
+                    reason="minutes of C++ compilation on 2 cores: set ZBUF_TEST_INDUCTOR=1")
+def test_inductor_lowers_the_body_once():
+    from torch._dynamo.utils import compilation_time_metrics
+
+    init = _decoder(True)
+    batches = _batches(2)
+    eager = shard(copy.deepcopy(init))
+    eager_losses = _train(eager, eager, batches)
+    model = shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="inductor", persist=False, compile_blocks_once=True,
+                      fullgraph=True)
+    before = len(compilation_time_metrics.get("GraphLowering.run", []))
+    losses = _train(cm, model, batches)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+    # Outer forward and backward, and the body's forward and backward: 4 lowerings, not 2 + 2N.
+    assert len(compilation_time_metrics["GraphLowering.run"]) - before == 4

@@ -1,0 +1,110 @@
+"""A second launch with Inductor's caches on disk skips the compile ([Note: stable agreed memory]
+in compile/budget.py, [Note: pass uuid] in compile/passes.py).
+
+Two fresh processes compile the same sharded model with the zbuf backend (Inductor, budget from
+the agreed free memory, its two blocks compiled once) against one ``TORCHINDUCTOR_CACHE_DIR``. Their free memory differs by
+tens of megabytes, as it does between real launches (here by a stand-in for the free-memory
+reading; everything else is the real path). The second launch must be served from the FX-graph
+and AOTAutograd caches: no graph compiled, no kernel compiled, the same losses. With the exact
+free memory in the pass uuid (before the rounding) the second launch missed both caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zbuf.compile.budget import stable_free_bytes
+
+_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+import zbuf
+import zbuf.compile.budget as budget
+from zbuf.train.compile_phases import PhaseClock
+
+free = int(sys.argv[1])
+budget.local_free_bytes = lambda device: free   # this launch's free memory
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+torch.manual_seed(0)
+model = zbuf.shard(Net())
+cm = zbuf.compile(model, inner="inductor", fullgraph=True, compile_blocks_once=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+losses = []
+for step in range(2):
+    with PhaseClock() as clock:
+        loss = cm(x).square().mean()
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+    if step == 0:
+        first = clock.result(0.0)
+print("RESULT " + json.dumps({"losses": losses, "caches": first.caches,
+                              "kernel_work": first.kernel_compile_work_s,
+                              "agreed": budget.agree_free_memory()}))
+"""
+
+BASE = (10 << 30) + (40 << 20)
+"""Free bytes of the first launch; the second has 37 MiB more, within the same quantum."""
+
+
+def _launch(cache_dir, free) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(free)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_free_memory_is_rounded_down_to_a_stable_value():
+    for free in (3 << 20, 700 << 20, 9 << 30, 18 * 10**9, 141 * 10**9):
+        q = stable_free_bytes(free)
+        assert min(free * (1 - 1 / 64), free - (64 << 20)) <= q <= free
+        assert stable_free_bytes(q) == q
+    # Launch-to-launch jitter of tens of MB keeps the value, hence the pass uuid.
+    assert stable_free_bytes(BASE) == stable_free_bytes(BASE + (37 << 20))
+    assert stable_free_bytes(141 * 10**9 + (300 << 20)) == stable_free_bytes(141 * 10**9)
+
+
+@pytest.mark.timeout(1800)
+def test_second_launch_is_served_from_the_caches(tmp_path):
+    cold = _launch(tmp_path, BASE)
+    warm = _launch(tmp_path, BASE + (37 << 20))
+    print("cold:", cold, "\nwarm:", warm)
+    assert cold["caches"]["fxgraph_miss"] >= 2 and cold["kernel_work"] > 0
+    assert warm["caches"]["aot_hit"] >= 1 and warm["caches"]["aot_miss"] == 0
+    assert warm["caches"]["fxgraph_miss"] == 0
+    assert cold["agreed"] == warm["agreed"] == stable_free_bytes(BASE)
+    # No kernel compiled: what is left is Inductor's once-per-process probe of the CPU's vector
+    # instructions (one small C++ build, under a second).
+    assert warm["kernel_work"] < 0.1 * cold["kernel_work"]
+    assert warm["losses"] == cold["losses"]
