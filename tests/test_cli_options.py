@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from zbuf.cli import main
+from zbuf.cli import build_parser, config_from_args, main
 from zbuf.train.config import ConfigError, Engine, TrainConfig, parse_bytes
 
 
@@ -103,10 +103,10 @@ def test_console_script_exit_status():
 def test_config_resolution_and_bytes():
     cfg = TrainConfig().resolve(cuda=False, world=2, bench=False)
     assert (cfg.preset, cfg.nproc, cfg.dtype, cfg.ac, cfg.global_batch) == ("tiny", 2, "fp32",
-                                                                           False, 16)
+                                                                           "off", 16)
     assert cfg.engines == (Engine.ZBUF,)
     gpu = TrainConfig(global_batch=8).resolve(cuda=True, world=4, bench=True)
-    assert (gpu.micro_batch, gpu.dtype, gpu.ac, gpu.steps, gpu.warmup) == (2, "bf16", True, 30, 10)
+    assert (gpu.micro_batch, gpu.dtype, gpu.ac, gpu.steps, gpu.warmup) == (2, "bf16", "full", 30, 10)
     assert TrainConfig.from_json(gpu.to_json()) == gpu
     assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("1000") == 1000
@@ -254,3 +254,38 @@ assert callable(zbuf.shard) and zbuf.ShardingError.__module__ == "zbuf.shard"
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_ac_modes_and_per_engine_modes():
+    """--ac takes a mode (bare --ac: full), --no-ac is off; --engines ENGINE:MODE gives one run its
+    own mode; auto is the zbuf compiler's and refused, with the fix, for engines without it."""
+    def cfg_of(*argv, cuda=True, world=2):
+        args = build_parser().parse_args(list(argv))
+        return config_from_args(args).resolve(cuda=cuda, world=world, bench=args.command == "bench")
+
+    assert cfg_of("train", "--ac").ac == "full"
+    assert cfg_of("train", "--no-ac").ac == "off"
+    assert cfg_of("train", "--ac", "auto").ac == "auto"
+    assert cfg_of("train").ac == "full" and cfg_of("train", cuda=False).ac == "off"
+    cfg = cfg_of("bench", "--engines", "zbuf:auto,fsdp2,fsdp2:selective", "--ac")
+    assert cfg.runs() == [(Engine.ZBUF, "auto"), (Engine.FSDP2, "full"),
+                          (Engine.FSDP2, "selective")]
+    assert cfg.run_labels() == ["zbuf:auto", "fsdp2:full", "fsdp2:selective"]
+    one = cfg.for_run(2)
+    assert (one.engines, one.ac, one.engine_ac) == ((Engine.FSDP2,), "selective", ())
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    assert cfg_of("bench", "--engines", "zbuf,fsdp2", "--ac", "selective").run_labels() == [
+        "zbuf", "fsdp2"]
+    with pytest.raises(ConfigError, match=r"--ac auto .* engine\(s\) fsdp2 have .*fsdp2:selective"):
+        cfg_of("bench", "--engines", "zbuf,fsdp2", "--ac", "auto")
+    with pytest.raises(ConfigError, match="engine-eager|zbuf-eager"):
+        cfg_of("train", "--engine", "zbuf-eager", "--ac", "auto")
+    with pytest.raises(ConfigError, match="fsdp2:full listed twice"):
+        cfg_of("bench", "--engines", "fsdp2,fsdp2:full", "--ac")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--engines", "zbuf:sometimes"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--ac", "sometimes"])
+    # Records written before the modes: a bool.
+    old = cfg.to_json() | {"ac": True, "engine_ac": []}
+    assert TrainConfig.from_json(old).ac == "full"

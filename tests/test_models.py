@@ -163,3 +163,49 @@ def test_tiny_learns_the_default_synthetic_task():
         value.backward()
         opt.step()
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+
+
+def test_selective_checkpointing_recomputes_every_second_matmul():
+    """torchtitan's op-level policy ([Note: selective checkpointing]): same gradients as no
+    checkpointing, eager and compiled; backward re-runs k, o and up of each block (every second
+    matmul) where full checkpointing re-runs six (all but down: non-reentrant checkpointing stops
+    recomputing once backward has what it needs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    targets = torch.roll(tokens, -1, dims=1)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        value = loss(m, tokens, targets)
+        with CountMatmuls() as counter:
+            value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, counter.mm
+
+    ref_loss, ref, mm_none = run(model)
+    apply_activation_checkpointing(model, "full")
+    *_, mm_full = run(model)
+    apply_activation_checkpointing(model, "selective")
+    assert all(layer.activation_checkpointing == "selective" for layer in model.layers)
+    sel_loss, sel, mm_sel = run(model)
+    layers = SMALL.num_layers
+    assert (mm_full - mm_none, mm_sel - mm_none) == (6 * layers, 3 * layers)
+    torch.testing.assert_close(sel_loss, ref_loss, rtol=0, atol=0)
+    for name in ref:
+        torch.testing.assert_close(sel[name], ref[name], rtol=1e-6, atol=1e-7)
+    torch._dynamo.reset()
+    c_loss, cg, _ = run(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(c_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="mode 'some'"):
+        apply_activation_checkpointing(model, "some")

@@ -155,3 +155,54 @@ def test_summary_table_words():
                       seq_len=1024).resolve(cuda=True, world=2, bench=False)
     one = _table_text(_record([_engine("zbuf", times[:2], losses[:2])], cfg))
     assert "1 measured step" in one and "1 measured steps" not in one, one
+
+
+def _recompute_stats(mode, kept, sel, recomputed, kept_bytes, recomputed_flops):
+    return {"mode": mode, "regions": kept + sel + recomputed, "regions_recomputed": recomputed,
+            "regions_selective": sel, "regions_kept": kept, "activation_budget_bytes": 8 << 30,
+            "requested_activation_budget_bytes": 8 << 30, "activation_peak_bytes": 6 << 30,
+            "kept_bytes": kept_bytes, "recomputed_bytes": 1 << 30, "forward_flops": 4e13,
+            "recomputed_flops": recomputed_flops, "partitions": 3}
+
+
+def test_recompute_in_summary_table_plot_and_merge(tmp_path, capsys, monkeypatch):
+    """What zbuf kept and recomputed reaches the summary, the schedule table and recompute.png;
+    runs of different --ac modes merge into one comparison, labelled by mode, against FSDP2
+    with full checkpointing."""
+    stats = _recompute_stats("auto", 1, 2, 1, 3 << 30, 5e12)
+    sched = {"graphs": [dict(g, recompute=stats) for g in SCHEDULE["graphs"]]}
+    times = [3, 1, 1, 1, 1, 1]
+    records = []
+    for engine, ac, schedule in (("zbuf", "auto", sched), ("fsdp2", "selective", None),
+                                 ("fsdp2", "full", None)):
+        cfg = TrainConfig(engines=(Engine(engine),), ac=ac, warmup=2, steps=6, micro_batch=1,
+                          seq_len=1024).resolve(cuda=True, world=2, bench=True)
+        eng = dict(_engine(engine, times, [5, 4, 3, 2, 1, 1], pool=engine == "zbuf",
+                           schedule=schedule), ac=ac, label=engine)
+        records.append(_record([eng], cfg))
+    z = records[0]["engines"][0]["summary"]["recompute"]
+    assert (z["mode"], z["regions_kept"], z["regions_selective"], z["kept_bytes"],
+            z["recomputed_flops"]) == ("auto", 1, 2, 3 << 30, 5e12)
+    paths = []
+    for i, r in enumerate(records):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    merged = merge_records([str(p) for p in paths])
+    assert [e["label"] for e in merged["engines"]] == ["zbuf:auto", "fsdp2:selective",
+                                                       "fsdp2:full"]
+    assert merged["config"]["engine_ac"] == ["auto", "selective", "full"]
+    out = tmp_path / "all.json"
+    monkeypatch.setenv("COLUMNS", "200")  # the tables unwrapped
+    assert main(["bench", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "relative to fsdp2:full" in printed and "blocks kept/selective/recomputed" in printed
+    md = (tmp_path / "all.md").read_text()
+    assert "| fsdp2:selective |" in md and "AC per engine" in md
+    table = schedule_table(merged)
+    labels = [c.plain if hasattr(c, "plain") else str(c) for c in table.columns[0]._cells]
+    assert "recomputed FLOPs" in labels and "blocks selective" in labels
+    assert table.columns[1]._cells[labels.index("blocks selective")] == "2"
+    assert table.columns[1]._cells[labels.index("recomputed FLOPs")] == "5.000 T"
+    assert any(p.endswith("recompute.png") for p in make_plots(merged, str(tmp_path / "plots")))
+    # Records of one engine and one mode still refuse to merge twice.
+    assert main(["bench", "--merge", str(paths[1]), str(paths[1]), "--out", str(out)]) == 2

@@ -4,6 +4,7 @@
     zbuf train --engine fsdp2 --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac
     zbuf train --checkpoint-dir ckpt --save-every 100 --resume   # same line starts and restarts
     zbuf bench --engines zbuf,fsdp2,ddp --preset qwen3-8b --mem-frac 0.68
+    zbuf bench --engines zbuf:auto,fsdp2:full,fsdp2:selective --preset qwen3-8b
     zbuf report zbuf-train.json -o plots/
     torchrun --nproc_per_node 8 -m zbuf.cli train ...   # multi-node / external launcher
 
@@ -17,6 +18,7 @@ import sys
 from typing import Optional
 
 from .train.config import (
+    AC_CHOICES,
     OPTIMIZERS,
     RUN_DEFINING,
     ConfigError,
@@ -73,15 +75,23 @@ def _name_list(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def _engine_list(text: str) -> tuple[Engine, ...]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in _ENGINES]
-    if bad or not names:
+def _engine_list(text: str) -> tuple[tuple[Engine, Optional[str]], ...]:
+    """``zbuf,fsdp2:selective`` -> ((zbuf, None), (fsdp2, "selective")): engines, each with an
+    optional activation checkpointing mode that overrides ``--ac``."""
+    specs = [t.strip() for t in text.split(",") if t.strip()]
+    pairs = [(n.strip(), m.strip() or None) for n, _, m in (t.partition(":") for t in specs)]
+    bad = [n for n, _ in pairs if n not in _ENGINES]
+    if bad or not pairs:
         raise argparse.ArgumentTypeError(
             f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(_ENGINES)}")
-    if len(set(names)) != len(names):
+    bad = [m for _, m in pairs if m is not None and m not in AC_CHOICES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown activation checkpointing mode(s) {', '.join(bad)} in {text!r}; write "
+            f"ENGINE:MODE with MODE one of {', '.join(AC_CHOICES)}")
+    if len(set(pairs)) != len(pairs):
         raise argparse.ArgumentTypeError(f"engine listed twice in {text!r}")
-    return tuple(Engine(n) for n in names)
+    return tuple((Engine(n), m) for n, m in pairs)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -108,8 +118,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "(default 30)")
     t.add_argument("--warmup", type=int, help="steps left out of the timing statistics "
                    "(default: train 3, bench 10, at most half of --steps)")
-    t.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
-                   help="activation checkpointing per block (default: on with GPUs)")
+    t.add_argument("--ac", nargs="?", const="full", choices=AC_CHOICES, metavar="MODE",
+                   help="activation checkpointing of every block: full (the default of a bare "
+                        "--ac: recompute each block), selective (torchtitan's op-level policy), "
+                        "auto (engine zbuf: keep what fits in the memory budget, recompute the "
+                        "rest) or off (default: full with GPUs, off on CPU)")
+    t.add_argument("--no-ac", dest="ac", action="store_const", const="off",
+                   help="no activation checkpointing (same as --ac off)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="adamw (torch's default: foreach on GPU), adamw-fused or sgd (momentum "
                         "0.9); the same for every engine (default adamw)")
@@ -180,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run one configuration under several engines, side by "
                                        "side, and compare.")
     bench.add_argument("--engines", type=_engine_list,
-                       default=(Engine.ZBUF, Engine.ZBUF_EAGER, Engine.FSDP2, Engine.DDP),
-                       help="comma-separated, in run order (default zbuf,zbuf-eager,fsdp2,ddp)")
+                       default=tuple((e, None) for e in (Engine.ZBUF, Engine.ZBUF_EAGER,
+                                                         Engine.FSDP2, Engine.DDP)),
+                       help="comma-separated, in run order (default zbuf,zbuf-eager,fsdp2,ddp); "
+                            "ENGINE:MODE gives one engine its own --ac mode, e.g. "
+                            "zbuf:auto,fsdp2:full,fsdp2:selective")
     bench.add_argument("--out", metavar="RUN.json", help="JSON record (default "
                        "zbuf-bench.json; the markdown table goes next to it as .md)")
     bench.add_argument("--merge", nargs="+", metavar="RUN.json",
@@ -206,10 +224,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise ConfigError(f"--model {args.model} and --preset {preset} disagree; give one")
         else:
             preset = args.model
-    engines = args.engines if args.command == "bench" else (Engine(args.engine),)
+    runs = args.engines if args.command == "bench" else ((Engine(args.engine), None),)
+    engines = tuple(e for e, _ in runs)
+    engine_ac = tuple(m for _, m in runs) if any(m for _, m in runs) else ()
     train = args.command == "train"  # checkpoint and timeout options exist on train only
     return TrainConfig(
-        engines=engines, preset=preset, hf_model=hf, layers=args.layers,
+        engines=engines, engine_ac=engine_ac, preset=preset, hf_model=hf, layers=args.layers,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
         warmup=args.warmup, ac=args.ac, budget=args.budget, mem_frac=args.mem_frac,

@@ -14,19 +14,23 @@ Choices that matter to the rest of zbuf:
   one state-dict key and nothing for a wrapper to de-duplicate.
 - Activation checkpointing lives inside ``Block.forward`` (non-reentrant
   ``torch.utils.checkpoint``), so a per-block ``torch.compile`` captures it and the state-dict keys
-  do not change (no wrapper module).
+  do not change (no wrapper module). ``"full"`` recomputes the whole block in backward;
+  ``"selective"`` applies torchtitan's op-level policy ([Note: selective checkpointing]). Under
+  zbuf's ``recompute="auto"`` every checkpointed block is a candidate region: the compiler
+  decides how much of it to keep.
 - Every module's ``reset_parameters()`` produces the intended initialisation, so materialising a
   meta model module by module (``to_empty`` then ``reset_parameters``) equals building it eagerly.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .presets import PRESETS, ModelConfig, resolve_config
 
@@ -41,6 +45,8 @@ __all__ = [
     "build_model",
     "resolve_config",
     "apply_activation_checkpointing",
+    "AC_MODES",
+    "selective_checkpoint_context",
     "loss",
     "count_params",
 ]
@@ -150,6 +156,46 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+AC_MODES = ("full", "selective")
+"""How a checkpointed block is recomputed in backward (``apply_activation_checkpointing``)."""
+
+_aten = torch.ops.aten
+_SAC_SAVED_OPS = frozenset(
+    op for op in (
+        _aten.mm.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        # The CPU kernel too, so that CPU runs and tests exercise the same policy.
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        _aten.max.default,
+    ))
+
+
+def selective_checkpoint_context():
+    """The ``context_fn`` of torchtitan's op-level selective activation checkpointing.
+
+    [Note: selective checkpointing]
+    What FSDP2 users run as "selective AC" (torchtitan/distributed/activation_checkpoint.py,
+    ``selective_ac_option="op"``): in every checkpointed block the outputs of matmuls, attention
+    kernels, reduce-scatters and ``max`` are saved, except every second matmul, and everything
+    else is recomputed. The matmuls are counted per forward (and per recomputation) of the block,
+    so in a Qwen3 block q, v, gate and down are kept and k, o and up recomputed. A fresh counter
+    per call: ``checkpoint`` calls ``context_fn`` once per region.
+    """
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func is _aten.mm.default:
+            counts[key] += 1
+        save = func in _SAC_SAVED_OPS and not (func is _aten.mm.default and counts[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block; optionally checkpointed (recomputed in backward)."""
 
@@ -160,7 +206,8 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, **kw)
         self.mlp = MLP(cfg, **kw)
-        self.activation_checkpointing = False
+        self.activation_checkpointing: Union[bool, str] = False
+        """False, or a mode of ``AC_MODES`` (read while tracing: set it before compiling)."""
 
     def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -168,7 +215,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+            selective = self.activation_checkpointing == "selective"
+            return checkpoint(self._body, x, cos, sin, use_reentrant=False,
+                              **({"context_fn": selective_checkpoint_context} if selective else {}))
         return self._body(x, cos, sin)
 
 
@@ -229,16 +278,23 @@ def build_model(preset_or_config: Union[str, ModelConfig], *, device=None,
     return Decoder(cfg, device=device, dtype=dtype)
 
 
-def apply_activation_checkpointing(model: Decoder, enabled: bool = True) -> Decoder:
-    """Checkpoint every block (non-reentrant): keep only block inputs, recompute in backward.
+def apply_activation_checkpointing(model: Decoder, mode: Union[bool, str] = True) -> Decoder:
+    """Checkpoint every block (non-reentrant): keep only block inputs and recompute the block in
+    backward (``True`` or ``"full"``), or keep what torchtitan's op-level policy keeps
+    (``"selective"``, [Note: selective checkpointing]); ``False`` turns it off.
 
-    Call before ``torch.compile`` (the flag is read while tracing). Returns the model.
+    Call before ``torch.compile`` (the mode is read while tracing). Returns the model.
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"apply_activation_checkpointing expects a zbuf.models.Decoder, got "
                         f"{type(model).__name__}")
+    if mode is True:
+        mode = "full"
+    if mode is not False and mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}: use True, False or one of "
+                         f"{', '.join(AC_MODES)}")
     for layer in model.layers:
-        layer.activation_checkpointing = enabled
+        layer.activation_checkpointing = mode
     return model
 
 

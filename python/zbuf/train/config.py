@@ -17,7 +17,10 @@ from typing import Any, Optional
 from ..presets import PRESETS, ModelConfig, resolve_config
 
 __all__ = ["ConfigError", "Engine", "OPTIMIZERS", "RUN_DEFINING", "Task", "TrainConfig", "parse_bytes",
-           "format_bytes"]
+           "format_bytes", "AC_CHOICES"]
+
+AC_CHOICES = ("off", "full", "selective", "auto")
+"""``--ac`` modes (``TrainConfig.ac``)."""
 
 
 RUN_DEFINING = ("preset", "model", "layers", "seq-len", "global-batch", "dtype", "optimizer", "lr",
@@ -123,8 +126,16 @@ class TrainConfig:
     warmup: Optional[int] = None
     """Leading steps left out of the step-time statistics (compile and allocator warm-up);
     default 3 for train, 10 for bench, and never more than half of ``steps``."""
-    ac: Optional[bool] = None
-    """Activation checkpointing per block; default off on CPU, on on GPU."""
+    ac: Optional[str] = None
+    """Activation checkpointing of every block, one of ``AC_CHOICES``: ``off``; ``full`` (each
+    block recomputed in backward); ``selective`` (torchtitan's op-level policy, [Note: selective
+    checkpointing] in models.py); ``auto`` (engine ``zbuf`` only: every block is checkpointed and
+    the compiler keeps what fits in its memory budget, [Note: recompute modes] in
+    compile/recompute.py). Default ``full`` on GPU, ``off`` on CPU."""
+    engine_ac: tuple[Optional[str], ...] = ()
+    """Per engine, in the order of ``engines`` (``--engines zbuf:auto,fsdp2,fsdp2:selective``):
+    its activation checkpointing, None to take ``ac``. Empty: every engine takes ``ac``. One
+    engine may run more than once with different modes."""
     budget: Optional[int] = None
     """Gather budget in bytes for the zbuf engines (``None``: derived from free memory)."""
     mem_frac: Optional[float] = None
@@ -209,6 +220,12 @@ class TrainConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
                                   f"got {v!r}")
+        for mode in (self.ac, *self.engine_ac):
+            if mode is not None and mode not in AC_CHOICES:
+                raise ConfigError(f"--ac {mode}: choose one of {', '.join(AC_CHOICES)}")
+        if self.engine_ac and len(self.engine_ac) != len(self.engines):
+            raise ConfigError(f"{len(self.engine_ac)} activation checkpointing modes for "
+                              f"{len(self.engines)} engines; give one per engine or none")
         if self.micro_batch is not None and self.global_batch is not None:
             raise ConfigError("give --micro-batch (per rank) or --global-batch (split over the "
                               "ranks), not both")
@@ -330,7 +347,22 @@ class TrainConfig:
             from ..faults import DEFAULT_COLLECTIVE_TIMEOUT_S
 
             c.collective_timeout_s = DEFAULT_COLLECTIVE_TIMEOUT_S
-        c.ac = cuda if c.ac is None else c.ac
+        c.ac = c.ac or ("full" if cuda else "off")
+        runs = c.runs()
+        auto = sorted({e.value for e, mode in runs if mode == "auto" and e is not Engine.ZBUF})
+        if auto:
+            raise ConfigError(
+                f"--ac auto lets the zbuf compiler choose what to keep within its memory budget; "
+                f"engine(s) {', '.join(auto)} have no such planner: give them --ac full or "
+                f"--ac selective (per engine: --engines zbuf:auto,{auto[0]}:selective)")
+        if c.compile_blocks_once and any(m == "auto" for _, m in runs):
+            raise ConfigError("--compile-blocks-once does not combine with --ac auto (auto plans "
+                              "over the checkpointed blocks of the whole graph, and a block body "
+                              "compiled once gets one plan for all): drop one of them")
+        if len(set(runs)) != len(runs):
+            twice = sorted({f"{e.value}:{m}" for e, m in runs if runs.count((e, m)) > 1})
+            raise ConfigError(f"engine {', '.join(twice)} listed twice; list each engine once "
+                              f"per activation checkpointing mode")
         if c.lr is None:
             if c.optimizer == "sgd":
                 c.lr = 0.1 if c.preset == "tiny" else 1e-2
@@ -354,6 +386,23 @@ class TrainConfig:
                                   f"directory; give a directory (it is created if missing)")
         return c
 
+    def runs(self) -> list[tuple[Engine, str]]:
+        """(engine, activation checkpointing mode) of every run, in order (after ``resolve``)."""
+        return [(e, (self.engine_ac[i] if self.engine_ac else None) or self.ac)
+                for i, e in enumerate(self.engines)]
+
+    def run_labels(self) -> list[str]:
+        """How records and tables name each run: the engine, with ``:mode`` when the runs do not
+        all share one activation checkpointing mode (the ``--engines`` syntax)."""
+        runs = self.runs()
+        mixed = len({m for _, m in runs}) > 1
+        return [f"{e.value}:{m}" if mixed else e.value for e, m in runs]
+
+    def for_run(self, index: int) -> "TrainConfig":
+        """The configuration of run ``index`` alone: its engine, its mode as ``ac``."""
+        engine, mode = self.runs()[index]
+        return dataclasses.replace(self, engines=(engine,), engine_ac=(), ac=mode)
+
     def model_config(self) -> ModelConfig:
         """The model's shape: the preset's, with ``layers`` decoder layers when that is set."""
         mcfg = resolve_config(self.preset)
@@ -370,6 +419,9 @@ class TrainConfig:
     def from_json(cls, d: dict[str, Any]) -> "TrainConfig":
         d = dict(d)
         d["engines"] = tuple(Engine(e) for e in d["engines"])
+        if isinstance(d.get("ac"), bool):  # records written before the modes existed
+            d["ac"] = "full" if d["ac"] else "off"
+        d["engine_ac"] = tuple(d.get("engine_ac", ()))
         d["task"] = Task(d["task"])
         d["allow_change"] = tuple(d.get("allow_change", ()))
         return cls(**d)

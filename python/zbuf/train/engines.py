@@ -87,16 +87,21 @@ def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``."""
     mcfg = cfg.model_config()
     torch.manual_seed(cfg.seed)
+    # "auto" checkpoints every block too: they are the candidate regions the zbuf compiler
+    # chooses from ([Note: recompute modes] in compile/recompute.py).
+    block_ac = {"off": False, "full": "full", "auto": "full", "selective": "selective"}[cfg.ac]
     if cfg.hf_model:
         model = _hf_model(cfg.hf_model, mcfg, device)
-        if cfg.ac:
-            model.hf.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if block_ac:
+            kwargs = {"use_reentrant": False}
+            if block_ac == "selective":
+                kwargs["context_fn"] = models.selective_checkpoint_context
+            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
     model = models.build_model(mcfg, device="meta")
     model.to_empty(device=device)
     model.reset_parameters()
-    models.apply_activation_checkpointing(model, cfg.ac)
+    models.apply_activation_checkpointing(model, block_ac)
     return model
 
 
@@ -214,7 +219,9 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
     compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
-                                      inner=cfg.compiler, optimizer=optimizer, **once)
+                                      inner=cfg.compiler, optimizer=optimizer,
+                                      recompute="auto" if cfg.ac == "auto" else "checkpointed",
+                                      **once)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)

@@ -80,8 +80,12 @@ def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional
             "device_total_bytes": total}
 
 
-def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress) -> dict:
-    """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict."""
+def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
+               label: Optional[str] = None) -> dict:
+    """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict.
+    ``label`` names the run in the record, the progress bar and profile files (default: the
+    engine's name; ``TrainConfig.run_labels``)."""
+    label = label or engine.value
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     # Capped before the engine is built, so the zbuf engines' rank-agreed budget sees the cap.
@@ -119,7 +123,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     notices: list[str] = []
     # The first step's phases, and those of a later step that compiled (a re-plan, a new shape).
     compile_phases: list[dict[str, Any]] = []
-    progress.start_engine(engine.value, cfg.steps, start)
+    progress.start_engine(label, cfg.steps, start)
     for step in range(start, cfg.steps):
         batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                            mcfg_vocab, device)
@@ -155,7 +159,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
                           "seconds": time.perf_counter() - t0})
     progress.end_engine()
     if cfg.profile_dir is not None:
-        with record_function("zbuf.train.profile"), StepProfiler(cfg.profile_dir, engine.value, rank):
+        with record_function("zbuf.train.profile"), StepProfiler(cfg.profile_dir, label.replace(":", "-"), rank):
             for step in range(cfg.steps, cfg.steps + PROFILED_STEPS):  # [Note: profiled steps]
                 loss = _train_step(setup, rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch,
                                                      world, rank, cfg.seq_len, mcfg_vocab, device))
@@ -176,7 +180,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress)
     saves = [s for s in saves if os.path.isdir(s["path"])]
     phases_per_rank: list[Any] = [None] * world
     dist.all_gather_object(phases_per_rank, compile_phases)
-    result.update(setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
+    result.update(label=label, ac=cfg.ac, setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
                   compile_phases=[p[0] for p in phases_per_rank],
                   recompile_phases=[p[1:] for p in phases_per_rank],
                   memory_cap=memory_cap, resume_seconds=resume_seconds, checkpoints=saves,

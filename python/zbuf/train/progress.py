@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .config import Engine, format_bytes
+from .record import run_label
 
 __all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table", "print_error"]
 
@@ -109,7 +110,7 @@ def summary_table(record: dict[str, Any]) -> Table:
                         + (f", resumed at step {min(starts)}" if starts else ""))
     table.add_column("")
     for eng in engines:
-        table.add_column(eng["engine"], justify="right")
+        table.add_column(run_label(eng), justify="right")
 
     def row(label: str, fn) -> None:
         cells = []
@@ -141,7 +142,23 @@ def summary_table(record: dict[str, Any]) -> Table:
         if s.get("pool") else "-")
     row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
     row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
+    row("blocks kept/selective/recomputed", lambda s: "/".join(
+        str(s["recompute"][k]) for k in ("regions_kept", "regions_selective",
+                                          "regions_recomputed")) if s.get("recompute") else "-")
+    row("activations kept / recomputed", lambda s: (
+        f"{format_bytes(s['recompute']['kept_bytes'])} / "
+        f"{format_bytes(s['recompute']['recomputed_bytes'])}") if s.get("recompute") else "-")
+    row("recomputed FLOP per step", lambda s: (
+        f"{_flop_text(s['recompute']['recomputed_flops'])} of "
+        f"{_flop_text(s['recompute']['forward_flops'])}") if s.get("recompute") else "-")
     return table
+
+
+def _flop_text(flops: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:,.2f} {unit}"
+    return f"{flops:,.0f}"
 
 
 def comparison_table(record: dict[str, Any]) -> Optional[Table]:
@@ -149,14 +166,16 @@ def comparison_table(record: dict[str, Any]) -> Optional[Table]:
     ok = [e for e in record["engines"] if e["status"] == "ok"]
     if len(ok) < 2:
         return None
-    base = next((e for e in ok if e["engine"] == "fsdp2"), ok[0])
+    # FSDP2 with full activation checkpointing when it ran, else the first FSDP2 run.
+    fsdp2 = [e for e in ok if e["engine"] == "fsdp2"]
+    base = next((e for e in fsdp2 if e.get("ac") in ("full", None)), fsdp2[0] if fsdp2 else ok[0])
     b = base["summary"]
-    table = Table(title=f"relative to {base['engine']} (lower is better for time and memory)")
+    table = Table(title=f"relative to {run_label(base)} (lower is better for time and memory)")
     for col in ("engine", "step time", "tok/s/GPU", "peak memory", "first step"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for eng in ok:
         s = eng["summary"]
-        table.add_row(eng["engine"],
+        table.add_row(run_label(eng),
                       f"{s['step_time_median_s'] / b['step_time_median_s']:.3f}x",
                       f"{s['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.3f}x",
                       f"{s['peak_device_bytes'] / max(b['peak_device_bytes'], 1):.3f}x",

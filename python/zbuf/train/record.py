@@ -47,7 +47,7 @@ from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
 
 __all__ = ["SCHEMA", "budget_notices", "summarize", "make_record", "write_record", "load_record", "markdown",
-           "phases_markdown", "slowest_phases", "merge_records"]
+           "phases_markdown", "slowest_phases", "merge_records", "run_label"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -134,6 +134,12 @@ def slowest_phases(result: dict[str, Any]) -> Optional[dict[str, Any]]:
     return dict(per_rank[i], rank=i)
 
 
+def run_label(eng: dict[str, Any]) -> str:
+    """The name of an engine's run in tables and plots: ``zbuf``, or ``fsdp2:selective`` where
+    the record's runs differ in activation checkpointing (records before labels: the engine)."""
+    return eng.get("label") or eng["engine"]
+
+
 def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optional[float],
               peak_flops: Optional[float]) -> dict[str, Any]:
     """Statistics over the measured steps (those after ``cfg.warmup``)."""
@@ -172,8 +178,24 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
         "schedule_peak_live_bytes": _find(result.get("schedule"),
                                           ("peak_live_bytes", "peak_live_gathered_bytes")),
+        "recompute": _recompute(result.get("schedule")),
         "compile_phases": slowest_phases(result),
     }
+
+
+def _recompute(schedule: Optional[dict]) -> Optional[dict[str, Any]]:
+    """What the compiled step kept for backward and recomputes (a zbuf schedule's recompute
+    stats, summed over its forward/backward pairs: each pair's two records carry the same)."""
+    graphs = [g for g in (schedule or {}).get("graphs", [])
+              if g.get("kind") == "forward" and isinstance(g.get("recompute"), dict)]
+    if not graphs:
+        return None
+    keys = ("regions", "regions_recomputed", "regions_selective", "regions_kept", "kept_bytes",
+            "recomputed_bytes", "forward_flops", "recomputed_flops", "activation_peak_bytes")
+    out: dict[str, Any] = {k: sum(g["recompute"][k] for g in graphs) for k in keys}
+    out["activation_peak_bytes"] = max(g["recompute"]["activation_peak_bytes"] for g in graphs)
+    out["mode"] = graphs[0]["recompute"]["mode"]
+    return out
 
 
 def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],
@@ -226,6 +248,14 @@ def load_record(path: str) -> dict[str, Any]:
     return record
 
 
+def _ac_text(cfg: dict[str, Any]) -> str:
+    """The header's activation checkpointing: the mode, or "per engine" when they differ."""
+    if cfg.get("engine_ac") and len({m or cfg["ac"] for m in cfg["engine_ac"]}) > 1:
+        return "per engine"
+    ac = cfg["ac"]
+    return {True: "full", False: "off"}.get(ac, ac)  # records written before the modes: bools
+
+
 def markdown(record: dict[str, Any]) -> str:
     """The benchmark table: one row per engine, versions and hardware in the header."""
     env, cfg = record["environment"], record["config"]
@@ -233,7 +263,7 @@ def markdown(record: dict[str, Any]) -> str:
           else f"CPU ({env.get('cpu_count')} cores)")
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
-        f"{record['world_size']} ranks, AC {'on' if cfg['ac'] else 'off'}, {cfg['dtype']}, "
+        f"{record['world_size']} ranks, AC {_ac_text(cfg)}, {cfg['dtype']}, "
         f"{cfg.get('optimizer', 'adamw')}"
         + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
         "",
@@ -250,12 +280,12 @@ def markdown(record: dict[str, Any]) -> str:
         if eng["status"] != "ok":
             last = (eng.get("error") or "").strip().splitlines()
             reason = last[-1].replace("|", "/") if last else ""
-            lines.append(f"| {eng['engine']} | {eng['status']}: {reason} | | | | | | | | |")
+            lines.append(f"| {run_label(eng)} | {eng['status']}: {reason} | | | | | | | | |")
             continue
         s = eng["summary"]
         mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
         lines.append(
-            f"| {eng['engine']} | {s['step_time_median_s']:.4f} | {s['step_time_min_s']:.4f} | "
+            f"| {run_label(eng)} | {s['step_time_median_s']:.4f} | {s['step_time_min_s']:.4f} | "
             f"{s['step_time_max_s']:.4f} | {s['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
             f"{format_bytes(s['peak_device_bytes'])} | "
             f"{','.join(map(str, s['alloc_retries_per_rank']))} | {s['first_step_s']:.2f} | "
@@ -274,7 +304,7 @@ def phases_markdown(record: dict[str, Any]) -> str:
     ph = [e["summary"]["compile_phases"] for e in engines]
     lines = ["First step by phase (seconds, slowest rank; [Note: compile phases] in "
              "zbuf/train/compile_phases.py):", "",
-             "| phase | " + " | ".join(e["engine"] for e in engines) + " |",
+             "| phase | " + " | ".join(run_label(e) for e in engines) + " |",
              "| --- |" + " ---: |" * len(engines)]
     for name in PHASES:
         lines.append(f"| {PHASE_LABELS[name]} | "
@@ -297,8 +327,9 @@ def phases_markdown(record: dict[str, Any]) -> str:
 
 
 # Config fields that may differ between records merged into one comparison.
-_MERGE_FREE = {"engines", "out", "progress", "budget", "checkpoint_dir", "save_every",
-               "keep_checkpoints", "resume_from", "allow_change", "collective_timeout_s"}
+_MERGE_FREE = {"engines", "engine_ac", "ac", "out", "progress", "budget", "checkpoint_dir",
+               "save_every", "keep_checkpoints", "resume_from", "allow_change",
+               "collective_timeout_s"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:
@@ -319,10 +350,16 @@ def merge_records(paths: list[str]) -> dict[str, Any]:
                              f"configuration")
     merged = dict(base)
     merged["command"] = "bench"
-    merged["engines"] = [e for r in records for e in r["engines"]]
-    names = [e["engine"] for e in merged["engines"]]
+    entries = [dict(e, ac=e.get("ac") or _ac_text(r["config"])) for r in records
+               for e in r["engines"]]
+    mixed = len({e["ac"] for e in entries}) > 1
+    for e in entries:  # one comparison: labelled as one run of all of them would be
+        e["label"] = f"{e['engine']}:{e['ac']}" if mixed else e["engine"]
+    names = [e["label"] for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"engines repeat across the merged records: {names}")
-    merged["config"] = dict(base["config"], engines=names)
+    merged["engines"] = entries
+    merged["config"] = dict(base["config"], engines=[e["engine"] for e in entries],
+                            engine_ac=[e["ac"] for e in entries] if mixed else [])
     merged["merged_from"] = [os.path.abspath(p) for p in paths]
     return merged

@@ -6,6 +6,9 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
 - ``step_time.png``: step time per step per engine; the warm-up steps are shaded.
 - ``memory.png``: device memory per step per engine (allocator reserved + pool, or RSS on
   CPU), with the zbuf pool's occupancy drawn dashed.
+- ``recompute.png`` (zbuf runs): activations kept for backward and recomputed, in bytes, and
+  the FLOPs backward re-runs against the forward's, with the blocks kept / selective /
+  recomputed.
 - ``schedule_memory.png`` (zbuf runs): per compiled graph, live gathered bytes over the graph's
   nodes against the budget and the projected activations when the schedule report carries the
   per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
@@ -32,7 +35,7 @@ from rich.table import Table
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
 from .progress import print_error
-from .record import load_record
+from .record import load_record, run_label
 
 __all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table", "main"]
 
@@ -70,7 +73,7 @@ def _loss_plot(record, out_dir) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for eng in _ok(record):
         ax.plot([s["step"] for s in eng["steps"]], [s["loss"] for s in eng["steps"]],
-                marker=".", label=eng["engine"])
+                marker=".", label=run_label(eng))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over ranks)")
     ax.set_title(_title(record, "Training loss"))
@@ -85,7 +88,7 @@ def _step_time_plot(record, out_dir) -> str:
     shaded = False
     for eng in _ok(record):
         ax.plot([s["step"] for s in eng["steps"]], [s["time_s"] * 1e3 for s in eng["steps"]],
-                marker=".", label=eng["engine"])
+                marker=".", label=run_label(eng))
         # A resumed run starts at its checkpoint's step; its warm-up starts there too.
         start = eng.get("start_step", 0)
         warmup = eng.get("warmup_steps", record["config"]["warmup"])
@@ -112,7 +115,7 @@ def _memory_plot(record, out_dir) -> str:
     for eng in _ok(record):
         ax.plot([s["step"] for s in eng["steps"]],
                 [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
-                label=eng["engine"])
+                label=run_label(eng))
     ax.set_xlabel("step")
     ax.set_ylabel(("allocator reserved + pool" if cuda else "resident set") + ", GiB")
     ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
@@ -123,11 +126,11 @@ def _memory_plot(record, out_dir) -> str:
         for eng in pooled:
             ax.plot([s["step"] for s in eng["steps"]],
                     [s["pool_bytes"] / (1 << 20) for s in eng["steps"]], marker=".",
-                    label=f"{eng['engine']}: charged")
+                    label=f"{run_label(eng)}: charged")
             hw = (eng.get("pool") or {}).get("high_water_bytes")
             if hw:
                 ax.axhline(hw / (1 << 20), linestyle="--", color="grey",
-                           label=f"{eng['engine']}: high water")
+                           label=f"{run_label(eng)}: high water")
         ax.set_xlabel("step")
         ax.set_ylabel("MiB (max over ranks)")
         ax.set_title("Gather-buffer pool occupancy")
@@ -153,7 +156,7 @@ def _phases_plot(record, out_dir) -> Optional[str]:
         widths = [p["phases"].get(name, 0.0) for _, p in phased]
         ax.barh(rows, widths, left=left, label=PHASE_LABELS[name])
         left = [a + b for a, b in zip(left, widths)]
-    ax.set_yticks(rows, [eng["engine"] for eng, _ in phased])
+    ax.set_yticks(rows, [run_label(eng) for eng, _ in phased])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (slowest rank's first step)")
     ax.set_title(_title(record, "First step by phase"))
@@ -170,7 +173,7 @@ def phases_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="first step by phase (slowest rank)")
     table.add_column("")
     for eng, p in phased:
-        table.add_column(f"{eng['engine']} (rank {p.get('rank', '?')})", justify="right")
+        table.add_column(f"{run_label(eng)} (rank {p.get('rank', '?')})", justify="right")
     for name in PHASES:
         table.add_row(PHASE_LABELS[name], *[f"{p['phases'].get(name, 0.0):.2f} s"
                                             for _, p in phased])
@@ -232,7 +235,7 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
             else:
                 ax.text(0.01, 0.04, f"budget {budget / _GIB:.2f} GiB (off scale)",
                         transform=ax.transAxes, va="bottom", color="tab:red", fontsize="small")
-            ax.set_title(f"{eng['engine']}: graph {g.get('graph_id', '?')} "
+            ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
                          f"({g.get('kind', '?')}), {len(live)} nodes")
             ax.set_xlabel("graph node (execution order)")
             ax.set_ylabel(unit)
@@ -244,7 +247,7 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                   ("activation_peak_bytes", "activation peak"),
                   ("persistent_bytes", "kept for backward")]
         width = 0.8 / len(fields)
-        labels = [f"{eng['engine']}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
+        labels = [f"{run_label(eng)}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
                   for eng, g in scheduled]
         for i, (key, name) in enumerate(fields):
             ax.bar([j + i * width for j in range(len(scheduled))],
@@ -317,7 +320,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (max over ranks)")
         what = "torch allocated" if cuda else "tracked tensors (CPU stand-in)"
-        ax.set_title(f"{eng['engine']}: phase peaks ({what}) and the pool")
+        ax.set_title(f"{run_label(eng)}: phase peaks ({what}) and the pool")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         ax = axes[row, 1]
@@ -339,8 +342,46 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         lines = ax.get_legend_handles_labels()
         bars = twin.get_legend_handles_labels()
         ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper left")
-        ax.set_title(f"{eng['engine']}: allocator retries and pool lending, per rank")
+        ax.set_title(f"{run_label(eng)}: allocator retries and pool lending, per rank")
     return _save(fig, os.path.join(out_dir, "step_memory.png"))
+
+
+def _recompute_plot(record, out_dir) -> Optional[str]:
+    """Per zbuf run: the activations its compiled step keeps for backward and recomputes
+    (bytes), and the FLOPs backward re-runs against the forward's."""
+    runs = [(eng, eng["summary"]["recompute"]) for eng in _ok(record)
+            if (eng.get("summary") or {}).get("recompute")]
+    if not runs:
+        return None
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    names = [run_label(eng) for eng, _ in runs]
+    xs = range(len(runs))
+    width = 0.38
+    left.bar([x - width / 2 for x in xs], [r["kept_bytes"] / _GIB for _, r in runs], width,
+             label="kept for backward")
+    left.bar([x + width / 2 for x in xs], [r["recomputed_bytes"] / _GIB for _, r in runs], width,
+             label="recomputed in backward")
+    left.set_xticks(list(xs), names, fontsize="small")
+    left.set_ylabel("activations, GiB per rank")
+    left.set_title("Activations kept and recomputed")
+    left.legend(fontsize="small")
+    left.grid(alpha=0.3, axis="y")
+    right.bar([x - width / 2 for x in xs], [r["forward_flops"] / 1e12 for _, r in runs], width,
+              label="forward")
+    right.bar([x + width / 2 for x in xs], [r["recomputed_flops"] / 1e12 for _, r in runs], width,
+              label="recomputed in backward")
+    for x, (_, r) in zip(xs, runs):
+        right.annotate(f"{r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}",
+                       (x, 0), textcoords="offset points", xytext=(0, 3), ha="center",
+                       fontsize="x-small")
+    right.set_xticks(list(xs), names, fontsize="small")
+    right.set_ylabel("matmul + attention TFLOP per step per rank")
+    right.set_title("FLOPs (blocks kept/selective/recomputed)")
+    right.legend(fontsize="small")
+    right.grid(alpha=0.3, axis="y")
+    fig.suptitle(_title(record, "Activation recompute"), fontsize="medium")
+    return _save(fig, os.path.join(out_dir, "recompute.png"))
 
 
 def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
@@ -351,7 +392,7 @@ def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     paths = [_loss_plot(record, out_dir), _step_time_plot(record, out_dir),
              _memory_plot(record, out_dir)]
     extra = [_phases_plot(record, out_dir), _schedule_plot(record, out_dir),
-             _step_memory_plot(record, out_dir)]
+             _step_memory_plot(record, out_dir), _recompute_plot(record, out_dir)]
     return paths + [p for p in extra if p]
 
 
@@ -363,7 +404,7 @@ def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="step memory (max over ranks; pool events summed over ranks)")
     table.add_column("")
     for eng in engines:
-        table.add_column(eng["engine"], justify="right")
+        table.add_column(run_label(eng), justify="right")
 
     def cells(fn):
         return [fn(e) for e in engines]
@@ -418,7 +459,7 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="zbuf gather schedule, one column per compiled graph")
     table.add_column("")
     for eng, g in graphs:
-        table.add_column(f"{eng['engine']} {g.get('kind', '?')} #{g.get('graph_id', '?')}",
+        table.add_column(f"{run_label(eng)} {g.get('kind', '?')} #{g.get('graph_id', '?')}",
                          justify="right")
     rows = [("graph nodes", "num_nodes"), ("gathered parameters", "gathers"),
             ("collectives", "collectives"), ("coalesced groups", "coalesced_groups"),
@@ -430,10 +471,31 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
             ("modelled compute", "modelled_compute_seconds"),
             ("modelled exposed gathers", "modelled_exposed_seconds"),
             ("planning time", "planning_seconds"), ("fingerprint", "fingerprint")]
+    # What the forward/backward pair kept and recomputed (compile/recompute.py; the same in both
+    # graphs of a pair), for records that carry it.
+    if any(g.get("recompute") for _, g in graphs):
+        rows += [("recompute mode", "recompute.mode"),
+                 ("blocks recomputed", "recompute.regions_recomputed"),
+                 ("blocks selective", "recompute.regions_selective"),
+                 ("blocks kept", "recompute.regions_kept"),
+                 ("activation budget", "recompute.activation_budget_bytes"),
+                 ("activation peak (pair)", "recompute.activation_peak_bytes"),
+                 ("activations kept", "recompute.kept_bytes"),
+                 ("activations recomputed", "recompute.recomputed_bytes"),
+                 ("forward FLOPs", "recompute.forward_flops"),
+                 ("recomputed FLOPs", "recompute.recomputed_flops")]
     for label, key in rows:
         cells = []
         for _, g in graphs:
             v = g.get(key)
+            if key.startswith("recompute."):
+                v = (g.get("recompute") or {}).get(key.split(".", 1)[1])
+                if key.endswith("activation_budget_bytes") and v == 0:
+                    v = None  # only "auto" plans against a budget
+            if key.endswith("_flops") and v is not None:
+                cells.append(f"{v / 1e12:,.3f} T" if v >= 1e9 else f"{v:,.0f}")
+                continue
+
             if v is None:
                 cells.append("-")
             elif key.endswith("_bytes"):

@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .config import ConfigError, Engine, TrainConfig, check_output_path
+from .config import ConfigError, TrainConfig, check_output_path
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
@@ -78,24 +78,27 @@ def _resume_point(cfg: TrainConfig) -> int:
     return info.step
 
 
-def _failure(engine: Engine, status: str, error: str) -> dict[str, Any]:
-    return {"engine": engine.value, "status": status, "error": error}
+def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str, Any]:
+    engine, mode = cfg.runs()[index]
+    return {"engine": engine.value, "label": cfg.run_labels()[index], "ac": mode,
+            "status": status, "error": error}
 
 
 def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
 
-def _spawned(cfg: TrainConfig, engine: Engine,
+def _spawned(cfg: TrainConfig, index: int,
              console: Console) -> tuple[dict, int, list[str]]:
-    """Run one engine in a fresh worker group; (partial record, exit code, how the ranks ended:
-    one line per distinct cause, [Note: one line per cause] in ``launcher``)."""
+    """Run one engine (run ``index`` of ``cfg.runs()``) in a fresh worker group; (partial
+    record, exit code, how the ranks ended: one line per distinct cause, [Note: one line per
+    cause] in ``launcher``)."""
     with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         partial_path = os.path.join(tmp, "partial.json")
         threads = max(1, (os.cpu_count() or 2) // cfg.nproc)
         with open(spec_path, "w") as f:
-            json.dump({"config": cfg.to_json(), "engines": [engine.value], "partial": partial_path,
+            json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
                        "threads": threads}, f)
         env = dict(os.environ)
         if cfg.device == "cpu":
@@ -107,7 +110,7 @@ def _spawned(cfg: TrainConfig, engine: Engine,
         rank = group.failed_rank
         if rank is None:  # every rank exited 0 but rank 0 wrote no record
             msg = "the ranks exited without a record (rank 0 wrote none)"
-            return {"engines": [_failure(engine, "failed", msg)]}, 1, [msg]
+            return {"engines": [_failure(cfg, index, "failed", msg)]}, 1, [msg]
         texts = {}
         for r in range(cfg.nproc):
             err = f"{partial_path}.rank{r}.err"  # written by worker.main
@@ -119,7 +122,7 @@ def _spawned(cfg: TrainConfig, engine: Engine,
         code = group.returncodes[rank]
         if code == 1 and texts.get(rank):  # a Python exception: its traceback, once
             print(texts[rank].rstrip(), file=sys.stderr, flush=True)
-        return {"engines": [_failure(engine, "failed", msg)]}, code if code > 0 else 1, causes
+        return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
 
 
 def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
@@ -156,14 +159,14 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     peak = None
     status = 0
     try:
-        for engine in cfg.engines:
-            partial, code, causes = _spawned(cfg, engine, console)
+        for index, label in enumerate(cfg.run_labels()):
+            partial, code, causes = _spawned(cfg, index, console)
             env = partial.get("environment", env)
             peak = partial.get("peak_flops", peak)
             engines_out.extend(partial["engines"])
             if code:
                 status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
-                print_error(command, f"engine {engine.value} failed (exit {code}): {causes[0]}")
+                print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
                 for line in causes[1:]:  # [Note: one line per cause] in launcher
                     print_error(command, f"  also {line}")
                 if not bench:
@@ -188,7 +191,7 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console) -> int:
     rank = int(os.environ["RANK"])
     try:
         with faults.supervised():  # releases the pools and the process group on every way out
-            partial = run_engines(cfg, cfg.engines, cfg.progress)
+            partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress)
     except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
         if rank == 0:
             print_error(command, f"{type(e).__name__}: {e}")

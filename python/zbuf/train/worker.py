@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import faults
 from ..checkpoint import CheckpointError
-from .config import Engine, TrainConfig
+from .config import TrainConfig
 from .launcher import die_with_parent
 from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
@@ -57,17 +57,19 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
-def run_engines(cfg: TrainConfig, engines: tuple[Engine, ...],
-                progress: bool = True) -> dict[str, Any]:
-    """Run ``engines`` one after another on this rank; returns the partial record (all ranks)."""
+def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg``'s runs of these indices (``TrainConfig.runs``) one after another on this rank;
+    returns the partial record (all ranks)."""
     device = init_distributed(cfg)
     rank = dist.get_rank()
     shown = TrainProgress(memory_label="mem" if device.type == "cuda" else "rss") \
         if rank == 0 and progress else NullProgress()
     results = []
-    for engine in engines:
+    labels = cfg.run_labels()
+    for i in runs:
         torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
-        results.append(run_engine(engine, cfg, device, shown))
+        engine, _ = cfg.runs()[i]
+        results.append(run_engine(engine, cfg.for_run(i), device, shown, labels[i]))
     # [Note: worker teardown order]: run_engine dropped the model and optimizer; compiled code
     # can still reference a model (a DDP wrapper holds its group strongly), so it goes too, and
     # the collector frees what cycles kept, all before the caller destroys the process group.
@@ -97,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(int(spec["threads"]))
     try:
         with faults.supervised():
-            partial = run_engines(cfg, tuple(Engine(e) for e in spec["engines"]), cfg.progress)
+            partial = run_engines(cfg, tuple(spec["runs"]), cfg.progress)
         if rank == 0:
             with open(spec["partial"], "w") as f:
                 json.dump(partial, f)
