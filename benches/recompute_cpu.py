@@ -129,7 +129,8 @@ def zbuf_mode(joint, mode: str, budget=None) -> dict:
                           **({"activation_budget_bytes": budget} if budget else {}))
     t0 = time.perf_counter()
     with torch._guards.tracing(torch._guards.TracingContext(joint["fake_mode"])):
-        fw, bw, _, stats = recompute.partition(recompute.copy_joint(joint["gm"]), opts,
+        fw, bw, _, stats = recompute.partition(recompute.copy_joint(joint["gm"]),
+                                               joint["kwargs"]["num_fwd_outputs"], opts,
                                                _min_cut(joint),
                                                lambda g, peak: tag_for_regather(g, opts, peak))
     return _row(f"zbuf {mode}", budget, fw, bw, stats, time.perf_counter() - t0)
@@ -165,13 +166,14 @@ def knapsack(joint, *, fraction=None, byte_budget=None) -> dict:
 
     opts = CompileOptions(inner="aot_eager", persist=False)
     gm = recompute.copy_joint(joint["gm"])
-    regions = recompute.find_regions(gm.graph)
+    nfw = joint["kwargs"]["num_fwd_outputs"]
+    regions = recompute.find_regions(gm.graph, recompute.forward_nodes(gm.graph, nfw))
     recompute.apply_levels(gm.graph, regions, (2,) * len(regions))
     tag_for_regather(gm.graph, opts)
     patch = ({"activation_memory_budget": fraction} if fraction is not None else
              # a tiny fraction always reaches the solver; the solver works in bytes
              {"activation_memory_budget": 1e-6, "activation_memory_budget_solver": ByteSolver()})
-    fwd = recompute.forward_names(joint["gm"].graph)
+    fwd = recompute.forward_names(joint["gm"].graph, nfw)
     t0 = time.perf_counter()
     with torch._guards.tracing(torch._guards.TracingContext(joint["fake_mode"])), \
             torch._functorch.config.patch(patch):

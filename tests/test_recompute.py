@@ -78,7 +78,8 @@ def _partition(joint, opts):
 
     # As inside a compile: the partitioner finds the fake mode through the tracing context.
     with torch._guards.tracing(torch._guards.TracingContext(joint["fake_mode"])):
-        return recompute.partition(recompute.copy_joint(joint["gm"]), opts, min_cut,
+        return recompute.partition(recompute.copy_joint(joint["gm"]),
+                                               joint["kwargs"]["num_fwd_outputs"], opts, min_cut,
                                    lambda g, peak: tag_for_regather(g, opts, peak))
 
 

@@ -134,7 +134,8 @@ class ZbufPartitioner(CustomPartitionerFn):
 
         forward_region_inputs(gm.graph)  # [Note: region bodies]
         with record_function("zbuf::partition"):
-            fw, bw, persisted, stats = recompute.partition(gm, opts, min_cut, tag)
+            fw, bw, persisted, stats = recompute.partition(gm, kwargs["num_fwd_outputs"], opts,
+                                                           min_cut, tag)
         # The partition chosen carries its own persistence ([Note: budgeted recompute]).
         self.state.persisted, self.state.recompute = persisted, stats
         return fw, bw

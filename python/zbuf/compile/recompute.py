@@ -57,8 +57,8 @@ micro-batch 4, seq 4096, 2 ranks (benches/recompute_cpu.py; benches/results/reco
   the knapsack bounds nothing zbuf must keep within; a plan must be measured either way;
 - at fraction 0 the knapsack saves only the graph inputs, ignoring ``MUST_SAVE``: the tags
   selective persistence puts on gathered weights kept for backward;
-- at the same measured peak, the per-region levels recompute less: 17.3 TFLOP at a 12.3 GiB peak
-  (the knapsack: 19.2 at 12.2, 21.0 at 12.1), 13.2 at 13.2 GiB (14.3 at 13.1), 5.8 at 14.4 GiB
+- at the same measured peak, the per-region levels recompute less or as little: 19.0 TFLOP at
+  12.1 GiB (the knapsack: 19.2 at 12.2, 21.0 at 12.1), 13.2 at 13.2 GiB (14.3 at 13.1), 5.8 at 14.4 GiB
   (9.4 at 14.2, 8.0 at 15.1), 0 at 15.8 GiB (the knapsack reaches 0 at 15.8 GiB only at fraction
   0.8, the runtime-optimal cut); recomputing every block costs 24.7 TFLOP at 11.1 GiB. The
   "selective" level (matmul and attention outputs kept) removes a block's matmul recompute for
@@ -67,7 +67,7 @@ micro-batch 4, seq 4096, 2 ranks (benches/recompute_cpu.py; benches/results/reco
   identical decisions (which compiling a block once, issue 14, needs), and the user's own
   checkpointing is level 0: the fallback is exactly what ``"checkpointed"`` does.
 The cost is compile time: an ``"auto"`` plan runs 2 to ``MAX_PARTITIONS`` min-cut partitions
-(4.5-8.3 s against 1.7 s for one, for these 4 layers on a loaded 2-core machine).
+(4.9-8.2 s against 1.3 s for one, for these 4 layers on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ from .graph_info import (
 from .options import CompileOptions
 from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
 
-__all__ = ["LEVELS", "RecomputeStats", "Region", "find_regions", "level_specs", "apply_levels", "partition",
-           "copy_joint", "forward_names", "measure_partition", "PREFETCH_BLOCKS", "MAX_PARTITIONS"]
+__all__ = ["LEVELS", "RecomputeStats", "Region", "find_regions", "level_specs", "apply_levels",
+           "partition", "copy_joint", "forward_nodes", "forward_names", "measure_partition",
+           "PREFETCH_BLOCKS", "MAX_PARTITIONS"]
 
 aten = torch.ops.aten
 
@@ -163,15 +164,37 @@ class Region:
     """Forward nodes of the region, by name (names survive the graph copies of the plan)."""
 
 
-def find_regions(graph: torch.fx.Graph) -> list[Region]:
-    """The candidate regions of a joint graph: forward nodes grouped by checkpoint region
-    (``ac_graph_id``), in forward order."""
-    bw = backward_nodes(graph)
+def forward_nodes(graph: torch.fx.Graph, num_fwd_outputs: int) -> set[torch.fx.Node]:
+    """The forward of a joint graph: what its forward outputs (the first ``num_fwd_outputs``)
+    need, and every node of a checkpointed region (a region's values that only backward reads,
+    attention's log-sum-exp say, are computed in the forward too). Everything else runs in
+    backward, tangent or not (a backward may start from values of the forward alone: the zeros a
+    loss's gradient is scattered into)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    tangent_dependent = backward_nodes(graph)
+    stack = [a for a in out.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)]
+    stack += [n for n in graph.nodes if "ac_graph_id" in n.meta]
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in seen and n not in tangent_dependent:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def find_regions(graph: torch.fx.Graph,
+                 forward: Optional[set[torch.fx.Node]] = None) -> list[Region]:
+    """The candidate regions of a joint graph: ``forward`` nodes (``forward_nodes``; None: the
+    nodes that read no tangent) grouped by checkpoint region (``ac_graph_id``), in forward
+    order."""
+    if forward is None:
+        forward = set(graph.nodes) - backward_nodes(graph)
     members: dict[object, list[torch.fx.Node]] = {}
     first: dict[object, int] = {}
     for i, n in enumerate(graph.nodes):
         rid = n.meta.get("ac_graph_id")
-        if rid is None or n in bw or n.op != "call_function":
+        if rid is None or n not in forward or n.op != "call_function":
             continue
         members.setdefault(rid, []).append(n)
         first.setdefault(rid, i)
@@ -207,13 +230,14 @@ def _value_bytes(n: torch.fx.Node) -> int:
     return tensor_bytes(val)
 
 
-def level_specs(graph: torch.fx.Graph, regions: list[Region], options: CompileOptions) -> list[RegionSpec]:
+def level_specs(graph: torch.fx.Graph, forward: set[torch.fx.Node], regions: list[Region],
+                options: CompileOptions) -> list[RegionSpec]:
     """Estimate every region's levels from the joint graph ([Note: budgeted recompute]).
 
     A level's recompute is the closure of the region's nodes that backward reads, through their
     inputs inside the region, stopping at what the level saves; its extra bytes are what it saves
     beyond level 0 (the user's own ``MUST_SAVE`` tags are saved at every level)."""
-    bw = backward_nodes(graph)
+    bw = {n for n in graph.nodes if n not in forward and n.op != "placeholder"}
     weights = _gather_trees(graph)
     by_name = {n.name: n for n in graph.nodes}
     specs = []
@@ -282,11 +306,10 @@ def apply_levels(graph: torch.fx.Graph, regions: list[Region], levels: tuple[int
                 n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
-def forward_names(graph: torch.fx.Graph) -> set[str]:
+def forward_names(graph: torch.fx.Graph, num_fwd_outputs: int) -> set[str]:
     """Names of a joint graph's forward compute nodes (a backward node with one of them is a
     recomputation)."""
-    bw = backward_nodes(graph)
-    return {n.name for n in graph.nodes if n.op == "call_function" and n not in bw}
+    return {n.name for n in forward_nodes(graph, num_fwd_outputs) if n.op == "call_function"}
 
 
 def copy_joint(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -343,17 +366,20 @@ Partitioner = Callable[[torch.fx.GraphModule], tuple[torch.fx.GraphModule, torch
 TagGathers = Callable[[torch.fx.Graph, Optional[int]], T]
 
 
-def partition(gm: torch.fx.GraphModule, options: CompileOptions, min_cut: Partitioner,
-              tag_gathers: TagGathers) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, T, RecomputeStats]:
+def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOptions,
+              min_cut: Partitioner, tag_gathers: TagGathers
+              ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, T, RecomputeStats]:
     """Partition the joint graph ``gm`` under ``options.recompute`` ([Note: recompute modes]).
 
-    ``min_cut`` partitions a joint module; ``tag_gathers(graph, activation_peak)`` puts the
+    ``num_fwd_outputs``: the joint graph's forward outputs come first (the partitioner's
+    argument of that name); ``min_cut`` partitions a joint module; ``tag_gathers(graph, activation_peak)`` puts the
     gathers' re-gather / persistence tags on it, budgeting persistence against that activation
     peak (None: the joint graph's own), and returns what it decided, which comes back with the
     partition that was chosen."""
     mode = options.recompute
-    fwd = forward_names(gm.graph)
-    regions = find_regions(gm.graph)
+    forward = forward_nodes(gm.graph, num_fwd_outputs)
+    fwd = {n.name for n in forward if n.op == "call_function"}
+    regions = find_regions(gm.graph, forward)
     counts = dict(regions=len(regions))
 
     def run(levels: tuple[int, ...], activation_peak: Optional[int]):
@@ -379,7 +405,7 @@ def partition(gm: torch.fx.GraphModule, options: CompileOptions, min_cut: Partit
     else:
         memory = budget_mod.graph_memory(options, device or torch.device("cpu"))
         requested = max(1, memory - _gather_reserve(gm.graph, options))
-    specs = level_specs(gm.graph, regions, options)
+    specs = level_specs(gm.graph, forward, regions, options)
     base_levels = (0,) * len(regions)
     fw, bw, token = run(base_levels, None)
     base = _activation_peak(fw, bw)

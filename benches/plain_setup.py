@@ -1,0 +1,324 @@
+"""A plain user setup against ``zbuf bench``'s zbuf engine, side by side in one run (issue 13).
+
+The plain setup, as a new user writes it: a decoder of plain ``nn.Linear`` / ``nn.RMSNorm`` /
+``F.scaled_dot_product_attention`` blocks (checkpointed per block), ``zbuf.shard``, then
+``torch.compile(model, backend="zbuf")``, the loss computed outside the model, fused AdamW. The
+bench engine: ``zbuf.train.engines.build_engine(Engine.ZBUF, ...)`` exactly as ``zbuf bench`` builds
+it (the preset's model code, the loss compiled inside the graph, ``zbuf.compile``'s rank-agreed
+budget, foreach AdamW). Between them, variants that each change one of those four factors of
+the bench engine to the plain setup's, so that the step times say where a difference comes from:
+
+    bench            zbuf bench's engine (build_engine)
+    bench+fused      ... with fused AdamW
+    bench+eager-loss ... with the loss computed outside the compiled model
+    bench+torch.compile ... compiled with torch.compile(backend="zbuf"), no agreed budget
+    bench+plain-model ... with the plain model code (same weights, same graph layout)
+    plain            every factor the plain setup's
+
+Every variant starts from the same weights (the plain decoder loads the preset's state dict)
+and trains on the same synthetic batches. Per variant: median step time (10 warm-up steps by
+default), spread, peak device memory (allocator reserved + the zbuf pool), first step, losses,
+and what the compiled graphs planned (budget, weights kept for backward, modelled exposed
+gathers, activation peak, what was recomputed). One rank, or several under torchrun:
+
+    python benches/plain_setup.py --preset qwen3-8b --layers 4 --micro-batch 4 --seq-len 4096
+    torchrun --nproc_per_node 2 benches/plain_setup.py --preset qwen3-8b ...
+
+On CPU (gloo, tiny shapes) the step times mean little; the planned numbers compare the graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+VARIANTS = ("bench", "bench+fused", "bench+eager-loss", "bench+torch.compile",
+            "bench+plain-model", "plain")
+
+
+# ----------------------------------------------------------------------------- the plain model
+class PlainAttention(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, cfg, ac: bool) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.self_attn = PlainAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = PlainMLP(cfg)
+        self.ac = ac
+
+    def _body(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin):
+        if self.ac:
+            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+        return self._body(x, cos, sin)
+
+
+class PlainDecoder(nn.Module):
+    """The preset's architecture in plain modules, with the preset's parameter names."""
+
+    def __init__(self, cfg, ac: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(PlainBlock(cfg, ac) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                  bias=False)
+
+    def forward(self, tokens):
+        from zbuf.models import rotary_tables
+
+        h = self.embed_tokens(tokens)
+        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
+                                 h.device, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(h), head)
+
+
+# ----------------------------------------------------------------------------- one variant
+def _loss(logits, targets):
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, targets):
+        return _loss(self.model(tokens), targets)
+
+
+def _setup(variant: str, cfg, device, dtype):
+    """(step_loss(batch) -> loss, optimizer, the sharded model) of one variant."""
+    import zbuf
+    from zbuf.train.engines import build_base_model, build_engine
+    from zbuf.train.config import Engine
+
+    if variant == "bench":
+        setup = build_engine(Engine.ZBUF, cfg, device)
+        return setup.step_loss, setup.optimizer, setup.model
+    preset = build_base_model(cfg, device)
+    if variant in ("bench+plain-model", "plain"):
+        model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off").to(device)
+        model.load_state_dict(preset.state_dict())
+    else:
+        model = preset
+    zbuf.shard(model, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    eager_loss = variant in ("bench+eager-loss", "plain")
+    target = model if eager_loss else _WithLoss(model)
+    # The bench engine's compiler (Inductor on GPU; aot_eager on CPU, where Inductor's C++
+    # compile would dwarf everything).
+    inner = {} if cfg.compiler == "inductor" else {"inner": cfg.compiler}
+    if variant in ("bench+torch.compile", "plain"):
+        compiled = torch.compile(target, backend="zbuf", **({"options": inner} if inner else {}))
+    else:
+        compiled = zbuf.compile(target, fullgraph=True,
+                                recompute="auto" if cfg.ac == "auto" else "checkpointed", **inner)
+    fused = variant in ("bench+fused", "plain")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
+                            **({"fused": True} if fused else {}))
+
+    def step_loss(batch):
+        if eager_loss:
+            return _loss(compiled(batch.tokens), batch.targets)
+        return compiled(batch.tokens, batch.targets)
+
+    return step_loss, opt, model
+
+
+def _planned(model) -> dict:
+    import zbuf
+
+    recs = zbuf.schedule_report(model)
+    out = {"graphs": len(recs)}
+    for r in recs:
+        k = r.kind
+        out[f"{k}_budget_bytes"] = r.budget_bytes
+        out[f"{k}_activation_peak_bytes"] = r.activation_peak_bytes
+        out[f"{k}_peak_live_gathered_bytes"] = r.peak_live_gathered_bytes
+        out[f"{k}_modelled_exposed_ms"] = 1e3 * r.modelled_exposed_seconds
+        out[f"{k}_modelled_compute_ms"] = 1e3 * r.modelled_compute_seconds
+        out["persistent_bytes"] = r.persistent_bytes
+        if r.recompute is not None:
+            out["recompute"] = r.recompute.to_dict()
+    return out
+
+
+def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict:
+    from zbuf.train.data import rank_batch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    step_loss, opt, model = _setup(variant, cfg, device, dtype)
+    times, losses = [], []
+    vocab = cfg.model_config().vocab_size
+    for step in range(cfg.steps):
+        batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
+                           vocab, device)
+        t0 = time.perf_counter()
+        loss = step_loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    measured = times[cfg.warmup:]
+    peak = 0
+    if device.type == "cuda":
+        from zbuf.pool import default_pool
+
+        peak = torch.cuda.max_memory_reserved(device) + default_pool(device).stats().high_water_bytes
+    out = {"variant": variant, "step_ms_median": 1e3 * statistics.median(measured),
+           "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
+           "first_step_s": times[0], "peak_device_bytes": peak, "losses": losses,
+           "planned": _planned(model)}
+    del step_loss, opt, model
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def markdown(result: dict) -> str:
+    a = result["args"]
+    base = next(r for r in result["variants"] if r["variant"] == "bench")
+    lines = [f"## Plain setup vs zbuf bench's engine: {a['preset']}"
+             + (f", {a['layers']} layers" if a.get("layers") else "")
+             + f", micro-batch {a['micro_batch']} x seq {a['seq_len']}, {result['world']} rank(s), "
+               f"AC {a['ac']}, {result['device']}",
+             "", f"torch {result['torch']}; {a['warmup']} warm-up + {a['steps'] - a['warmup']} "
+                 f"measured steps. Ratios against `bench`.", "",
+             "| variant | step median (ms) | min-max | vs bench | peak memory | first step (s) | "
+             "final loss | budget fw/bw | kept weights | modelled exposed fw/bw (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    gib = float(1 << 30)
+    for r in result["variants"]:
+        p = r["planned"]
+        lines.append(
+            f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
+            f"{r['step_ms_max']:.1f} | {r['step_ms_median'] / base['step_ms_median']:.3f}x | "
+            f"{r['peak_device_bytes'] / gib:.2f} GiB | {r['first_step_s']:.1f} | "
+            f"{r['losses'][-1]:.4f} | {p.get('forward_budget_bytes', 0) / gib:.1f}/"
+            f"{p.get('backward_budget_bytes', 0) / gib:.1f} GiB | "
+            f"{p.get('persistent_bytes', 0) / gib:.2f} GiB | "
+            f"{p.get('forward_modelled_exposed_ms', 0):.1f}/{p.get('backward_modelled_exposed_ms', 0):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from zbuf.train.config import TrainConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--ac", default=None, choices=["off", "full", "auto"])
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--out", default=None, help="directory for plain_setup.{json,md}")
+    args = p.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                                    store=dist.HashStore())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    cfg = TrainConfig(preset=args.preset, layers=args.layers, micro_batch=args.micro_batch,
+                      seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, ac=args.ac,
+                      progress=False).resolve(cuda=cuda, world=world, bench=True)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
+    results = []
+    for v in variants:
+        results.append(run_variant(v, cfg, device, dtype, rank, world))
+        if rank == 0:
+            r = results[-1]
+            print(f"{v:22s} {r['step_ms_median']:9.1f} ms  first {r['first_step_s']:6.1f} s  "
+                  f"peak {r['peak_device_bytes'] / (1 << 30):6.2f} GiB  loss {r['losses'][-1]:.4f}",
+                  flush=True)
+    if rank == 0:
+        result = {"args": {**vars(args), "preset": cfg.preset, "micro_batch": cfg.micro_batch,
+                           "seq_len": cfg.seq_len, "ac": cfg.ac},
+                  "world": world, "device": torch.cuda.get_device_name(device) if cuda else "CPU",
+                  "torch": torch.__version__, "variants": results}
+        text = markdown(result) if any(r["variant"] == "bench" for r in results) else ""
+        print(text)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "plain_setup.json"), "w") as f:
+                json.dump(result, f, indent=1)
+            with open(os.path.join(args.out, "plain_setup.md"), "w") as f:
+                f.write(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
