@@ -21,6 +21,18 @@
 #                                           benches/results/memfloor_qwen3-8b
 #   bash benches/device/run.sh 1gpu-compile  # nvidia-h200 (one GPU), issue 14: qwen3-1.7b first
 #                                           step cold and warm, whole graph vs blocks once (~7 min)
+# Issue 13 (budgeted recompute; ENGINE:MODE runs one engine with its own --ac mode):
+#   bash benches/device/run.sh 1gpu-ac    # nvidia-h200, qwen3-1.7b, 1 rank: zbuf:auto, zbuf:full,
+#                                           fsdp2:full, fsdp2:selective              (~7 min)
+#   bash benches/device/run.sh 1gpu-plain # nvidia-h200, 4 qwen3-8b layers, 1 rank: the plain user
+#                                           setup vs zbuf bench's engine, one factor at a time
+#                                           (benches/plain_setup.py)                  (~6 min)
+#   bash benches/device/run.sh 8b-ac SPEC     # nvidia-h200-x2, qwen3-8b, one SPEC per call, of
+#                                               zbuf:auto zbuf:full fsdp2:full fsdp2:selective
+#   bash benches/device/run.sh 8b-ac-cap SPEC # the same at --mem-frac 0.68
+#   bash benches/device/run.sh 17b-ac         # nvidia-h200-x2, qwen3-1.7b: zbuf:auto, fsdp2:full,
+#                                               ddp:full; 17b-ac-more: zbuf:full, fsdp2:selective
+#   then: zbuf bench --merge $OUT/8bac_*.json --out benches/results/train_step_qwen3-8b_ac.json
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,11 +51,11 @@ for k, v in out.items():
 EOF
 }
 
-bench() {  # bench NAME ENGINE [extra args...]: one engine, its own record
+bench() {  # bench NAME ENGINE[:MODE] [extra args...]: one engine, its own record
   local name=$1 engine=$2
   shift 2
   timeout 580 python3 -m zbuf.cli bench --engines "$engine" "${COMMON[@]}" "$@" \
-    --out "$OUT/${name}_${engine}.json" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/${name}_${engine}.log" | tail -20
+    --out "$OUT/${name}_${engine/:/-}.json" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/${name}_${engine/:/-}.log" | tail -20
 }
 
 case "${1:-}" in
@@ -98,7 +110,21 @@ case "${1:-}" in
     done
     unset TORCHINDUCTOR_CACHE_DIR
     python3 benches/compile_phases.py --out "$OUT/compile_phases_1gpu" "${runs[@]}" ;;
+  1gpu-ac)  # nvidia-h200: the recompute modes and FSDP2's full and selective AC on one rank
+    timeout 560 python3 -m zbuf.cli bench --engines zbuf:auto,zbuf:full,fsdp2:full,fsdp2:selective \
+      --preset qwen3-1.7b --nproc 1 --micro-batch 4 --seq-len 4096 --steps 20 --warmup 8 \
+      --no-progress --out "$OUT/train_step_qwen3-1.7b_1gpu_ac.json" 2>&1 | grep -v "Warning\|warn" | tail -60 ;;
+  1gpu-plain)  # nvidia-h200: where a plain user setup and zbuf bench's engine differ
+    timeout 560 python3 benches/plain_setup.py --preset qwen3-8b --layers 4 --micro-batch 4 \
+      --seq-len 4096 --ac full --steps 20 --warmup 8 --out "$OUT" 2>&1 | grep -v "Warning\|warn" | tail -30 ;;
+  8b-ac|8b-ac-cap)  # nvidia-h200-x2, one ENGINE:MODE per call (issue 13's must-show table)
+    cap=(); [ "$1" = 8b-ac-cap ] && cap=(--mem-frac 0.68)
+    bench "${1/-/}" "${2:?give one of zbuf:auto zbuf:full fsdp2:full fsdp2:selective}" \
+      --preset qwen3-8b "${cap[@]}" ;;
+  17b-ac|17b-ac-more)  # nvidia-h200-x2: qwen3-1.7b, the recompute modes against FSDP2 and DDP
+    specs=(zbuf:auto fsdp2:full ddp:full); [ "$1" = 17b-ac-more ] && specs=(zbuf:full fsdp2:selective)
+    for e in "${specs[@]}"; do bench 17bac "$e" --preset qwen3-1.7b --steps 25; done ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more" >&2
     exit 2 ;;
 esac
