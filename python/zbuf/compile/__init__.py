@@ -1,14 +1,16 @@
 """zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
 
 The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
-persist=True, optimizer=None, ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
+persist=True, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
 importable modules (the ``torch_dynamo_backends`` entry point names
 ``zbuf.compile.backend:zbuf_backend``).
 
 - ``backend``: the backend and ``compile_model``; ``options``: ``CompileOptions``; ``budget``: the
   rank-agreed budget.
 - ``passes``: the partitioner and schedule pass objects, ``PlanState``, the pass uuid.
-- ``persist``: what forward keeps for backward; ``graph_info``: FX graphs -> the planner's
+- ``recompute``: which activations forward keeps and backward recomputes (the recompute modes,
+  the budgeted plan checked on the partitioned graphs); ``recompute_plan``: its planner (pure).
+- ``persist``: which gathered weights forward keeps for backward; ``graph_info``: FX graphs -> the planner's
   ``GraphSummary`` (``graph_model``); ``schedule``: the planner (pure).
 - ``rewrite``: the plan into the graph (token, start / wait / release, reduce-scatter threading);
   ``collectives``: the graph ops it inserts; ``tied``: tied weights' reduce-scatters.
