@@ -173,3 +173,29 @@ def test_recompute_options_are_validated():
         CompileOptions(activation_budget_bytes=1 << 20)
     with pytest.raises(ValueError, match="activation_budget_bytes=0 must be a positive int"):
         CompileOptions(recompute="auto", activation_budget_bytes=0)
+
+
+def test_activation_profile_keeps_a_base_alive_through_its_views_and_counts_views_once():
+    """A matmul's output reshaped by ``_unsafe_view`` (as matmul decompositions do) is one
+    tensor, not two: the peak is not doubled; and a base stays alive while a view of it is read
+    (the base's last direct reader is not the end of its storage)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a, b, c):
+        logits = torch.matmul(a, b)          # view -> mm -> _unsafe_view: one [2, 8, 64] tensor
+        flat = logits.view(-1)               # a view, read below after other work
+        other = c * 2                        # 4 KiB
+        return (flat * 3).sum() + other.sum()
+
+    a, b, c = torch.randn(2, 8, 16), torch.randn(16, 64), torch.randn(1024)
+    gm = make_fx(f, tracing_mode="fake")(a, b, c)
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten._unsafe_view.default in targets
+    profile = activation_profile(gm.graph)
+    inputs = sum(t.numel() * 4 for t in (a, b, c))
+    logits, other = 2 * 8 * 64 * 4, 1024 * 4
+    times3 = next(i for i, n in enumerate(gm.graph.nodes)
+                  if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 3)
+    # While `flat * 3` runs: the matmul output (read through two views), its product, `other`.
+    assert profile[times3] == 2 * logits + other
+    assert int(profile.max()) <= inputs + 2 * logits + other  # never the logits twice at once

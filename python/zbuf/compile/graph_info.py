@@ -82,7 +82,10 @@ def gather_args(node: torch.fx.Node) -> GatherArgs:
 
 
 # Ops without an alias annotation in their schema that still return (part of) their input.
-_ALIAS_FUNCTIONS = (operator.getitem,)
+_ALIAS_FUNCTIONS = (operator.getitem,
+                    # A view that autograd does not track as one (matmul decompositions reshape
+                    # their outputs with it): its output shares its input's storage.
+                    aten._unsafe_view.default)
 
 
 def is_view(node: torch.fx.Node) -> bool:
@@ -361,9 +364,10 @@ def activation_peak_bytes(graph: torch.fx.Graph) -> int:
 def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndarray:
     """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
 
-    Static liveness: a tensor is alive from the node that makes it to its last reader.
-    Placeholders count from the start (in a backward graph they are the saved activations;
-    ``inputs=False`` leaves them out), graph outputs to the end; views and the gathered buffers
+    Static liveness: a tensor is alive from the node that makes it to its last reader, its own or
+    a view's (a view shares its base's storage). Placeholders count from the start (in a backward
+    graph they are the saved activations; ``inputs=False`` leaves them out), graph outputs (or
+    views of them) to the end; views and the gathered buffers
     (and views of them) count nothing, nor do the gathered weights a backward graph receives from
     its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
     gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
@@ -394,9 +398,12 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndar
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:
             continue
-        last = max((pos[u] for u in n.users), default=pos[n])
-        if any(u.op == "output" for u in n.users):
-            last = len(nodes) - 1
+        last, readers = pos[n], [n]
+        while readers:
+            for u in readers.pop().users:
+                last = len(nodes) - 1 if u.op == "output" else max(last, pos[u])
+                if is_view(u) and not unpacks_results(u):
+                    readers.append(u)
         delta[0 if n.op == "placeholder" else pos[n]] += nbytes
         delta[last + 1] -= nbytes
     return np.cumsum(np.asarray(delta[:-1], dtype=np.int64))

@@ -35,7 +35,7 @@ measure it. A plan is accepted only when its measured peak is within A. The esti
 region's "selective" level was within 1 % of the measured peak on qwen3-8b layers; keeping a
 whole region is overestimated (the min-cut partitioner saves less than every tensor backward
 reads, and kept tensors overlap what is live at the peak anyway: keeping all 4 layers raised the
-peak by 5.8 GiB where the estimate said 13.4). So the planner's budget is searched: first A, then
+peak by 9.3 GiB where the estimate said 13.4). So the planner's budget is searched: first A, then
 by the measured error of the plans tried (a straight line between the best plan that fit and the
 smallest that did not, or A scaled by the model's overestimate while nothing failed, and the
 plan keeping everything when the model offers nothing more), up to
@@ -53,21 +53,21 @@ micro-batch 4, seq 4096, 2 ranks (benches/recompute_cpu.py; benches/results/reco
   inputs" and the runtime-optimal cut. A zbuf solver (``CustomKnapsackSolver``) can take an exact
   byte budget (its items are the nodes, their sizes known) and the min cut then kept no more than
   it (7 of 7 budgets). But the peak is not those bytes, and it is not monotonic in them: at
-  fraction 0 the backward peak was 13.0 GiB, at 0.1 8.7 GiB (pytorch#197838). So a byte budget on
+  fraction 0 the backward peak was 20.8 GiB, at 0.5 12.3 GiB (pytorch#197838). So a byte budget on
   the knapsack bounds nothing zbuf must keep within; a plan must be measured either way;
 - at fraction 0 the knapsack saves only the graph inputs, ignoring ``MUST_SAVE``: the tags
   selective persistence puts on gathered weights kept for backward;
-- at the same measured peak, the per-region levels recompute less or as little: 19.0 TFLOP at
-  12.1 GiB (the knapsack: 19.2 at 12.2, 21.0 at 12.1), 13.2 at 13.2 GiB (14.3 at 13.1), 5.8 at 14.4 GiB
-  (9.4 at 14.2, 8.0 at 15.1), 0 at 15.8 GiB (the knapsack reaches 0 at 15.8 GiB only at fraction
-  0.8, the runtime-optimal cut); recomputing every block costs 24.7 TFLOP at 11.1 GiB. The
-  "selective" level (matmul and attention outputs kept) removes a block's matmul recompute for
-  about half of what keeping the block costs;
+- at the same measured peak (the larger of forward and backward), the per-region levels
+  recompute less: 11.5 TFLOP at 10.2 GiB (the knapsack with zbuf's byte solver: 14.3 at 10.1),
+  5.8 at 11.4 GiB (9.4 at 11.2), none at 12.6 GiB (4.4 at 12.4; the knapsack reaches none at
+  14.0 GiB, at fraction 0.8); recomputing every block costs 24.7 TFLOP at 7.7 GiB. The
+  "selective" level (matmul and attention outputs kept) removes every block's matmul recompute
+  for 56 % of what keeping the blocks costs;
 - a region decision is a tag change whose cost is read off the joint graph, identical blocks get
   identical decisions (which compiling a block once, issue 14, needs), and the user's own
   checkpointing is level 0: the fallback is exactly what ``"checkpointed"`` does.
 The cost is compile time: an ``"auto"`` plan runs 2 to ``MAX_PARTITIONS`` min-cut partitions
-(4.9-8.2 s against 1.3 s for one, for these 4 layers on a loaded 2-core machine).
+(4.3-10.1 s against 2.4 s for one, for these 4 layers on a loaded 2-core machine).
 """
 
 from __future__ import annotations
