@@ -209,3 +209,27 @@ def test_selective_checkpointing_recomputes_every_second_matmul():
     torch.testing.assert_close(c_loss, ref_loss, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="mode 'some'"):
         apply_activation_checkpointing(model, "some")
+
+
+def test_cross_entropy_matches_the_fp32_formula_without_fp32_logits(monkeypatch):
+    """[Note: lean cross-entropy]: value and gradient of F.cross_entropy on fp32-upcast logits,
+    in chunks of rows, with ignored targets; eager and compiled; bf16 logits get a bf16 gradient."""
+    import torch.nn.functional as F
+
+    import zbuf.models as zm
+
+    monkeypatch.setattr(zm, "CROSS_ENTROPY_CHUNK_BYTES", 4 * 50 * 4)  # 4 rows per chunk
+    torch.manual_seed(0)
+    targets = torch.randint(0, 50, (3, 7))
+    targets[0, :3] = -100
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = torch.randn(3, 7, 50, dtype=dtype, requires_grad=True)
+        ref = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        for fn in (zm.cross_entropy, torch.compile(zm.cross_entropy, backend="aot_eager")):
+            value = fn(logits, targets)
+            (grad,) = torch.autograd.grad(value, logits)
+            assert value.dtype == torch.float32 and grad.dtype == dtype
+            torch.testing.assert_close(value, ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
+    assert torch.isnan(zm.cross_entropy(torch.randn(2, 5), torch.full((2,), -100)))
