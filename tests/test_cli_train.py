@@ -141,8 +141,14 @@ def _assert_clean_teardown(res, ranks, torch_keeps=0):
     ended without interpreter finalisation ([Note: worker teardown order])."""
     lines = [line for line in res.stderr.splitlines() if "zbuf: released resources" in line]
     clean = [line for line in lines if "0 gloo worker thread(s) left" in line]
-    assert len(lines) == ranks and len(clean) == ranks - torch_keeps, lines
-    assert res.stderr.count("exiting without interpreter finalisation") == torch_keeps, res.stderr
+    # The launcher says a line every rank printed alike once ([Note: one line per cause]), so
+    # identical teardown lines of several ranks arrive as one.
+    assert 1 <= len(lines) <= ranks, lines
+    if torch_keeps == 0:
+        assert len(clean) == len(lines), lines
+        assert "exiting without interpreter finalisation" not in res.stderr, res.stderr
+    else:
+        assert "exiting without interpreter finalisation" in res.stderr, res.stderr
 
 
 def test_train_default_engine_then_report(tmp_path):
