@@ -4,7 +4,7 @@
 
 Each run is one job of ``--world`` ranks doing what the README's multi-rank example does:
 ``import zbuf`` first, ``init_process_group``, ``zbuf.shard``, a few training steps (eager, or
-``zbuf.compile`` on aot_eager), ``zbuf.save_checkpoint``, ``zbuf.load_checkpoint``,
+``zbuf.compile(model, optimizer=opt)`` on aot_eager), ``zbuf.save_checkpoint``, ``zbuf.load_checkpoint``,
 ``zbuf.full_state_dict``, then ``destroy_process_group()`` while the model and optimizer are still
 alive, as a user's script has them. Each rank then checks that no gloo worker thread
 (``pt_gloo_runloop``) survived destroy and exits through normal interpreter finalisation, where a
@@ -57,8 +57,8 @@ def rank_main(rank: int, world: int, port: int, ckpt_dir: str, compiled: bool) -
                                   num_kv_heads=1, head_dim=16, ffn_hidden_size=64,
                                   tie_embeddings=True, max_seq_len=64)
     model = zbuf.shard(zbuf.models.build_model(cfg))
-    run = zbuf.compile(model, inner="aot_eager") if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = zbuf.compile(model, optimizer=opt, inner="aot_eager") if compiled else model
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)

@@ -187,9 +187,11 @@ def release_resources(*, peer_failed: bool = False) -> None:
             pg = "failed"
             print(f"zbuf: releasing the process group failed ({type(e).__name__}: {e})", file=sys.stderr)
     if os.environ.get("ZBUF_LOG_EXIT") == "1":
+        left = _gloo_threads()
+        threads = "no gloo worker thread left" if not left else \
+            f"{left} gloo worker thread(s) still running"
         print(f"zbuf: released resources: {pools} pool(s) trimmed ({freed} idle bytes freed), "
-              f"process group {pg}, {_gloo_threads()} gloo worker thread(s) left",
-              file=sys.stderr, flush=True)
+              f"process group {pg}, {threads}", file=sys.stderr, flush=True)
 
 
 def end_process(code: int) -> None:

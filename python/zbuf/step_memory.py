@@ -189,7 +189,6 @@ class StepMemory:
             pool.set_budget(0)
         self.model = model
         self.optimizer = optimizer
-        self.group = root.group
         self.memory = SharedMemory(pool)
         self.meter = PhaseMeter(pool.device, model, optimizer)
         self.replanner = replanner
@@ -292,6 +291,13 @@ class StepMemory:
             self.memory.pool.set_budget(pool_held)
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
                               bool(replanned), row.step)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The model's sharding group, read when needed: holding it would keep it (and gloo's
+        threads) alive past ``destroy_process_group()`` ([Note: a model does not keep its group
+        alive] in shard.py)."""
+        return _root_of(self.model).group
 
     def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
         """One all-reduce(MIN) over the sharding group: the smallest limit, the largest rest."""
