@@ -43,8 +43,7 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
    measured ``room`` as their free memory (``free_memory_bytes``), which budgeted recompute
    splits between activations and gathers as at compile time ([Note: budgeted recompute] in
    compile/recompute.py). The pool's budget starts again at 0 for the new plans to size. If
-   the plan fits, nothing is recompiled and the pool's budget shrinks to what step 0 held. This
-   happens once.
+   the plan fits, nothing is recompiled. This happens once.
 4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
    optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
    without one the optimizer runs inside "backward" and its peak is part of the budget).
@@ -285,10 +284,6 @@ class StepMemory:
             self._replan_step = self.meter.closed  # the step now opening
             # The new plans' first runs size the pool, as the first plans' did.
             self.memory.pool.set_budget(0)
-        elif self.replanner is not None and pool_held < self.memory.pool.stats().budget_bytes:
-            # What the plans held after step 0's backward is what they need: keep the pool (and
-            # its share of an emulated card) to that.
-            self.memory.pool.set_budget(pool_held)
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
                               bool(replanned), row.step)
 
