@@ -175,7 +175,8 @@ def test_train_default_engine_then_report(tmp_path):
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
     assert rep.returncode == 0, rep.stderr
     names = sorted(os.listdir(plots))
-    assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png", "schedule_memory.png",
+    assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png",
+                     "schedule_memory.png",
                      "step_memory.png", "step_time.png"]
     for name in names:
         _png_has_plot(plots / name)
