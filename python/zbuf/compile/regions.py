@@ -27,7 +27,9 @@ What it gives up:
 - A block call is one node to the planner: all of a block's gathered weights are live for the
   whole call (gathered before it, released after it), where the whole-graph plan could release
   each weight after its last use inside the block. The feasible floor of the budget becomes one
-  block's weights (plus the next block's, to prefetch) instead of one node's.
+  block's weights instead of one node's. When the whole step's measured budget is below that,
+  the one re-plan compiles the model whole ([Note: bounded re-plan] in replan.py), so memory
+  is never given up for compile time; only that launch's re-plan pays the whole compile.
 - Inductor cannot fuse across a block boundary (the last elementwise ops of one block with the
   first of the next).
 - Dynamo still traces every block (to compare it with the installed body); only the later
@@ -45,7 +47,8 @@ from torch import nn
 
 from ..shard import gather_param, gathered_by_caller, is_sharded, sharded_parameters
 
-__all__ = ["mark_repeated_blocks", "repeated_blocks", "is_marked"]
+__all__ = ["mark_repeated_blocks", "unmark_repeated_blocks", "repeated_blocks", "is_marked",
+           "is_marked_model"]
 
 
 @torch.compiler.nested_compile_region
@@ -82,6 +85,11 @@ def is_marked(module: nn.Module) -> bool:
     return "_zbuf_region_params" in module.__dict__
 
 
+def is_marked_model(model: nn.Module) -> bool:
+    """Whether any block of ``model`` is marked."""
+    return any(is_marked(m) for m in model.modules())
+
+
 def repeated_blocks(model: nn.Module) -> list[list[nn.Module]]:
     """The repeated stacks of ``model``: every ``nn.ModuleList`` of at least two modules of one
     class holding zbuf shards, outermost first (a stack inside a block of another is left to the
@@ -115,5 +123,18 @@ def mark_repeated_blocks(model: nn.Module) -> int:
                 params.setdefault(spec.param_id, (shard, spec))
             block.__dict__["_zbuf_region_params"] = list(params.values())
             block.__class__ = _region_class(type(block))
+            count += 1
+    return count
+
+
+def unmark_repeated_blocks(model: nn.Module) -> int:
+    """Undo ``mark_repeated_blocks``: the blocks compile as part of the whole graph again (a
+    re-plan under a budget below one block's weights does this, compile/replan.py). Returns the
+    number of blocks unmarked."""
+    count = 0
+    for m in model.modules():
+        if is_marked(m):
+            m.__class__ = type(m)._zbuf_region_base
+            del m.__dict__["_zbuf_region_params"]
             count += 1
     return count

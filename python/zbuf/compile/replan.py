@@ -17,6 +17,9 @@ plan needs a new compile of the model's frames, and nothing else:
 * the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted recompute),
   quantised by the caller, so it enters the passes' cache uuid and a relaunch of the same
   configuration finds the same compiled graphs in Inductor's cache;
+* a model whose blocks are compiled once ([Note: compile repeated blocks once] in regions.py)
+  holds one block's weights at least; when the budget is below that, the re-plan compiles the
+  model whole (its blocks unmarked), whose floor is one node's weights;
 * the old plans' schedule records stay (``schedule_report`` lists every graph compiled); the
   re-planner knows which ones are current.
 """
@@ -31,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .options import CompileOptions
+from .regions import is_marked_model, unmark_repeated_blocks
 from .report import ScheduleRecord, schedule_report
 
 __all__ = ["PlannedForward", "Replanner"]
@@ -99,12 +103,19 @@ class Replanner:
 
     # -- re-planning --------------------------------------------------------------------------
 
+    def below_block_floor(self, budget_bytes: int) -> bool:
+        """Whether a current graph holds more than ``budget_bytes`` only because its blocks are
+        compiled once, each a unit of gathered weights ([Note: compile repeated blocks once]
+        in regions.py): compiled whole, its floor is one node's weights."""
+        return is_marked_model(self.model) and any(
+            self.needs(r) > budget_bytes for r in self.records())
+
     def replan_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
         """Compile again unless every current plan fits ``budget_bytes`` of gathered weights, or
         the model was re-planned before. Returns whether it re-planned. Every rank must get the
         same answer: call it with rank-agreed numbers, at the same point of every rank's program.
         ``room_bytes``: what activations and gathers may share, for ``recompute="auto"``."""
-        if self.replanned or self.fits(budget_bytes):
+        if self.replanned or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
             return False
         self.replan(budget_bytes, room_bytes)
         return True
@@ -114,6 +125,10 @@ class Replanner:
         (and no explicit activation budget) the measured room becomes the plans' free memory, so
         that budgeted recompute chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``."""
+        if self.below_block_floor(budget_bytes):
+            # The re-plan compiles the model whole, where gathers can be released inside a block.
+            unmark_repeated_blocks(self.model)
+            self.options = dataclasses.replace(self.options, compile_blocks_once=False)
         o = self.options
         if o.recompute == "auto" and o.activation_budget_bytes is None:
             free = math.ceil(room_bytes / (1.0 - o.margin_fraction))
