@@ -4,7 +4,7 @@ The plain setup, as a new user writes it: a decoder of plain ``nn.Linear`` / ``n
 ``F.scaled_dot_product_attention`` blocks (checkpointed per block), ``zbuf.shard``, then
 ``torch.compile(model, backend="zbuf")``, the loss computed outside the model, fused AdamW. The
 bench engine: ``zbuf.train.engines.build_engine(Engine.ZBUF, ...)`` exactly as ``zbuf bench`` builds
-it (the preset's model code, the loss compiled inside the graph, ``zbuf.compile``'s rank-agreed
+it (the preset's model code, its loss compiled inside the graph, ``zbuf.compile``'s rank-agreed
 budget, foreach AdamW). Between them, variants that each change one of those four factors of
 the bench engine to the plain setup's, so that the step times say where a difference comes from:
 
@@ -130,16 +130,21 @@ class PlainDecoder(nn.Module):
 
 # ----------------------------------------------------------------------------- one variant
 def _loss(logits, targets):
+    """The loss as the user writes it (the bench engine's is models.cross_entropy)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 class _WithLoss(nn.Module):
+    """The model with the bench engine's loss, compiled with it."""
+
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, tokens, targets):
-        return _loss(self.model(tokens), targets)
+        from zbuf.models import cross_entropy
+
+        return cross_entropy(self.model(tokens), targets)
 
 
 def _setup(variant: str, cfg, device, dtype):
@@ -160,17 +165,17 @@ def _setup(variant: str, cfg, device, dtype):
     zbuf.shard(model, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     eager_loss = variant in ("bench+eager-loss", "plain")
     target = model if eager_loss else _WithLoss(model)
+    fused = variant in ("bench+fused", "plain")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
+                            **({"fused": True} if fused else {}))
     # The bench engine's compiler (Inductor on GPU; aot_eager on CPU, where Inductor's C++
     # compile would dwarf everything).
     inner = {} if cfg.compiler == "inductor" else {"inner": cfg.compiler}
     if variant in ("bench+torch.compile", "plain"):
         compiled = torch.compile(target, backend="zbuf", **({"options": inner} if inner else {}))
-    else:
-        compiled = zbuf.compile(target, fullgraph=True,
+    else:  # as the bench engine calls it (train/engines.py)
+        compiled = zbuf.compile(target, fullgraph=True, optimizer=opt,
                                 recompute="auto" if cfg.ac == "auto" else "checkpointed", **inner)
-    fused = variant in ("bench+fused", "plain")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
-                            **({"fused": True} if fused else {}))
 
     def step_loss(batch):
         if eager_loss:
