@@ -199,3 +199,23 @@ def test_activation_profile_keeps_a_base_alive_through_its_views_and_counts_view
     # While `flat * 3` runs: the matmul output (read through two views), its product, `other`.
     assert profile[times3] == 2 * logits + other
     assert int(profile.max()) <= inputs + 2 * logits + other  # never the logits twice at once
+
+
+def test_identical_blocks_get_identical_levels_on_any_copy_of_the_graph(joint):
+    """Every rank plans recompute alone, so equal blocks must cost exactly the same (to the last
+    bit: the planner breaks ties between equal rates by position) however the graph's nodes lie
+    in memory. Ranks that tied differently compiled different graphs and failed the cross-rank
+    schedule check."""
+    opts = CompileOptions(recompute="auto", inner="aot_eager")
+    outputs = joint["kwargs"]["num_fwd_outputs"]
+
+    def specs(gm):
+        forward = recompute.forward_nodes(gm.graph, outputs)
+        regions = recompute.find_regions(gm.graph, forward)
+        return [spec.levels for spec in recompute.level_specs(gm.graph, forward, regions, opts)]
+
+    first = specs(joint["gm"])
+    assert len(first) == 3 and first[0] == first[1] == first[2], first
+    assert first[0][0].recompute_seconds > 0
+    for _ in range(5):  # new nodes at new addresses: another iteration order of any node set
+        assert specs(recompute.copy_joint(joint["gm"])) == first

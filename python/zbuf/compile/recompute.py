@@ -240,6 +240,7 @@ def level_specs(graph: torch.fx.Graph, forward: set[torch.fx.Node], regions: lis
     bw = {n for n in graph.nodes if n not in forward and n.op != "placeholder"}
     weights = _gather_trees(graph)
     by_name = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     specs = []
     for region in regions:
         nodes = [by_name[name] for name in region.names]
@@ -271,8 +272,12 @@ def level_specs(graph: torch.fx.Graph, forward: set[torch.fx.Node], regions: lis
             return need
 
         def cost(recomputed: set[torch.fx.Node]) -> tuple[float, float]:
-            return (sum(node_seconds(n, options) for n in recomputed),
-                    sum(node_flops(n) for n in recomputed))
+            # Summed in graph order, not set order (which follows node addresses): float sums
+            # in another order differ in the last bit, and identical blocks would then tie
+            # differently on each rank, and the ranks compile different graphs.
+            ordered = sorted(recomputed, key=order.__getitem__)
+            return (sum(node_seconds(n, options) for n in ordered),
+                    sum(node_flops(n) for n in ordered))
 
         need0 = closure(user_saved)
         sec0, flops0 = cost(need0 - user_saved)
