@@ -123,7 +123,7 @@ def all_gather_impl(shard, param_id, shape, group_name, param_dtype, pool_id) ->
         _check_gather_args(shard, shape, world, param_id, param_dtype)
         dtype = param_dtype if param_dtype is not None else shard.dtype
         padded = world * shard.numel()
-        buf = pool_of(pool_id, shard.device).acquire((padded,), dtype)
+        buf = pool_of(pool_id, shard).acquire((padded,), dtype)
         gather_into([borrowed(buf) if world > 1 else buf], [shard.detach()], pg, async_op=False)
         counters["all_gather"] += 1
         counters["all_gather_bytes"] += buf.numel() * buf.element_size()

@@ -97,15 +97,18 @@ def pool_id_of(pool) -> int:
     return pool_id
 
 
-def pool_of(pool_id: int, device: torch.device):
-    """The pool ``pool_id`` names (``DEFAULT_POOL``: the default pool of ``device``)."""
+def pool_of(pool_id: int, like: torch.Tensor):
+    """The pool ``pool_id`` names (``DEFAULT_POOL``: the default pool of ``like``'s device).
+
+    Takes a tensor, not its device: building a ``torch.device`` costs more than the lookup, and
+    only the default pool needs one."""
     pool = _POOLS.get(pool_id)
     if pool is not None:
         return pool
     if pool_id == DEFAULT_POOL:
         from .pool import default_pool
 
-        return default_pool(device)
+        return default_pool(like.device)
     raise ValueError(
         f"zbuf: no gather-buffer pool has id {pool_id} in this process; pool ids come from "
         f"zbuf.shard (ShardSpec.pool_id) or zbuf.runtime.pool_id_of(pool), and -1 names the "
@@ -118,11 +121,14 @@ def known_pools() -> list:
     return list(_POOLS.values())
 
 
+_resolve_process_group = dist.distributed_c10d._resolve_process_group
+
+
 def process_group(group_name: str) -> dist.ProcessGroup:
     """The live process group named ``group_name`` (``ProcessGroup.group_name``), or an error that
     says the group is gone and what to do."""
     try:
-        return dist.distributed_c10d._resolve_process_group(group_name)
+        return _resolve_process_group(group_name)
     except RuntimeError:
         raise RuntimeError(
             f"zbuf: process group '{group_name}' that this parameter is sharded over has been "
@@ -149,9 +155,13 @@ def borrowed(buf: torch.Tensor) -> torch.Tensor:
     return buf.new_empty(0).set_(storage, 0, buf.shape, buf.stride())
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+_NO_LABEL = contextlib.nullcontext()  # reentrant and stateless: one serves every unlabelled op
+
+
 def label(name: str):
     # record_function costs tens of microseconds even with no profiler running; label only then.
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+    return record_function(name) if _profiler_enabled() else _NO_LABEL
 
 
 def gather_into(blocks: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
@@ -270,7 +280,7 @@ def release_buffer(t: torch.Tensor, pool_id: int) -> None:
         if POISON_RELEASES and t.is_floating_point():
             t.fill_(float("nan"))
         try:
-            pool_of(pool_id, t.device).release(t)
+            pool_of(pool_id, t).release(t)
         except (ForeignBufferError, DoubleReleaseError):
             raise ValueError(
                 f"zbuf::release: this tensor is not a live buffer of the pool it names (pool id "

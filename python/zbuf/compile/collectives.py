@@ -162,7 +162,7 @@ def gather_buffer(
             f"zbuf::gather_buffer: shape {list(shape)} has more elements than {world} shards of "
             f"{shard.numel()} (param_id {param_id})"
         )
-    buf = runtime.pool_of(pool_id, shard.device).acquire((padded,), dtype)
+    buf = runtime.pool_of(pool_id, shard).acquire((padded,), dtype)
     return unpad_full(buf, shape)
 
 
@@ -282,12 +282,12 @@ def _reduce_scatter_wait_fake(token, started):
 _FIRST_RUN_DONE: set[tuple[str, str, str]] = set()
 
 
-def _grow_pools(device: torch.device, pool_ids: Sequence[int], sizes: Sequence[int],
+def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[int],
                 counts: Sequence[int]) -> None:
     """[Note: pool sizing] for every pool a graph gathers from (two ids may name one pool)."""
     need: dict[int, tuple[object, int]] = {}
     for pool_id, size, count in zip(pool_ids, sizes, counts):
-        pool = runtime.pool_of(pool_id, device)
+        pool = runtime.pool_of(pool_id, token)
         capacity = getattr(pool, "capacity_for", lambda n: n)
         _, before = need.get(id(pool), (pool, 0))
         need[id(pool)] = (pool, before + capacity(size) * count)
@@ -319,7 +319,7 @@ def check_schedule(
         key = (group_name, fingerprint, record)
         if key in _FIRST_RUN_DONE:
             return
-        _grow_pools(token.device, pool_ids, buffer_sizes, buffer_counts)
+        _grow_pools(token, pool_ids, buffer_sizes, buffer_counts)
         from . import report
 
         report.record(record)
