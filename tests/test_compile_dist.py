@@ -373,6 +373,29 @@ def _mixed_precision_case(rank, world):
     return {"losses": run.losses, "error": float(f"{error:.3g}")}
 
 
+def _collective_output_case(rank, world):
+    """[Note: collective output lifetime]: a compiled graph's async gather holds no reference to
+    the pool buffer it fills, so that buffer's storage can only die on the training thread
+    (held by the work object, it died on gloo's worker thread and corrupted the heap)."""
+    from zbuf import runtime
+
+    group = dist.group.WORLD.group_name
+    ops = torch.ops.zbuf
+    token, shard = torch.empty(0), torch.full((4,), float(rank + 1))
+    g = ops.gather_buffer(token, shard, 99_001, [world * 4], group, None, runtime.DEFAULT_POOL)
+
+    def refs():
+        return torch._C._storage_Use_Count(g.untyped_storage()._cdata)
+
+    before = refs()
+    ops.all_gather_start(token, [g], [shard], group)
+    during = refs()
+    ops.all_gather_wait(token, [g])
+    values = g.tolist()
+    ops.all_gather_release(token, g, runtime.DEFAULT_POOL, [])
+    return {"extra_refs": during - before, "values": values}
+
+
 def _timed(times, name, fn, *args, **kwargs):
     t0 = time.monotonic()
     try:
@@ -383,6 +406,7 @@ def _timed(times, name, fn, *args, **kwargs):
 
 def _world2_worker(rank, world, with_inductor):
     out, times = {}, {}
+    out["collective_output"] = _collective_output_case(rank, world)
     _, _, out["plain"] = _timed(times, "plain", _decoder_case, rank, world, ac=False, options={"inner": "aot_eager"})
     _, _, out["plain_once"] = _timed(times, "plain_once", _decoder_case, rank, world, ac=False,
                                      options={"inner": "aot_eager", "compile_blocks_once": True})
@@ -520,6 +544,8 @@ def test_two_ranks():
     assert results[0]["bf16"]["losses"] == results[1]["bf16"]["losses"]
     print("auto recompute plans (rank 0):", {k: v["plan"] for k, v in results[0]["auto"].items()})
     assert results[0]["auto"] == results[1]["auto"]  # same plans and losses on every rank
+    for r in results:
+        assert r["collective_output"] == {"extra_refs": 0, "values": [1.0] * 4 + [2.0] * 4}, r
     for msg, seconds in (r["mismatch"] for r in results):
         assert "collective #0" in msg and "rank" in msg, msg
         assert seconds < 60, seconds

@@ -137,22 +137,32 @@ def process_group(group_name: str) -> dist.ProcessGroup:
         ) from None
 
 
-def borrowed(buf: torch.Tensor) -> torch.Tensor:
-    """A view of ``buf``'s memory that does not keep ``buf``'s storage alive.
+def borrowed(buf: torch.Tensor, numel: Optional[int] = None) -> torch.Tensor:
+    """A view of ``buf``'s memory that does not keep ``buf``'s storage alive: ``buf``'s shape,
+    or with ``numel`` the flat run of ``numel`` elements from ``buf``'s first one (a gather
+    buffer is the unpadded view of its padded flat block).
 
     [Note: collective output lifetime]
-    A c10d work object keeps references to its output tensors and is destroyed on the backend's
-    own thread some time after ``wait()`` (gloo's worker; NCCL's watchdog, which polls). If the
-    collective wrote into the pool tensor itself, the pool block would come back whenever that
-    thread lets go: eager gathers would overlap in the pool and blocks return in a
-    timing-dependent order. The collective therefore writes through a non-owning alias. This is
-    safe because the gather is synchronous (gloo has finished; under NCCL the current stream waits
-    for the collective before the op returns) and a released block is reused only after its
+    A c10d work object keeps references to its tensors and is destroyed on the backend's own
+    thread some time after ``wait()`` (gloo's worker; NCCL's watchdog, which polls). Were the
+    pool tensor among them, its storage could die there: the pool block would come back
+    whenever that thread lets go (eager gathers would overlap in the pool, blocks return in a
+    timing-dependent order) and the DLPack deleter would run on the backend's thread while the
+    training thread works on the pool. Seen as heap corruption: a compiled graph's async gathers
+    once passed the pool storage itself, and about one CPU training run in three under load
+    died in gloo's worker thread (a segfault in malloc, at a later collective). So every
+    collective, eager or compiled, writes through a non-owning alias. This is safe because the
+    gather is waited before its buffer is read or released (gloo has finished; under NCCL the
+    current stream waits for the collective), and a released block is reused only after its
     release event on the stream, so nothing touches the memory through the alias after the
     block goes back.
     """
-    storage = torch._C._construct_storage_from_data_pointer(buf.data_ptr(), buf.device, buf.nbytes)
-    return buf.new_empty(0).set_(storage, 0, buf.shape, buf.stride())
+    storage = buf.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), buf.device,
+                                                          storage.nbytes())
+    if numel is None:
+        return buf.new_empty(0).set_(alias, buf.storage_offset(), buf.shape, buf.stride())
+    return buf.new_empty(0).set_(alias, buf.storage_offset(), (numel,), (1,))
 
 
 _profiler_enabled = torch.autograd._profiler_enabled

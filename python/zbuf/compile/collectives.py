@@ -171,11 +171,6 @@ def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype, 
     return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
 
 
-def _padded_block(full: torch.Tensor, padded: int) -> torch.Tensor:
-    """The padded flat block a gather buffer is a view of (see ``unpad_full``)."""
-    return full.new_empty(0).set_(full.untyped_storage(), full.storage_offset(), (padded,), (1,))
-
-
 @_op(
     "all_gather_start(Tensor(a0!) token, Tensor(a1!)[] gathered, Tensor[] shards, "
     "str group_name) -> ()"
@@ -192,7 +187,9 @@ def all_gather_start(
                 f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
             )
         pg = runtime.process_group(group_name)
-        blocks = [_padded_block(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
+        # The padded flat blocks (see ``unpad_full``), through aliases that the collective's
+        # work object cannot keep alive ([Note: collective output lifetime] in runtime.py).
+        blocks = [runtime.borrowed(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
         work = runtime.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
         runtime.counters["all_gather"] += len(blocks)
         runtime.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
