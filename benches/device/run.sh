@@ -2,6 +2,7 @@
 # One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
 # (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
 #   bash benches/device/run.sh tests      # every tests/gpu test            (~7 min)
+#   bash benches/device/run.sh tests tests/gpu/test_compile_gpu.py ...  # only the files named
 #   bash benches/device/run.sh pool       # pool GPU tests, pool and op-dispatch benchmarks (~2 min)
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
 #   bash benches/device/run.sh 8b         # qwen3-8b: zbuf, fsdp2           (~6 min)
@@ -59,8 +60,9 @@ bench() {  # bench NAME ENGINE[:MODE] [extra args...]: one engine, its own recor
 }
 
 case "${1:-}" in
-  tests)
-    ZBUF_POISON_RELEASES=1 timeout 590 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu \
+  tests)  # tests [FILE...]: every tests/gpu test, or the files named
+    shift
+    ZBUF_POISON_RELEASES=1 timeout 590 python3 -m pytest -q -ra -p no:cacheprovider "${@:-tests/gpu}" \
       --timeout 300 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
   pool)
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py 2>&1 | tail -5
