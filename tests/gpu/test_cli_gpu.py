@@ -29,7 +29,7 @@ def test_bench_every_engine_on_all_gpus(tmp_path):
     record = json.loads(out.read_text())
     gpus = torch.cuda.device_count()
     assert record["world_size"] == gpus
-    assert record["config"]["dtype"] == "bf16" and record["config"]["ac"] is True
+    assert record["config"]["dtype"] == "bf16" and record["config"]["ac"] == "full"  # GPU default
     env = record["environment"]
     assert env["device_type"] == "cuda" and env["nccl"] and env["gpu"]
     losses = {}
