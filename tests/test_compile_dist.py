@@ -375,8 +375,9 @@ def _mixed_precision_case(rank, world):
 
 def _collective_output_case(rank, world):
     """[Note: collective output lifetime]: a compiled graph's async gather holds no reference to
-    the pool buffer it fills, so that buffer's storage can only die on the training thread
-    (held by the work object, it died on gloo's worker thread and corrupted the heap)."""
+    the pool buffer it fills (its storage dies on the training thread, when the graph lets go).
+    [Note: no coalesced gathers on gloo]: two buffers gathered together never go through gloo's
+    ``allgather_into_tensor_coalesced``, whose racing op name freed a string twice."""
     from zbuf import runtime
 
     group = dist.group.WORLD.group_name
@@ -393,7 +394,26 @@ def _collective_output_case(rank, world):
     ops.all_gather_wait(token, [g])
     values = g.tolist()
     ops.all_gather_release(token, g, runtime.DEFAULT_POOL, [])
-    return {"extra_refs": during - before, "values": values}
+
+    pg_type = type(dist.group.WORLD)
+    coalesced = pg_type.allgather_into_tensor_coalesced
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("allgather_into_tensor_coalesced on gloo")
+
+    pg_type.allgather_into_tensor_coalesced = refuse
+    try:
+        shards = [torch.full((4,), float(rank + 1)), torch.full((2,), float(10 * (rank + 1)))]
+        bufs = [ops.gather_buffer(token, s, 99_002 + i, [world * s.numel()], group, None,
+                                  runtime.DEFAULT_POOL) for i, s in enumerate(shards)]
+        ops.all_gather_start(token, bufs, shards, group)
+        ops.all_gather_wait(token, bufs)
+        together = [b.tolist() for b in bufs]
+        for b in bufs:
+            ops.all_gather_release(token, b, runtime.DEFAULT_POOL, [])
+    finally:
+        pg_type.allgather_into_tensor_coalesced = coalesced
+    return {"extra_refs": during - before, "values": values, "together": together}
 
 
 def _timed(times, name, fn, *args, **kwargs):
@@ -545,7 +565,9 @@ def test_two_ranks():
     print("auto recompute plans (rank 0):", {k: v["plan"] for k, v in results[0]["auto"].items()})
     assert results[0]["auto"] == results[1]["auto"]  # same plans and losses on every rank
     for r in results:
-        assert r["collective_output"] == {"extra_refs": 0, "values": [1.0] * 4 + [2.0] * 4}, r
+        assert r["collective_output"] == {
+            "extra_refs": 0, "values": [1.0] * 4 + [2.0] * 4,
+            "together": [[1.0] * 4 + [2.0] * 4, [10.0] * 2 + [20.0] * 2]}, r
     for msg, seconds in (r["mismatch"] for r in results):
         assert "collective #0" in msg and "rank" in msg, msg
         assert seconds < 60, seconds

@@ -19,7 +19,21 @@ CPU tensors (checked), so CPU runs take the same code path as NCCL. gloo has no 
 so the average is a ``SUM`` followed by a division by the world size, on every backend alike: the
 result is the same sum-then-divide an unsharded reference computes for a mean over equal batch
 slices (to float rounding). For reduce dtypes narrower than fp32 the division happens *before*
-the sum, so the sum cannot overflow.
+the sum, so the sum cannot overflow. One exception: [Note: no coalesced gathers on gloo].
+
+[Note: no coalesced gathers on gloo]
+torch 2.11's ``ProcessGroupGloo::runLoop`` stores the name of the op it just finished in
+``pgStatus_->lastCompletedWorkName`` after releasing its work lock, and a group has two such
+worker threads. When two async collectives finish at once, both threads assign that
+``std::string``; a name longer than 15 characters lives on the heap, and the racing assignments
+free the old buffer twice. ``allgather_into_tensor_coalesced`` runs as ``ALLGATHER_COALESCED``
+(19 characters); zbuf's plain gathers (``ALLGATHER``) and reduce-scatters (gloo runs them as
+``ALLREDUCE``) have short names, which never leave the string's inline buffer. With coalesced
+gathers in flight beside other collectives, about one CPU training run in three of 300 steps on
+two busy cores died: a segfault in malloc on a gloo worker thread, or with glibc's tcache off,
+"double free or corruption (fasttop)" in ``runLoop`` on a chunk holding "ALLGATHER_COALESCED"
+(e0ebc16 crashed alike). So on gloo a coalesced gather is one ``all_gather_into_tensor`` per
+block, waited together (``_Works``); NCCL keeps its coalesced launch.
 """
 
 from __future__ import annotations
@@ -147,11 +161,8 @@ def borrowed(buf: torch.Tensor, numel: Optional[int] = None) -> torch.Tensor:
     thread some time after ``wait()`` (gloo's worker; NCCL's watchdog, which polls). Were the
     pool tensor among them, its storage could die there: the pool block would come back
     whenever that thread lets go (eager gathers would overlap in the pool, blocks return in a
-    timing-dependent order) and the DLPack deleter would run on the backend's thread while the
-    training thread works on the pool. Seen as heap corruption: a compiled graph's async gathers
-    once passed the pool storage itself, and about one CPU training run in three under load
-    died in gloo's worker thread (a segfault in malloc, at a later collective). So every
-    collective, eager or compiled, writes through a non-owning alias. This is safe because the
+    timing-dependent order) and the buffer's DLPack deleter would run on the backend's thread.
+    So every collective, eager or compiled, writes through a non-owning alias. This is safe because the
     gather is waited before its buffer is read or released (gloo has finished; under NCCL the
     current stream waits for the collective), and a released block is reused only after its
     release event on the stream, so nothing touches the memory through the alias after the
@@ -172,6 +183,16 @@ _NO_LABEL = contextlib.nullcontext()  # reentrant and stateless: one serves ever
 def label(name: str):
     # record_function costs tens of microseconds even with no profiler running; label only then.
     return record_function(name) if _profiler_enabled() else _NO_LABEL
+
+
+class _Works(NamedTuple):
+    """Collectives issued together and waited together ([Note: no coalesced gathers on gloo])."""
+
+    works: list
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def gather_into(blocks: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
@@ -203,6 +224,10 @@ def gather_into(blocks: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
         torch._foreach_copy_(srcs, flat)
     if len(blocks) == 1:
         return dist.all_gather_into_tensor(blocks[0], srcs[0], group=pg, async_op=async_op)
+    if dist.get_backend(pg) == "gloo":  # [Note: no coalesced gathers on gloo]
+        works = [dist.all_gather_into_tensor(b, src, group=pg, async_op=async_op)
+                 for b, src in zip(blocks, srcs)]
+        return _Works(works) if async_op else None
     work = pg.allgather_into_tensor_coalesced(blocks, srcs)
     if async_op:
         return work
