@@ -11,7 +11,8 @@
     (cast to the buffers' dtype, in place: [Note: in-place gathers] in runtime.py), and returns
     without waiting.
     Coalescing needs no copy-out: ``ProcessGroup.allgather_into_tensor_coalesced`` writes each
-    parameter's padded block directly (one NCCL group; gloo implements it as well).
+    parameter's padded block directly (one NCCL group; on gloo one gather per block instead,
+    [Note: no coalesced gathers on gloo] in runtime.py).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
     Waits for the start that filled ``gathered`` (found by the first buffer's storage).
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
