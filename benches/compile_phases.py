@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 from zbuf.train.compile_phases import PHASE_LABELS, PHASES  # noqa: E402
 from zbuf.train.config import format_bytes  # noqa: E402
-from zbuf.train.record import load_record  # noqa: E402
+from zbuf.train.record import ac_text, hardware_text, load_record  # noqa: E402
 
 
 def _engine(record: dict) -> dict | None:
@@ -54,12 +54,11 @@ def main(argv=None) -> int:
         raise SystemExit("no record to table")
     _, _, first, _ = cols[0]
     env, cfg = first["environment"], first["config"]
-    hw = (f"{env.get('gpu_count', '?')} x {env.get('gpu')}" if env.get("device_type") == "cuda"
-          else f"CPU, {env.get('cpu_count')} cores")
+    hw = hardware_text(env)
     lines = [
         f"## First step by phase: {first['model']['name']}, micro-batch {cfg['micro_batch']} x "
         f"seq {cfg['seq_len']}, {first['world_size']} rank(s), {cfg['compiler']}, "
-        f"AC {'on' if cfg['ac'] else 'off'}, {cfg['dtype']}",
+        f"AC {ac_text(cfg)}, {cfg['dtype']}",
         "",
         f"Hardware: {hw} ({env.get('hostname')}). torch {env.get('torch')}, CUDA "
         f"{env.get('cuda') or '-'}; zbuf {env.get('zbuf_commit') or '?'}. Seconds, the slowest "

@@ -38,3 +38,15 @@ def one_rank_group():
     yield dist.group.WORLD.group_name
     if created and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and zbuf's schedule records emptied before and after the test, so that
+    each test compiles (and records) its own graphs."""
+    from zbuf.compile.report import clear_records
+
+    torch._dynamo.reset()
+    clear_records()
+    yield
+    torch._dynamo.reset()

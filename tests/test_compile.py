@@ -20,20 +20,11 @@ import zbuf.runtime
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
-from zbuf.compile.report import clear_records
 
 VOCAB, DIM, HIDDEN = 23, 12, 20
 
 
-pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    clear_records()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
 
 class Block(nn.Module):

@@ -17,23 +17,14 @@ from torch import nn
 import zbuf.compile
 from zbuf.compile import region_graphs, schedule_report
 from zbuf.compile.passes import GatherSchedulePass
-from zbuf.compile.report import clear_records
 from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 from zbuf.shard import shard
 from zbuf.state_dict import full_state_dict
 
-pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
+pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
 REGION = torch.ops.higher_order.invoke_subgraph
 LAYERS = 3
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    clear_records()
-    yield
-    torch._dynamo.reset()
 
 
 def _capture(monkeypatch):

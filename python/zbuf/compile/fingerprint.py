@@ -159,17 +159,22 @@ def check_across_ranks(group_name: str, fingerprint: str, description: str) -> N
         raise ScheduleMismatchError(_first_difference(descriptions, dist.get_rank(pg)))
 
 
+def _first_mismatch(mine: list, theirs: list, missing: str) -> tuple[int, str, str]:
+    """Index of the first entry where two lists differ, and both entries there (``missing``
+    where a list has ended)."""
+    i = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+             min(len(mine), len(theirs)))
+    return (i, mine[i] if i < len(mine) else missing, theirs[i] if i < len(theirs) else missing)
+
+
 def _first_difference(descriptions: list[str], me: int) -> str:
     graphs = [json.loads(x) for x in descriptions]
     ref = graphs[me]
     for other, graph in enumerate(graphs):
         if graph == ref:
             continue
-        a_in, b_in = ref["inputs"], graph["inputs"]
-        if a_in != b_in:
-            i = next((k for k, (a, b) in enumerate(zip(a_in, b_in)) if a != b), min(len(a_in), len(b_in)))
-            a = a_in[i] if i < len(a_in) else "<no such input>"
-            b = b_in[i] if i < len(b_in) else "<no such input>"
+        if ref["inputs"] != graph["inputs"]:
+            i, a, b = _first_mismatch(ref["inputs"], graph["inputs"], "<no such input>")
             return (
                 f"ranks ran graphs compiled for different input shapes: input #{i} is {a} on "
                 f"rank {me} but {b} on rank {other}. Every rank must feed the same shapes in the "
@@ -178,9 +183,7 @@ def _first_difference(descriptions: list[str], me: int) -> str:
                 "max=longest), so that one graph serves every length."
             )
         ref_c, order = ref["collectives"], graph["collectives"]
-        i = next((k for k, (a, b) in enumerate(zip(ref_c, order)) if a != b), min(len(ref_c), len(order)))
-        a = ref_c[i] if i < len(ref_c) else "<end of graph>"
-        b = order[i] if i < len(order) else "<end of graph>"
+        i, a, b = _first_mismatch(ref_c, order, "<end of graph>")
         return (
             f"ranks compiled graphs with different collective orders: collective #{i} is {a} on "
             f"rank {me} but {b} on rank {other} ({len(ref_c)} vs {len(order)} collectives). Every "

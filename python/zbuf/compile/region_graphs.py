@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph_info import gather_nodes, is_view
+from .graph_info import gather_nodes, is_view, weight_tree
 from .options import CompileOptions
 from .recompute import LEVELS, apply_levels, find_regions
 
@@ -41,7 +41,6 @@ __all__ = ["REGION_OP", "is_region_call", "prepare_body_joint", "forward_region_
 REGION_OP = torch.ops.higher_order.invoke_subgraph
 
 _BODY = "zbuf_region_body"
-_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def is_region_call(node: torch.fx.Node) -> bool:
@@ -51,16 +50,6 @@ def is_region_call(node: torch.fx.Node) -> bool:
 def body_of(node: torch.fx.Node) -> torch.fx.GraphModule:
     """The subgraph a region call runs (its first argument is a ``get_attr``)."""
     return getattr(node.graph.owning_module, node.args[0].target)
-
-
-def _view_and_cast_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
-    out, stack = [], [root]
-    while stack:
-        for u in stack.pop().users:
-            if is_view(u) or u.target in _CASTS:
-                out.append(u)
-                stack.append(u)
-    return out
 
 
 def prepare_body_joint(joint: torch.fx.Graph, options: CompileOptions) -> None:
@@ -81,7 +70,7 @@ def prepare_body_joint(joint: torch.fx.Graph, options: CompileOptions) -> None:
         apply_levels(joint, regions, (LEVELS.index("keep"),) * len(regions))
     for p in joint.find_nodes(op="placeholder"):
         if p.name.startswith("primals"):
-            for v in _view_and_cast_tree(p):
+            for v in weight_tree(p):  # a body's primals are the gathered weights
                 v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 

@@ -46,8 +46,9 @@ from typing import Any, Optional
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
 
-__all__ = ["SCHEMA", "budget_notices", "summarize", "make_record", "write_record", "load_record", "markdown",
-           "phases_markdown", "slowest_phases", "merge_records", "run_label"]
+__all__ = ["SCHEMA", "ac_text", "hardware_text", "budget_notices", "summarize", "make_record",
+           "write_record", "load_record", "markdown", "phases_markdown", "slowest_phases",
+           "merge_records", "run_label"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -248,7 +249,14 @@ def load_record(path: str) -> dict[str, Any]:
     return record
 
 
-def _ac_text(cfg: dict[str, Any]) -> str:
+def hardware_text(env: dict[str, Any]) -> str:
+    """The hardware a record ran on, for table headers: "2 x NVIDIA H200" or "CPU (2 cores)"."""
+    if env.get("device_type") == "cuda":
+        return f"{env.get('gpu_count', '?')} x {env.get('gpu')}"
+    return f"CPU ({env.get('cpu_count')} cores)"
+
+
+def ac_text(cfg: dict[str, Any]) -> str:
     """The header's activation checkpointing: the mode, or "per engine" when they differ."""
     if cfg.get("engine_ac") and len({m or cfg["ac"] for m in cfg["engine_ac"]}) > 1:
         return "per engine"
@@ -259,11 +267,10 @@ def _ac_text(cfg: dict[str, Any]) -> str:
 def markdown(record: dict[str, Any]) -> str:
     """The benchmark table: one row per engine, versions and hardware in the header."""
     env, cfg = record["environment"], record["config"]
-    hw = (f"{env.get('gpu_count', '?')} x {env.get('gpu')}" if env.get("device_type") == "cuda"
-          else f"CPU ({env.get('cpu_count')} cores)")
+    hw = hardware_text(env)
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
-        f"{record['world_size']} ranks, AC {_ac_text(cfg)}, {cfg['dtype']}, "
+        f"{record['world_size']} ranks, AC {ac_text(cfg)}, {cfg['dtype']}, "
         f"{cfg.get('optimizer', 'adamw')}"
         + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
         "",
@@ -350,7 +357,7 @@ def merge_records(paths: list[str]) -> dict[str, Any]:
                              f"configuration")
     merged = dict(base)
     merged["command"] = "bench"
-    entries = [dict(e, ac=e.get("ac") or _ac_text(r["config"])) for r in records
+    entries = [dict(e, ac=e.get("ac") or ac_text(r["config"])) for r in records
                for e in r["engines"]]
     mixed = len({e["ac"] for e in entries}) > 1
     for e in entries:  # one comparison: labelled as one run of all of them would be
