@@ -83,6 +83,7 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..param import unpad_full
+from .fingerprint import check_across_ranks
 
 __all__ = [
     "gather_buffer",
@@ -311,8 +312,6 @@ def check_schedule(
 ) -> None:
     with runtime.label("zbuf::check_schedule"):
         if fingerprint:  # every run: [Note: collective order check]
-            from .fingerprint import check_across_ranks
-
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
         if key in _FIRST_RUN_DONE:
