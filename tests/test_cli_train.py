@@ -386,7 +386,10 @@ def _start_long_run(tmp_path):
         ZBUF + ["train", "--engine", "zbuf-eager", "--steps", "100000", "--out",
                 str(tmp_path / "never.json")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-        start_new_session=True)  # its own process group, like a shell job
+        start_new_session=True,  # its own process group, like a shell job
+        # a foreground job's SIGINT, not the one this runner inherited ([Note: an ignored
+        # SIGINT stays ignored] in zbuf/faults.py)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # rank 0 prints this once every rank is set up and training
         if "training 100000 steps" in line:

@@ -26,6 +26,17 @@ shutdown triggers, and a surviving rank must not hang where its peer died. Any o
 releases resources and re-raises (Python prints the traceback, exit status 1); Ctrl-C releases
 and exits with 130.
 
+[Note: an ignored SIGINT stays ignored]
+A process whose parent ignored SIGINT starts with it ignored, and Python then installs no
+``KeyboardInterrupt`` handler: a shell does that for ``cmd &`` in a script (without job control),
+so that the terminal's Ctrl-C stops the script and not its background jobs; ``nohup`` under
+such a shell inherits it too. zbuf keeps that choice, in the ranks and in ``zbuf train``'s
+launcher alike: such a run does not stop on SIGINT. SIGTERM stops it cleanly whatever SIGINT's
+disposition (``install_exit_handlers``: the rank releases its pools and process group and exits
+with 143; the launcher stops every worker first), so a background run is stopped with
+``kill PID``. ``tests/test_faults.py`` starts each rank with the disposition it tests, not the
+one the test runner inherited.
+
 [Note: resource release]
 ``release_resources()`` runs on every exit path (``supervised``'s handlers, ``atexit``, and
 SIGTERM, which torchrun sends to the remaining workers when one fails): it drops the idle blocks
