@@ -381,10 +381,13 @@ def _alive(pid):
         return False
 
 
+LONG_RUN = ["train", "--engine", "zbuf-eager", "--steps", "100000", "--save-every", "2"]
+
+
 def _start_long_run(tmp_path):
     proc = subprocess.Popen(
-        ZBUF + ["train", "--engine", "zbuf-eager", "--steps", "100000", "--out",
-                str(tmp_path / "never.json")],
+        ZBUF + LONG_RUN + ["--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                           str(tmp_path / "cut.json")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
         start_new_session=True,  # its own process group, like a shell job
         # a foreground job's SIGINT, not the one this runner inherited ([Note: an ignored
@@ -397,11 +400,14 @@ def _start_long_run(tmp_path):
         assert time.monotonic() < deadline, "training never started"
     workers = _children(proc.pid)
     assert len(workers) == 2, workers
+    while not (tmp_path / "ck" / "step_00000002").is_dir():  # a checkpoint to resume from
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint written"
+        time.sleep(0.1)
     return proc, workers
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only"])
-def test_interrupt_leaves_no_orphans(tmp_path, how):
+def test_interrupt_leaves_no_orphans_and_a_record(tmp_path, how):
     proc, workers = _start_long_run(tmp_path)
     try:
         if how == "ctrl-c":  # the terminal sends SIGINT to the whole foreground group
@@ -415,7 +421,17 @@ def test_interrupt_leaves_no_orphans(tmp_path, how):
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [w for w in workers if _alive(w)], "orphaned workers"
-        assert not (tmp_path / "never.json").exists()
+        # [Note: interrupted runs]: the steps done, marked so, and the command that resumes
+        with open(tmp_path / "cut.json") as f:
+            eng = json.load(f)["engines"][0]
+        assert eng["status"] == "interrupted" and len(eng["steps"]) >= 2, rest
+        assert [s["step"] for s in eng["steps"]] == list(range(len(eng["steps"])))
+        assert eng["summary"]["final_loss"] == eng["steps"][-1]["loss"]
+        assert "interrupted" in rest.split("peak RSS")[0], rest  # the summary says so
+        resume = " ".join(["zbuf", *LONG_RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                           str(tmp_path / "cut.json"), "--resume"])
+        assert f"resume with: {resume}" in rest, rest
+        assert "latest checkpoint: " + str(tmp_path / "ck" / "step_0000") in rest, rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

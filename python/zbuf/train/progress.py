@@ -116,13 +116,16 @@ def summary_table(record: dict[str, Any]) -> Table:
         cells = []
         for eng in engines:
             s = eng.get("summary")
-            if eng["status"] != "ok" or s is None:
-                cells.append(f"[red]{eng['status']}[/red]" if label == "status" else "-")
+            if label == "status":
+                cells.append({"ok": "[green]ok[/green]", "interrupted": "[yellow]interrupted"
+                              "[/yellow]"}.get(eng["status"], f"[red]{eng['status']}[/red]"))
+            elif s is None:
+                cells.append("-")
             else:
                 cells.append(fn(s))
         table.add_row(label, *cells)
 
-    row("status", lambda s: "[green]ok[/green]")
+    row("status", None)
     row("step time, median", lambda s: f"{s['step_time_median_s'] * 1e3:,.1f} ms")
     row("step time, min-max", lambda s: f"{s['step_time_min_s'] * 1e3:,.1f}-"
                                         f"{s['step_time_max_s'] * 1e3:,.1f} ms")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 
@@ -84,6 +85,30 @@ def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str,
             "status": status, "error": error}
 
 
+def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
+    """What rank 0 wrote of an interrupted run ([Note: interrupted runs] in ``loop``), or a
+    record entry saying it stopped before a step finished."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"engines": [_failure(cfg, index, "interrupted", "interrupted before any step "
+                                                              "finished")]}
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues a run started with ``zbuf argv...``: the same options,
+    with ``--resume`` (in place of a ``--resume-from``, which would go back to that step)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume-from":
+            skip = True
+        elif not arg.startswith("--resume-from=") and arg != "--resume":
+            out.append(arg)
+    return shlex.join(["zbuf", *out, "--resume"])
+
+
 def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
@@ -103,7 +128,13 @@ def _spawned(cfg: TrainConfig, index: int,
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
-        group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        try:
+            group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        except Interrupted as e:  # every worker has stopped; rank 0 left the steps it did
+            return _interrupted_partial(cfg, index, partial_path), 130, [f"interrupted ({e})"]
+        rank = group.failed_rank
+        if rank is not None and group.returncodes[rank] == 130:  # Ctrl-C reached the ranks only
+            return _interrupted_partial(cfg, index, partial_path), 130, ["interrupted (SIGINT)"]
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0, []
@@ -125,9 +156,11 @@ def _spawned(cfg: TrainConfig, index: int,
         return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
 
 
-def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
+def run(command: str, cfg: TrainConfig, console: Console | None = None,
+        argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
-    interrupt."""
+    interrupt. ``argv``: the command's arguments (``train ...``), for the resume hint of an
+    interrupted run."""
     console = console or Console()
     bench = command == "bench"
     try:
@@ -158,29 +191,51 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     env: dict = {}
     peak = None
     status = 0
-    try:
-        for index, label in enumerate(cfg.run_labels()):
-            partial, code, causes = _spawned(cfg, index, console)
-            env = partial.get("environment", env)
-            peak = partial.get("peak_flops", peak)
-            engines_out.extend(partial["engines"])
-            if code:
-                status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
-                print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
-                for line in causes[1:]:  # [Note: one line per cause] in launcher
-                    print_error(command, f"  also {line}")
-                if not bench:
-                    break
-    except Interrupted as e:
-        print_error(command, f"interrupted ({e}); all workers stopped")
-        return 130
+    for index, label in enumerate(cfg.run_labels()):
+        partial, code, causes = _spawned(cfg, index, console)
+        env = partial.get("environment", env)
+        peak = partial.get("peak_flops", peak)
+        engines_out.extend(partial["engines"])
+        if code == 130:
+            print_error(command, f"{causes[0]}; all workers stopped")
+            status = 130
+            break
+        if code:
+            status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
+            print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
+            for line in causes[1:]:  # [Note: one line per cause] in launcher
+                print_error(command, f"  also {line}")
+            if not bench:
+                break
     if not env:  # nothing ran: describe the machine from here
         import torch
 
         from .metrics import environment
 
         env = environment(torch.device("cpu"))
-    return _finish(command, cfg, env, engines_out, peak, console) or status
+    code = _finish(command, cfg, env, engines_out, peak, console) or status
+    if status == 130:
+        _resume_hint(cfg, argv, console)
+    return code
+
+
+def _resume_hint(cfg: TrainConfig, argv: Optional[list[str]], console: Console) -> None:
+    """After an interrupt: the checkpoint a resume would continue from, and the command."""
+    if cfg.checkpoint_dir is None:
+        return
+    from ..checkpoint import list_checkpoints
+
+    found = list_checkpoints(cfg.checkpoint_dir)
+    if not found:
+        console.print(f"no checkpoint was written yet under {cfg.checkpoint_dir}", highlight=False,
+                      markup=False)
+        return
+    step, path = found[-1]
+    console.print(f"latest checkpoint: {path} (step {step})", highlight=False, markup=False,
+                  soft_wrap=True)
+    if argv:
+        console.print(f"resume with: {resume_command(argv)}", highlight=False, markup=False,
+                      soft_wrap=True)
 
 
 def _run_in_process(command: str, cfg: TrainConfig, console: Console) -> int:
