@@ -170,6 +170,9 @@ def test_train_default_engine_then_report(tmp_path):
             if "mean loss " in line]
     assert len(live) == steps and "loss: the mean over ranks" in res.stdout, res.stdout
     assert live == [round(x, 4) for x in losses], (live, losses)
+    # The report command on a line of its own, whole, however long the path (rich wraps at 80
+    # columns in a pipe; it split "zbuf report PATH" before)
+    assert f"plots:  zbuf report {out}" in res.stdout.splitlines(), res.stdout
 
     plots = tmp_path / "plots"
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
@@ -309,6 +312,10 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
     res = _run(common + one_rank + ["--resume", "--out", str(tmp_path / "bad.json")])
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "CheckpointCorruptError" in res.stderr and "Traceback" not in res.stderr
+    # said once (rank 0's message), not again as "engine zbuf failed (exit 2): ranks 0-1 ...",
+    # and no summary table of dashes claiming measured steps
+    assert res.stderr.count("CheckpointCorruptError") == 1, res.stderr
+    assert "failed (exit 2)" not in res.stderr and "measured step" not in res.stdout, res.stdout
     assert "--resume-from step_00000003" in " ".join(res.stderr.split()), res.stderr
     out = tmp_path / "back.json"
     res = _run(common + one_rank + ["--resume-from", "step_00000003", "--out", str(out)])

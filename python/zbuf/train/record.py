@@ -240,7 +240,7 @@ def load_record(path: str) -> dict[str, Any]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        where = f"{e.msg} at line {e.lineno}, column {e.colno}"
+        where = f"{e.msg}: line {e.lineno}, column {e.colno}"  # e.msg may end in "at"
         if not text.rstrip().endswith("}"):  # every record is one object
             where = f"the file ends before the JSON does, so it is truncated ({where})"
         raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \

@@ -21,7 +21,7 @@ from .config import ConfigError, TrainConfig, check_output_path
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
-from .resources import check_cpu_memory
+from .resources import check_cpu_memory, cpu_oversubscription
 
 __all__ = ["run", "merge"]
 
@@ -172,6 +172,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
             cfg.out = check_output_path(cfg.out)
         start = _resume_point(cfg)
+        crowded = None if cuda or under_torchrun() else cpu_oversubscription(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
             print_error(command, str(e))
@@ -186,6 +187,9 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
         return 0
     if under_torchrun():
         return _run_in_process(command, cfg, console)
+    if crowded is not None:  # [Note: CPU ranks and cores] in resources
+        console.print(f"zbuf {command}: note: {crowded}", highlight=False, markup=False,
+                      soft_wrap=True)
 
     engines_out: list[dict] = []
     env: dict = {}
@@ -200,8 +204,12 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
             print_error(command, f"{causes[0]}; all workers stopped")
             status = 130
             break
-        if code:
-            status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
+        if code == 2:  # the workers refused the input (a checkpoint); rank 0 said why, once
+            status = 2
+            if not bench:
+                break
+        elif code:
+            status = 1
             print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
             for line in causes[1:]:  # [Note: one line per cause] in launcher
                 print_error(command, f"  also {line}")
@@ -261,7 +269,8 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
             console: Console) -> int:
     record = make_record(command, cfg, env, engines, peak)
     write_record(record, cfg.out)
-    console.print(summary_table(record))
+    if any(e.get("summary") for e in engines):  # else a table of dashes: the error said it all
+        console.print(summary_table(record))
     table = comparison_table(record)
     if table is not None:
         console.print(table)
@@ -273,11 +282,13 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
         md_path = os.path.splitext(cfg.out)[0] + ".md"
         with open(md_path, "w") as f:
             f.write(markdown(record))
-        console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False)
+        console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False, soft_wrap=True)
     elif all(e.get("status") == "ok" for e in engines):
-        console.print(f"record: {cfg.out}  (plots: zbuf report {cfg.out})", highlight=False)
+        # A line of its own, never wrapped: a command to copy whole, whatever the path's length.
+        console.print(f"record: {cfg.out}\nplots:  zbuf report {shlex.quote(cfg.out)}",
+                      highlight=False, soft_wrap=True)
     else:  # nothing to plot; the record holds the error
-        console.print(f"record: {cfg.out}", highlight=False)
+        console.print(f"record: {cfg.out}", highlight=False, soft_wrap=True)
     sys.stdout.flush()
     return 0
 
