@@ -145,15 +145,23 @@ def summary_table(record: dict[str, Any]) -> Table:
         if s.get("pool") else "-")
     row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
     row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
-    row("blocks kept/selective/recomputed", lambda s: "/".join(
-        str(s["recompute"][k]) for k in ("regions_kept", "regions_selective",
-                                          "regions_recomputed")) if s.get("recompute") else "-")
-    row("activations kept / recomputed", lambda s: (
-        f"{format_bytes(s['recompute']['kept_bytes'])} / "
-        f"{format_bytes(s['recompute']['recomputed_bytes'])}") if s.get("recompute") else "-")
-    row("recomputed FLOP per step", lambda s: (
-        f"{_flop_text(s['recompute']['recomputed_flops'])} of "
-        f"{_flop_text(s['recompute']['forward_flops'])}") if s.get("recompute") else "-")
+    # Recompute rows say what is true of the mode: without checkpointed blocks (--ac off) the
+    # step recomputes nothing a user chose, so only what forward kept for backward is shown (the
+    # partitioner's own FLOP-free recomputes of views and casts are not "recomputed").
+    checkpointed = any(s.get("recompute") and s["recompute"]["regions"] for s in summaries)
+    if checkpointed:
+        row("blocks kept/selective/recomputed", lambda s: "/".join(
+            str(s["recompute"][k]) for k in ("regions_kept", "regions_selective",
+                                              "regions_recomputed")) if s.get("recompute") else "-")
+        row("activations kept / recomputed", lambda s: (
+            f"{format_bytes(s['recompute']['kept_bytes'])} / "
+            f"{format_bytes(s['recompute']['recomputed_bytes'])}") if s.get("recompute") else "-")
+        row("recomputed FLOP per step", lambda s: (
+            f"{_flop_text(s['recompute']['recomputed_flops'])} of "
+            f"{_flop_text(s['recompute']['forward_flops'])}") if s.get("recompute") else "-")
+    elif any(s.get("recompute") for s in summaries):
+        row("activations kept for backward", lambda s: format_bytes(
+            s["recompute"]["kept_bytes"]) if s.get("recompute") else "-")
     return table
 
 
