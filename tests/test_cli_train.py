@@ -186,6 +186,42 @@ def test_train_default_engine_then_report(tmp_path):
     assert "peak live gathered" in rep.stdout  # the schedule table
     assert "first step by phase" in rep.stdout and "Dynamo tracing" in rep.stdout
     assert "gather budget, measured" in rep.stdout  # the step-memory table
+    _check_plot_layout(json.loads(out.read_text()), tmp_path / "again")
+
+
+def _check_plot_layout(record, out_dir):
+    """What issue 22 found in the CPU default's plots, on the figures themselves: units by
+    magnitude, memory axes from zero, labels off the data, no zero-width phase listed."""
+    import zbuf.train.report as report
+
+    figs = {}
+
+    def keep(fig, path):
+        figs[os.path.basename(path)] = fig
+        return path
+
+    orig = report._save
+    report._save = keep
+    try:
+        report.make_plots(record, str(out_dir))
+    finally:
+        report._save = orig
+    rec = figs["recompute.png"].axes
+    assert "MiB per rank" in rec[0].get_ylabel() and "MFLOP" in rec[1].get_ylabel()
+    for ax in rec:  # no "1e-5" offset text over the title
+        ax.figure.canvas.draw()
+        assert ax.yaxis.get_offset_text().get_text() == "", ax.get_ylabel()
+    phases = figs["compile_phases.png"].axes[0]
+    listed = [t.get_text() for t in phases.get_legend().get_texts()]
+    shown = record["engines"][0]["summary"]["compile_phases"]["phases"]
+    assert "Inductor lowering + codegen" not in listed and len(listed) == \
+        sum(v > 0.002 * sum(shown.values()) for v in shown.values()), listed
+    assert phases.get_legend().get_bbox_to_anchor().x0 > phases.bbox.x1 - 1  # beside the bar
+    mem = figs["memory.png"].axes
+    assert all(ax.get_ylim()[0] == 0 for ax in mem)
+    step = figs["step_memory.png"].axes[0]
+    assert step.get_ylim()[0] == 0 and not step.texts  # no label drawn over the lines
+    assert any("off scale" in t.get_text() for t in step.get_legend().get_texts())
 
 
 def test_two_steps_with_a_budget_below_the_floor(tmp_path):
