@@ -43,6 +43,11 @@ def test_python_block_runs_as_written(index, tmp_path):
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"README python block {index}:\n{code}\n{res.stderr[-4000:]}"
+    if "zbuf.schedule_report" in code:  # the API tour shows the user what zbuf planned
+        lines = res.stdout.splitlines()
+        assert [l.split(":")[0] for l in lines if "parameters gathered in" in l] == \
+            ["forward", "backward"], res.stdout
+        assert any(l.startswith("saved ") and l.endswith("ckpt") for l in lines), res.stdout
 
 
 def test_there_is_python_to_run():
