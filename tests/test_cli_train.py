@@ -181,6 +181,11 @@ def test_train_default_engine_then_report(tmp_path):
     assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png",
                      "schedule_memory.png",
                      "step_memory.png", "step_time.png"]
+    from test_readme import readme_report_plots  # the README's sample output lists them all
+
+    assert sorted(readme_report_plots()) == names, readme_report_plots()
+    assert [line.split("/")[-1] for line in rep.stdout.splitlines()
+            if line.startswith("wrote ")] == readme_report_plots()  # in the order written
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table

@@ -574,5 +574,5 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
     if memory is not None:
         console.print(memory)
     for p in paths:
-        console.print(f"wrote {p}", highlight=False)
+        console.print(f"wrote {p}", highlight=False, soft_wrap=True)  # a path, whole
     return 0
