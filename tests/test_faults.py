@@ -248,6 +248,20 @@ def test_peer_failure_classification():
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
+def test_the_timeout_is_read_from_the_group(one_rank_group):
+    # issue 23: the timeout lives on the group (torch keeps it), not in a module global
+    import torch.distributed as dist
+
+    from zbuf.faults import collective_timeout_s, configure_timeout
+
+    configure_timeout(12.5)
+    assert collective_timeout_s() == 12.5
+    other = dist.new_group([0], backend="gloo")
+    configure_timeout(3, group=other)
+    assert collective_timeout_s(other) == 3.0 and collective_timeout_s() == 12.5
+    dist.destroy_process_group(other)
+
+
 def test_configure_timeout_rejects_bad_values():
     from zbuf.faults import configure_timeout
 
