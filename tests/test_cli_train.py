@@ -432,11 +432,16 @@ def _alive(pid):
 LONG_RUN = ["train", "--engine", "zbuf-eager", "--steps", "100000", "--save-every", "2"]
 
 
-def _start_long_run(tmp_path):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "zbuf.cli"]
+
+
+def _start_long_run(tmp_path, launcher=ZBUF):
     proc = subprocess.Popen(
-        ZBUF + LONG_RUN + ["--checkpoint-dir", str(tmp_path / "ck"), "--out",
-                           str(tmp_path / "cut.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        launcher + LONG_RUN + ["--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                               str(tmp_path / "cut.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(ENV, OMP_NUM_THREADS="1"),
         start_new_session=True,  # its own process group, like a shell job
         # a foreground job's SIGINT, not the one this runner inherited ([Note: an ignored
         # SIGINT stays ignored] in zbuf/faults.py)
@@ -454,16 +459,17 @@ def _start_long_run(tmp_path):
     return proc, workers
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only", "ctrl-c-under-torchrun"])
 def test_interrupt_leaves_no_orphans_and_a_record(tmp_path, how):
-    proc, workers = _start_long_run(tmp_path)
+    torchrun = how.endswith("torchrun")
+    proc, workers = _start_long_run(tmp_path, TORCHRUN if torchrun else ZBUF)
     try:
-        if how == "ctrl-c":  # the terminal sends SIGINT to the whole foreground group
+        if how.startswith("ctrl-c"):  # the terminal sends SIGINT to the whole foreground group
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 130, rest
+        assert proc.returncode == (1 if torchrun else 130), rest  # torchrun's own status
         assert "interrupted" in rest
         deadline = time.monotonic() + 10
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
@@ -476,8 +482,9 @@ def test_interrupt_leaves_no_orphans_and_a_record(tmp_path, how):
         assert [s["step"] for s in eng["steps"]] == list(range(len(eng["steps"])))
         assert eng["summary"]["final_loss"] == eng["steps"][-1]["loss"]
         assert "interrupted" in rest.split("peak RSS")[0], rest  # the summary says so
-        resume = " ".join(["zbuf", *LONG_RUN, "--checkpoint-dir", str(tmp_path / "ck"), "--out",
-                           str(tmp_path / "cut.json"), "--resume"])
+        resume = " ".join([*(["torchrun <your torchrun options> -m zbuf.cli"] if torchrun
+                             else ["zbuf"]), *LONG_RUN, "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--out", str(tmp_path / "cut.json"), "--resume"])
         assert f"resume with: {resume}" in rest, rest
         assert "latest checkpoint: " + str(tmp_path / "ck" / "step_0000") in rest, rest
     finally:

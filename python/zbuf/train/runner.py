@@ -95,9 +95,10 @@ def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
                                                               "finished")]}
 
 
-def resume_command(argv: list[str]) -> str:
-    """The command line that continues a run started with ``zbuf argv...``: the same options,
-    with ``--resume`` (in place of a ``--resume-from``, which would go back to that step)."""
+def resume_command(argv: list[str], launcher: str = "zbuf") -> str:
+    """The command line that continues a run started with ``launcher argv...`` (``launcher``
+    as written, unquoted): the same options, with ``--resume`` (in place of a
+    ``--resume-from``, which would go back to that step)."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -106,7 +107,7 @@ def resume_command(argv: list[str]) -> str:
             skip = True
         elif not arg.startswith("--resume-from=") and arg != "--resume":
             out.append(arg)
-    return shlex.join(["zbuf", *out, "--resume"])
+    return f"{launcher} {shlex.join([*out, '--resume'])}"
 
 
 def _last_line(text: str) -> str:
@@ -186,7 +187,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                           f"continue)", highlight=False, markup=False)
         return 0
     if under_torchrun():
-        return _run_in_process(command, cfg, console)
+        return _run_in_process(command, cfg, console, argv)
     if crowded is not None:  # [Note: CPU ranks and cores] in resources
         console.print(f"zbuf {command}: note: {crowded}", highlight=False, markup=False,
                       soft_wrap=True)
@@ -227,8 +228,10 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     return code
 
 
-def _resume_hint(cfg: TrainConfig, argv: Optional[list[str]], console: Console) -> None:
-    """After an interrupt: the checkpoint a resume would continue from, and the command."""
+def _resume_hint(cfg: TrainConfig, argv: Optional[list[str]], console: Console,
+                 launcher: str = "zbuf") -> None:
+    """After an interrupt: the checkpoint a resume would continue from, and the command
+    (``launcher`` and ``argv``)."""
     if cfg.checkpoint_dir is None:
         return
     from ..checkpoint import list_checkpoints
@@ -242,23 +245,40 @@ def _resume_hint(cfg: TrainConfig, argv: Optional[list[str]], console: Console) 
     console.print(f"latest checkpoint: {path} (step {step})", highlight=False, markup=False,
                   soft_wrap=True)
     if argv:
-        console.print(f"resume with: {resume_command(argv)}", highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(f"resume with: {resume_command(argv, launcher)}", highlight=False,
+                      markup=False, soft_wrap=True)
 
 
-def _run_in_process(command: str, cfg: TrainConfig, console: Console) -> int:
+def _run_in_process(command: str, cfg: TrainConfig, console: Console,
+                    argv: Optional[list[str]] = None) -> int:
     from .. import faults
     from ..checkpoint import CheckpointError
     from .worker import run_engines
 
     rank = int(os.environ["RANK"])
-    try:
-        with faults.supervised():  # releases the pools and the process group on every way out
-            partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress)
-    except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
-        if rank == 0:
-            print_error(command, f"{type(e).__name__}: {e}")
-        return 2
+    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
+        stopped = os.path.join(tmp, "interrupted.json")  # [Note: interrupted runs] in loop
+        try:
+            with faults.supervised():  # releases the pools and the process group on every way out
+                partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
+                                      interrupted_path=stopped)
+        except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
+            if rank == 0:
+                print_error(command, f"{type(e).__name__}: {e}")
+            return 2
+        except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
+            if rank != 0 or e.code not in (130, 143) or not os.path.exists(stopped):
+                raise
+            with open(stopped) as f:
+                partial = json.load(f)
+            print_error(command, f"interrupted ({'SIGINT' if e.code == 130 else 'SIGTERM'}); "
+                                 f"the record holds the steps done")
+            _finish(command, cfg, partial["environment"], partial["engines"],
+                    partial["peak_flops"], console)
+            # torchrun's own options are not known here: the user puts theirs back
+            _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
+                                                      "zbuf.cli")
+            return e.code
     if rank != 0:
         return 0
     return _finish(command, cfg, partial["environment"], partial["engines"], partial["peak_flops"],
