@@ -87,14 +87,15 @@ def test_a_cause_seen_by_every_rank_is_said_once(tmp_path, capsys):
 
 
 def _launcher_script(tmp_path):
-    """A launcher of two ranks that sleep, printing READY once both run."""
+    """A launcher of two ranks that sleep; rank 0 prints READY (the launcher's handlers are in
+    place before it starts ranks)."""
     rank = tmp_path / "sleeper.py"
-    rank.write_text("import time\ntime.sleep(120)\n")
+    rank.write_text("import os, time\nif os.environ['RANK'] == '0':\n    print('READY', flush=True)"
+                    "\ntime.sleep(120)\n")
     script = tmp_path / "launch.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, threading, time
+        import sys
         from zbuf.train.launcher import Interrupted, launch_group
-        threading.Timer(3.0, lambda: print("READY", flush=True)).start()
         try:
             launch_group([{str(rank)!r}], 2, grace=5.0)
         except Interrupted as e:
