@@ -103,12 +103,14 @@ def _unship(results: list[bytes]) -> list:
 # ---------------------------------------------------------------------------------------------
 # workers (module level: spawned processes import them by name)
 
+RUN = {"id": "test-run"}  # the replace of step 5 is this run's own: save_checkpoint allows it
+
 
 def _uninterrupted(rank, world, root):
     model, opt = _make(world)
     _train(model, opt, rank, world, 0, SAVE_AT)
     saved = ckpt.save_checkpoint(ckpt.checkpoint_path(root, SAVE_AT), model, opt, step=SAVE_AT,
-                                 extra={"note": "first", "rng": torch.get_rng_state()})
+                                 extra={"note": "first", "rng": torch.get_rng_state()}, run=RUN)
     at_save = _snapshot(model, opt)
     _train(model, opt, rank, world, SAVE_AT, STOP_AT)
     return _ship((str(saved), at_save, _snapshot(model, opt)))
@@ -135,7 +137,7 @@ def _crash_while_replacing(rank, world, root):
     model, opt = _make(world)
     ckpt.load_checkpoint(ckpt.checkpoint_path(root, SAVE_AT), model, opt)
     os.environ["ZBUF_FAULT"] = "checkpoint.between_renames@0"
-    ckpt.save_checkpoint(ckpt.checkpoint_path(root, SAVE_AT), model, opt, step=SAVE_AT)
+    ckpt.save_checkpoint(ckpt.checkpoint_path(root, SAVE_AT), model, opt, step=SAVE_AT, run=RUN)
     return "survived"
 
 

@@ -191,3 +191,23 @@ def test_resume_from_an_older_checkpoint_when_the_newest_is_damaged(tmp_path, ca
 def test_policy_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SaveResumePolicy(**kwargs)
+
+
+def test_save_checkpoint_follows_the_cli_ownership_rule(tmp_path):
+    # The README's snippet run twice replaced ./ckpt silently, where zbuf train refuses another
+    # run's checkpoints: a checkpoint is replaced only by a save of the run that wrote it.
+    model, opt = _make()
+    path = tmp_path / "ckpt"
+    ckpt.save_checkpoint(path, model, opt, step=3)
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.save_checkpoint(path, model, opt, step=3)
+    msg = " ".join(str(e.value).split())
+    assert f"not saving {path}" in msg and "step 3, saved without a run id" in msg, msg
+    assert "choose another path" in msg and "run={'id': ...}" in msg, msg
+    assert ckpt.read_checkpoint_info(path).run is None  # nothing was written
+    mine = tmp_path / "mine"
+    ckpt.save_checkpoint(mine, model, opt, step=1, run={"id": "a"})
+    with pytest.raises(ckpt.CheckpointMismatchError, match="of run a"):
+        ckpt.save_checkpoint(mine, model, opt, step=2, run={"id": "b"})
+    ckpt.save_checkpoint(mine, model, opt, step=2, run={"id": "a"})  # its own run: replaced
+    assert ckpt.read_checkpoint_info(mine).step == 2

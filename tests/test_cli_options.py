@@ -168,11 +168,23 @@ def test_rank_count_the_machine_cannot_hold_is_refused_up_front(no_spawn, capsys
     cfg = TrainConfig(nproc=64).resolve(cuda=False, world=64, bench=False)
     avail = SHARED_BYTES + 10 * cpu_rank_bytes(cfg, 10) + 1
     with pytest.raises(ConfigError, match=r"use --nproc 10 or fewer"):
-        check_cpu_memory(cfg, available=avail)
+        check_cpu_memory(cfg, available=avail, cores=64)
     check_cpu_memory(dataclasses.replace(cfg, nproc=10), available=avail)  # fits: no error
+    # ... capped at the cores: 10 fit in memory, but 2 cores run 10 ranks 5x slower
+    with pytest.raises(ConfigError, match=r"use --nproc 2 or fewer \(10 would fit in memory, "
+                                          r"but on 2 CPU cores more ranks only share them"):
+        check_cpu_memory(cfg, available=avail, cores=2)
     big = TrainConfig(preset="qwen3-8b", nproc=1).resolve(cuda=False, world=1, bench=False)
     with pytest.raises(ConfigError, match="even one rank does not fit"):
         check_cpu_memory(big, available=16 << 30)
+
+    # More ranks than cores run, with a note of what they cost ([Note: CPU ranks and cores]).
+    from zbuf.train.resources import cpu_oversubscription
+
+    assert cpu_oversubscription(dataclasses.replace(cfg, nproc=2), cores=2) is None
+    assert cpu_oversubscription(dataclasses.replace(cfg, nproc=45), cores=2) == (
+        "--nproc 45 on 2 CPU cores: the ranks share the cores, so each step takes about 22.5x "
+        "as long as with a core per rank; --nproc 2 uses each core once")
 
     # GPUs: one rank per GPU.
     import torch
@@ -203,7 +215,9 @@ def test_hugging_face_model_type_is_checked_before_spawning(model, says, no_spaw
                         lambda name, *a: None if name == "transformers" else find_spec(name, *a))
     assert main(["train", "--model", "hf:qwen3", "--out", out]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert "needs the transformers package: pip install 'zbuf[hf]'" in line, line
+    # zbuf is not on the package index: 'zbuf[hf]' named a package pip cannot find
+    assert "needs the transformers package: pip install transformers (from a zbuf checkout: " \
+           "pip install '.[hf]')" in line and "zbuf[hf]" not in line, line
 
 
 def test_default_warmup_follows_the_steps():
@@ -223,6 +237,8 @@ def test_report_names_the_damaged_file_and_the_cause(tmp_path, capsys):
     assert main(["report", str(cut)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert str(cut) in line and "truncated" in line, line
+    # json's own words end in "at" here: "starting at: line 1, column 27", not "at at line 1"
+    assert "Unterminated string starting at: line 1, column 26" in line and "at at" not in line
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "zbuf.run/1",, }')
     assert main(["report", str(bad)]) == 2
@@ -289,3 +305,23 @@ def test_ac_modes_and_per_engine_modes():
     # Records written before the modes: a bool.
     old = cfg.to_json() | {"ac": True, "engine_ac": []}
     assert TrainConfig.from_json(old).ac == "full"
+
+
+def test_more_cpu_ranks_than_cores_start_with_a_note_of_the_cost(monkeypatch, capsys, tmp_path):
+    # --nproc 64 on 2 cores was refused for memory only, suggesting 45 ranks on 2 cores.
+    import zbuf.train.resources as resources
+    import zbuf.train.runner as runner
+
+    class Started(Exception):
+        pass
+
+    def launched(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(resources, "cpu_cores", lambda: 1)
+    monkeypatch.setattr(runner, "launch_group", launched)
+    with pytest.raises(Started):
+        main(["train", "--nproc", "2", "--out", str(tmp_path / "run.json")])
+    out = capsys.readouterr().out
+    assert "zbuf train: note: --nproc 2 on 1 CPU core: the ranks share the cores, so each step " \
+           "takes about 2x as long" in out, out

@@ -170,6 +170,9 @@ def test_train_default_engine_then_report(tmp_path):
             if "mean loss " in line]
     assert len(live) == steps and "loss: the mean over ranks" in res.stdout, res.stdout
     assert live == [round(x, 4) for x in losses], (live, losses)
+    # The report command on a line of its own, whole, however long the path (rich wraps at 80
+    # columns in a pipe; it split "zbuf report PATH" before)
+    assert f"plots:  zbuf report {out}" in res.stdout.splitlines(), res.stdout
 
     plots = tmp_path / "plots"
     rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
@@ -178,11 +181,52 @@ def test_train_default_engine_then_report(tmp_path):
     assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png",
                      "schedule_memory.png",
                      "step_memory.png", "step_time.png"]
+    from test_readme import readme_report_plots  # the README's sample output lists them all
+
+    assert sorted(readme_report_plots()) == names, readme_report_plots()
+    assert [line.split("/")[-1] for line in rep.stdout.splitlines()
+            if line.startswith("wrote ")] == readme_report_plots()  # in the order written
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
     assert "first step by phase" in rep.stdout and "Dynamo tracing" in rep.stdout
     assert "gather budget, measured" in rep.stdout  # the step-memory table
+    _check_plot_layout(json.loads(out.read_text()), tmp_path / "again")
+
+
+def _check_plot_layout(record, out_dir):
+    """What issue 22 found in the CPU default's plots, on the figures themselves: units by
+    magnitude, memory axes from zero, labels off the data, no zero-width phase listed."""
+    import zbuf.train.report as report
+
+    figs = {}
+
+    def keep(fig, path):
+        figs[os.path.basename(path)] = fig
+        return path
+
+    orig = report._save
+    report._save = keep
+    try:
+        report.make_plots(record, str(out_dir))
+    finally:
+        report._save = orig
+    rec = figs["recompute.png"].axes
+    assert "MiB per rank" in rec[0].get_ylabel() and "MFLOP" in rec[1].get_ylabel()
+    for ax in rec:  # no "1e-5" offset text over the title
+        ax.figure.canvas.draw()
+        assert ax.yaxis.get_offset_text().get_text() == "", ax.get_ylabel()
+    phases = figs["compile_phases.png"].axes[0]
+    listed = [t.get_text() for t in phases.get_legend().get_texts()]
+    shown = record["engines"][0]["summary"]["compile_phases"]["phases"]
+    assert "Inductor lowering + codegen" not in listed and len(listed) == \
+        sum(v > 0.002 * sum(shown.values()) for v in shown.values()), listed
+    assert phases.get_legend().get_bbox_to_anchor().x0 > phases.bbox.x1 - 1  # beside the bar
+    mem = figs["memory.png"].axes
+    assert all(ax.get_ylim()[0] == 0 for ax in mem)
+    step = figs["step_memory.png"].axes[0]
+    assert step.get_ylim()[0] == 0 and not step.texts  # no label drawn over the lines
+    assert any("off scale" in t.get_text() for t in step.get_legend().get_texts())
 
 
 def test_two_steps_with_a_budget_below_the_floor(tmp_path):
@@ -309,6 +353,10 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
     res = _run(common + one_rank + ["--resume", "--out", str(tmp_path / "bad.json")])
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "CheckpointCorruptError" in res.stderr and "Traceback" not in res.stderr
+    # said once (rank 0's message), not again as "engine zbuf failed (exit 2): ranks 0-1 ...",
+    # and no summary table of dashes claiming measured steps
+    assert res.stderr.count("CheckpointCorruptError") == 1, res.stderr
+    assert "failed (exit 2)" not in res.stderr and "measured step" not in res.stdout, res.stdout
     assert "--resume-from step_00000003" in " ".join(res.stderr.split()), res.stderr
     out = tmp_path / "back.json"
     res = _run(common + one_rank + ["--resume-from", "step_00000003", "--out", str(out)])
@@ -381,12 +429,23 @@ def _alive(pid):
         return False
 
 
-def _start_long_run(tmp_path):
+LONG_RUN = ["train", "--engine", "zbuf-eager", "--steps", "100000", "--save-every", "2"]
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "zbuf.cli"]
+
+
+def _start_long_run(tmp_path, launcher=ZBUF):
     proc = subprocess.Popen(
-        ZBUF + ["train", "--engine", "zbuf-eager", "--steps", "100000", "--out",
-                str(tmp_path / "never.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-        start_new_session=True)  # its own process group, like a shell job
+        launcher + LONG_RUN + ["--checkpoint-dir", str(tmp_path / "ck"), "--out",
+                               str(tmp_path / "cut.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(ENV, OMP_NUM_THREADS="1"),
+        start_new_session=True,  # its own process group, like a shell job
+        # a foreground job's SIGINT, not the one this runner inherited ([Note: an ignored
+        # SIGINT stays ignored] in zbuf/faults.py)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # rank 0 prints this once every rank is set up and training
         if "training 100000 steps" in line:
@@ -394,25 +453,40 @@ def _start_long_run(tmp_path):
         assert time.monotonic() < deadline, "training never started"
     workers = _children(proc.pid)
     assert len(workers) == 2, workers
+    while not (tmp_path / "ck" / "step_00000002").is_dir():  # a checkpoint to resume from
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint written"
+        time.sleep(0.1)
     return proc, workers
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only"])
-def test_interrupt_leaves_no_orphans(tmp_path, how):
-    proc, workers = _start_long_run(tmp_path)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-launcher-only", "ctrl-c-under-torchrun"])
+def test_interrupt_leaves_no_orphans_and_a_record(tmp_path, how):
+    torchrun = how.endswith("torchrun")
+    proc, workers = _start_long_run(tmp_path, TORCHRUN if torchrun else ZBUF)
     try:
-        if how == "ctrl-c":  # the terminal sends SIGINT to the whole foreground group
+        if how.startswith("ctrl-c"):  # the terminal sends SIGINT to the whole foreground group
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 130, rest
+        assert proc.returncode == (1 if torchrun else 130), rest  # torchrun's own status
         assert "interrupted" in rest
         deadline = time.monotonic() + 10
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [w for w in workers if _alive(w)], "orphaned workers"
-        assert not (tmp_path / "never.json").exists()
+        # [Note: interrupted runs]: the steps done, marked so, and the command that resumes
+        with open(tmp_path / "cut.json") as f:
+            eng = json.load(f)["engines"][0]
+        assert eng["status"] == "interrupted" and len(eng["steps"]) >= 2, rest
+        assert [s["step"] for s in eng["steps"]] == list(range(len(eng["steps"])))
+        assert eng["summary"]["final_loss"] == eng["steps"][-1]["loss"]
+        assert "interrupted" in rest.split("peak RSS")[0], rest  # the summary says so
+        resume = " ".join([*(["torchrun <your torchrun options> -m zbuf.cli"] if torchrun
+                             else ["zbuf"]), *LONG_RUN, "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--out", str(tmp_path / "cut.json"), "--resume"])
+        assert f"resume with: {resume}" in rest, rest
+        assert "latest checkpoint: " + str(tmp_path / "ck" / "step_0000") in rest, rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

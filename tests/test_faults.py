@@ -65,6 +65,11 @@ def _worker(mode: str, rank: int, world: int, port: int, timeout_s: float) -> No
                     os.kill(os.getpid(), signal.SIGINT)
                 elif mode == "sigterm":
                     os.kill(os.getpid(), signal.SIGTERM)
+                elif mode == "sigint-ignored":  # started with SIGINT ignored, as by `cmd &`
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.5)
+                    print("SURVIVED SIGINT", flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the signal arrives
             out.backward()
             opt.step()
@@ -80,6 +85,12 @@ class _null:
         return False
 
 
+def _sigint_disposition(handler):
+    """A Popen ``preexec_fn`` giving the child this SIGINT disposition, not the one the test
+    runner inherited (a runner started by ``cmd &`` in a script has SIGINT ignored)."""
+    return lambda: signal.signal(signal.SIGINT, handler)
+
+
 class _Job:
     def __init__(self, mode: str, world: int) -> None:
         import torch.distributed as dist
@@ -93,6 +104,8 @@ class _Job:
             subprocess.Popen(
                 [sys.executable, __file__, mode, str(rank), str(world), str(self.store.port), str(TIMEOUT_S)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                preexec_fn=_sigint_disposition(
+                    signal.SIG_IGN if mode == "sigint-ignored" else signal.SIG_DFL),
             )
             for rank in range(world)
         ]
@@ -131,7 +144,8 @@ class _Job:
 @pytest.fixture(scope="module")
 def pairs():
     # Exit paths that involve no peer run on one rank: fewer processes on a 2-core machine.
-    worlds = {"kill": 2, "stop": 2, "raise": 2, "clean": 2, "sigint": 1, "sigterm": 1}
+    worlds = {"kill": 2, "stop": 2, "raise": 2, "clean": 2, "sigint": 1, "sigterm": 1,
+              "sigint-ignored": 1}
     started = {m: _Job(m, w) for m, w in worlds.items()}
     deadline = time.time() + 400
     try:
@@ -201,6 +215,17 @@ def test_terminated_rank_releases_and_exits_143(pairs):
     assert _released(job.err[0], "destroyed"), info
 
 
+def test_ignored_sigint_stays_ignored_and_sigterm_still_stops(pairs):
+    # [Note: an ignored SIGINT stays ignored]: a rank started with SIGINT ignored trains on
+    # through it, and SIGTERM still releases and exits 143.
+    job = pairs["sigint-ignored"]
+    info = job.describe()
+    assert "SURVIVED SIGINT" in job.out[0], info
+    assert "interrupted" not in job.err[0], info
+    assert job.procs[0].returncode == 128 + signal.SIGTERM, info
+    assert _released(job.err[0], "destroyed"), info
+
+
 def test_normal_exit_releases(pairs):
     # rank 0 under supervised(), rank 1 with only the atexit handler
     job = pairs["clean"]
@@ -221,6 +246,20 @@ def test_peer_failure_classification():
     assert is_peer_failure(wrapped)
     assert not is_peer_failure(ValueError("shape mismatch"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_timeout_is_read_from_the_group(one_rank_group):
+    # issue 23: the timeout lives on the group (torch keeps it), not in a module global
+    import torch.distributed as dist
+
+    from zbuf.faults import collective_timeout_s, configure_timeout
+
+    configure_timeout(12.5)
+    assert collective_timeout_s() == 12.5
+    other = dist.new_group([0], backend="gloo")
+    configure_timeout(3, group=other)
+    assert collective_timeout_s(other) == 3.0 and collective_timeout_s() == 12.5
+    dist.destroy_process_group(other)
 
 
 def test_configure_timeout_rejects_bad_values():

@@ -1,5 +1,6 @@
 """The launcher blames the rank that failed, not the peers that noticed ([Note: which rank failed])."""
 
+import os
 import signal
 import textwrap
 
@@ -83,3 +84,44 @@ def test_a_cause_seen_by_every_rank_is_said_once(tmp_path, capsys):
         "rank 5 exited with status 3 and left no traceback",
         f"ranks 0-4, 6-7 (7 of 8) stopped because another rank failed (exit {RANK_FAILURE_EXIT_CODE})"]
     assert group.causes({5: "ValueError: bad"})[0] == "rank 5: ValueError: bad"
+
+
+def _launcher_script(tmp_path):
+    """A launcher of two ranks that sleep; rank 0 prints READY (the launcher's handlers are in
+    place before it starts ranks)."""
+    rank = tmp_path / "sleeper.py"
+    rank.write_text("import os, time\nif os.environ['RANK'] == '0':\n    print('READY', flush=True)"
+                    "\ntime.sleep(120)\n")
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from zbuf.train.launcher import Interrupted, launch_group
+        try:
+            launch_group([{str(rank)!r}], 2, grace=5.0)
+        except Interrupted as e:
+            print("STOPPED", e, flush=True)
+            sys.exit(130)
+        """))
+    return script
+
+
+def test_launcher_started_with_sigint_ignored_keeps_it_and_stops_on_sigterm(tmp_path):
+    # [Note: an ignored SIGINT stays ignored] in zbuf/faults.py: `zbuf train &` in a script.
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(_launcher_script(tmp_path))],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C reaches the whole group
+        time.sleep(1.0)
+        assert proc.poll() is None, "a launcher started with SIGINT ignored stopped on SIGINT"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 130 and "STOPPED SIGTERM" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -43,7 +43,28 @@ def test_python_block_runs_as_written(index, tmp_path):
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"README python block {index}:\n{code}\n{res.stderr[-4000:]}"
+    if "zbuf.schedule_report" in code:  # the API tour shows the user what zbuf planned
+        lines = res.stdout.splitlines()
+        assert [l.split(":")[0] for l in lines if "parameters gathered in" in l] == \
+            ["forward", "backward"], res.stdout
+        assert any(l.startswith("saved ") and l.endswith("ckpt") for l in lines), res.stdout
 
 
 def test_there_is_python_to_run():
     assert len(_blocks("python")) >= 2
+
+
+def readme_report_plots() -> list[str]:
+    """The PNG files the README's sample ``zbuf report`` output says it wrote, in order."""
+    return [line.split("/")[-1] for block in _blocks("") for line in block.splitlines()
+            if line.startswith("wrote plots/")]
+
+
+def test_the_readme_lists_the_plots_zbuf_report_documents():
+    # The README listed 5 of the 7 plots. What a real CPU run writes is compared with this list
+    # in tests/test_cli_train.py::test_train_default_engine_then_report.
+    import zbuf.train.report as report
+
+    documented = re.findall(r"^- ``(\w+\.png)``", report.__doc__, re.M)
+    assert sorted(readme_report_plots()) == sorted(documented), (readme_report_plots(), documented)
+

@@ -165,6 +165,23 @@ def _recompute_stats(mode, kept, sel, recomputed, kept_bytes, recomputed_flops):
             "recomputed_flops": recomputed_flops, "partitions": 3}
 
 
+def test_summary_table_recompute_rows_follow_the_mode():
+    # --ac off checkpoints no block: "activations kept / recomputed 34.63 MiB / 512.00 KiB"
+    # beside "recomputed FLOP 0" was not true of it; what forward kept for backward is.
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    off = _recompute_stats("checkpointed", 0, 0, 0, 34 << 20, 0.0)
+    text = _table_text(_record([_engine("zbuf", times, losses, schedule={"graphs": [
+        dict(g, recompute=off) for g in SCHEDULE["graphs"]]})]))
+    assert "activations kept for backward │ 34.00 MiB" in text, text
+    assert "recomputed" not in text and "blocks kept" not in text, text
+    auto = _recompute_stats("auto", 1, 2, 1, 3 << 30, 5e12)
+    text = _table_text(_record([_engine("zbuf", times, losses, schedule={"graphs": [
+        dict(g, recompute=auto) for g in SCHEDULE["graphs"]]})]))
+    assert "blocks kept/selective/recomputed │ 1/2/1" in text, text
+    assert "activations kept / recomputed │ 3.00 GiB / 1.00 GiB" in text, text
+    assert "recomputed FLOP per step │ 5.00 T of 40.00 T" in text, text
+
+
 def test_recompute_in_summary_table_plot_and_merge(tmp_path, capsys, monkeypatch):
     """What zbuf kept and recomputed reaches the summary, the schedule table and recompute.png;
     runs of different --ac modes merge into one comparison, labelled by mode, against FSDP2

@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print_error(args.command, str(e))
         return 2
-    return run(args.command, cfg)
+    return run(args.command, cfg, argv=list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,17 @@ shutdown triggers, and a surviving rank must not hang where its peer died. Any o
 releases resources and re-raises (Python prints the traceback, exit status 1); Ctrl-C releases
 and exits with 130.
 
+[Note: an ignored SIGINT stays ignored]
+A process whose parent ignored SIGINT starts with it ignored, and Python then installs no
+``KeyboardInterrupt`` handler: a shell does that for ``cmd &`` in a script (without job control),
+so that the terminal's Ctrl-C stops the script and not its background jobs; ``nohup`` under
+such a shell inherits it too. zbuf keeps that choice, in the ranks and in ``zbuf train``'s
+launcher alike: such a run does not stop on SIGINT. SIGTERM stops it cleanly whatever SIGINT's
+disposition (``install_exit_handlers``: the rank releases its pools and process group and exits
+with 143; the launcher stops every worker first), so a background run is stopped with
+``kill PID``. ``tests/test_faults.py`` starts each rank with the disposition it tests, not the
+one the test runner inherited.
+
 [Note: resource release]
 ``release_resources()`` runs on every exit path (``supervised``'s handlers, ``atexit``, and
 SIGTERM, which torchrun sends to the remaining workers when one fails): it drops the idle blocks
@@ -52,6 +63,7 @@ import sys
 import threading
 from typing import Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -78,10 +90,31 @@ RANK_FAILURE_EXIT_CODE = 75
 INTERRUPTED_EXIT_CODE = 130
 """Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
 
-_state_lock = threading.Lock()
-_timeout_s: Optional[float] = None  # what configure_timeout last applied (None: torch's default)
-_handlers_installed = False
-_released = False
+
+
+class _ProcessRelease:
+    """Whether this process already released its resources ([Note: resource release]).
+
+    The one piece of process-wide state in this module, kept on purpose: what it guards (the
+    pools and process groups of this process, released from ``atexit``, SIGTERM and
+    ``supervised``'s handlers, which are per process by nature) belongs to the process, not to
+    any object a caller holds. The collective timeout lives on the group itself (torch keeps it in
+    the group's options), and the exit handlers are recognised by what is installed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+
+    def claim(self) -> bool:
+        """True exactly once per process: the caller releases."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+
+_PROCESS_RELEASE = _ProcessRelease()
 
 # Substrings of the errors gloo, NCCL and the c10d store raise when a peer is gone or too slow.
 _PEER_FAILURE_MARKERS = (
@@ -104,7 +137,6 @@ def configure_timeout(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, group: Op
     process start-up is not mistaken for a dead rank. Applies to every later collective of the
     group (``ProcessGroup.set_timeout``), gloo and NCCL alike.
     """
-    global _timeout_s
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not dist.is_initialized():
@@ -114,13 +146,19 @@ def configure_timeout(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, group: Op
         )
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     pg.set_timeout(datetime.timedelta(seconds=float(timeout_s)))
-    with _state_lock:
-        _timeout_s = float(timeout_s)
 
 
-def collective_timeout_s() -> Optional[float]:
-    """The timeout ``configure_timeout`` last applied, or None if it was never called."""
-    return _timeout_s
+def collective_timeout_s(group: Optional[dist.ProcessGroup] = None) -> Optional[float]:
+    """The collective timeout of ``group`` (None: the default group) in seconds, as the group
+    holds it (``configure_timeout``'s, else torch's default); None without a process group."""
+    try:
+        if not dist.is_initialized():
+            return None
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        device = "cuda" if "nccl" in str(dist.get_backend(pg)).lower() else "cpu"
+        return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - a group torch is tearing down: say nothing, not raise
+        return None
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -150,9 +188,8 @@ def rank_failure_message(exc: BaseException) -> str:
     cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if len(cause) > 300:
         cause = cause[:300] + "..."
-    timeout = (
-        f"{_timeout_s:g} s" if _timeout_s is not None else "torch's default (NCCL 10 min, gloo 30 min)"
-    )
+    applied = collective_timeout_s()
+    timeout = f"{applied:g} s" if applied is not None else "torch's default (NCCL 10 min, gloo 30 min)"
     return (
         f"zbuf: {_rank_words()} stopped: a collective failed because another rank died or stopped "
         f"responding (collective timeout: {timeout}). Cause: {type(exc).__name__}: {cause}. "
@@ -168,11 +205,8 @@ def release_resources(*, peer_failed: bool = False) -> None:
 
     With ``ZBUF_LOG_EXIT=1`` in the environment it reports what it released on stderr.
     """
-    global _released
-    with _state_lock:
-        if _released:
-            return
-        _released = True
+    if not _PROCESS_RELEASE.claim():
+        return
     pools, freed = _trim_pools()
     pg = "none"
     if dist.is_available() and dist.is_initialized():
@@ -260,13 +294,6 @@ def _trim_pools() -> tuple[int, int]:
     return len(seen), freed
 
 
-def _reset_for_tests() -> None:
-    """Allow ``release_resources`` to run again (tests that init and release several times)."""
-    global _released
-    with _state_lock:
-        _released = False
-
-
 def _on_sigterm(signum, frame):
     # Unwind like an exception so ``finally`` blocks and atexit run; torchrun sends SIGTERM to
     # the other workers when one fails.
@@ -276,14 +303,11 @@ def _on_sigterm(signum, frame):
 def install_exit_handlers() -> None:
     """Register ``release_resources`` with ``atexit`` and turn SIGTERM into ``SystemExit(143)``.
 
-    Idempotent. The SIGTERM handler is installed only from the main thread and only if SIGTERM
-    still has its default disposition (an application's own handler wins).
+    Idempotent: ``release_resources`` is registered once however often this runs, and the SIGTERM
+    handler is installed only from the main thread and only if SIGTERM still has its default
+    disposition (an application's own handler wins, and so does ours once installed).
     """
-    global _handlers_installed
-    with _state_lock:
-        if _handlers_installed:
-            return
-        _handlers_installed = True
+    atexit.unregister(release_resources)  # at most one registration
     atexit.register(release_resources)
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

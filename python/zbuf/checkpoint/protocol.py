@@ -133,8 +133,12 @@ def save_checkpoint(
     """Save ``model``'s shards (and ``optimizer``'s state) to the directory ``path``, atomically.
 
     Collective over the model's sharding group; every rank passes the same ``path``. Returns the
-    committed directory. An existing checkpoint at ``path`` is replaced atomically; a save that
-    dies midway leaves whatever was at ``path`` before ([Note: atomic checkpoint commit]).
+    committed directory. A checkpoint belongs to the run that saved it ([Note: checkpoints
+    belong to one run] in ``zbuf/train/save_resume.py``, the rule ``zbuf train`` follows): an
+    existing checkpoint at ``path`` is replaced only by a save that passes ``run`` with that
+    checkpoint's ``run["id"]``, atomically (a save that dies midway leaves what was there before,
+    [Note: atomic checkpoint commit]); any other save there (a second run of the same script)
+    raises ``CheckpointMismatchError`` before anything is written.
 
     Args:
         path: the checkpoint directory; ``zbuf.checkpoint_path(root, step)`` gives the
@@ -148,7 +152,8 @@ def save_checkpoint(
         run: a JSON-serialisable dict describing the run this state belongs to (``zbuf train``
             records its run id and configuration: [Note: checkpoints belong to one run] in
             ``zbuf/train/save_resume.py``). Kept in the manifest, so ``read_checkpoint_info``
-            returns it without loading anything; rank 0's copy is stored.
+            returns it without loading anything; rank 0's copy is stored. Its ``"id"``, when
+            present, is what lets a later save of the same run replace this checkpoint.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -174,7 +179,8 @@ def save_checkpoint(
     manifest.update(step=step, world_size=world, run=run)
 
     with record_function("zbuf::checkpoint::prepare"):
-        problem = None
+        problem = _someone_elses(path, run) if rank == 0 else None
+        _raise_if_any(group, problem, CheckpointMismatchError, f"not saving {path}")
         if rank == 0:
             try:
                 files.prepare_tmp_dir(path)
@@ -248,6 +254,29 @@ def _save_state(inv: layout.ModelInventory, optimizer, extra) -> tuple[dict, dic
     if extra is not None:
         state[layout.EXTRA_KEY] = layout.serialise(extra, "extra")
     return state, manifest
+
+
+def _someone_elses(path: Path, run: Optional[dict]) -> Optional[str]:
+    """Why a save of ``run`` must not replace what is at ``path`` (None: nothing there, or a
+    checkpoint of the same run id); read by rank 0 only."""
+    old = files.old_dir_for(path)  # a replace that died between its renames left it there
+    existing = path if files.is_complete(path) else old if old.is_dir() and files.is_complete(old) \
+        else None
+    if existing is None:
+        return None
+    try:
+        manifest = files.read_manifest(existing)
+    except ValueError:
+        manifest = {}
+    theirs = (manifest.get("run") or {}).get("id")
+    mine = (run or {}).get("id")
+    if mine is not None and mine == theirs:
+        return None
+    whose = f"of run {theirs}" if theirs is not None else "saved without a run id"
+    return (f"it already holds a checkpoint (step {manifest.get('step', '?')}, {whose}), and a "
+            f"checkpoint belongs to the run that saved it: choose another path, delete that "
+            f"one, or pass run={{'id': ...}} with the id of the run it belongs to (the same id "
+            f"on every save of a run) to replace it")
 
 
 def _raise_if_any(group, problem: Optional[str], cls: type, headline: str) -> None:

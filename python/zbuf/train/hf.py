@@ -3,7 +3,8 @@
 A type is supported when ``engines.HFDecoder`` can wrap it with the preset's exact shape (its
 config takes ``head_dim`` and ``num_key_value_heads``, its blocks are ``model.layers``) and a test
 trains it through ``zbuf.shard`` against an unsharded reference (``tests/test_shard_hf.py``,
-``tests/test_cli_train.py``). transformers itself is the optional extra ``zbuf[hf]``.
+``tests/test_cli_train.py``). transformers itself is the optional extra ``hf`` (zbuf is not on
+the package index: from a checkout, ``pip install '.[hf]'``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["HF_MODEL_TYPES", "HF_INSTALL", "check_hf_model"]
 HF_MODEL_TYPES = ("llama", "qwen3")
 """The ``transformers`` model types ``--model hf:<type>`` accepts."""
 
-HF_INSTALL = "pip install 'zbuf[hf]'"
+HF_INSTALL = "pip install transformers (from a zbuf checkout: pip install '.[hf]')"
 """How a user gets transformers for ``--model hf:...``."""
 
 

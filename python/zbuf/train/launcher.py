@@ -12,6 +12,9 @@ picks (no free-port race) and every rank connects to it as a client.
   (``KeyboardInterrupt``, exit 130) and the launcher waits for them.
 - SIGINT or SIGTERM sent to the launcher alone: it sends SIGTERM to every live worker, waits up to
   ``grace`` seconds, then SIGKILLs what is left, and reaps all of them before exiting.
+- Started with SIGINT ignored (``cmd &`` in a script): the launcher and its workers keep
+  ignoring it and SIGTERM stops them as above ([Note: an ignored SIGINT stays ignored] in
+  ``zbuf/faults.py``).
 - The launcher killed outright (SIGKILL): each worker asked the kernel to SIGKILL it when its
   parent dies (``PR_SET_PDEATHSIG``, set by the worker itself at start-up; see
   ``die_with_parent``).
@@ -227,7 +230,11 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
                 **{_LAUNCHER_PID: str(os.getpid())})
     procs: list[subprocess.Popen] = []
     relay = _StderrRelay()
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGTERM always stops the group; SIGINT only when this process was not started with it
+    # ignored ([Note: an ignored SIGINT stays ignored] in zbuf/faults.py).
+    handled = [signal.SIGTERM] + \
+        ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    old = {s: signal.signal(s, _raise_interrupted) for s in handled}
     try:
         for rank in range(nproc):
             child = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))

@@ -17,6 +17,13 @@ loaded after the engine is built and before the clock starts. Its rows cover ste
 the first step this process runs (that is the step that compiles), shortened so that at least one
 step is measured. Checkpoint saves run after a step's clock stopped, so step times never include
 them; their durations go to the record's ``checkpoints`` list.
+
+[Note: interrupted runs]
+Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SystemExit``) during the steps keeps what finished:
+``run_engine`` hands ``on_interrupt`` a result of status ``"interrupted"`` holding the rows of
+the steps this rank finished, then lets the interruption go on. Its peers are being stopped at
+the same moment, so no collective gathers their rows: the record holds rank 0's times and
+memory (the loss of each finished step is already the mean over ranks), ``per_rank`` one entry.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,10 +88,13 @@ def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional
 
 
 def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
-               label: Optional[str] = None) -> dict:
+               label: Optional[str] = None,
+               on_interrupt: Optional[Callable[[dict], None]] = None) -> dict:
     """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict.
     ``label`` names the run in the record, the progress bar and profile files (default: the
-    engine's name; ``TrainConfig.run_labels``)."""
+    engine's name; ``TrainConfig.run_labels``). ``on_interrupt``: called with this rank's
+    result of the steps done ([Note: interrupted runs]) when Ctrl-C or SIGTERM stops the
+    steps; the interruption then goes on."""
     label = label or engine.value
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
@@ -124,39 +134,52 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
     # The first step's phases, and those of a later step that compiled (a re-plan, a new shape).
     compile_phases: list[dict[str, Any]] = []
     progress.start_engine(label, cfg.steps, start)
-    for step in range(start, cfg.steps):
-        batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
-                           mcfg_vocab, device)
-        t_step = time.perf_counter()
-        with PhaseClock() as clock:  # [Note: compile phases]
-            loss = _train_step(setup, batch, marks)
-            if cuda:
-                torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t_step
-        timed = clock.result(elapsed)
-        if step == start or timed.caches["graphs"] > 0:
-            compile_phases.append(dict(timed.to_json(), step=step))
-        value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
-        if step_memory is not None:
-            mem = step_memory.close_step()
-            phases = mem.phases
-        else:
-            probe.feed_pool()
-            mem, phases = None, meter.close_step()
-        if step == start:  # the first step planned the schedule: say what it changed
-            notices = budget_notices(cfg.budget, setup.schedule_report())
-            for text in notices:
-                progress.notice(text)
-        m = probe.sample(phases)
-        rows.append(StepRow(elapsed, value, m, phases, mem))
-        progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
-        faults.fault_point("train.step_done")  # [Note: fault points]
-        t0 = time.perf_counter()
-        with record_function("zbuf.train.checkpoint"):
-            path = checkpoints.after_step(step + 1, setup.model, setup.optimizer)
-        if path is not None:
-            saves.append({"step": step + 1, "path": str(path),
-                          "seconds": time.perf_counter() - t0})
+    try:
+        for step in range(start, cfg.steps):
+            batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
+                               mcfg_vocab, device)
+            t_step = time.perf_counter()
+            with PhaseClock() as clock:  # [Note: compile phases]
+                loss = _train_step(setup, batch, marks)
+                if cuda:
+                    torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - t_step
+            timed = clock.result(elapsed)
+            if step == start or timed.caches["graphs"] > 0:
+                compile_phases.append(dict(timed.to_json(), step=step))
+            value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
+            if step_memory is not None:
+                mem = step_memory.close_step()
+                phases = mem.phases
+            else:
+                probe.feed_pool()
+                mem, phases = None, meter.close_step()
+            if step == start:  # the first step planned the schedule: say what it changed
+                notices.extend(budget_notices(cfg.budget, setup.schedule_report()))
+                for text in notices:
+                    progress.notice(text)
+            m = probe.sample(phases)
+            rows.append(StepRow(elapsed, value, m, phases, mem))
+            progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
+            faults.fault_point("train.step_done")  # [Note: fault points]
+            t0 = time.perf_counter()
+            with record_function("zbuf.train.checkpoint"):
+                path = checkpoints.after_step(step + 1, setup.model, setup.optimizer)
+            if path is not None:
+                saves.append({"step": step + 1, "path": str(path),
+                              "seconds": time.perf_counter() - t0})
+    except (KeyboardInterrupt, SystemExit):
+        progress.end_engine()
+        if on_interrupt is not None:
+            result = _combine(engine, cfg, [rows], world, start)
+            result.update(label=label, ac=cfg.ac, status="interrupted",
+                          setup_seconds=setup_seconds, resume_seconds=resume_seconds,
+                          checkpoints=[s for s in saves if os.path.isdir(s["path"])],
+                          run_id=checkpoints.run_id, notices=notices,
+                          resumed_from=str(checkpoints.resumed_from)
+                          if checkpoints.resumed_from else None)
+            on_interrupt(result)
+        raise
     progress.end_engine()
     if cfg.profile_dir is not None:
         with record_function("zbuf.train.profile"), StepProfiler(cfg.profile_dir, label.replace(":", "-"), rank):
@@ -252,9 +275,10 @@ telemetry (record.py lists what each means)."""
 
 def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
              world: int, start: int = 0) -> dict:
-    """Rows of steps ``start..cfg.steps-1`` from every rank -> the engine's record entry."""
-    n = cfg.steps - start
-    warmup = min(cfg.warmup, n - 1)  # [Note: resumed runs]
+    """Rows of steps ``start..start+n-1`` from every rank -> the engine's record entry (``n``:
+    the steps every rank finished, ``cfg.steps - start`` unless interrupted)."""
+    n = min(len(rows) for rows in per_rank)
+    warmup = max(0, min(cfg.warmup, n - 1))  # [Note: resumed runs]
     measured = slice(warmup, n)
     steps = []
     for i in range(n):
@@ -271,7 +295,8 @@ def _combine(engine: Engine, cfg: TrainConfig, per_rank: list[list[StepRow]],
         entry.update((name, [get(c) for c in col]) for name, get in _PER_RANK.items())
         steps.append(entry)
     ranks = []
-    for r, rows in enumerate(per_rank):
+    for r, rows in enumerate(per_rank if n else []):
+        rows = rows[:n]
         last = rows[-1]
         before = rows[warmup - 1].memory.alloc_retries if warmup > 0 else 0
         ranks.append({

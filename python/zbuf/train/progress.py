@@ -116,13 +116,16 @@ def summary_table(record: dict[str, Any]) -> Table:
         cells = []
         for eng in engines:
             s = eng.get("summary")
-            if eng["status"] != "ok" or s is None:
-                cells.append(f"[red]{eng['status']}[/red]" if label == "status" else "-")
+            if label == "status":
+                cells.append({"ok": "[green]ok[/green]", "interrupted": "[yellow]interrupted"
+                              "[/yellow]"}.get(eng["status"], f"[red]{eng['status']}[/red]"))
+            elif s is None:
+                cells.append("-")
             else:
                 cells.append(fn(s))
         table.add_row(label, *cells)
 
-    row("status", lambda s: "[green]ok[/green]")
+    row("status", None)
     row("step time, median", lambda s: f"{s['step_time_median_s'] * 1e3:,.1f} ms")
     row("step time, min-max", lambda s: f"{s['step_time_min_s'] * 1e3:,.1f}-"
                                         f"{s['step_time_max_s'] * 1e3:,.1f} ms")
@@ -142,15 +145,23 @@ def summary_table(record: dict[str, Any]) -> Table:
         if s.get("pool") else "-")
     row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
     row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
-    row("blocks kept/selective/recomputed", lambda s: "/".join(
-        str(s["recompute"][k]) for k in ("regions_kept", "regions_selective",
-                                          "regions_recomputed")) if s.get("recompute") else "-")
-    row("activations kept / recomputed", lambda s: (
-        f"{format_bytes(s['recompute']['kept_bytes'])} / "
-        f"{format_bytes(s['recompute']['recomputed_bytes'])}") if s.get("recompute") else "-")
-    row("recomputed FLOP per step", lambda s: (
-        f"{_flop_text(s['recompute']['recomputed_flops'])} of "
-        f"{_flop_text(s['recompute']['forward_flops'])}") if s.get("recompute") else "-")
+    # Recompute rows say what is true of the mode: without checkpointed blocks (--ac off) the
+    # step recomputes nothing a user chose, so only what forward kept for backward is shown (the
+    # partitioner's own FLOP-free recomputes of views and casts are not "recomputed").
+    checkpointed = any(s.get("recompute") and s["recompute"]["regions"] for s in summaries)
+    if checkpointed:
+        row("blocks kept/selective/recomputed", lambda s: "/".join(
+            str(s["recompute"][k]) for k in ("regions_kept", "regions_selective",
+                                              "regions_recomputed")) if s.get("recompute") else "-")
+        row("activations kept / recomputed", lambda s: (
+            f"{format_bytes(s['recompute']['kept_bytes'])} / "
+            f"{format_bytes(s['recompute']['recomputed_bytes'])}") if s.get("recompute") else "-")
+        row("recomputed FLOP per step", lambda s: (
+            f"{_flop_text(s['recompute']['recomputed_flops'])} of "
+            f"{_flop_text(s['recompute']['forward_flops'])}") if s.get("recompute") else "-")
+    elif any(s.get("recompute") for s in summaries):
+        row("activations kept for backward", lambda s: format_bytes(
+            s["recompute"]["kept_bytes"]) if s.get("recompute") else "-")
     return table
 
 

@@ -7,7 +7,8 @@ Record layout (``schema: zbuf.run/1``)::
     model          name, params, flops_per_token, shape
     environment    torch / CUDA / NCCL / driver versions, GPU kind and count, host
     world_size     ranks
-    engines[]      engine, status ("ok" | "failed"), error, setup_seconds,
+    engines[]      engine, status ("ok" | "failed" | "interrupted": the steps finished
+                   before Ctrl-C or SIGTERM, rank 0's numbers only), error, setup_seconds,
                    start_step (0, or the checkpoint step a --resume run continued from),
                    warmup_steps (warm-up actually left out of the statistics),
                    resume_seconds, checkpoints[] (step, path, seconds: saves of this run
@@ -206,7 +207,8 @@ def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],
     name = f"hf:{cfg.hf_model} ({shape} shape)" if cfg.hf_model else shape
     fpt = mcfg.flops_per_token(cfg.seq_len)
     for eng in engines:
-        if eng.get("status") == "ok":
+        # an interrupted run: the steps it finished ([Note: interrupted runs] in loop)
+        if eng.get("status") == "ok" or eng.get("status") == "interrupted" and eng.get("steps"):
             eng["summary"] = summarize(eng, cfg, fpt, peak_flops)
     return {
         "schema": SCHEMA,
@@ -238,7 +240,7 @@ def load_record(path: str) -> dict[str, Any]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        where = f"{e.msg} at line {e.lineno}, column {e.colno}"
+        where = f"{e.msg}: line {e.lineno}, column {e.colno}"  # e.msg may end in "at"
         if not text.rstrip().endswith("}"):  # every record is one object
             where = f"the file ends before the JSON does, so it is truncated ({where})"
         raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \

@@ -61,6 +61,27 @@ def _title(record: dict[str, Any], what: str) -> str:
             f"{cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
 
 
+def _byte_unit(top: float) -> tuple[float, str]:
+    """(scale, name) of the binary unit that shows ``top`` bytes as a number >= 1."""
+    for scale, name in ((_GIB, "GiB"), (float(1 << 20), "MiB"), (1024.0, "KiB")):
+        if top >= scale:
+            return scale, name
+    return 1.0, "B"
+
+
+def _flop_unit(top: float) -> tuple[float, str]:
+    """(scale, name) of the decimal unit that shows ``top`` FLOP as a number >= 1."""
+    for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+        if top >= scale:
+            return scale, name
+    return 1.0, "FLOP"
+
+
+def _plain_ticks(ax) -> None:
+    """Numbers on the y axis as they are: no ``1e-5`` offset text over the title."""
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+
+
 def _save(fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -119,6 +140,7 @@ def _memory_plot(record, out_dir) -> str:
     ax.set_xlabel("step")
     ax.set_ylabel(("allocator reserved + pool" if cuda else "resident set") + ", GiB")
     ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
+    ax.set_ylim(bottom=0)  # a flat line must look flat: no zoom onto a 4% band
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     if pooled:
@@ -133,6 +155,7 @@ def _memory_plot(record, out_dir) -> str:
                            label=f"{run_label(eng)}: high water")
         ax.set_xlabel("step")
         ax.set_ylabel("MiB (max over ranks)")
+        ax.set_ylim(bottom=0)
         ax.set_title("Gather-buffer pool occupancy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -152,8 +175,11 @@ def _phases_plot(record, out_dir) -> Optional[str]:
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(phased)))
     left = [0.0] * len(phased)
     rows = list(range(len(phased)))
+    longest = max(sum(p["phases"].values()) for _, p in phased) or 1.0
     for name in PHASES:
         widths = [p["phases"].get(name, 0.0) for _, p in phased]
+        if max(widths) < 0.002 * longest:  # no visible width: the table lists it, the plot not
+            continue
         ax.barh(rows, widths, left=left, label=PHASE_LABELS[name])
         left = [a + b for a, b in zip(left, widths)]
     ax.set_yticks(rows, [run_label(eng) for eng, _ in phased])
@@ -161,7 +187,8 @@ def _phases_plot(record, out_dir) -> Optional[str]:
     ax.set_xlabel("seconds (slowest rank's first step)")
     ax.set_title(_title(record, "First step by phase"))
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(fontsize="small", ncol=3, loc="lower right")
+    # beside the bars, never over them
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, os.path.join(out_dir, "compile_phases.png"))
 
 
@@ -311,14 +338,16 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
             else:
                 text = " -> ".join(f"{b / _GIB:.2f}" for b in dict.fromkeys(
                     b for b in budget if b is not None))
-                ax.text(0.01, 0.96, f"gather budget {text} GiB (off scale)",
-                        transform=ax.transAxes, va="top", color="tab:red", fontsize="small")
+                # a legend entry, not text on the axes: it stays off the lines
+                ax.plot([], [], linestyle="none", marker="^", color="tab:red",
+                        label=f"gather budget {text} GiB (off scale)")
             for s in steps:
                 if any(s.get("replanned") or []):
                     ax.axvline(s["step"], color="tab:red", alpha=0.3, linestyle="--",
                                label="re-plan")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (max over ranks)")
+        ax.set_ylim(bottom=0)
         what = "torch allocated" if cuda else "tracked tensors (CPU stand-in)"
         ax.set_title(f"{run_label(eng)}: phase peaks ({what}) and the pool")
         ax.grid(alpha=0.3)
@@ -358,25 +387,30 @@ def _recompute_plot(record, out_dir) -> Optional[str]:
     names = [run_label(eng) for eng, _ in runs]
     xs = range(len(runs))
     width = 0.38
-    left.bar([x - width / 2 for x in xs], [r["kept_bytes"] / _GIB for _, r in runs], width,
+    bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"]) for _, r in runs))
+    left.bar([x - width / 2 for x in xs], [r["kept_bytes"] / bscale for _, r in runs], width,
              label="kept for backward")
-    left.bar([x + width / 2 for x in xs], [r["recomputed_bytes"] / _GIB for _, r in runs], width,
-             label="recomputed in backward")
+    left.bar([x + width / 2 for x in xs], [r["recomputed_bytes"] / bscale for _, r in runs],
+             width, label="recomputed in backward")
     left.set_xticks(list(xs), names, fontsize="small")
-    left.set_ylabel("activations, GiB per rank")
+    left.set_ylabel(f"activations, {bunit} per rank")
+    _plain_ticks(left)
     left.set_title("Activations kept and recomputed")
     left.legend(fontsize="small")
     left.grid(alpha=0.3, axis="y")
-    right.bar([x - width / 2 for x in xs], [r["forward_flops"] / 1e12 for _, r in runs], width,
+    fscale, funit = _flop_unit(max(max(r["forward_flops"], r["recomputed_flops"])
+                                   for _, r in runs))
+    right.bar([x - width / 2 for x in xs], [r["forward_flops"] / fscale for _, r in runs], width,
               label="forward")
-    right.bar([x + width / 2 for x in xs], [r["recomputed_flops"] / 1e12 for _, r in runs], width,
-              label="recomputed in backward")
+    right.bar([x + width / 2 for x in xs], [r["recomputed_flops"] / fscale for _, r in runs],
+              width, label="recomputed in backward")
     for x, (_, r) in zip(xs, runs):
         right.annotate(f"{r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}",
                        (x, 0), textcoords="offset points", xytext=(0, 3), ha="center",
                        fontsize="x-small")
     right.set_xticks(list(xs), names, fontsize="small")
-    right.set_ylabel("matmul + attention TFLOP per step per rank")
+    right.set_ylabel(f"matmul + attention {funit} per step per rank")
+    _plain_ticks(right)
     right.set_title("FLOPs (blocks kept/selective/recomputed)")
     right.legend(fontsize="small")
     right.grid(alpha=0.3, axis="y")
@@ -540,5 +574,5 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
     if memory is not None:
         console.print(memory)
     for p in paths:
-        console.print(f"wrote {p}", highlight=False)
+        console.print(f"wrote {p}", highlight=False, soft_wrap=True)  # a path, whole
     return 0

@@ -24,6 +24,14 @@ over-counts):
 
 It is an estimate: it catches a rank count that is off by a large factor, not one that is off by
 a few percent.
+
+[Note: CPU ranks and cores]
+Memory is not the only limit: ranks beyond one per core time-share the cores, and each step
+waits for the slowest rank, so N ranks on C < N cores take about N / C times as long per step as
+the same work on N cores, and gloo collectives stall on ranks the scheduler has parked. Such a
+run still works (it is how the suite tests many-rank logic on a 2-core machine), so it is not
+refused: ``cpu_oversubscription`` is a one-line note of its cost, and when memory refuses a rank
+count the count suggested is capped at the cores.
 """
 
 from __future__ import annotations
@@ -33,8 +41,8 @@ from typing import Optional
 
 from .config import ConfigError, Engine, TrainConfig, format_bytes
 
-__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_rank_bytes",
-           "check_cpu_memory"]
+__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_cores", "cpu_rank_bytes",
+           "check_cpu_memory", "cpu_oversubscription"]
 
 RUNTIME_BYTES = {"compiled": 480 << 20, "eager": 400 << 20}
 """Private memory of one CPU rank's runtime, by whether the engine compiles ([Note: memory per
@@ -73,6 +81,27 @@ def available_memory() -> Optional[int]:
     return min(found) if found else None
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_oversubscription(cfg: TrainConfig, cores: Optional[int] = None) -> Optional[str]:
+    """What ``cfg.nproc`` CPU ranks on ``cores`` cores (default ``cpu_cores()``) cost when they
+    are more than the cores, in one line; None when each rank has a core ([Note: CPU ranks and
+    cores])."""
+    cores = cpu_cores() if cores is None else cores
+    world = cfg.nproc
+    if world <= cores:
+        return None
+    return (f"--nproc {world} on {cores} CPU core{'s' if cores > 1 else ''}: the ranks share the "
+            f"cores, so each step takes about {world / cores:.3g}x as long as with a core per "
+            f"rank; --nproc {cores} uses each core once")
+
+
 def cpu_rank_bytes(cfg: TrainConfig, world: int) -> int:
     """Estimated private memory of one CPU rank of ``world`` running ``cfg`` (resolved), the
     most demanding of its engines ([Note: memory per CPU rank])."""
@@ -93,10 +122,13 @@ def cpu_rank_bytes(cfg: TrainConfig, world: int) -> int:
     return need
 
 
-def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None) -> None:
+def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None,
+                     cores: Optional[int] = None) -> None:
     """``ConfigError`` when ``cfg.nproc`` CPU ranks would need more memory than is available
-    (``available``: bytes, default ``available_memory()``); the message says how many fit."""
+    (``available``: bytes, default ``available_memory()``); the message says how many fit, at
+    most one per core (``cores``: default ``cpu_cores()``; [Note: CPU ranks and cores])."""
     available = available_memory() if available is None else available
+    cores = cpu_cores() if cores is None else cores
     if available is None:
         return  # nothing to compare with; the run will tell
     world = cfg.nproc
@@ -104,9 +136,15 @@ def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None) -> None:
     if total <= available:
         return
     fits = [n for n in range(1, world) if SHARED_BYTES + n * cpu_rank_bytes(cfg, n) <= available]
-    fix = (f"use --nproc {fits[-1]} or fewer" if fits else
-           "even one rank does not fit: use a smaller --preset, --layers, --micro-batch or "
-           "--seq-len")
+    if not fits:
+        fix = ("even one rank does not fit: use a smaller --preset, --layers, --micro-batch or "
+               "--seq-len")
+    elif fits[-1] > cores:
+        fix = (f"use --nproc {cores} or fewer ({fits[-1]} would fit in memory, but on {cores} "
+               f"CPU cores more ranks only share them: each step about ranks / {cores} times "
+               f"slower)")
+    else:
+        fix = f"use --nproc {fits[-1]} or fewer"
     raise ConfigError(
         f"--nproc {world}: {world} CPU ranks need about {format_bytes(total)} of memory "
         f"({format_bytes(cpu_rank_bytes(cfg, world))} per rank, estimated for {cfg.preset}), but "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 
@@ -20,7 +21,7 @@ from .config import ConfigError, TrainConfig, check_output_path
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
-from .resources import check_cpu_memory
+from .resources import check_cpu_memory, cpu_oversubscription
 
 __all__ = ["run", "merge"]
 
@@ -84,6 +85,31 @@ def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str,
             "status": status, "error": error}
 
 
+def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
+    """What rank 0 wrote of an interrupted run ([Note: interrupted runs] in ``loop``), or a
+    record entry saying it stopped before a step finished."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"engines": [_failure(cfg, index, "interrupted", "interrupted before any step "
+                                                              "finished")]}
+
+
+def resume_command(argv: list[str], launcher: str = "zbuf") -> str:
+    """The command line that continues a run started with ``launcher argv...`` (``launcher``
+    as written, unquoted): the same options, with ``--resume`` (in place of a
+    ``--resume-from``, which would go back to that step)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume-from":
+            skip = True
+        elif not arg.startswith("--resume-from=") and arg != "--resume":
+            out.append(arg)
+    return f"{launcher} {shlex.join([*out, '--resume'])}"
+
+
 def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
@@ -103,7 +129,13 @@ def _spawned(cfg: TrainConfig, index: int,
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
-        group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        try:
+            group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        except Interrupted as e:  # every worker has stopped; rank 0 left the steps it did
+            return _interrupted_partial(cfg, index, partial_path), 130, [f"interrupted ({e})"]
+        rank = group.failed_rank
+        if rank is not None and group.returncodes[rank] == 130:  # Ctrl-C reached the ranks only
+            return _interrupted_partial(cfg, index, partial_path), 130, ["interrupted (SIGINT)"]
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0, []
@@ -125,9 +157,11 @@ def _spawned(cfg: TrainConfig, index: int,
         return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
 
 
-def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
+def run(command: str, cfg: TrainConfig, console: Console | None = None,
+        argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
-    interrupt."""
+    interrupt. ``argv``: the command's arguments (``train ...``), for the resume hint of an
+    interrupted run."""
     console = console or Console()
     bench = command == "bench"
     try:
@@ -139,6 +173,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
             cfg.out = check_output_path(cfg.out)
         start = _resume_point(cfg)
+        crowded = None if cuda or under_torchrun() else cpu_oversubscription(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
             print_error(command, str(e))
@@ -152,50 +187,98 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
                           f"continue)", highlight=False, markup=False)
         return 0
     if under_torchrun():
-        return _run_in_process(command, cfg, console)
+        return _run_in_process(command, cfg, console, argv)
+    if crowded is not None:  # [Note: CPU ranks and cores] in resources
+        console.print(f"zbuf {command}: note: {crowded}", highlight=False, markup=False,
+                      soft_wrap=True)
 
     engines_out: list[dict] = []
     env: dict = {}
     peak = None
     status = 0
-    try:
-        for index, label in enumerate(cfg.run_labels()):
-            partial, code, causes = _spawned(cfg, index, console)
-            env = partial.get("environment", env)
-            peak = partial.get("peak_flops", peak)
-            engines_out.extend(partial["engines"])
-            if code:
-                status = 2 if code == 2 else 1  # 2: the workers refused the input (checkpoint)
-                print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
-                for line in causes[1:]:  # [Note: one line per cause] in launcher
-                    print_error(command, f"  also {line}")
-                if not bench:
-                    break
-    except Interrupted as e:
-        print_error(command, f"interrupted ({e}); all workers stopped")
-        return 130
+    for index, label in enumerate(cfg.run_labels()):
+        partial, code, causes = _spawned(cfg, index, console)
+        env = partial.get("environment", env)
+        peak = partial.get("peak_flops", peak)
+        engines_out.extend(partial["engines"])
+        if code == 130:
+            print_error(command, f"{causes[0]}; all workers stopped")
+            status = 130
+            break
+        if code == 2:  # the workers refused the input (a checkpoint); rank 0 said why, once
+            status = 2
+            if not bench:
+                break
+        elif code:
+            status = 1
+            print_error(command, f"engine {label} failed (exit {code}): {causes[0]}")
+            for line in causes[1:]:  # [Note: one line per cause] in launcher
+                print_error(command, f"  also {line}")
+            if not bench:
+                break
     if not env:  # nothing ran: describe the machine from here
         import torch
 
         from .metrics import environment
 
         env = environment(torch.device("cpu"))
-    return _finish(command, cfg, env, engines_out, peak, console) or status
+    code = _finish(command, cfg, env, engines_out, peak, console) or status
+    if status == 130:
+        _resume_hint(cfg, argv, console)
+    return code
 
 
-def _run_in_process(command: str, cfg: TrainConfig, console: Console) -> int:
+def _resume_hint(cfg: TrainConfig, argv: Optional[list[str]], console: Console,
+                 launcher: str = "zbuf") -> None:
+    """After an interrupt: the checkpoint a resume would continue from, and the command
+    (``launcher`` and ``argv``)."""
+    if cfg.checkpoint_dir is None:
+        return
+    from ..checkpoint import list_checkpoints
+
+    found = list_checkpoints(cfg.checkpoint_dir)
+    if not found:
+        console.print(f"no checkpoint was written yet under {cfg.checkpoint_dir}", highlight=False,
+                      markup=False)
+        return
+    step, path = found[-1]
+    console.print(f"latest checkpoint: {path} (step {step})", highlight=False, markup=False,
+                  soft_wrap=True)
+    if argv:
+        console.print(f"resume with: {resume_command(argv, launcher)}", highlight=False,
+                      markup=False, soft_wrap=True)
+
+
+def _run_in_process(command: str, cfg: TrainConfig, console: Console,
+                    argv: Optional[list[str]] = None) -> int:
     from .. import faults
     from ..checkpoint import CheckpointError
     from .worker import run_engines
 
     rank = int(os.environ["RANK"])
-    try:
-        with faults.supervised():  # releases the pools and the process group on every way out
-            partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress)
-    except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
-        if rank == 0:
-            print_error(command, f"{type(e).__name__}: {e}")
-        return 2
+    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
+        stopped = os.path.join(tmp, "interrupted.json")  # [Note: interrupted runs] in loop
+        try:
+            with faults.supervised():  # releases the pools and the process group on every way out
+                partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
+                                      interrupted_path=stopped)
+        except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
+            if rank == 0:
+                print_error(command, f"{type(e).__name__}: {e}")
+            return 2
+        except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
+            if rank != 0 or e.code not in (130, 143) or not os.path.exists(stopped):
+                raise
+            with open(stopped) as f:
+                partial = json.load(f)
+            print_error(command, f"interrupted ({'SIGINT' if e.code == 130 else 'SIGTERM'}); "
+                                 f"the record holds the steps done")
+            _finish(command, cfg, partial["environment"], partial["engines"],
+                    partial["peak_flops"], console)
+            # torchrun's own options are not known here: the user puts theirs back
+            _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
+                                                      "zbuf.cli")
+            return e.code
     if rank != 0:
         return 0
     return _finish(command, cfg, partial["environment"], partial["engines"], partial["peak_flops"],
@@ -206,7 +289,8 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
             console: Console) -> int:
     record = make_record(command, cfg, env, engines, peak)
     write_record(record, cfg.out)
-    console.print(summary_table(record))
+    if any(e.get("summary") for e in engines):  # else a table of dashes: the error said it all
+        console.print(summary_table(record))
     table = comparison_table(record)
     if table is not None:
         console.print(table)
@@ -218,11 +302,13 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
         md_path = os.path.splitext(cfg.out)[0] + ".md"
         with open(md_path, "w") as f:
             f.write(markdown(record))
-        console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False)
+        console.print(f"record: {cfg.out}\ntable:  {md_path}", highlight=False, soft_wrap=True)
     elif all(e.get("status") == "ok" for e in engines):
-        console.print(f"record: {cfg.out}  (plots: zbuf report {cfg.out})", highlight=False)
+        # A line of its own, never wrapped: a command to copy whole, whatever the path's length.
+        console.print(f"record: {cfg.out}\nplots:  zbuf report {shlex.quote(cfg.out)}",
+                      highlight=False, soft_wrap=True)
     else:  # nothing to plot; the record holds the error
-        console.print(f"record: {cfg.out}", highlight=False)
+        console.print(f"record: {cfg.out}", highlight=False, soft_wrap=True)
     sys.stdout.flush()
     return 0
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,12 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
-def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True) -> dict[str, Any]:
+def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
+                interrupted_path: Optional[str] = None) -> dict[str, Any]:
     """Run ``cfg``'s runs of these indices (``TrainConfig.runs``) one after another on this rank;
-    returns the partial record (all ranks)."""
+    returns the partial record (all ranks). ``interrupted_path``: where rank 0 writes the partial
+    record of the steps done when Ctrl-C or SIGTERM stops it ([Note: interrupted runs] in
+    ``loop``)."""
     device = init_distributed(cfg)
     rank = dist.get_rank()
     shown = TrainProgress(memory_label="mem" if device.type == "cuda" else "rss") \
@@ -69,7 +73,9 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True) 
     for i in runs:
         torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
         engine, _ = cfg.runs()[i]
-        results.append(run_engine(engine, cfg.for_run(i), device, shown, labels[i]))
+        results.append(run_engine(engine, cfg.for_run(i), device, shown, labels[i],
+                                  on_interrupt=_interrupted_writer(cfg, device, results,
+                                                                   interrupted_path)))
     # [Note: worker teardown order]: run_engine dropped the model and optimizer; compiled code
     # can still reference a model (a DDP wrapper holds its group strongly), so it goes too, and
     # the collector frees what cycles kept, all before the caller destroys the process group.
@@ -88,6 +94,27 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True) 
     }
 
 
+def _interrupted_writer(cfg: TrainConfig, device: torch.device, done: list[dict],
+                        path: Optional[str]) -> Optional[Callable[[dict], None]]:
+    """Rank 0's ``on_interrupt``: the runs done and the interrupted one, as a partial record at
+    ``path``. The rank is stopping: a second Ctrl-C, or the launcher's SIGTERM, must not cut
+    the file short, so both are ignored from here on."""
+    if path is None or dist.get_rank() != 0:
+        return None
+
+    def write(result: dict) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        partial = {"environment": environment(device),
+                   "peak_flops": peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype),
+                   "engines": [*done, result]}
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(partial, f)
+        os.replace(f"{path}.tmp", path)
+
+    return write
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
@@ -99,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(int(spec["threads"]))
     try:
         with faults.supervised():
-            partial = run_engines(cfg, tuple(spec["runs"]), cfg.progress)
+            partial = run_engines(cfg, tuple(spec["runs"]), cfg.progress,
+                                  interrupted_path=spec["partial"])
         if rank == 0:
             with open(spec["partial"], "w") as f:
                 json.dump(partial, f)
