@@ -145,6 +145,27 @@ class TrainConfig:
     mem_frac: Optional[float] = option(
         help="cap usable GPU memory to this fraction (emulates a smaller GPU)", check=FRACTION)
     """Cap usable GPU memory to this fraction of the card (emulates a smaller GPU)."""
+    simulate_world: Optional[int] = option(
+        help="run one process as rank 0 of N ranks over torch's fake process group: its shards, "
+             "gradients, optimizer state, memory and compute are a real rank 0's; collectives "
+             "move nothing (step times exclude communication, losses mean nothing; the record "
+             "estimates the communication at --link-gbps)",
+        check=POSITIVE_INT, metavar="N")
+    """Simulated ranks ([Note: simulated ranks] in zbuf/train/simulate.py): this process is rank
+    0 of ``simulate_world`` over torch's ``fake`` backend, ``nproc`` is the simulated world size
+    and one process runs. None: real ranks."""
+    gpu_memory: Optional[int] = option(
+        help="emulate a card of this size, e.g. 80GiB: torch's allocator and zbuf's pool "
+             "together, every engine alike (instead of --mem-frac; on CPU it caps zbuf's "
+             "stand-in memory)", check=BYTES, metavar="SIZE")
+    """Emulated card size in bytes. On CUDA the runner turns it into ``mem_frac`` of the card
+    torch reports (and refuses a size above it); on CPU it is the memory zbuf's stand-in plans
+    against (``free_memory_bytes`` of its compile) and what ``zbuf fit`` compares peaks with."""
+    link_gbps: float = option(
+        3600.0, help="link bandwidth per rank, Gbit/s per direction, of the communication "
+                     "estimate of a --simulate-world run (default 3600: H100 NVLink 4, 450 GB/s)",
+        check=POSITIVE_NUMBER, metavar="GBPS")
+    """Per-rank link bandwidth of the communication estimate (``zbuf.train.simulate``)."""
     seed: int = option(0, help="seed of weights and data (default 0)", group="training",
                        check=INTEGER)
     """Seeds the weights and the synthetic data (identical for every engine)."""
@@ -271,6 +292,17 @@ class TrainConfig:
         if self.engine_ac and len(self.engine_ac) != len(self.engines):
             raise ConfigError(f"{len(self.engine_ac)} activation checkpointing modes for "
                               f"{len(self.engines)} engines; give one per engine or none")
+        if self.simulate_world is not None:
+            if self.simulate_world == 1:
+                raise ConfigError("--simulate-world 1 is one real rank: drop it (--nproc 1), or "
+                                  "give the world size to simulate, 2 or more")
+            if self.nproc is not None and self.nproc > 1:
+                raise ConfigError(f"--simulate-world {self.simulate_world} runs one process as "
+                                  f"rank 0 of {self.simulate_world}; --nproc {self.nproc} would "
+                                  f"start real ranks: drop one of them")
+        if self.gpu_memory is not None and self.mem_frac is not None:
+            raise ConfigError("--gpu-memory and --mem-frac both size the emulated card: give one "
+                              "(--gpu-memory 80GiB, or --mem-frac 0.567)")
         if self.micro_batch is not None and self.global_batch is not None:
             raise ConfigError("give --micro-batch (per rank) or --global-batch (split over the "
                               "ranks), not both")
@@ -335,6 +367,9 @@ class TrainConfig:
         c = dataclasses.replace(self)
         c.device = "cuda" if cuda else "cpu"
         c.nproc = world
+        if c.simulate_world is not None and world != c.simulate_world:
+            raise ConfigError(f"--simulate-world {c.simulate_world}, but this launch has {world} "
+                              f"ranks; under torchrun, run real ranks without --simulate-world")
         c.preset = c.preset or ("qwen3-0.6b" if cuda else "tiny")
         if c.global_batch is not None:
             if c.global_batch < world:
@@ -407,6 +442,16 @@ class TrainConfig:
                 raise ConfigError(f"--profile-dir {self.profile_dir}: exists and is not a "
                                   f"directory; give a directory (it is created if missing)")
         return c
+
+    @property
+    def simulated(self) -> bool:
+        """One process stands for ``nproc`` ranks ([Note: simulated ranks])."""
+        return self.simulate_world is not None
+
+    @property
+    def processes(self) -> int:
+        """Processes to start: 1 when simulated, else one per rank (after ``resolve``)."""
+        return 1 if self.simulated else self.nproc
 
     def runs(self) -> list[tuple[Engine, str]]:
         """(engine, activation checkpointing mode) of every run, in order (after ``resolve``)."""

@@ -33,7 +33,7 @@ from typing import Optional
 
 from .config import ConfigError, Engine, TrainConfig, format_bytes
 
-__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_rank_bytes",
+__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "host_memory_bytes", "cpu_rank_bytes",
            "check_cpu_memory"]
 
 RUNTIME_BYTES = {"compiled": 480 << 20, "eager": 400 << 20}
@@ -73,6 +73,22 @@ def available_memory() -> Optional[int]:
     return min(found) if found else None
 
 
+def host_memory_bytes() -> Optional[int]:
+    """The machine's memory (``MemTotal``, capped by this container's cgroup limit); None where
+    neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")]
+    except OSError:
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        cap = _read_int(limit)
+        if cap is not None and cap < 1 << 60:
+            found.append(cap)
+    return min(found) if found else None
+
+
 def cpu_rank_bytes(cfg: TrainConfig, world: int) -> int:
     """Estimated private memory of one CPU rank of ``world`` running ``cfg`` (resolved), the
     most demanding of its engines ([Note: memory per CPU rank])."""
@@ -100,7 +116,7 @@ def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None) -> None:
     if available is None:
         return  # nothing to compare with; the run will tell
     world = cfg.nproc
-    total = SHARED_BYTES + world * cpu_rank_bytes(cfg, world)
+    total = SHARED_BYTES + cfg.processes * cpu_rank_bytes(cfg, world)  # simulated: one process
     if total <= available:
         return
     fits = [n for n in range(1, world) if SHARED_BYTES + n * cpu_rank_bytes(cfg, n) <= available]

@@ -8,6 +8,7 @@ them, with the compile cache reset and device memory emptied in between.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,11 +17,11 @@ from typing import Any
 
 from rich.console import Console
 
-from .config import ConfigError, TrainConfig, check_output_path
+from .config import ConfigError, TrainConfig, check_output_path, format_bytes
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, write_record
-from .resources import check_cpu_memory
+from .resources import check_cpu_memory, host_memory_bytes
 
 __all__ = ["run", "merge"]
 
@@ -32,6 +33,11 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no CUDA device")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.simulated:  # [Note: simulated ranks]: one process, rank 0 of N
+        if under_torchrun():
+            raise ConfigError(f"--simulate-world {cfg.simulate_world} runs one process as rank "
+                              f"0 of {cfg.simulate_world}; start it without torchrun")
+        return cuda, cfg.simulate_world
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if cfg.nproc is not None and cfg.nproc != world:
@@ -43,6 +49,29 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
     if cuda and world > gpus:
         raise ConfigError(f"--nproc {world} but only {gpus} GPU(s) visible; one rank per GPU")
     return cuda, world
+
+
+def _emulated_card(cfg: TrainConfig) -> TrainConfig:
+    """``--gpu-memory SIZE`` on this machine (resolved ``cfg``): on CUDA the fraction of the card
+    torch reports (``mem_frac``, which caps torch's allocator and zbuf's pool together, [Note:
+    emulated capacity] in zbuf/memory.py); on CPU the host's memory is the card, and the size
+    stays for zbuf's stand-in. ``ConfigError`` for a size above the card."""
+    if cfg.gpu_memory is None:
+        return cfg
+    if cfg.device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        what = f"this GPU's {format_bytes(total)} ({torch.cuda.get_device_name(0)})"
+    else:
+        total = host_memory_bytes()
+        what = f"this machine's {format_bytes(total)} of memory (on CPU the card is the host)"
+    if total is not None and cfg.gpu_memory > total:
+        raise ConfigError(f"--gpu-memory {format_bytes(cfg.gpu_memory)} is more than {what}: it "
+                          f"emulates a smaller card; give at most {format_bytes(total)}")
+    if cfg.device == "cuda":
+        return dataclasses.replace(cfg, mem_frac=cfg.gpu_memory / total)
+    return cfg
 
 
 def _resume_point(cfg: TrainConfig) -> int:
@@ -96,14 +125,14 @@ def _spawned(cfg: TrainConfig, index: int,
     with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         partial_path = os.path.join(tmp, "partial.json")
-        threads = max(1, (os.cpu_count() or 2) // cfg.nproc)
+        threads = max(1, (os.cpu_count() or 2) // cfg.processes)
         with open(spec_path, "w") as f:
             json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
                        "threads": threads}, f)
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
-        group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+        group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.processes, env=env)
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0, []
@@ -112,7 +141,7 @@ def _spawned(cfg: TrainConfig, index: int,
             msg = "the ranks exited without a record (rank 0 wrote none)"
             return {"engines": [_failure(cfg, index, "failed", msg)]}, 1, [msg]
         texts = {}
-        for r in range(cfg.nproc):
+        for r in range(cfg.processes):
             err = f"{partial_path}.rank{r}.err"  # written by worker.main
             if os.path.exists(err):
                 with open(err) as f:
@@ -133,7 +162,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     try:
         cfg.validate()
         cuda, world = _machine(cfg)
-        cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
+        cfg = _emulated_card(cfg.resolve(cuda=cuda, world=world, bench=bench))
         if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
             check_cpu_memory(cfg)
         if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
