@@ -1,14 +1,17 @@
-"""The ``zbuf`` command: ``zbuf train``, ``zbuf bench``, ``zbuf report``.
+"""The ``zbuf`` command: ``zbuf train``, ``zbuf bench``, ``zbuf fit``, ``zbuf report``.
 
     zbuf train                      # CPU: 2 gloo ranks, tiny preset; GPU: every GPU over NCCL
     zbuf train --engine fsdp2 --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac
     zbuf train --checkpoint-dir ckpt --save-every 100 --resume   # same line starts and restarts
     zbuf bench --engines zbuf,fsdp2,ddp --preset qwen3-8b --mem-frac 0.68
     zbuf bench --engines zbuf:auto,fsdp2:full,fsdp2:selective --preset qwen3-8b
+    zbuf bench --engines zbuf,fsdp2 --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB
+    zbuf fit --preset qwen3-8b --simulate-world 8 --gpu-memory 80GiB --seq-len 4096 --ac
     zbuf report zbuf-train.json -o plots/
     torchrun --nproc_per_node 8 -m zbuf.cli train ...   # multi-node / external launcher
 
-The machinery lives in ``zbuf.train``; this module only parses options.
+The machinery lives in ``zbuf.train``; this module only parses options, and those of
+``TrainConfig`` come from its fields ([Note: one definition per option] in train/options.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 
 from .train.config import AC_CHOICES, Engine, Task, TrainConfig
 from .train.errors import ConfigError
-from .train.options import cli_option
+from .train.options import POSITIVE_INT, SECONDS, cli_option
 
 __all__ = ["main", "build_parser"]
 
@@ -86,7 +89,7 @@ def _add_config_options(p: argparse.ArgumentParser, command: str) -> None:
             groups[title] = p.add_argument_group(title)
         return groups[title]
 
-    if command in ("train", "bench"):
+    if command in ("train", "bench", "fit"):
         m = group("model")
         m.add_argument("--model", metavar="hf:TYPE|PRESET",
                        help="hf:qwen3 or hf:llama builds that transformers causal LM with the "
@@ -119,8 +122,8 @@ def _add_config_options(p: argparse.ArgumentParser, command: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zbuf", description="ZeRO-3 training for torch.compile: train, "
                                               "benchmark, report.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,report}",
-                                parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{train,bench,fit,report}", parser_class=_Parser)
     train = sub.add_parser("train", help="train the built-in decoder",
                            description="Train the built-in decoder on a synthetic task.")
     train.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
@@ -139,6 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run nothing: merge these records of one configuration (e.g. one "
                             "engine per job) into --out and its markdown table")
     _add_config_options(bench, "bench")
+    fit = sub.add_parser("fit", help="the largest micro-batch that fits a card, by simulated "
+                                     "steps", description="Find the largest micro-batch that "
+                         "trains without OOM and without allocator retries after warm-up on a "
+                         "card of --gpu-memory, as rank 0 of --simulate-world ranks: a bisection "
+                         "of simulated runs, each probe its own process with a time limit.")
+    fit.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
+                     help="the engine to fit (default zbuf)")
+    fit.add_argument("--max-micro-batch", type=_reader(POSITIVE_INT, "--max-micro-batch"),
+                     default=64, metavar="N", help="largest micro-batch tried (default 64)")
+    fit.add_argument("--probe-timeout", type=_reader(SECONDS, "--probe-timeout"), default=540.0,
+                     metavar="SECONDS", help="a probe that has not finished by then counts as "
+                                             "not fitting (default 540)")
+    _add_config_options(fit, "fit")
     report = sub.add_parser("report", help="plots and the schedule table of a run record",
                             description="Write PNG plots of a run record and print its "
                                         "schedule.")
@@ -160,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         else:
             preset = args.model
     runs = args.engines if args.command == "bench" else ((Engine(args.engine), None),)
+    if args.command == "fit":  # a probe is short: a few warm-up and measured steps
+        args.steps = args.steps or 5
+        args.out = args.out or "zbuf-fit.json"
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
               if cli_option(f) is not None and hasattr(args, f.name)}
     fields.update(preset=preset, hf_model=hf, engines=tuple(e for e, _ in runs),
@@ -187,6 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print_error(args.command, str(e))
         return 2
+    if args.command == "fit":
+        from .train.fit import main as fit_main
+
+        return fit_main(cfg, max_micro_batch=args.max_micro_batch, timeout_s=args.probe_timeout)
     return run(args.command, cfg)
 
 

@@ -23,6 +23,9 @@ from .options import (BYTES, FRACTION, INTEGER, NAME_LIST, NON_NEGATIVE_INT, POS
 __all__ = ["ConfigError", "Engine", "OPTIMIZERS", "RUN_DEFINING", "Task", "TrainConfig", "parse_bytes",
            "format_bytes", "AC_CHOICES"]
 
+WITH_FIT = ("train", "bench", "fit")
+"""The options ``zbuf fit`` shares with train and bench: the model, the step and the card."""
+
 AC_CHOICES = ("off", "full", "selective", "auto")
 """``--ac`` modes (``TrainConfig.ac``)."""
 
@@ -89,7 +92,8 @@ class TrainConfig:
     """Engines to run, in order (``zbuf train``: exactly one; ``zbuf bench``: several)."""
     preset: Optional[str] = option(
         help="built-in model preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
-             "qwen3-14b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model")
+             "qwen3-14b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model",
+        commands=WITH_FIT)
     """Model preset from ``zbuf.models.PRESETS``; default ``tiny`` on CPU, ``qwen3-0.6b`` on GPU."""
     hf_model: Optional[str] = None
     """``--model hf:<model_type>``: a Hugging Face ``transformers`` causal LM of that type built
@@ -97,7 +101,8 @@ class TrainConfig:
     ``zbuf.train.hf.HF_MODEL_TYPES``, and needs the extra ``zbuf[hf]``."""
     layers: Optional[int] = option(
         help="N decoder layers of the preset's shape instead of its own count (a large "
-             "preset's harness on fewer GPUs)", group="model", check=POSITIVE_INT, metavar="N")
+             "preset's harness on fewer GPUs)", group="model", check=POSITIVE_INT, metavar="N",
+        commands=WITH_FIT)
     """Decoder layers instead of the preset's count, each of the preset's shape: a large
     preset's harness, memory cap and per-layer behaviour on a machine too small for all of it.
     Default: the preset's own count."""
@@ -111,16 +116,16 @@ class TrainConfig:
     """Sequences per step over all ranks; if set, split evenly: ``micro_batch = global / ranks``."""
     seq_len: Optional[int] = option(
         help="tokens per sequence (default 64 on CPU, 2048 on GPU)", group="training",
-        check=POSITIVE_INT)
+        check=POSITIVE_INT, commands=WITH_FIT)
     """Tokens per sequence; default 64 on CPU, 2048 on GPU."""
     steps: Optional[int] = option(
         help="steps per engine, warm-up included (default 30)", group="training",
-        check=POSITIVE_INT)
+        check=POSITIVE_INT, commands=WITH_FIT)
     """Optimizer steps per engine, warm-up included; default 30 (bench: 10 warm-up + 20
     measured; the CPU demo's loss falls from 5.6 to about 2.9 in 30 steps)."""
     warmup: Optional[int] = option(
         help="steps left out of the timing statistics (default: train 3, bench 10, at most "
-             "half of --steps)", group="training", check=NON_NEGATIVE_INT)
+             "half of --steps)", group="training", check=NON_NEGATIVE_INT, commands=WITH_FIT)
     """Leading steps left out of the step-time statistics (compile and allocator warm-up);
     default 3 for train, 10 for bench, and never more than half of ``steps``."""
     ac: Optional[str] = option(
@@ -128,7 +133,7 @@ class TrainConfig:
              "recompute each block), selective (torchtitan's op-level policy), auto (engine "
              "zbuf: keep what fits in the memory budget, recompute the rest) or off (default: "
              "full with GPUs, off on CPU)", group="training", choices=AC_CHOICES,
-        metavar="MODE", argparse={"nargs": "?", "const": "full"})
+        metavar="MODE", argparse={"nargs": "?", "const": "full"}, commands=WITH_FIT)
     """Activation checkpointing of every block, one of ``AC_CHOICES``: ``off``; ``full`` (each
     block recomputed in backward); ``selective`` (torchtitan's op-level policy, [Note: selective
     checkpointing] in models.py); ``auto`` (engine ``zbuf`` only: every block is checkpointed and
@@ -140,7 +145,7 @@ class TrainConfig:
     engine may run more than once with different modes."""
     budget: Optional[int] = option(
         help="zbuf gather budget, e.g. 8GiB (default: from rank-agreed free memory)",
-        check=BYTES)
+        check=BYTES, commands=WITH_FIT)
     """Gather budget in bytes for the zbuf engines (``None``: derived from free memory)."""
     mem_frac: Optional[float] = option(
         help="cap usable GPU memory to this fraction (emulates a smaller GPU)", check=FRACTION)
@@ -150,67 +155,68 @@ class TrainConfig:
              "gradients, optimizer state, memory and compute are a real rank 0's; collectives "
              "move nothing (step times exclude communication, losses mean nothing; the record "
              "estimates the communication at --link-gbps)",
-        check=POSITIVE_INT, metavar="N")
+        check=POSITIVE_INT, metavar="N", commands=WITH_FIT)
     """Simulated ranks ([Note: simulated ranks] in zbuf/train/simulate.py): this process is rank
     0 of ``simulate_world`` over torch's ``fake`` backend, ``nproc`` is the simulated world size
     and one process runs. None: real ranks."""
     gpu_memory: Optional[int] = option(
         help="emulate a card of this size, e.g. 80GiB: torch's allocator and zbuf's pool "
              "together, every engine alike (instead of --mem-frac; on CPU it caps zbuf's "
-             "stand-in memory)", check=BYTES, metavar="SIZE")
+             "stand-in memory)", check=BYTES, metavar="SIZE", commands=WITH_FIT)
     """Emulated card size in bytes. On CUDA the runner turns it into ``mem_frac`` of the card
     torch reports (and refuses a size above it); on CPU it is the memory zbuf's stand-in plans
     against (``free_memory_bytes`` of its compile) and what ``zbuf fit`` compares peaks with."""
     link_gbps: float = option(
         3600.0, help="link bandwidth per rank, Gbit/s per direction, of the communication "
                      "estimate of a --simulate-world run (default 3600: H100 NVLink 4, 450 GB/s)",
-        check=POSITIVE_NUMBER, metavar="GBPS")
+        check=POSITIVE_NUMBER, metavar="GBPS", commands=WITH_FIT)
     """Per-rank link bandwidth of the communication estimate (``zbuf.train.simulate``)."""
     seed: int = option(0, help="seed of weights and data (default 0)", group="training",
-                       check=INTEGER)
+                       check=INTEGER, commands=WITH_FIT)
     """Seeds the weights and the synthetic data (identical for every engine)."""
     nproc: Optional[int] = option(
         help="ranks to start (default: every GPU, or 2 on CPU)", check=POSITIVE_INT)
     """Ranks to launch; default every visible GPU, or 2 on CPU. Under torchrun: its world size."""
     out: Optional[str] = option(
         help="JSON record (default zbuf-train.json; bench: zbuf-bench.json, the markdown table "
-             "next to it as .md)", group="output", metavar="RUN.json")
+             "next to it as .md)", group="output", metavar="RUN.json", commands=WITH_FIT)
     """Where the JSON record goes; default ``zbuf-train.json`` / ``zbuf-bench.json``."""
     dtype: str = option(
         "auto", help="compute dtype; master weights stay fp32 (default: bf16 on GPU, fp32 on "
-                     "CPU)", group="training", choices=("auto", "bf16", "fp32"))
+                     "CPU)", group="training", choices=("auto", "bf16", "fp32"), commands=WITH_FIT)
     """Compute dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``. Master
     parameters, gradients reduction and optimizer state are always fp32."""
     compiler: Optional[str] = option(
         help="what compiles the graphs (default: inductor on GPU, aot_eager on CPU)",
-        choices=("inductor", "aot_eager"))
+        choices=("inductor", "aot_eager"), commands=WITH_FIT)
     """What compiles the graphs: ``inductor`` or ``aot_eager``; default inductor on GPU,
     aot_eager on CPU (Inductor's C++ compile alone would exceed the one-minute CPU demo)."""
     compile_blocks_once: Optional[bool] = option(
         help="zbuf engine: compile each repeated block once, gathers in the outer graph "
-             "(default: on)", argparse={"action": "BooleanOptionalAction"})
+             "(default: on)", argparse={"action": "BooleanOptionalAction"}, commands=WITH_FIT)
     """zbuf engine: compile each block of a repeated stack once
     (``zbuf.CompileOptions.compile_blocks_once``); None: that option's default."""
     optimizer: str = option(
         "adamw", help="adamw (torch's default: foreach on GPU), adamw-fused or sgd (momentum "
                       "0.9); the same for every engine (default adamw)", group="training",
-        choices=OPTIMIZERS)
+        choices=OPTIMIZERS, commands=WITH_FIT)
     """The optimizer, the same for every engine: ``adamw`` (torch's default implementation:
     foreach on GPU, which holds about one more copy of the shards while it steps),
     ``adamw-fused`` (one fused kernel, no shard-sized temporaries) or ``sgd`` (momentum 0.9,
     one state tensor per shard). Weight decay 0 for all."""
     lr: Optional[float] = option(
         help="learning rate (AdamW: default 3e-3 for tiny, 3e-4 for the Qwen3 presets; SGD: 0.1 "
-             "for tiny, 1e-2 for Qwen3)", group="training", check=POSITIVE_NUMBER)
+             "for tiny, 1e-2 for Qwen3)", group="training", check=POSITIVE_NUMBER,
+        commands=WITH_FIT)
     """Learning rate (constant); AdamW: default 3e-3 for ``tiny``, 3e-4 for the Qwen3 presets
     (3e-3 makes a 1.7B model diverge within ten steps); SGD: 0.1 for ``tiny`` (its loss falls
     from 5.6 to 2.7 in 30 steps on the CPU default), 1e-2 for the Qwen3 presets."""
     task: Task = option(
         Task.STRIDE, help="synthetic task (default stride: learnable in tens of steps)",
-        group="training", choices=tuple(t.value for t in Task))
+        group="training", choices=tuple(t.value for t in Task), commands=WITH_FIT)
     """Synthetic task (see ``zbuf.train.data.Task``)."""
     device: str = option("auto", help="where the ranks run (default auto: CUDA if present)",
-                         choices=("auto", "cpu", "cuda"))
+                         choices=("auto", "cpu", "cuda"), commands=WITH_FIT)
     """``auto`` (CUDA if present), ``cpu`` or ``cuda``."""
     peak_tflops: Optional[float] = option(
         help="peak bf16 TFLOP/s per GPU for MFU (default: from the GPU name)",

@@ -20,10 +20,10 @@ from rich.console import Console
 from .config import ConfigError, TrainConfig, check_output_path, format_bytes
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
-from .record import make_record, markdown, merge_records, write_record
+from .record import make_record, markdown, merge_records, simulated_text, write_record
 from .resources import check_cpu_memory, host_memory_bytes
 
-__all__ = ["run", "merge"]
+__all__ = ["run", "merge", "prepare"]
 
 
 def _machine(cfg: TrainConfig) -> tuple[bool, int]:
@@ -154,19 +154,26 @@ def _spawned(cfg: TrainConfig, index: int,
         return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
 
 
+def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
+    """``cfg`` validated and resolved for this machine, its output path checked: everything
+    that can refuse the options before a worker starts (``ConfigError``)."""
+    cfg.validate()
+    cuda, world = _machine(cfg)
+    cfg = _emulated_card(cfg.resolve(cuda=cuda, world=world, bench=bench))
+    if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
+        check_cpu_memory(cfg)
+    if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
+        cfg.out = check_output_path(cfg.out)
+    return cfg
+
+
 def run(command: str, cfg: TrainConfig, console: Console | None = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
     interrupt."""
     console = console or Console()
     bench = command == "bench"
     try:
-        cfg.validate()
-        cuda, world = _machine(cfg)
-        cfg = _emulated_card(cfg.resolve(cuda=cuda, world=world, bench=bench))
-        if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
-            check_cpu_memory(cfg)
-        if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
-            cfg.out = check_output_path(cfg.out)
+        cfg = prepare(cfg, bench=bench)
         start = _resume_point(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
@@ -239,6 +246,9 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
     table = comparison_table(record)
     if table is not None:
         console.print(table)
+    sim = simulated_text(record)
+    if sim:
+        console.print(sim, highlight=False, markup=False, soft_wrap=True)
     for eng in engines:
         for text in eng.get("notices", []):
             console.print(f"note ({eng['engine']}): {text}", highlight=False, markup=False,
