@@ -256,3 +256,21 @@ def test_fit_probe_time_limit_ends_the_probe_not_the_search(tmp_path):
                       steps=2).resolve(cuda=False, world=2, bench=False)
     p = fit.probe(cfg, 1, timeout_s=0.5)  # far less than a process start
     assert not p.fits and "no result within 0.5 s" in p.why and p.seconds < 30
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 1), (1, 8), (3, 16), (4, 5)])
+def test_fit_search_finds_the_largest_that_fits_each_micro_batch_tried_once(lo, hi, monkeypatch):
+    from zbuf.train import fit
+
+    for limit in range(0, 18):
+        tried = []
+
+        def probe(cfg, mb, timeout_s, limit=limit):
+            tried.append(mb)
+            return fit.Probe(mb, mb <= limit, "fits" if mb <= limit else "out of memory",
+                             None, None, None, None, None, 0.0)
+
+        monkeypatch.setattr(fit, "probe", probe)
+        found = fit.fit(None, max_micro_batch=hi, timeout_s=1, min_micro_batch=lo)
+        assert found.micro_batch == min(limit, hi), (limit, tried)
+        assert len(tried) == len(set(tried)) and all(1 <= mb <= hi for mb in tried)

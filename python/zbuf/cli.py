@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the engine to fit (default zbuf)")
     fit.add_argument("--max-micro-batch", type=_reader(POSITIVE_INT, "--max-micro-batch"),
                      default=64, metavar="N", help="largest micro-batch tried (default 64)")
+    fit.add_argument("--min-micro-batch", type=_reader(POSITIVE_INT, "--min-micro-batch"),
+                     default=1, metavar="N", help="the search doubles from here (default 1; "
+                                                  "bisects below it if it does not fit)")
     fit.add_argument("--probe-timeout", type=_reader(SECONDS, "--probe-timeout"), default=540.0,
                      metavar="SECONDS", help="a probe that has not finished by then counts as "
                                              "not fitting (default 540)")
@@ -209,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "fit":
         from .train.fit import main as fit_main
 
-        return fit_main(cfg, max_micro_batch=args.max_micro_batch, timeout_s=args.probe_timeout)
+        return fit_main(cfg, max_micro_batch=args.max_micro_batch, timeout_s=args.probe_timeout,
+                        min_micro_batch=args.min_micro_batch)
     return run(args.command, cfg)
 
 

@@ -130,10 +130,11 @@ def probe(cfg: TrainConfig, micro_batch: int, timeout_s: float) -> Probe:
                  seconds)
 
 
-def fit(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float,
+def fit(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_batch: int = 1,
         report=lambda p: None) -> FitResult:
     """The largest micro-batch <= ``max_micro_batch`` that fits ([Note: fitting a
-    micro-batch]); ``report(probe)`` is called after every probe."""
+    micro-batch]), doubling from ``min_micro_batch`` (bisecting below it if that does not fit);
+    ``report(probe)`` is called after every probe."""
     probes: dict[int, Probe] = {}
 
     def tried(mb: int) -> bool:
@@ -142,12 +143,13 @@ def fit(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float,
             report(probes[mb])
         return probes[mb].fits
 
-    good, bad, mb = 0, None, 1
+    good, bad, mb = 0, None, min(min_micro_batch, max_micro_batch)
     while mb <= max_micro_batch:
         if not tried(mb):
             bad = mb
             break
-        good, mb = mb, mb * 2
+        good, mb = mb, (mb * 2 if mb * 2 <= max_micro_batch or mb == max_micro_batch
+                        else max_micro_batch)
     if bad is None:
         if good < max_micro_batch and not tried(max_micro_batch):
             bad = max_micro_batch
@@ -162,7 +164,8 @@ def fit(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float,
     return FitResult(good, [probes[k] for k in probes])
 
 
-def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, console=None) -> int:
+def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_batch: int = 1,
+         console=None) -> int:
     """``zbuf fit``: exit status 0 with an answer, 1 when not even micro-batch 1 fits, 2 on a bad
     option."""
     from rich.console import Console
@@ -199,7 +202,8 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, console=No
                       f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}",
                       highlight=False, markup=False, soft_wrap=True)
 
-    result = fit(cfg, max_micro_batch=max_micro_batch, timeout_s=timeout_s, report=show)
+    result = fit(cfg, max_micro_batch=max_micro_batch, timeout_s=timeout_s,
+                 min_micro_batch=min_micro_batch, report=show)
     with open(cfg.out, "w") as f:
         json.dump(result.to_json(cfg), f, indent=1)
     if result.micro_batch:
