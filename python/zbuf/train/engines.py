@@ -35,7 +35,7 @@ from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
 from .hf import check_hf_model
 
-__all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer"]
+__all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer", "init_module"]
 
 
 class EngineSetup(NamedTuple):
@@ -86,14 +86,14 @@ def build_base_model(cfg: TrainConfig, device: torch.device, *,
                      materialise: bool = True) -> nn.Module:
     """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``;
     ``materialise=False``: left on the meta device, for the engine to materialise shard by shard
-    ([Note: simulated ranks] in simulate.py; built-in decoder only)."""
+    ([Note: simulated ranks] in simulate.py; ``init_module`` initialises each piece)."""
     mcfg = cfg.model_config()
     torch.manual_seed(cfg.seed)
     # "auto" checkpoints every block too: they are the candidate regions the zbuf compiler
     # chooses from ([Note: recompute modes] in compile/recompute.py).
     block_ac = {"off": False, "full": "full", "auto": "full", "selective": "selective"}[cfg.ac]
     if cfg.hf_model:
-        model = _hf_model(cfg.hf_model, mcfg, device)
+        model = _hf_model(cfg.hf_model, mcfg, device if materialise else "meta")
         if block_ac:
             kwargs = {"use_reentrant": False}
             if block_ac == "selective":
@@ -106,6 +106,18 @@ def build_base_model(cfg: TrainConfig, device: torch.device, *,
         model.reset_parameters()
     models.apply_activation_checkpointing(model, block_ac)
     return model
+
+
+def init_module(sub: nn.Module, root: nn.Module) -> None:
+    """Initialise the freshly materialised parameters and buffers of one submodule of ``root``
+    (a model built with ``materialise=False``): the built-in decoder's own ``reset_parameters``;
+    a Hugging Face model's ``_init_weights`` (norms, linears, embeddings, rotary tables). The
+    root decoder's ``reset_parameters`` would re-initialise every module: skipped."""
+    if isinstance(root, HFDecoder):
+        if sub is not root:
+            root.hf._init_weights(sub)
+    elif sub is not root and callable(getattr(sub, "reset_parameters", None)):
+        sub.reset_parameters()
 
 
 def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -151,7 +163,7 @@ def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
     Simulated ranks: the sharded engines get the model on the meta device and materialise only
     this rank's shards ([Note: simulated ranks] in simulate.py); DDP holds the whole model, as a
     real DDP rank does."""
-    on_meta = cfg.simulated and engine is not Engine.DDP and not cfg.hf_model
+    on_meta = cfg.simulated and engine is not Engine.DDP
     model = build_base_model(cfg, device, materialise=not on_meta)
     dtype = _compute_dtype(cfg)
     builder = {Engine.DDP: _ddp, Engine.FSDP2: _fsdp2, Engine.ZBUF_EAGER: _zbuf_eager,
@@ -200,7 +212,9 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if any(p.is_meta for p in model.parameters()):  # this rank's shards only, then initialised
         model.to_empty(device=device)
-        model.reset_parameters()
+        with torch.no_grad():
+            for sub in model.modules():
+                init_module(sub, model)
     loss_fn = torch.compile(_loss_from_logits, backend=cfg.compiler)
 
     def step_loss(batch: Batch) -> torch.Tensor:
@@ -215,7 +229,7 @@ def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
     pool = GatherBufferPool(device)
     # A meta model (simulated ranks) is materialised one submodule's shards at a time.
     zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                 pool=pool, device=device)
+                 pool=pool, device=device, init_fn=lambda sub: init_module(sub, model))
     if pool_budget and cfg.budget is not None:
         # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
         pool.set_budget(cfg.budget)
