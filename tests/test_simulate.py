@@ -116,10 +116,10 @@ def _check_simulated_record(path, engines, steps):
 
 def test_train_simulate_world_4(tmp_path):
     out = tmp_path / "sim.json"
-    res = _cli(["train", "--simulate-world", "4", "--steps", "3", "--micro-batch", "2",
+    res = _cli(["train", "--simulate-world", "4", "--steps", "2", "--micro-batch", "2",
                 "--seq-len", "32", "--out", str(out), "--no-progress"])
     assert res.returncode == 0, res.stderr[-3000:]
-    record = _check_simulated_record(out, ["zbuf"], 3)
+    record = _check_simulated_record(out, ["zbuf"], 2)
     comm = record["engines"][0]["communication"]
     assert comm["source"].startswith("counted")
     assert "SIMULATED ranks" in res.stdout and "SIMULATED: simulated ranks: rank 0 of 4" in \
@@ -140,6 +140,17 @@ def test_bench_simulate_world_4_three_engines(tmp_path):
     assert fsdp2["reduce_scatter_bytes"] == 4 * params
     md = (tmp_path / "bench.md").read_text()
     assert "**SIMULATED: simulated ranks: rank 0 of 4" in md and "communication" in md.lower()
+    # The reference configuration's table (benches/reference_table.py): one row per engine.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches"))
+    try:
+        import reference_table
+    finally:
+        sys.path.pop(0)
+    text = reference_table.table([record])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "(simulated)" in line]
+    assert [r.split(" |")[0][2:] for r in rows] == ["zbuf (simulated)", "fsdp2 (simulated)",
+                                                    "ddp (simulated)"], text
+    assert all(r.count("|") == 9 and "Gbit/s" in r for r in rows), text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,8 +45,9 @@
 #   bash benches/device/run.sh 8b-sim ENGINE # qwen3-8b as rank 0 of 2 (whole card)     (~5 min)
 #   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
 #                                           card, seq 4096, AC; doubling from MIN (default 4) to
-#                                           MAX (default 16); a call holds about 4 probes, so
-#                                           narrow MIN..MAX by what the last call found
+#                                           MAX (default 16); a call holds 2-3 probes (each
+#                                           compiles), so narrow MIN..MAX by what the last call
+#                                           found; commit the JSONs under benches/results/
 #   bash benches/device/run.sh plain14    # benches/plain_setup.py as rank 0 of 8, qwen3-14b, 80 GiB
 #                                           card: the plain user setup vs the bench engine
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
@@ -149,7 +150,7 @@ case "${1:-}" in
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
     timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-8b --simulate-world 8 \
       --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
-      --max-micro-batch "${4:-16}" --probe-timeout 200 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
+      --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
   plain14)  # ONE H200: the plain setup as rank 0 of 8 on an 80 GiB card (issue 19's first table)
     timeout 580 python3 benches/plain_setup.py --preset qwen3-14b --simulate-world 8 \

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 

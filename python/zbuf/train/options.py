@@ -21,8 +21,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from .errors import ConfigError
 
-__all__ = ["Check", "CliOption", "option", "cli_option", "POSITIVE_INT", "INTEGER", "NON_NEGATIVE_INT",
-           "FRACTION", "POSITIVE_NUMBER", "BYTES", "NAME_LIST", "parse_bytes"]
+__all__ = ["Check", "CliOption", "option", "cli_option", "POSITIVE_INT", "INTEGER",
+           "NON_NEGATIVE_INT", "FRACTION", "POSITIVE_NUMBER", "SECONDS", "BYTES", "NAME_LIST",
+           "parse_bytes"]
 
 
 class Check(NamedTuple):

@@ -33,8 +33,8 @@ from typing import Optional
 
 from .config import ConfigError, Engine, TrainConfig, format_bytes
 
-__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "host_memory_bytes", "cpu_rank_bytes",
-           "check_cpu_memory"]
+__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "host_memory_bytes",
+           "cpu_rank_bytes", "check_cpu_memory"]
 
 RUNTIME_BYTES = {"compiled": 480 << 20, "eager": 400 << 20}
 """Private memory of one CPU rank's runtime, by whether the engine compiles ([Note: memory per
