@@ -68,6 +68,13 @@ def test_simulation_options_that_cannot_work_are_refused_before_workers(command,
     assert not os.path.exists(out)
 
 
+def test_simulated_run_keeps_no_checkpoints(capsys, no_spawn, tmp_path):
+    assert main(["train", "--simulate-world", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--out", str(tmp_path / "r.json")]) == 2
+    assert "drop --checkpoint-dir" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
+
+
 def test_simulated_run_refused_under_torchrun(monkeypatch, capsys, no_spawn):
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "1"}.items():

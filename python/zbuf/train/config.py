@@ -305,6 +305,10 @@ class TrainConfig:
                 raise ConfigError(f"--simulate-world {self.simulate_world} runs one process as "
                                   f"rank 0 of {self.simulate_world}; --nproc {self.nproc} would "
                                   f"start real ranks: drop one of them")
+            if self.checkpoint_dir is not None:
+                raise ConfigError(f"--simulate-world {self.simulate_world}: a checkpoint of "
+                                  f"simulated ranks would hold rank 0's shards only, of "
+                                  f"meaningless values; drop --checkpoint-dir")
         if self.gpu_memory is not None and self.mem_frac is not None:
             raise ConfigError("--gpu-memory and --mem-frac both size the emulated card: give one "
                               "(--gpu-memory 80GiB, or --mem-frac 0.567)")
