@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "steps", description="Find the largest micro-batch that "
                          "trains without OOM and without allocator retries after warm-up on a "
                          "card of --gpu-memory, as rank 0 of --simulate-world ranks: a bisection "
-                         "of simulated runs, each probe its own process with a time limit.")
+                         "of simulated runs, each probe its own process with a time limit "
+                         "(default --steps 5 per probe, warm-up included).")
     fit.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
                      help="the engine to fit (default zbuf)")
     fit.add_argument("--max-micro-batch", type=_reader(POSITIVE_INT, "--max-micro-batch"),

@@ -177,8 +177,8 @@ class TrainConfig:
         help="ranks to start (default: every GPU, or 2 on CPU)", check=POSITIVE_INT)
     """Ranks to launch; default every visible GPU, or 2 on CPU. Under torchrun: its world size."""
     out: Optional[str] = option(
-        help="JSON record (default zbuf-train.json; bench: zbuf-bench.json, the markdown table "
-             "next to it as .md)", group="output", metavar="RUN.json", commands=WITH_FIT)
+        help="JSON record (default zbuf-train.json, zbuf-bench.json or zbuf-fit.json; bench "
+             "writes its markdown table next to it as .md)", group="output", metavar="RUN.json", commands=WITH_FIT)
     """Where the JSON record goes; default ``zbuf-train.json`` / ``zbuf-bench.json``."""
     dtype: str = option(
         "auto", help="compute dtype; master weights stay fp32 (default: bf16 on GPU, fp32 on "
