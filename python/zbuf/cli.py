@@ -17,11 +17,10 @@ The machinery lives in ``zbuf.train``; this module only parses options, and thos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from typing import Optional
-
-import dataclasses
 
 from .train.config import AC_CHOICES, Engine, Task, TrainConfig
 from .train.errors import ConfigError
