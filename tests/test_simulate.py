@@ -124,9 +124,12 @@ def _check_simulated_record(path, engines, steps):
 def test_train_simulate_world_4(tmp_path):
     out = tmp_path / "sim.json"
     res = _cli(["train", "--simulate-world", "4", "--steps", "2", "--micro-batch", "2",
-                "--seq-len", "32", "--out", str(out), "--no-progress"])
+                "--seq-len", "32", "--gpu-memory", "64MiB", "--out", str(out), "--no-progress"])
     assert res.returncode == 0, res.stderr[-3000:]
     record = _check_simulated_record(out, ["zbuf"], 2)
+    # On CPU the card is zbuf's stand-in: the schedule is planned within it (18 GiB without).
+    assert record["config"]["gpu_memory"] == 64 << 20
+    assert 0 < record["engines"][0]["summary"]["schedule_budget_bytes"] < 64 << 20
     comm = record["engines"][0]["communication"]
     assert comm["source"].startswith("counted")
     assert "SIMULATED ranks" in res.stdout and "SIMULATED: simulated ranks: rank 0 of 4" in \
