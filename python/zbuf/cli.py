@@ -118,6 +118,12 @@ def _add_config_options(p: argparse.ArgumentParser, command: str) -> None:
                                                             "as --ac off)")
 
 
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    """``--engine``: the one engine of ``zbuf train`` and ``zbuf fit`` (bench: ``--engines``)."""
+    p.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
+                   help="zbuf (sharded + compiled, default), zbuf-eager, fsdp2, ddp")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zbuf", description="ZeRO-3 training for torch.compile: train, "
                                               "benchmark, report.")
@@ -125,8 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 metavar="{train,bench,fit,report}", parser_class=_Parser)
     train = sub.add_parser("train", help="train the built-in decoder",
                            description="Train the built-in decoder on a synthetic task.")
-    train.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
-                       help="zbuf (sharded + compiled, default), zbuf-eager, fsdp2, ddp")
+    _add_engine(train)
     _add_config_options(train, "train")
     bench = sub.add_parser("bench", help="one configuration under several engines",
                            description="Run one configuration under several engines, side by "
@@ -147,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "card of --gpu-memory, as rank 0 of --simulate-world ranks: a bisection "
                          "of simulated runs, each probe its own process with a time limit "
                          "(default --steps 5 per probe, warm-up included).")
-    fit.add_argument("--engine", choices=_ENGINES, default=Engine.ZBUF.value,
-                     help="the engine to fit (default zbuf)")
+    _add_engine(fit)
     fit.add_argument("--max-micro-batch", type=_reader(POSITIVE_INT, "--max-micro-batch"),
                      default=64, metavar="N", help="largest micro-batch tried (default 64)")
     fit.add_argument("--min-micro-batch", type=_reader(POSITIVE_INT, "--min-micro-batch"),
