@@ -23,6 +23,14 @@ gathers, activation peak, what was recomputed). One rank, or several under torch
 
     python benches/plain_setup.py --preset qwen3-8b --layers 4 --micro-batch 4 --seq-len 4096
     torchrun --nproc_per_node 2 benches/plain_setup.py --preset qwen3-8b ...
+    python benches/plain_setup.py --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB ...
+
+``--simulate-world N`` runs it as rank 0 of N over torch's fake process group ([Note: simulated
+ranks] in zbuf/train/simulate.py): every model is built on the meta device and materialised
+shard by shard by ``zbuf.shard(device=...)`` (the plain decoder is not loaded with the preset's
+weights then: under the fake group no weights are real), step times exclude communication and
+losses mean nothing. ``--gpu-memory SIZE`` emulates a card of that size for torch's allocator and
+the variant's zbuf pool together (``zbuf.memory.SharedMemory.emulate_capacity``).
 
 On CPU (gloo, tiny shapes) the step times mean little; the planned numbers compare the graphs.
 """
@@ -148,21 +156,31 @@ class _WithLoss(nn.Module):
 
 
 def _setup(variant: str, cfg, device, dtype):
-    """(step_loss(batch) -> loss, optimizer, the sharded model) of one variant."""
+    """(step_loss(batch) -> loss, optimizer, the sharded model, its pool) of one variant."""
     import zbuf
+    from zbuf.pool import default_pool
     from zbuf.train.engines import build_base_model, build_engine
     from zbuf.train.config import Engine
 
     if variant == "bench":
         setup = build_engine(Engine.ZBUF, cfg, device)
-        return setup.step_loss, setup.optimizer, setup.model
-    preset = build_base_model(cfg, device)
-    if variant in ("bench+plain-model", "plain"):
-        model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off").to(device)
-        model.load_state_dict(preset.state_dict())
+        return setup.step_loss, setup.optimizer, setup.model, setup.pool
+    plain = variant in ("bench+plain-model", "plain")
+    if cfg.simulated:  # meta models, materialised shard by shard by zbuf.shard below
+        if plain:
+            with torch.device("meta"):
+                model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off")
+        else:
+            model = build_base_model(cfg, device, materialise=False)
     else:
-        model = preset
-    zbuf.shard(model, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        preset = build_base_model(cfg, device)
+        if plain:
+            model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off").to(device)
+            model.load_state_dict(preset.state_dict())
+        else:
+            model = preset
+    zbuf.shard(model, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+               device=device)
     eager_loss = variant in ("bench+eager-loss", "plain")
     target = model if eager_loss else _WithLoss(model)
     fused = variant in ("bench+fused", "plain")
@@ -182,7 +200,7 @@ def _setup(variant: str, cfg, device, dtype):
             return _loss(compiled(batch.tokens), batch.targets)
         return compiled(batch.tokens, batch.targets)
 
-    return step_loss, opt, model
+    return step_loss, opt, model, default_pool(device)
 
 
 def _planned(model) -> dict:
@@ -211,7 +229,19 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step_loss, opt, model = _setup(variant, cfg, device, dtype)
+    card = None
+    if cfg.gpu_memory is not None and device.type == "cuda":
+        # Before the build, so that zbuf.compile's agreed budget sees the card; the pool's share
+        # follows once the variant's pool exists ([Note: emulated capacity] in zbuf/memory.py).
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory / total, device)
+    step_loss, opt, model, pool = _setup(variant, cfg, device, dtype)
+    if cfg.gpu_memory is not None and device.type == "cuda":
+        from zbuf.memory import SharedMemory
+
+        card = SharedMemory(pool)
+        card.emulate_capacity(cfg.gpu_memory)
+    retries = []
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
     for step in range(cfg.steps):
@@ -226,17 +256,22 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if device.type == "cuda":
+            retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     measured = times[cfg.warmup:]
-    peak = 0
+    peak = reserved = 0
     if device.type == "cuda":
-        from zbuf.pool import default_pool
-
-        peak = torch.cuda.max_memory_reserved(device) + default_pool(device).stats().high_water_bytes
+        reserved = torch.cuda.max_memory_reserved(device)
+        peak = reserved + pool.stats().high_water_bytes
     out = {"variant": variant, "step_ms_median": 1e3 * statistics.median(measured),
            "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
-           "first_step_s": times[0], "peak_device_bytes": peak, "losses": losses,
-           "planned": _planned(model)}
-    del step_loss, opt, model
+           "first_step_s": times[0], "peak_device_bytes": peak, "peak_reserved_bytes": reserved,
+           "alloc_retries_warmup": retries[cfg.warmup - 1] if retries and cfg.warmup else 0,
+           "alloc_retries_measured": (retries[-1] - (retries[cfg.warmup - 1] if cfg.warmup else 0))
+           if retries else 0, "losses": losses, "planned": _planned(model)}
+    del step_loss, opt, model, pool, card
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
 
 
@@ -246,20 +281,27 @@ def markdown(result: dict) -> str:
     base = next(r for r in result["variants"] if r["variant"] == "bench")
     lines = [f"## Plain setup vs zbuf bench's engine: {a['preset']}"
              + (f", {a['layers']} layers" if a.get("layers") else "")
-             + f", micro-batch {a['micro_batch']} x seq {a['seq_len']}, {result['world']} rank(s), "
-               f"AC {a['ac']}, {result['device']}",
+             + f", micro-batch {a['micro_batch']} x seq {a['seq_len']}, {result['world']} rank(s)"
+             + (" (SIMULATED: rank 0 of them over the fake group; step times exclude "
+                "communication, losses are not meaningful)" if result.get("simulated") else "")
+             + (f", card {result['gpu_memory_bytes'] / (1 << 30):.1f} GiB"
+                if result.get("gpu_memory_bytes") else "")
+             + f", AC {a['ac']}, {result['device']}",
              "", f"torch {result['torch']}; {a['warmup']} warm-up + {a['steps'] - a['warmup']} "
                  f"measured steps. Ratios against `bench`.", "",
-             "| variant | step median (ms) | min-max | vs bench | peak memory | first step (s) | "
-             "final loss | budget fw/bw | kept weights | modelled exposed fw/bw (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| variant | step median (ms) | min-max | vs bench | peak memory | peak reserved | "
+             "retries warm-up/measured | first step (s) | final loss | budget fw/bw | "
+             "kept weights | modelled exposed fw/bw (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     gib = float(1 << 30)
     for r in result["variants"]:
         p = r["planned"]
         lines.append(
             f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
             f"{r['step_ms_max']:.1f} | {r['step_ms_median'] / base['step_ms_median']:.3f}x | "
-            f"{r['peak_device_bytes'] / gib:.2f} GiB | {r['first_step_s']:.1f} | "
+            f"{r['peak_device_bytes'] / gib:.2f} GiB | {r.get('peak_reserved_bytes', 0) / gib:.2f} "
+            f"GiB | {r.get('alloc_retries_warmup', 0)}/{r.get('alloc_retries_measured', 0)} | "
+            f"{r['first_step_s']:.1f} | "
             f"{r['losses'][-1]:.4f} | {p.get('forward_budget_bytes', 0) / gib:.1f}/"
             f"{p.get('backward_budget_bytes', 0) / gib:.1f} GiB | "
             f"{p.get('persistent_bytes', 0) / gib:.2f} GiB | "
@@ -280,13 +322,30 @@ def main() -> None:
     p.add_argument("--ac", default=None, choices=["off", "full", "auto"])
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--simulate-world", type=int, default=None, metavar="N",
+                   help="run as rank 0 of N over torch's fake process group")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="emulate a card of this size (torch's allocator and the pool together)")
     p.add_argument("--out", default=None, help="directory for plain_setup.{json,md}")
     args = p.parse_args()
+    from zbuf.train.errors import ConfigError
+    from zbuf.train.options import BYTES
+
+    try:
+        card = None if args.gpu_memory is None else BYTES.parse("--gpu-memory", args.gpu_memory)
+    except ConfigError as e:
+        p.error(str(e))
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     cuda = torch.cuda.is_available()
+    if args.simulate_world is not None:
+        if args.simulate_world < 2 or "RANK" in os.environ:
+            p.error("--simulate-world N: N >= 2, in one process (not under torchrun)")
+        from zbuf.train.simulate import init_fake_group
+
+        init_fake_group(args.simulate_world)
     if not dist.is_initialized():
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
@@ -299,6 +358,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     cfg = TrainConfig(preset=args.preset, layers=args.layers, micro_batch=args.micro_batch,
                       seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, ac=args.ac,
+                      simulate_world=args.simulate_world, gpu_memory=card,
                       progress=False).resolve(cuda=cuda, world=world, bench=True)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
     results = []
@@ -312,7 +372,9 @@ def main() -> None:
     if rank == 0:
         result = {"args": {**vars(args), "preset": cfg.preset, "micro_batch": cfg.micro_batch,
                            "seq_len": cfg.seq_len, "ac": cfg.ac},
-                  "world": world, "device": torch.cuda.get_device_name(device) if cuda else "CPU",
+                  "world": world, "simulated": args.simulate_world is not None,
+                  "gpu_memory_bytes": card,
+                  "device": torch.cuda.get_device_name(device) if cuda else "CPU",
                   "torch": torch.__version__, "variants": results}
         text = markdown(result) if any(r["variant"] == "bench" for r in results) else ""
         print(text)

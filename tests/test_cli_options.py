@@ -84,7 +84,44 @@ def test_argparse_level_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err
+    # One line that matters, not argparse's usage block before it (issue 22 item 7).
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+
+
+def test_an_option_is_checked_by_one_definition():
+    # [Note: one definition per option]: argparse and TrainConfig.validate share the field's
+    # check, so a value set from Python gets the command line's message.
+    with pytest.raises(SystemExit):
+        main(["train", "--mem-frac", "1.5"])
+    with pytest.raises(ConfigError, match=r"--mem-frac 1.5 is out of range"):
+        TrainConfig(mem_frac=1.5).validate()
+    with pytest.raises(ConfigError, match=r"--micro-batch must be a positive integer, got 0"):
+        TrainConfig(micro_batch=0).validate()
+    with pytest.raises(ConfigError, match=r"--dtype must be one of auto, bf16, fp32"):
+        TrainConfig(dtype="fp8").validate()
+    # Every field with an option is on the command line, with the field's default.
+    import dataclasses
+
+    from zbuf.train.options import cli_option
+
+    for command in ("train", "bench"):
+        args = build_parser().parse_args([command])
+        for f in dataclasses.fields(TrainConfig):
+            opt = cli_option(f)
+            if opt is not None and command in opt.commands:
+                default = getattr(f.default, "value", f.default)
+                assert getattr(args, f.name) == default, (command, f.name)
+        assert config_from_args(args) == TrainConfig(
+            engines=config_from_args(args).engines)
+
+
+def test_config_and_hf_import_no_cycle():
+    # train/hf needs ConfigError; train/config needs check_hf_model: errors.py breaks the cycle.
+    code = "import zbuf.train.hf, sys; assert 'zbuf.train.config' not in sys.modules"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_output_directory_is_rejected(tmp_path, capsys):

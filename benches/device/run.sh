@@ -34,6 +34,22 @@
 #   bash benches/device/run.sh 17b-ac         # nvidia-h200-x2, qwen3-1.7b: zbuf:auto, fsdp2:full,
 #                                               ddp:full; 17b-ac-more: zbuf:full, fsdp2:selective
 #   then: zbuf bench --merge $OUT/8bac_*.json --out benches/results/train_step_qwen3-8b_ac.json
+# Issue 19 (one GPU stands for N: --simulate-world, [Note: simulated ranks]), all on ONE H200
+# (nvidia-h200), one engine per call:
+#   bash benches/device/run.sh seed14 ENGINE[:MODE]  # the reference configuration: qwen3-14b as
+#                                           rank 0 of 8 on an 80 GiB card, mb 4, seq 4096, AC,
+#                                           10 + 20 steps; ENGINE: zbuf, zbuf:auto, fsdp2 (~5 min)
+#                                           then: zbuf bench --merge $OUT/seed14_*.json --out
+#                                           benches/results/seed14.json; python3
+#                                           benches/reference_table.py benches/results/seed14.json
+#   bash benches/device/run.sh 8b-sim ENGINE # qwen3-8b as rank 0 of 2 (whole card)     (~5 min)
+#   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
+#                                           card, seq 4096, AC; doubling from MIN (default 4) to
+#                                           MAX (default 16); a call holds 2-3 probes (each
+#                                           compiles), so narrow MIN..MAX by what the last call
+#                                           found; commit the JSONs under benches/results/
+#   bash benches/device/run.sh plain14    # benches/plain_setup.py as rank 0 of 8, qwen3-14b, 80 GiB
+#                                           card: the plain user setup vs the bench engine
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -126,7 +142,21 @@ case "${1:-}" in
   17b-ac|17b-ac-more)  # nvidia-h200-x2: qwen3-1.7b, the recompute modes against FSDP2 and DDP
     specs=(zbuf:auto fsdp2:full ddp:full); [ "$1" = 17b-ac-more ] && specs=(zbuf:full fsdp2:selective)
     for e in "${specs[@]}"; do bench 17bac "$e" --preset qwen3-1.7b --steps 25; done ;;
+  seed14)  # ONE H200: issue 19's reference configuration, one engine per call
+    bench seed14 "${2:?give one of zbuf zbuf:auto fsdp2}" --preset qwen3-14b --simulate-world 8 \
+      --gpu-memory 80GiB ;;
+  8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
+    bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 ;;
+  fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
+    timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-8b --simulate-world 8 \
+      --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
+      --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
+      2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
+  plain14)  # ONE H200: the plain setup as rank 0 of 8 on an 80 GiB card (issue 19's first table)
+    timeout 580 python3 benches/plain_setup.py --preset qwen3-14b --simulate-world 8 \
+      --gpu-memory 80GiB --micro-batch 4 --seq-len 4096 --ac full --steps 30 --warmup 10 \
+      --variants "${2:-bench,plain}" --out "$OUT/plain14" 2>&1 | grep -v "Warning\|warn" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14 [VARIANTS]" >&2
     exit 2 ;;
 esac

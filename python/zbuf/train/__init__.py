@@ -1,6 +1,9 @@
 """The machinery behind the ``zbuf`` command (one concern per module).
 
-- ``config``: ``TrainConfig`` and ``Engine``, every option typed and validated.
+- ``config``: ``TrainConfig`` and ``Engine``, every option typed and validated; ``options``:
+  the command-line side of its fields (one definition per option); ``errors``: ``ConfigError``.
+- ``simulate``: one process as rank 0 of N (``--simulate-world``), the communication estimate;
+  ``fit``: ``zbuf fit``, the largest micro-batch that fits a card, by simulated probes.
 - ``data``: synthetic learnable tasks, identical on every engine and world size.
 - ``engines``: ddp / fsdp2 / zbuf-eager / zbuf applied to the same initial model.
 - ``loop``: one rank's timed training run of one engine (``StepRow``: one step's numbers).

@@ -35,7 +35,7 @@ from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
 from .hf import check_hf_model
 
-__all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer"]
+__all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer", "init_module"]
 
 
 class EngineSetup(NamedTuple):
@@ -82,15 +82,18 @@ def _hf_model(model_type: str, cfg: models.ModelConfig, device) -> nn.Module:
         return HFDecoder(transformers.AutoModelForCausalLM.from_config(hf_cfg))
 
 
-def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``."""
+def build_base_model(cfg: TrainConfig, device: torch.device, *,
+                     materialise: bool = True) -> nn.Module:
+    """The fp32 model every engine starts from, initialised from ``cfg.seed`` on ``device``;
+    ``materialise=False``: left on the meta device, for the engine to materialise shard by shard
+    ([Note: simulated ranks] in simulate.py; ``init_module`` initialises each piece)."""
     mcfg = cfg.model_config()
     torch.manual_seed(cfg.seed)
     # "auto" checkpoints every block too: they are the candidate regions the zbuf compiler
     # chooses from ([Note: recompute modes] in compile/recompute.py).
     block_ac = {"off": False, "full": "full", "auto": "full", "selective": "selective"}[cfg.ac]
     if cfg.hf_model:
-        model = _hf_model(cfg.hf_model, mcfg, device)
+        model = _hf_model(cfg.hf_model, mcfg, device if materialise else "meta")
         if block_ac:
             kwargs = {"use_reentrant": False}
             if block_ac == "selective":
@@ -98,10 +101,23 @@ def build_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
             model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
     model = models.build_model(mcfg, device="meta")
-    model.to_empty(device=device)
-    model.reset_parameters()
+    if materialise:
+        model.to_empty(device=device)
+        model.reset_parameters()
     models.apply_activation_checkpointing(model, block_ac)
     return model
+
+
+def init_module(sub: nn.Module, root: nn.Module) -> None:
+    """Initialise the freshly materialised parameters and buffers of one submodule of ``root``
+    (a model built with ``materialise=False``): the built-in decoder's own ``reset_parameters``;
+    a Hugging Face model's ``_init_weights`` (norms, linears, embeddings, rotary tables). The
+    root decoder's ``reset_parameters`` would re-initialise every module: skipped."""
+    if isinstance(root, HFDecoder):
+        if sub is not root:
+            root.hf._init_weights(sub)
+    elif sub is not root and callable(getattr(sub, "reset_parameters", None)):
+        sub.reset_parameters()
 
 
 def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -142,8 +158,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
                  group: Optional[dist.ProcessGroup] = None) -> EngineSetup:
-    """Build the base model and apply ``engine`` to it. Collective: call on every rank."""
-    model = build_base_model(cfg, device)
+    """Build the base model and apply ``engine`` to it. Collective: call on every rank.
+
+    Simulated ranks: the sharded engines get the model on the meta device and materialise only
+    this rank's shards ([Note: simulated ranks] in simulate.py); DDP holds the whole model, as a
+    real DDP rank does."""
+    on_meta = cfg.simulated and engine is not Engine.DDP
+    model = build_base_model(cfg, device, materialise=not on_meta)
     dtype = _compute_dtype(cfg)
     builder = {Engine.DDP: _ddp, Engine.FSDP2: _fsdp2, Engine.ZBUF_EAGER: _zbuf_eager,
                Engine.ZBUF: _zbuf}[engine]
@@ -155,6 +176,8 @@ def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
 
     wrapped = DDP(_WithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
                   process_group=group)
+    if cfg.simulated:
+        wrapped.register_comm_hook(group or dist.group.WORLD, _simulated_allreduce_hook)
     compiled = torch.compile(wrapped, backend=cfg.compiler)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
@@ -164,6 +187,16 @@ def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
             return compiled(batch.tokens, batch.targets)
 
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
+
+
+def _simulated_allreduce_hook(group: dist.ProcessGroup, bucket):  # DDP checks a real annotation
+    """DDP's default all-reduce, for the fake group: its future holds no value, which DDP's own
+    hook passes on and its reducer then rejects; this one hands back the bucket it reduced in
+    place, after the same division ([Note: simulated ranks] in simulate.py)."""
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda _done: buffer)
 
 
 def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
@@ -177,6 +210,11 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
         block.compile(backend=cfg.compiler, fullgraph=not cfg.hf_model)
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if any(p.is_meta for p in model.parameters()):  # this rank's shards only, then initialised
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for sub in model.modules():
+                init_module(sub, model)
     loss_fn = torch.compile(_loss_from_logits, backend=cfg.compiler)
 
     def step_loss(batch: Batch) -> torch.Tensor:
@@ -189,8 +227,9 @@ def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
     # A pool of its own per engine: what one engine's plans and step memory did to a pool (its
     # budget, its blocks) must not carry over to the next engine of a bench.
     pool = GatherBufferPool(device)
+    # A meta model (simulated ranks) is materialised one submodule's shards at a time.
     zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                 pool=pool)
+                 pool=pool, device=device, init_fn=lambda sub: init_module(sub, model))
     if pool_budget and cfg.budget is not None:
         # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
         pool.set_budget(cfg.budget)
@@ -217,6 +256,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
+    once.update(_stand_in_card(model, cfg, device))
     compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
                                       inner=cfg.compiler, optimizer=optimizer,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
@@ -231,6 +271,17 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
 
     return EngineSetup(step_loss, model, optimizer, pool, schedule_report,
                        zbackend.step_memory_of(compiled))
+
+
+def _stand_in_card(model: nn.Module, cfg: TrainConfig, device: torch.device) -> dict:
+    """``--gpu-memory`` on CPU: the free memory zbuf's CPU stand-in plans against is the card
+    less what the shards and their gradients will hold (on CUDA the card is emulated for real,
+    through ``mem_frac``)."""
+    if cfg.gpu_memory is None or device.type != "cpu" or cfg.budget is not None:
+        return {}
+    shards = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    return {"free_memory_bytes": max(0, cfg.gpu_memory - shards - grads)}
 
 
 def to_jsonable(obj):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .config import ConfigError
+from .errors import ConfigError
 
 __all__ = ["HF_MODEL_TYPES", "HF_INSTALL", "check_hf_model"]
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .. import faults
+from .. import faults, runtime
 from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
 from .data import rank_batch
@@ -47,6 +47,7 @@ from ..step_phases import PhaseMeter, StepPhases
 from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
 from .record import budget_notices
+from .simulate import CommEstimate, communication_estimate, model_bytes
 
 __all__ = ["run_engine", "StepRow"]
 
@@ -134,8 +135,10 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
     # The first step's phases, and those of a later step that compiled (a re-plan, a new shape).
     compile_phases: list[dict[str, Any]] = []
     progress.start_engine(label, cfg.steps, start)
+    counted = None  # zbuf's collective bytes in the latest step (simulated runs' estimate)
     try:
         for step in range(start, cfg.steps):
+            before = _collective_bytes()
             batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                                mcfg_vocab, device)
             t_step = time.perf_counter()
@@ -144,10 +147,11 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 if cuda:
                     torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - t_step
+            counted = tuple(a - b for a, b in zip(_collective_bytes(), before))
             timed = clock.result(elapsed)
             if step == start or timed.caches["graphs"] > 0:
                 compile_phases.append(dict(timed.to_json(), step=step))
-            value = _mean_over_ranks(loss, world)  # off the clock ([Note: step timing])
+            value = _mean_over_ranks(loss, cfg.processes)  # off the clock ([Note: step timing])
             if step_memory is not None:
                 mem = step_memory.close_step()
                 phases = mem.phases
@@ -195,14 +199,12 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
         memory_cap = step_memory.memory.capacity_fraction()
         if memory_cap is not None:
             memory_cap["mem_frac"] = cfg.mem_frac
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, rows)
+    everyone = _from_every_rank(rows, cfg, world)
     result = _combine(engine, cfg, everyone, world, start)
     # Retention may have deleted this run's older saves (rank 0 prunes before the collective
     # above returns): the record lists the checkpoints that exist.
     saves = [s for s in saves if os.path.isdir(s["path"])]
-    phases_per_rank: list[Any] = [None] * world
-    dist.all_gather_object(phases_per_rank, compile_phases)
+    phases_per_rank = _from_every_rank(compile_phases, cfg, world)
     result.update(label=label, ac=cfg.ac, setup_seconds=setup_seconds, pool=pool_stats, schedule=schedule, notices=notices,
                   compile_phases=[p[0] for p in phases_per_rank],
                   recompile_phases=[p[1:] for p in phases_per_rank],
@@ -210,6 +212,8 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                   run_id=checkpoints.run_id,
                   resumed_from=str(checkpoints.resumed_from) if checkpoints.resumed_from else None,
                   step_memory=step_memory.report() if step_memory is not None else None)
+    if cfg.simulated:  # [Note: simulated ranks]: what the collectives would move, beside
+        result["communication"] = _communication(engine, cfg, setup, world, counted).to_json()
     if step_memory is not None:
         step_memory.detach()
     del setup, loss
@@ -238,10 +242,41 @@ def _train_step(setup, batch, marks=None) -> torch.Tensor:
     return loss
 
 
-def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+def _collective_bytes() -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far in this process."""
+    return runtime.counters["all_gather_bytes"], runtime.counters["reduce_scatter_bytes"]
+
+
+def _communication(engine: Engine, cfg: TrainConfig, setup, world: int,
+                   counted: Optional[tuple[int, int]]) -> CommEstimate:
+    """One rank's per-step communication estimate: zbuf's counted bytes of the last step, or
+    the FSDP2 / DDP engine's bytes derived from the model."""
+    if engine.uses_zbuf:
+        return communication_estimate(engine.value, world, cfg.link_gbps, counted=counted,
+                                      param_bytes=0, block_param_bytes=0, grad_bytes=0)
+    bf16 = cfg.dtype == "bf16"
+    gathered = torch.bfloat16 if bf16 and engine is Engine.FSDP2 else None
+    params, blocks, grads = model_bytes(setup.model, gathered, torch.float32)
+    return communication_estimate(engine.value, world, cfg.link_gbps, counted=None,
+                                  param_bytes=params, block_param_bytes=blocks, grad_bytes=grads)
+
+
+def _mean_over_ranks(loss: torch.Tensor, ranks: int) -> float:
+    """The mean over the ``ranks`` real ranks (simulated: rank 0's own, its all-reduce adds
+    nothing)."""
     total = loss.detach().float().reshape(1).clone()
     dist.all_reduce(total)
-    return total.item() / world
+    return total.item() / ranks
+
+
+def _from_every_rank(obj: Any, cfg: TrainConfig, world: int) -> list[Any]:
+    """``obj`` of every real rank, by rank: all ``world`` of them, or under simulated ranks
+    only this one's (the fake group's gather returns nothing; [Note: simulated ranks])."""
+    if cfg.simulated:
+        return [obj]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _vocab(model: torch.nn.Module) -> int:

@@ -107,7 +107,8 @@ def summary_table(record: dict[str, Any]) -> Table:
                         f"{record['world_size']} ranks, {cfg['micro_batch']} x {cfg['seq_len']} "
                         f"tokens/rank, {'/'.join(map(str, counts))} measured "
                         f"step{'' if counts == [1] else 's'}"
-                        + (f", resumed at step {min(starts)}" if starts else ""))
+                        + (f", resumed at step {min(starts)}" if starts else "")
+                        + (" (SIMULATED ranks)" if record.get("simulated") else ""))
     table.add_column("")
     for eng in engines:
         table.add_column(run_label(eng), justify="right")

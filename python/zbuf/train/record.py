@@ -7,6 +7,8 @@ Record layout (``schema: zbuf.run/1``)::
     model          name, params, flops_per_token, shape
     environment    torch / CUDA / NCCL / driver versions, GPU kind and count, host
     world_size     ranks
+    simulated      null, or (``--simulate-world``) world_size, note (what the numbers mean),
+                   link_gbps and link_gbps_default of the communication estimate
     engines[]      engine, status ("ok" | "failed" | "interrupted": the steps finished
                    before Ctrl-C or SIGTERM, rank 0's numbers only), error, setup_seconds,
                    start_step (0, or the checkpoint step a --resume run continued from),
@@ -34,6 +36,9 @@ Record layout (``schema: zbuf.run/1``)::
                                             ``compile_phases.CompilePhases``),
                    recompile_phases[per rank][] (the same for each later step that compiled:
                                                 a re-plan, a new input shape),
+                   communication (simulated runs: rank 0's per-step collective bytes and
+                                  their time at link_gbps, ``simulate.CommEstimate``; never part
+                                  of time_s),
                    summary (see ``summarize``)
 """
 
@@ -46,10 +51,11 @@ from typing import Any, Optional
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
+from .simulate import SIMULATED_NOTE
 
 __all__ = ["SCHEMA", "ac_text", "hardware_text", "budget_notices", "summarize", "make_record",
            "write_record", "load_record", "markdown", "phases_markdown", "slowest_phases",
-           "merge_records", "run_label"]
+           "merge_records", "run_label", "simulated_text"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -219,8 +225,33 @@ def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],
                   "shape": {k: v for k, v in vars(mcfg).items()}},
         "environment": env,
         "world_size": cfg.nproc,
+        "simulated": None if not cfg.simulated else {
+            "world_size": cfg.nproc, "note": SIMULATED_NOTE.format(world=cfg.nproc),
+            "link_gbps": cfg.link_gbps,
+            "link_gbps_default": TrainConfig.__dataclass_fields__["link_gbps"].default},
         "engines": engines,
     }
+
+
+def simulated_text(record: dict[str, Any]) -> Optional[str]:
+    """What a simulated record's numbers mean and its communication estimate per engine, for
+    the terminal summary, ``zbuf report`` and the markdown table; None for a real run."""
+    sim = record.get("simulated")
+    if not sim:
+        return None
+    parts = []
+    for eng in record["engines"]:
+        c = eng.get("communication")
+        if c:
+            parts.append(f"{run_label(eng)} {format_bytes(c['all_gather_bytes'])} all-gathered, "
+                         f"{format_bytes(c['reduce_scatter_bytes'])} reduce-scattered"
+                         + (f", {format_bytes(c['all_reduce_bytes'])} all-reduced"
+                            if c["all_reduce_bytes"] else "")
+                         + f": {c['seconds'] * 1e3:.2f} ms")
+    comm = (f" Communication estimate per rank and step at {sim['link_gbps']:g} Gbit/s "
+            f"(default {sim['link_gbps_default']:g}), not in the step times: "
+            + "; ".join(parts) + ".") if parts else ""
+    return f"SIMULATED: {sim['note']}.{comm}"
 
 
 def write_record(record: dict[str, Any], path: str) -> None:
@@ -299,6 +330,9 @@ def markdown(record: dict[str, Any]) -> str:
             f"{format_bytes(s['peak_device_bytes'])} | "
             f"{','.join(map(str, s['alloc_retries_per_rank']))} | {s['first_step_s']:.2f} | "
             f"{s['final_loss']:.4f} |")
+    sim = simulated_text(record)
+    if sim:
+        lines[1:1] = ["", f"**{sim}**"]
     phases = phases_markdown(record)
     return "\n".join(lines) + "\n" + ("\n" + phases if phases else "")
 

@@ -35,7 +35,7 @@ from rich.table import Table
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
 from .progress import print_error
-from .record import load_record, run_label
+from .record import load_record, run_label, simulated_text
 
 __all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table", "main"]
 
@@ -57,8 +57,9 @@ def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _title(record: dict[str, Any], what: str) -> str:
     cfg = record["config"]
-    return (f"{what}: {record['model']['name']}, {record['world_size']} ranks, "
-            f"{cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
+    return (f"{what}: {record['model']['name']}, {record['world_size']} ranks"
+            + (" (simulated)" if record.get("simulated") else "") +
+            f", {cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
 
 
 def _byte_unit(top: float) -> tuple[float, str]:
@@ -562,6 +563,9 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
         print_error("report", f"cannot write plots to {out_dir}: {e.strerror}")
         return 2
     console = Console()
+    sim = simulated_text(record)
+    if sim:
+        console.print(sim, highlight=False, markup=False, soft_wrap=True)
     phases = phases_table(record)
     if phases is not None:
         console.print(phases)

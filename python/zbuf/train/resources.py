@@ -42,7 +42,7 @@ from typing import Optional
 from .config import ConfigError, Engine, TrainConfig, format_bytes
 
 __all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_cores", "cpu_rank_bytes",
-           "check_cpu_memory", "cpu_oversubscription"]
+           "check_cpu_memory", "cpu_oversubscription", "host_memory_bytes"]
 
 RUNTIME_BYTES = {"compiled": 480 << 20, "eager": 400 << 20}
 """Private memory of one CPU rank's runtime, by whether the engine compiles ([Note: memory per
@@ -94,12 +94,28 @@ def cpu_oversubscription(cfg: TrainConfig, cores: Optional[int] = None) -> Optio
     are more than the cores, in one line; None when each rank has a core ([Note: CPU ranks and
     cores])."""
     cores = cpu_cores() if cores is None else cores
-    world = cfg.nproc
+    world = cfg.processes
     if world <= cores:
         return None
     return (f"--nproc {world} on {cores} CPU core{'s' if cores > 1 else ''}: the ranks share the "
             f"cores, so each step takes about {world / cores:.3g}x as long as with a core per "
             f"rank; --nproc {cores} uses each core once")
+
+
+def host_memory_bytes() -> Optional[int]:
+    """The machine's memory (``MemTotal``, capped by this container's cgroup limit); None where
+    neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")]
+    except OSError:
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        cap = _read_int(limit)
+        if cap is not None and cap < 1 << 60:
+            found.append(cap)
+    return min(found) if found else None
 
 
 def cpu_rank_bytes(cfg: TrainConfig, world: int) -> int:
@@ -132,7 +148,7 @@ def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None,
     if available is None:
         return  # nothing to compare with; the run will tell
     world = cfg.nproc
-    total = SHARED_BYTES + world * cpu_rank_bytes(cfg, world)
+    total = SHARED_BYTES + cfg.processes * cpu_rank_bytes(cfg, world)  # simulated: one process
     if total <= available:
         return
     fits = [n for n in range(1, world) if SHARED_BYTES + n * cpu_rank_bytes(cfg, n) <= available]

@@ -8,6 +8,7 @@ them, with the compile cache reset and device memory emptied in between.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -17,13 +18,13 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from .config import ConfigError, TrainConfig, check_output_path
+from .config import ConfigError, TrainConfig, check_output_path, format_bytes
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
-from .record import make_record, markdown, merge_records, write_record
-from .resources import check_cpu_memory, cpu_oversubscription
+from .record import make_record, markdown, merge_records, simulated_text, write_record
+from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
 
-__all__ = ["run", "merge"]
+__all__ = ["run", "merge", "prepare"]
 
 
 def _machine(cfg: TrainConfig) -> tuple[bool, int]:
@@ -33,6 +34,11 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no CUDA device")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.simulated:  # [Note: simulated ranks]: one process, rank 0 of N
+        if under_torchrun():
+            raise ConfigError(f"--simulate-world {cfg.simulate_world} runs one process as rank "
+                              f"0 of {cfg.simulate_world}; start it without torchrun")
+        return cuda, cfg.simulate_world
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if cfg.nproc is not None and cfg.nproc != world:
@@ -44,6 +50,29 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
     if cuda and world > gpus:
         raise ConfigError(f"--nproc {world} but only {gpus} GPU(s) visible; one rank per GPU")
     return cuda, world
+
+
+def _emulated_card(cfg: TrainConfig) -> TrainConfig:
+    """``--gpu-memory SIZE`` on this machine (resolved ``cfg``): on CUDA the fraction of the card
+    torch reports (``mem_frac``, which caps torch's allocator and zbuf's pool together, [Note:
+    emulated capacity] in zbuf/memory.py); on CPU the host's memory is the card, and the size
+    stays for zbuf's stand-in. ``ConfigError`` for a size above the card."""
+    if cfg.gpu_memory is None:
+        return cfg
+    if cfg.device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        what = f"this GPU's {format_bytes(total)} ({torch.cuda.get_device_name(0)})"
+    else:
+        total = host_memory_bytes()
+        what = f"this machine's {format_bytes(total)} of memory (on CPU the card is the host)"
+    if total is not None and cfg.gpu_memory > total:
+        raise ConfigError(f"--gpu-memory {format_bytes(cfg.gpu_memory)} is more than {what}: it "
+                          f"emulates a smaller card; give at most {format_bytes(total)}")
+    if cfg.device == "cuda":
+        return dataclasses.replace(cfg, mem_frac=cfg.gpu_memory / total)
+    return cfg
 
 
 def _resume_point(cfg: TrainConfig) -> int:
@@ -122,7 +151,7 @@ def _spawned(cfg: TrainConfig, index: int,
     with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         partial_path = os.path.join(tmp, "partial.json")
-        threads = max(1, (os.cpu_count() or 2) // cfg.nproc)
+        threads = max(1, (os.cpu_count() or 2) // cfg.processes)
         with open(spec_path, "w") as f:
             json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
                        "threads": threads}, f)
@@ -130,7 +159,7 @@ def _spawned(cfg: TrainConfig, index: int,
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
         try:
-            group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.nproc, env=env)
+            group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.processes, env=env)
         except Interrupted as e:  # every worker has stopped; rank 0 left the steps it did
             return _interrupted_partial(cfg, index, partial_path), 130, [f"interrupted ({e})"]
         rank = group.failed_rank
@@ -144,7 +173,7 @@ def _spawned(cfg: TrainConfig, index: int,
             msg = "the ranks exited without a record (rank 0 wrote none)"
             return {"engines": [_failure(cfg, index, "failed", msg)]}, 1, [msg]
         texts = {}
-        for r in range(cfg.nproc):
+        for r in range(cfg.processes):
             err = f"{partial_path}.rank{r}.err"  # written by worker.main
             if os.path.exists(err):
                 with open(err) as f:
@@ -157,6 +186,19 @@ def _spawned(cfg: TrainConfig, index: int,
         return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
 
 
+def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
+    """``cfg`` validated and resolved for this machine, its output path checked: everything
+    that can refuse the options before a worker starts (``ConfigError``)."""
+    cfg.validate()
+    cuda, world = _machine(cfg)
+    cfg = _emulated_card(cfg.resolve(cuda=cuda, world=world, bench=bench))
+    if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
+        check_cpu_memory(cfg)
+    if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
+        cfg.out = check_output_path(cfg.out)
+    return cfg
+
+
 def run(command: str, cfg: TrainConfig, console: Console | None = None,
         argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
@@ -165,15 +207,9 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     console = console or Console()
     bench = command == "bench"
     try:
-        cfg.validate()
-        cuda, world = _machine(cfg)
-        cfg = cfg.resolve(cuda=cuda, world=world, bench=bench)
-        if not cuda and not under_torchrun():  # ranks we would start: can the machine hold them?
-            check_cpu_memory(cfg)
-        if not under_torchrun() or os.environ["RANK"] == "0":  # only rank 0 writes it
-            cfg.out = check_output_path(cfg.out)
+        cfg = prepare(cfg, bench=bench)
         start = _resume_point(cfg)
-        crowded = None if cuda or under_torchrun() else cpu_oversubscription(cfg)
+        crowded = None if cfg.device == "cuda" or under_torchrun() else cpu_oversubscription(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
             print_error(command, str(e))
@@ -294,6 +330,9 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
     table = comparison_table(record)
     if table is not None:
         console.print(table)
+    sim = simulated_text(record)
+    if sim:
+        console.print(sim, highlight=False, markup=False, soft_wrap=True)
     for eng in engines:
         for text in eng.get("notices", []):
             console.print(f"note ({eng['engine']}): {text}", highlight=False, markup=False,

@@ -28,6 +28,7 @@ from .launcher import die_with_parent
 from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
 from .progress import NullProgress, TrainProgress
+from .simulate import init_fake_group
 
 __all__ = ["run_engines", "main"]
 
@@ -41,17 +42,21 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
-    """Join the default process group (NCCL on GPU, gloo on CPU) from the torchrun env.
+    """Join the default process group (NCCL on GPU, gloo on CPU) from the torchrun env; with
+    ``--simulate-world N``, be rank 0 of N over torch's fake group.
 
     Rendezvous keeps a fixed 10 minutes (slow process start-up is not a dead peer); the
     collectives after it get ``cfg.collective_timeout_s``.
     """
     device = _device(cfg)
+    if cfg.simulated and not dist.is_initialized():
+        init_fake_group(cfg.simulate_world)  # [Note: simulated ranks]
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
                                 timeout=timedelta(minutes=10))
-    faults.configure_timeout(cfg.collective_timeout_s)
+    if not cfg.simulated:  # the fake group has no peers to wait for (and no timeout to set)
+        faults.configure_timeout(cfg.collective_timeout_s)
     if dist.get_world_size() != cfg.nproc:
         raise RuntimeError(f"process group has {dist.get_world_size()} ranks, config expects "
                            f"{cfg.nproc}")

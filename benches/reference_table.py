@@ -1,0 +1,90 @@
+"""The reference configuration's table (issue 19) from ``zbuf bench`` records, one row per run.
+
+    python3 benches/reference_table.py benches/results/seed14.json [MORE.json ...] [--out T.md]
+
+Columns: median step and its min-max over the measured steps, allocator retries per rank in
+warm-up and in the measured steps, rank 0's peak reserved (torch's caching allocator, the largest
+phase peak of any step) and peak device-used memory (reserved + the zbuf pool's high water: what
+the card must hold), the first step, and, for a simulated run, the communication estimate per
+step at the record's link bandwidth (never part of the step time; [Note: simulated ranks] in
+zbuf/train/simulate.py). Every row of a simulated record is marked as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zbuf.train.config import format_bytes
+from zbuf.train.record import hardware_text, load_record, run_label, simulated_text
+
+
+def _rows(record: dict) -> list[str]:
+    out = []
+    for eng in record["engines"]:
+        if eng.get("status") != "ok":
+            reason = (eng.get("error") or "").strip().splitlines()
+            out.append(f"| {run_label(eng)} | {eng.get('status')}: "
+                       f"{(reason[-1] if reason else '').replace('|', '/')} | | | | | | |")
+            continue
+        s = eng["summary"]
+        ranks = eng["per_rank"]
+        warm = ",".join(str(r["alloc_retries_total"] - r["alloc_retries_measured"]) for r in ranks)
+        measured = ",".join(str(r["alloc_retries_measured"]) for r in ranks)
+        reserved = max(max(step["reserved_peak_bytes"]) for step in eng["steps"])
+        comm = eng.get("communication")
+        comm_text = "-" if not comm else (
+            f"{comm['seconds'] * 1e3:.3g} ms ({format_bytes(comm['wire_bytes'])} per rank at "
+            f"{comm['link_gbps']:g} Gbit/s)")
+        out.append(
+            f"| {run_label(eng)}{' (simulated)' if record.get('simulated') else ''} | "
+            f"{s['step_time_median_s'] * 1e3:,.0f} ms | {s['step_time_min_s'] * 1e3:,.0f}-"
+            f"{s['step_time_max_s'] * 1e3:,.0f} ms | {warm} / {measured} | "
+            f"{format_bytes(reserved)} | {format_bytes(s['peak_device_bytes'])} | "
+            f"{s['first_step_s']:.1f} s | {comm_text} |")
+    return out
+
+
+def table(records: list[dict]) -> str:
+    first = records[0]
+    cfg, env = first["config"], first["environment"]
+    card = cfg.get("gpu_memory")
+    head = (f"## {first['model']['name']}: micro-batch {cfg['micro_batch']} x seq "
+            f"{cfg['seq_len']}, {first['world_size']} ranks, AC {cfg['ac']}, {cfg['dtype']}"
+            + (f", card {format_bytes(card)}" if card else "")
+            + f"; {cfg['warmup']} warm-up + {cfg['steps'] - cfg['warmup']} measured steps")
+    lines = [head, "", f"Hardware: {hardware_text(env)}; torch {env.get('torch')}; zbuf "
+                       f"{env.get('zbuf_commit') or '?'}.", ""]
+    for r in records:
+        text = simulated_text(r)
+        if text:
+            lines += [f"**{text}**", ""]
+            break
+    lines += ["| engine | step, median | min-max | retries per rank: warm-up / measured | "
+              "peak reserved (rank 0) | peak device-used | first step | communication estimate |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        lines += _rows(r)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("records", nargs="+", metavar="RUN.json")
+    p.add_argument("--out", help="write the table here too")
+    args = p.parse_args(argv)
+    try:
+        records = [load_record(path) for path in args.records]
+    except (OSError, ValueError) as e:
+        print(f"reference_table: error: {e}", file=sys.stderr)
+        return 2
+    text = table(records)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
