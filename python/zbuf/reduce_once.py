@@ -59,6 +59,7 @@ from typing import Optional
 
 import torch
 
+from .ops import reduce_scatter_impl
 from .param import ShardSpec
 from .runtime import counters
 
@@ -135,8 +136,6 @@ def count_use(spec: ShardSpec) -> Optional[int]:
 
 
 def _reduce(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    from .ops import reduce_scatter_impl
-
     return reduce_scatter_impl(grad, spec.param_id, spec.shard_numel, spec.group_name,
                                spec.reduce_dtype, spec.dtype)
 

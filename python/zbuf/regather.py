@@ -17,6 +17,10 @@ gathered weight is a different storage and is saved as usual. Non-reentrant acti
 checkpointing installs its own hooks inside checkpointed regions (the innermost hooks win): there
 nothing is saved and the recompute gathers again, which composes. Under ``torch.compile`` the
 hooks are not installed (the compile pass decides what backward re-gathers).
+
+The root's forward pre-hook (``enter_root_forward``) installs them, and starts a new
+``reduce_once`` generation when it is the outermost forward; its forward post-hook
+(``exit_root_forward``) removes them.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-from .param import ShardSpec
+from torch import nn
 
-__all__ = ["track", "regather_hooks", "live_tracked"]
+from . import reduce_once
+from .eager_ops import EagerAllGather
+from .param import ShardSpec
+from .shard_state import ShardingError, root_of
+
+__all__ = ["track", "regather_hooks", "live_tracked", "enter_root_forward", "exit_root_forward"]
 
 
 class _Live(NamedTuple):
@@ -87,13 +96,50 @@ def _pack(t: torch.Tensor):
 def _unpack(saved):
     if not isinstance(saved, _Recipe):
         return saved
-    from .shard import gather_param  # shard.py imports this module
-
-    with torch.no_grad():
-        full = gather_param(saved.shard, saved.spec, track_for_backward=False)
+    with torch.no_grad():  # the re-gather is not a use: no count, no reduce-scatter, not tracked
+        full = EagerAllGather.apply(saved.shard, saved.spec, None)
     return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
 
 def regather_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     """A fresh context manager installing the pack/unpack pair of [Note: eager re-gather]."""
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def _check_unchanged(module: nn.Module) -> None:
+    """Every parameter under the root is still one of its shards (eager forwards only)."""
+    shards = root_of(module).shard_ids
+    late = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name, p in sub._parameters.items()
+        if p is not None and id(p) not in shards
+    ]
+    if late:
+        raise ShardingError(
+            f"parameters {late} were added or replaced after zbuf.shard: they are not sharded, "
+            f"so every rank would train its own copy with unsynchronised gradients. Build the "
+            f"whole model (adapters, new heads) before calling zbuf.shard"
+        )
+
+
+def enter_root_forward(module: nn.Module, args) -> None:
+    """The sharded root's forward pre-hook: [Note: eager re-gather] (eager forwards only)."""
+    if torch.compiler.is_compiling():
+        return
+    _check_unchanged(module)
+    stack = root_of(module).hook_stack
+    if not stack:
+        reduce_once.new_forward()
+    ctx = regather_hooks()
+    ctx.__enter__()
+    stack.append(ctx)
+
+
+def exit_root_forward(module: nn.Module, args, output) -> None:
+    """The sharded root's forward post-hook (``always_call``): undoes ``enter_root_forward``."""
+    if torch.compiler.is_compiling():
+        return
+    stack = root_of(module).hook_stack
+    if stack:
+        stack.pop().__exit__(None, None, None)

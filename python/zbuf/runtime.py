@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .errors import DoubleReleaseError, ForeignBufferError
+from .pool import default_pool
 
 __all__ = [
     "counters",
@@ -120,8 +121,6 @@ def pool_of(pool_id: int, like: torch.Tensor):
     if pool is not None:
         return pool
     if pool_id == DEFAULT_POOL:
-        from .pool import default_pool
-
         return default_pool(like.device)
     raise ValueError(
         f"zbuf: no gather-buffer pool has id {pool_id} in this process; pool ids come from "
