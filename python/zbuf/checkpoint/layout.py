@@ -129,7 +129,7 @@ def inventory(model: nn.Module) -> ModelInventory:
 def mesh_for(group: dist.ProcessGroup, device: torch.device):
     """A 1-D DeviceMesh over ``group``, built per save or load and dropped with it: a cached mesh
     would keep the group alive after ``destroy_process_group()`` ([Note: a model does not keep
-    its group alive] in ``shard.py``)."""
+    its group alive] in ``shard_state.py``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device.type)
