@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from . import reduce_once
 from .ops import all_gather_impl
 from .runtime import label
 
@@ -25,14 +24,15 @@ class EagerAllGather(torch.autograd.Function):
     [Note: eager fast path]."""
 
     @staticmethod
-    def forward(ctx, shard, spec, generation):
-        # generation: from reduce_once.count_use, None when this use is not counted ([Note:
-        # reduce once]). The shard is kept for an end-of-backward flush, which writes its .grad.
-        ctx.spec, ctx.generation, ctx.shard = spec, generation, shard
+    def forward(ctx, shard, spec, reducer, generation):
+        # reducer: the root's reduce_once.ReduceOnce (None only under no_grad: no backward);
+        # generation: from its count_use, None when this use is not counted ([Note: reduce
+        # once]). The shard is kept for an end-of-backward flush, which writes its .grad.
+        ctx.spec, ctx.reducer, ctx.generation, ctx.shard = spec, reducer, generation, shard
         return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype,
                                spec.pool_id)
 
     @staticmethod
     def backward(ctx, grad):
         with label("zbuf::reduce_once"):
-            return reduce_once.contribute(grad, ctx.shard, ctx.spec, ctx.generation), None, None
+            return ctx.reducer.contribute(grad, ctx.shard, ctx.spec, ctx.generation), None, None, None

@@ -13,15 +13,16 @@ and adds guards).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.zbuf.*)
-from . import reduce_once, regather
 from .eager_ops import EagerAllGather
 from .param import ShardSpec
 from .region_inputs import caller_gathered
-from .shard_state import ShardingError
+from .shard_state import ShardedRoot, ShardingError, owner_of
 
 __all__ = ["gather_param", "sharded_class"]
 
@@ -31,19 +32,29 @@ __all__ = ["gather_param", "sharded_class"]
 _SUBCLASS_CACHE: dict[tuple[type, frozenset], type] = {}
 
 
-def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bool = True) -> torch.Tensor:
-    """The full tensor of a sharded parameter (the body of the parameter property)."""
+def gather_param(shard: nn.Parameter, spec: ShardSpec, root: Optional[ShardedRoot] = None) -> torch.Tensor:
+    """The full tensor of a sharded parameter: the ``zbuf::all_gather`` op while tracing, else
+    the eager gather of the parameter's ``root`` (needed then)."""
     if torch.compiler.is_compiling():
-        return torch.ops.zbuf.all_gather(
-            shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype,
-            spec.pool_id,
-        )
+        return _traced_gather(shard, spec)
+    return _eager_gather(shard, spec, root)
+
+
+def _traced_gather(shard: nn.Parameter, spec: ShardSpec) -> torch.Tensor:
+    return torch.ops.zbuf.all_gather(
+        shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype,
+        spec.pool_id,
+    )
+
+
+def _eager_gather(shard: nn.Parameter, spec: ShardSpec, root: ShardedRoot) -> torch.Tensor:
     # [Note: eager fast path] in eager_ops.py; [Note: reduce once] in reduce_once.py
+    reducer = root.reduce_once
     recorded = torch.is_grad_enabled() and shard.requires_grad
-    generation = reduce_once.count_use(spec) if recorded else None
-    full = EagerAllGather.apply(shard, spec, generation)
-    if track_for_backward and torch.is_grad_enabled():
-        regather.track(full, shard, spec)
+    generation = reducer.count_use(spec) if recorded else None
+    full = EagerAllGather.apply(shard, spec, reducer, generation)
+    if torch.is_grad_enabled():
+        root.regather.track(full, shard, spec)
     return full
 
 
@@ -53,7 +64,10 @@ def _make_property(name: str) -> property:
         full = caller_gathered(spec.param_id)  # [Note: weights gathered by the caller]
         if full is not None:
             return full
-        return gather_param(self._parameters[name], spec)
+        shard = self._parameters[name]
+        if torch.compiler.is_compiling():
+            return _traced_gather(shard, spec)
+        return _eager_gather(shard, spec, owner_of(self))
 
     return property(fget, doc=f"Full ``{name}``, all-gathered from this rank's shard on access.")
 

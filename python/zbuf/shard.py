@@ -34,7 +34,6 @@ from .materialise import materialise
 from .param import ShardSpec, local_shard_of, shard_numel_for
 from .param_access import gather_param, sharded_class
 from .pool import default_pool
-from .regather import enter_root_forward, exit_root_forward
 from .region_inputs import gathered_by_caller
 from .shard_state import (
     ShardedRoot,
@@ -191,6 +190,47 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
     return torch.device("cpu"), on_meta
 
 
+def _check_unchanged(module: nn.Module, root: ShardedRoot) -> None:
+    """Every parameter under the root is still one of its shards (eager forwards only)."""
+    shards = root.shard_ids
+    late = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name, p in sub._parameters.items()
+        if p is not None and id(p) not in shards
+    ]
+    if late:
+        raise ShardingError(
+            f"parameters {late} were added or replaced after zbuf.shard: they are not sharded, "
+            f"so every rank would train its own copy with unsynchronised gradients. Build the "
+            f"whole model (adapters, new heads) before calling zbuf.shard"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the root's forward hooks (eager forwards only; the compile pass plans its own gathers)
+
+
+def _enter_root_forward(module: nn.Module, args) -> None:
+    if torch.compiler.is_compiling():
+        return
+    root = root_of(module)
+    _check_unchanged(module, root)
+    if not root.regather.in_forward():  # the outermost forward: [Note: reduce once]
+        root.reduce_once.new_forward()
+    root.regather.enter_forward()  # [Note: eager re-gather]
+
+
+def _exit_root_forward(module: nn.Module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
+    root_of(module).regather.exit_forward()
+
+
+# ---------------------------------------------------------------------------------------------
+# the public API
+
+
 def shard(
     module: nn.Module,
     group: Optional[dist.ProcessGroup] = None,
@@ -289,8 +329,8 @@ def shard(
             state_dict.install_hooks(sub)
     root.shard_ids = frozenset(id(p) for p in root.shards.values())
     attach_root(module, root)
-    module.register_forward_pre_hook(enter_root_forward)
-    module.register_forward_hook(exit_root_forward, always_call=True)
+    module.register_forward_pre_hook(_enter_root_forward)
+    module.register_forward_hook(_exit_root_forward, always_call=True)
     return module
 
 

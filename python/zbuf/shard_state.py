@@ -35,7 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import runtime
 from .param import ShardSpec
+from .reduce_once import ReduceOnce
+from .regather import Regather
 
 __all__ = [
     "ShardingError",
@@ -81,9 +84,10 @@ class ShardedRoot:
     shard_ids: frozenset = frozenset()
     """ids of the shard parameters (alive as long as ``shards`` holds them): the eager forward
     checks that no parameter was added or replaced after sharding."""
-    hook_stack: list = field(default_factory=list)
-    """Saved-tensor-hook contexts entered by nested root forwards (producer: forward pre-hook,
-    consumer: forward post-hook); see [Note: eager re-gather] in ``regather.py``."""
+    regather: Regather = field(default_factory=Regather)
+    """The eager forwards' saved-tensor hooks: [Note: eager re-gather] in ``regather.py``."""
+    reduce_once: ReduceOnce = field(default_factory=lambda: ReduceOnce(runtime.counters))
+    """The eager backwards' gradient reductions: [Note: reduce once] in ``reduce_once.py``."""
 
     @property
     def group(self) -> dist.ProcessGroup:
