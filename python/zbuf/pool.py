@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.profiler import record_function
 
-from zbuf import _core
-from zbuf.errors import InvalidDeviceError, InvalidRequestError
+from . import _core
+from .errors import InvalidDeviceError, InvalidRequestError
 
 __all__ = ["GatherBufferPool", "PoolStats", "default_pool"]
 

@@ -11,7 +11,8 @@ This module is the public API and its validation; each part of what ``shard`` se
   ``sharded_parameters``), [Note: a model does not keep its group alive];
 * ``param_access.py``: the class swap, [Note: parameter access through a property];
 * ``materialise.py``: [Note: materialising meta modules];
-* ``regather.py``: the root's forward hooks, [Note: eager re-gather];
+* ``regather.py``: saved tensors re-gathered in backward (entered by the root's forward hooks
+  below), [Note: eager re-gather];
 * ``reduce_once.py``: one reduce-scatter per parameter per forward, [Note: reduce once];
 * ``region_inputs.py``: compile regions' bodies, [Note: weights gathered by the caller];
 * ``state_dict.py``: [Note: state dict forms].
@@ -71,6 +72,7 @@ _param_ids = itertools.count()
 
 # ---------------------------------------------------------------------------------------------
 # validation
+
 
 def _resolve_group(group) -> tuple[dist.ProcessGroup, int, int]:
     if not (dist.is_available() and dist.is_initialized()):
