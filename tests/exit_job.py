@@ -9,7 +9,7 @@ Each run is one job of ``--world`` ranks doing what the README's multi-rank exam
 alive, as a user's script has them. Each rank then checks that no gloo worker thread
 (``pt_gloo_runloop``) survived destroy and exits through normal interpreter finalisation, where a
 surviving thread kills the process with SIGABRT ([Note: a model does not keep its group alive]
-in ``zbuf/shard.py``). The launcher exits 0 only if every rank of every run exited 0.
+in ``zbuf/shard_state.py``). The launcher exits 0 only if every rank of every run exited 0.
 
 Most runs fork their ranks from this process after ``import zbuf`` (importing torch costs about
 3 s of CPU per process, the job itself well under one); ``--fresh-runs`` start each rank as a new

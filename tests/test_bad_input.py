@@ -414,7 +414,7 @@ def test_call_after_process_group_destroyed():
     dist.destroy_process_group()
     try:
         # The live model does not keep the group (and gloo's threads) alive: [Note: a model does
-        # not keep its group alive] in shard.py.
+        # not keep its group alive] in shard_state.py.
         gc.collect()
         assert group() is None
         for fn in (model, compiled):

@@ -5,7 +5,7 @@ state dict, destroy) as 2- and 3-rank gloo jobs, each rank its own process that 
 interpreter: 15 runs per world size in CI, ``ZBUF_EXIT_RUNS`` forked eager runs per world size
 (default 13) for a longer soak. Every rank must exit 0, and exits 3 itself if a gloo worker
 thread survived ``destroy_process_group()`` ([Note: a model does not keep its group alive] in
-``zbuf/shard.py``).
+``zbuf/shard_state.py``).
 """
 
 from __future__ import annotations

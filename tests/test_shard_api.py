@@ -190,3 +190,25 @@ def test_custom_ops_trace_with_fake_tensors():
         assert g.shape == (7,) and g.dtype == torch.float32
     torch.library.opcheck(torch.ops.zbuf.reduce_scatter.default,
                           (torch.randn(3, 4), 0, 12, dist.group.WORLD.group_name, None, torch.float32))
+
+
+def test_a_models_pool_does_not_outlive_the_model():
+    """The pool registry ([Note: pool ids]) holds pools weakly: a model's own pool (each engine
+    of ``zbuf bench`` makes one) is freed with the model, and its id names no pool after."""
+    import gc
+    import weakref
+
+    from zbuf.pool import GatherBufferPool
+    from zbuf.shard import root_of
+
+    pool = GatherBufferPool("cpu")
+    model = shard(nn.Linear(8, 8), pool=pool)
+    model(torch.randn(2, 8)).sum().backward()
+    pool_id = next(iter(root_of(model).specs.values())).pool_id
+    assert zbuf.runtime.pool_of(pool_id, torch.zeros(1)) is pool
+    alive = weakref.ref(pool)
+    del model, pool
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(ValueError, match="no live gather-buffer pool has id"):
+        zbuf.runtime.pool_of(pool_id, torch.zeros(1))

@@ -43,9 +43,8 @@ class Stack(nn.Module):
 
 def _memory_worker(rank, world):
     import zbuf.ops
-    from zbuf import regather
     from zbuf.pool import GatherBufferPool
-    from zbuf.shard import shard
+    from zbuf.shard import root_of, shard
 
     out = {}
     for ckpt in (False, True):
@@ -68,7 +67,7 @@ def _memory_worker(rank, world):
             gathers_per_step.append(zbuf.ops.counters["all_gather"] - before)
             stats = pool.stats()
             assert stats.checked_out == 0, f"step {step}: {stats.checked_out} leases not returned"
-            assert regather.live_tracked() == 0
+            assert root_of(model).regather.live_tracked() == 0
             if step == 0:
                 allocations_after_first = stats.allocations
         stats = pool.stats()

@@ -85,7 +85,7 @@ def _eager_scenarios(rank, world):
     """Each scenario: sharded grads vs the reference's, and the exact collective count."""
     import zbuf.ops
     from zbuf import reduce_once
-    from zbuf.shard import shard
+    from zbuf.shard import root_of, shard
 
     results = {}
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def _eager_scenarios(rank, world):
         results[name] = _delta(before)
         ref_fn(ref)
         _check_grads(model, ref, rank, name)
-        assert reduce_once.open_accumulators() == 0, name
+        assert root_of(model).reduce_once.open_accumulators() == 0, name
 
     for ckpt in ("non_reentrant", None, "reentrant"):
         init.head_ckpt = ckpt
@@ -134,7 +134,7 @@ def _eager_scenarios(rank, world):
     run("dropped,no_grad,step", dropped_then_step, lambda r: _ce(r(t1), y1).backward(), model, ref)
     # Only the dropped forward's counts are left (its 4 gathers with grad), until newer forwards
     # push its generation out.
-    assert reduce_once.open_uses() == TRAINABLE + 1
+    assert root_of(model).reduce_once.open_uses() == TRAINABLE + 1
 
     # A use of the tied weight that never reaches the loss: its count is left over at the end of
     # the backward, which then reduce-scatters the held accumulator itself.
@@ -144,11 +144,11 @@ def _eager_scenarios(rank, world):
         loss.backward()
 
     run("unused use", unused_use, lambda r: _ce(r(t1), y1).backward(), model, ref)
-    assert reduce_once.open_uses() == TRAINABLE + 1
+    assert root_of(model).reduce_once.open_uses() == TRAINABLE + 1
     for _ in range(reduce_once.MAX_OPEN_GENERATIONS):
         with torch.no_grad():
             model(mine(t1))
-    assert reduce_once.open_uses() == 0
+    assert root_of(model).reduce_once.open_uses() == 0
     return results
 
 
@@ -302,3 +302,25 @@ def test_merge_leaves_other_uses_alone(one_rank_group):
     graph = _rs_graph(one_rank_group, 2, extra_use=True)
     assert merge_reduce_scatters(graph) == 0
     assert sum(n.target is torch.ops.zbuf.reduce_scatter.default for n in graph.nodes) == 2
+
+
+def test_two_models_keep_their_own_reduce_once_state(one_rank_group):
+    """Each sharded root counts its own forwards' uses ([Note: reduce once]): forwards of one
+    model neither show in the other's counts nor push the other's generations out."""
+    from zbuf import reduce_once
+    from zbuf.shard import root_of, shard
+
+    torch.manual_seed(0)
+    a, b = shard(TiedNet(head_ckpt=None)), shard(TiedNet(head_ckpt=None))
+    (tokens, _), = _data(1, 1, seed=3)
+    a(tokens)  # dropped with grad on: its counts stay until its generation is pushed out
+    assert root_of(a).reduce_once.open_uses() == TRAINABLE + 1
+    assert root_of(b).reduce_once.open_uses() == 0
+    b(tokens)
+    assert root_of(b).reduce_once.open_uses() == TRAINABLE + 1
+    with torch.no_grad():
+        for _ in range(reduce_once.MAX_OPEN_GENERATIONS):
+            b(tokens)
+    assert root_of(a).reduce_once.open_uses() == TRAINABLE + 1
+    assert root_of(b).reduce_once.open_uses() == 0
+    assert root_of(a).regather.live_tracked() == 0 == root_of(b).regather.live_tracked()

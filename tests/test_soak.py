@@ -48,8 +48,7 @@ def _soak(rank, world, steps, root):
     import torch.distributed as dist
 
     import zbuf.checkpoint as ckpt
-    from zbuf.shard import shard
-    from zbuf import regather
+    from zbuf.shard import root_of, shard
     from zbuf.models import build_model, loss
     from zbuf.train.data import Task, rank_batch
 
@@ -85,7 +84,7 @@ def _soak(rank, world, steps, root):
                 "fds": len(os.listdir("/proc/self/fd")),
                 "rss": _rss_bytes(),
                 "tensors": _live_tensors(),
-                "tracked": regather.live_tracked(),
+                "tracked": root_of(model).regather.live_tracked(),
             })
     return {"samples": samples, "first_loss": sum(losses[:10]) / 10, "last_loss": sum(losses[-10:]) / 10}
 

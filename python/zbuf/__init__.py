@@ -108,7 +108,7 @@ __all__ = [*_NAMES, *_SUBMODULES]
 # ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as default arguments when it is
 # first imported; imported after ``init_process_group``, that pins the default group for the rest
 # of the process, and a gloo group alive at interpreter exit can kill the process with SIGABRT
-# after its work succeeded ([Note: a model does not keep its group alive] in shard.py). torch
+# after its work succeeded ([Note: a model does not keep its group alive] in shard_state.py). torch
 # imports it through ``torch._dynamo``, ``torch.distributed.fsdp`` and
 # ``torch.distributed.checkpoint``, all of which zbuf uses: ``_load`` imports them first, so a
 # script that imports zbuf before ``init_process_group`` (the README's one rule) binds nothing,

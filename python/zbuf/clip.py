@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .shard_state import ShardingError, root_of
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -24,8 +26,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Collective over the sharding group: every rank must call it. Same semantics as
     ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (``norm_type`` 2, any p > 0, or inf).
     """
-    from .shard import ShardingError, root_of
-
     root = root_of(model)
     if root is None:
         raise ShardingError(

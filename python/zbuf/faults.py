@@ -233,7 +233,7 @@ def end_process(code: int) -> None:
 
     Normally through ``sys.exit``. But while gloo worker threads are still alive, interpreter
     finalisation can kill the process with SIGABRT after all its work succeeded ([Note: a model
-    does not keep its group alive] in shard.py). zbuf keeps no group alive, but torch's own
+    does not keep its group alive] in shard_state.py). zbuf keeps no group alive, but torch's own
     state can: DTensor's sharding-propagation caches keep FSDP2's DeviceMesh, and with it the
     group, for the life of the process. Then this flushes stdout and stderr and ends the process
     with ``os._exit(code)``, skipping finalisation (``release_resources`` already ran).
@@ -251,7 +251,7 @@ def end_process(code: int) -> None:
 
 def _gloo_threads() -> int:
     """Live ``pt_gloo_runloop`` threads of this process (Linux; 0 elsewhere). After destroy there
-    should be none: [Note: a model does not keep its group alive] in shard.py."""
+    should be none: [Note: a model does not keep its group alive] in shard_state.py."""
     count = 0
     try:
         tasks = os.listdir("/proc/self/task")

@@ -45,7 +45,7 @@ A parameter reachable under several names (tied embeddings) is one shard ``nn.Pa
 access gathers (so the full tensor lives only as long as that use site needs it), and the
 gradient contributions of all use sites are summed at full size, then reduce-scattered once:
 one collective per parameter per forward, not per use, and the unsharded reference's arithmetic
-(autograd sums the full gradient). Eager: ``EagerAllGather`` counts its uses and its backward
+(autograd sums the full gradient). Eager: ``EagerAllGather`` (``eager_ops.py``) counts its uses and its backward
 holds contributions in an accumulator until the last one arrives ([Note: reduce once] in
 ``reduce_once.py``, which also covers micro-batches, checkpoint recompute, dropped forwards, and
 the memory trade: the padded accumulator lives from the first contribution to the last).
@@ -64,7 +64,6 @@ from typing import Optional
 
 import torch
 
-from . import reduce_once
 from .param import unpad_full
 from .runtime import (
     DEFAULT_POOL,
@@ -84,7 +83,6 @@ __all__ = [
     "all_gather_impl",
     "reduce_scatter",
     "reduce_scatter_impl",
-    "EagerAllGather",
     "release",
     "counters",
 ]
@@ -116,7 +114,7 @@ def _check_gather_args(shard: torch.Tensor, shape, world: int, param_id: int, pa
 
 
 def all_gather_impl(shard, param_id, shape, group_name, param_dtype, pool_id) -> torch.Tensor:
-    """The body of ``zbuf::all_gather`` (also run directly by the eager fast path)."""
+    """The body of ``zbuf::all_gather`` (also run directly by [Note: eager fast path] in eager_ops.py)."""
     with label("zbuf::all_gather"):
         pg = process_group(group_name)
         world = pg.size()
@@ -168,7 +166,7 @@ all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_set
 
 
 def reduce_scatter_impl(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype) -> torch.Tensor:
-    """The body of ``zbuf::reduce_scatter`` (also run directly by the eager fast path)."""
+    """The body of ``zbuf::reduce_scatter`` (also run directly by [Note: eager fast path] in eager_ops.py)."""
     with label("zbuf::reduce_scatter"):
         launch = reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                        async_op=False)
@@ -190,31 +188,6 @@ def reduce_scatter(
 @reduce_scatter.register_fake
 def _reduce_scatter_fake(grad, param_id, shard_numel, group_name, reduce_dtype, out_dtype):
     return grad.new_empty((shard_numel,), dtype=out_dtype)
-
-
-class EagerAllGather(torch.autograd.Function):
-    """``zbuf::all_gather`` with its autograd formula, minus the dispatcher (eager only).
-
-    [Note: eager fast path]
-    A ``torch.library`` custom op costs a few hundred microseconds of Python per call in eager
-    mode (argument normalisation, the generated autograd wrapper, a redispatch); parameter
-    access pays it for every weight, forward and re-gather. Outside tracing the accessor calls
-    this Function instead: the same ``all_gather_impl`` / ``reduce_scatter_impl`` bodies, so eager
-    and compiled runs compute the same thing, and the parity tests run both.
-    """
-
-    @staticmethod
-    def forward(ctx, shard, spec, generation):
-        # generation: from reduce_once.count_use, None when this use is not counted ([Note:
-        # reduce once]). The shard is kept for an end-of-backward flush, which writes its .grad.
-        ctx.spec, ctx.generation, ctx.shard = spec, generation, shard
-        return all_gather_impl(shard, spec.param_id, spec.shape, spec.group_name, spec.param_dtype,
-                               spec.pool_id)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with label("zbuf::reduce_once"):
-            return reduce_once.contribute(grad, ctx.shard, ctx.spec, ctx.generation), None, None
 
 
 @torch.library.custom_op("zbuf::release", mutates_args=("t",))

@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.profiler import record_function
 
-from zbuf import _core
-from zbuf.errors import InvalidDeviceError, InvalidRequestError
+from . import _core
+from .errors import InvalidDeviceError, InvalidRequestError
 
 __all__ = ["GatherBufferPool", "PoolStats", "default_pool"]
 
@@ -154,7 +154,7 @@ class GatherBufferPool:
     #     release contract]. `stream`: the last stream that used it (default: the current
     #     stream). Raises ForeignBufferError / DoubleReleaseError (UnverifiableReleaseError for
     #     `acquire_dlpack` buffers, see the note), leaving the pool unchanged.
-    __slots__ = ("_core", "device", "acquire", "release", "_budget_observer")
+    __slots__ = ("_core", "device", "acquire", "release", "_budget_observer", "__weakref__")
     acquire: Callable[..., torch.Tensor]
     release: Callable[..., None]
 

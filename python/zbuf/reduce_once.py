@@ -8,7 +8,8 @@ largest collective of the step, twice). Instead the eager path sums the full-siz
 locally and reduce-scatters the sum once, which is also what the unsharded reference does
 (autograd sums the full gradient).
 
-Bookkeeping, process-wide under one lock, keyed by forward *generation* and ``param_id``:
+Bookkeeping, per sharded root (its ``ReduceOnce``, ``ShardedRoot.reduce_once``) under one lock,
+keyed by forward *generation* and ``param_id``:
 * A generation starts with every outermost forward of a sharded root module (``new_forward``,
   from the root's forward pre-hook), not inside a backward.
 * ``count_use`` counts every gather that autograd records (grad mode on, the shard requires grad)
@@ -54,89 +55,27 @@ that never contribute. The compiled path merges the reduce-scatters of one graph
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Optional
 
 import torch
 
+from .ops import reduce_scatter_impl
 from .param import ShardSpec
-from .runtime import counters
 
-__all__ = [
-    "MAX_OPEN_GENERATIONS",
-    "new_forward",
-    "count_use",
-    "contribute",
-    "open_uses",
-    "open_accumulators",
-]
+__all__ = ["MAX_OPEN_GENERATIONS", "ReduceOnce"]
 
 MAX_OPEN_GENERATIONS = 16
 """How many of the latest forwards keep their counts while their backward is pending; an older
 forward's uses, if it is backpropagated after all, are reduce-scattered one by one."""
-
-_LOCK = threading.Lock()
-_GEN = 0
-"""Current forward generation (producer: ``new_forward``; consumer: ``count_use``)."""
-_USES: dict[int, dict[int, int]] = {}
-"""generation -> param_id -> counted uses whose contribution has not arrived. Producer:
-``count_use``; consumers: ``contribute`` (decrements), ``_finish`` and ``new_forward`` (drop)."""
-_ACC: dict[tuple[int, int, int], tuple[torch.Tensor, torch.nn.Parameter, ShardSpec]] = {}
-"""(graph task, generation, param_id) -> (accumulator, shard, spec): contributions summed so far
-in that backward. Producer and consumer: ``contribute``; leftovers: ``_finish`` of that task."""
-_TASKS: dict[int, set[int]] = {}
-"""graph task -> generations that contributed to it; its end-of-backward callback is queued.
-Producer: ``contribute``; consumer: ``_finish``."""
-
-
-def open_uses() -> int:
-    """Counted uses still waiting for their backward (tests check how this drains)."""
-    with _LOCK:
-        return sum(n for uses in _USES.values() for n in uses.values())
-
-
-def open_accumulators() -> int:
-    """Accumulators currently held (tests check that none outlives a backward)."""
-    with _LOCK:
-        return len(_ACC)
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def new_forward() -> None:
-    """A sharded root's outermost forward starts: later gathers count in a new generation."""
-    global _GEN
-    if _in_backward():  # a checkpoint recompute of the root forward
-        return
-    with _LOCK:
-        _GEN += 1
-        # keys are generations in increasing order: the oldest come first
-        while _USES and next(iter(_USES)) <= _GEN - MAX_OPEN_GENERATIONS:
-            del _USES[next(iter(_USES))]
-
-
-def count_use(spec: ShardSpec) -> Optional[int]:
-    """Count a gather whose backward will contribute; returns its generation, or None if it is a
-    checkpoint recompute. Call only when autograd records the gather (grad on, shard requires grad).
-    """
-    if _in_backward():
-        return None
-    with _LOCK:
-        if _TASKS:
-            # A backward raised before its end-of-backward callback ran; none runs now (this is a
-            # forward), so nothing would ever complete what it left.
-            _ACC.clear()
-            _TASKS.clear()
-        uses = _USES.setdefault(_GEN, {})
-        uses[spec.param_id] = uses.get(spec.param_id, 0) + 1
-        return _GEN
-
-
 def _reduce(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    from .ops import reduce_scatter_impl
-
     return reduce_scatter_impl(grad, spec.param_id, spec.shard_numel, spec.group_name,
                                spec.reduce_dtype, spec.dtype)
 
@@ -152,51 +91,108 @@ def _accumulate(acc: Optional[torch.Tensor], grad: torch.Tensor, spec: ShardSpec
     return acc
 
 
-def contribute(
-    grad: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec, gen: Optional[int]
-) -> Optional[torch.Tensor]:
-    """One use's gradient arrives in backward; returns the shard gradient, or None while held."""
-    if gen is None:
-        return _reduce(grad, spec)
-    task = torch._C._current_graph_task_id()
-    key = (task, gen, spec.param_id)
-    with _LOCK:
-        uses = _USES.get(gen)
-        left = 0
-        if uses is not None and spec.param_id in uses:
-            left = uses[spec.param_id] - 1
-            if left:
-                uses[spec.param_id] = left
-            else:
-                del uses[spec.param_id]
-        held = _ACC.pop(key, None)
-        first_in_task = task not in _TASKS
-        _TASKS.setdefault(task, set()).add(gen)
-    if first_in_task:
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task))
-    if left == 0:
-        if held is None:
+class ReduceOnce:
+    """[Note: reduce once] for the parameters of one sharded root."""
+
+    def __init__(self, counters: collections.Counter) -> None:
+        self.counters = counters
+        """Where ``grad_accumulate`` and ``reduce_scatter_flush`` are counted (the root's)."""
+        self._lock = threading.Lock()
+        self._gen = 0
+        """Current forward generation (producer: ``new_forward``; consumer: ``count_use``)."""
+        self._uses: dict[int, dict[int, int]] = {}
+        """generation -> param_id -> counted uses whose contribution has not arrived. Producer:
+        ``count_use``; consumers: ``contribute`` (decrements), ``_finish`` and ``new_forward``
+        (drop)."""
+        self._acc: dict[tuple[int, int, int], tuple[torch.Tensor, torch.nn.Parameter, ShardSpec]] = {}
+        """(graph task, generation, param_id) -> (accumulator, shard, spec): contributions summed
+        so far in that backward. Producer and consumer: ``contribute``; leftovers: ``_finish`` of
+        that task."""
+        self._tasks: dict[int, set[int]] = {}
+        """graph task -> generations that contributed to it; its end-of-backward callback is
+        queued. Producer: ``contribute``; consumer: ``_finish``."""
+
+    def open_uses(self) -> int:
+        """Counted uses still waiting for their backward (tests check how this drains)."""
+        with self._lock:
+            return sum(n for uses in self._uses.values() for n in uses.values())
+
+    def open_accumulators(self) -> int:
+        """Accumulators currently held (tests check that none outlives a backward)."""
+        with self._lock:
+            return len(self._acc)
+
+    def new_forward(self) -> None:
+        """The root's outermost forward starts: later gathers count in a new generation."""
+        if _in_backward():  # a checkpoint recompute of the root forward
+            return
+        with self._lock:
+            self._gen += 1
+            uses = self._uses
+            # keys are generations in increasing order: the oldest come first
+            while uses and next(iter(uses)) <= self._gen - MAX_OPEN_GENERATIONS:
+                del uses[next(iter(uses))]
+
+    def count_use(self, spec: ShardSpec) -> Optional[int]:
+        """Count a gather whose backward will contribute; returns its generation, or None if it
+        is a checkpoint recompute. Call only when autograd records the gather (grad on, the shard
+        requires grad)."""
+        if _in_backward():
+            return None
+        with self._lock:
+            if self._tasks:
+                # A backward raised before its end-of-backward callback ran; none runs now (this
+                # is a forward), so nothing would ever complete what it left.
+                self._acc.clear()
+                self._tasks.clear()
+            uses = self._uses.setdefault(self._gen, {})
+            uses[spec.param_id] = uses.get(spec.param_id, 0) + 1
+            return self._gen
+
+    def contribute(
+        self, grad: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec, gen: Optional[int]
+    ) -> Optional[torch.Tensor]:
+        """One use's gradient arrives in backward; returns the shard gradient, or None while held."""
+        if gen is None:
             return _reduce(grad, spec)
-        return _reduce(_accumulate(held[0], grad, spec), spec)
-    acc = _accumulate(held[0] if held is not None else None, grad, spec)
-    counters["grad_accumulate"] += 1
-    with _LOCK:
-        _ACC[key] = (acc, shard, spec)
-    return None
+        task = torch._C._current_graph_task_id()
+        key = (task, gen, spec.param_id)
+        with self._lock:
+            uses = self._uses.get(gen)
+            left = 0
+            if uses is not None and spec.param_id in uses:
+                left = uses[spec.param_id] - 1
+                if left:
+                    uses[spec.param_id] = left
+                else:
+                    del uses[spec.param_id]
+            held = self._acc.pop(key, None)
+            first_in_task = task not in self._tasks
+            self._tasks.setdefault(task, set()).add(gen)
+        if first_in_task:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task))
+        if left == 0:
+            if held is None:
+                return _reduce(grad, spec)
+            return _reduce(_accumulate(held[0], grad, spec), spec)
+        acc = _accumulate(held[0] if held is not None else None, grad, spec)
+        self.counters["grad_accumulate"] += 1
+        with self._lock:
+            self._acc[key] = (acc, shard, spec)
+        return None
 
-
-def _finish(task: int) -> None:
-    """End of one backward: flush what it left open, drop the counts of its generations."""
-    with _LOCK:
-        keys = sorted(k for k in _ACC if k[0] == task)
-        leftovers = [_ACC.pop(k) for k in keys]
-        for gen in _TASKS.pop(task, ()):
-            _USES.pop(gen, None)
-    for acc, shard, spec in leftovers:
-        grad = _reduce(acc, spec)
-        counters["reduce_scatter_flush"] += 1
-        with torch.no_grad():
-            if shard.grad is None:
-                shard.grad = grad
-            else:
-                shard.grad.add_(grad)
+    def _finish(self, task: int) -> None:
+        """End of one backward: flush what it left open, drop the counts of its generations."""
+        with self._lock:
+            keys = sorted(k for k in self._acc if k[0] == task)
+            leftovers = [self._acc.pop(k) for k in keys]
+            for gen in self._tasks.pop(task, ()):
+                self._uses.pop(gen, None)
+        for acc, shard, spec in leftovers:
+            grad = _reduce(acc, spec)
+            self.counters["reduce_scatter_flush"] += 1
+            with torch.no_grad():
+                if shard.grad is None:
+                    shard.grad = grad
+                else:
+                    shard.grad.add_(grad)

@@ -17,6 +17,10 @@ gathered weight is a different storage and is saved as usual. Non-reentrant acti
 checkpointing installs its own hooks inside checkpointed regions (the innermost hooks win): there
 nothing is saved and the recompute gathers again, which composes. Under ``torch.compile`` the
 hooks are not installed (the compile pass decides what backward re-gathers).
+
+One ``Regather`` per sharded root (``ShardedRoot.regather``) holds its live gathered tensors and
+the hook contexts of its forwards in flight; the root's forward hooks (``shard.py``) enter and
+exit it.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from typing import NamedTuple
 
 import torch
 
+from .eager_ops import EagerAllGather
 from .param import ShardSpec
 
-__all__ = ["track", "regather_hooks", "live_tracked"]
+__all__ = ["Regather"]
 
 
 class _Live(NamedTuple):
@@ -45,55 +50,69 @@ class _Recipe(NamedTuple):
     offset: int  # storage offset relative to the gathered tensor's own
 
 
-# storage data pointer -> the live gathered tensor on that storage. A storage pointer cannot be
-# shared by two live gathers; the entry is dropped when the gathered tensor object dies.
-_LIVE: dict[int, _Live] = {}
-
-
-def live_tracked() -> int:
-    """Gathered tensors currently registered (tests check that this drains)."""
-    return len(_LIVE)
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _LIVE.get(key)
+def _forget(live: dict, key: int, ref: weakref.ref) -> None:
+    entry = live.get(key)
     if entry is not None and entry.tensor_ref is ref:
-        del _LIVE[key]
-
-
-def track(gathered: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec) -> None:
-    """Register an eagerly gathered tensor so saving it for backward stores a recipe instead."""
-    if gathered.numel() == 0:
-        return
-    key = gathered.untyped_storage().data_ptr()
-    ref = weakref.ref(gathered, lambda r, key=key: _forget(key, r))
-    _LIVE[key] = _Live(ref, shard, spec)
-
-
-def _pack(t: torch.Tensor):
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
-        return t
-    entry = _LIVE.get(t.untyped_storage().data_ptr())
-    if entry is None:
-        return t
-    gathered = entry.tensor_ref()
-    if gathered is None or gathered.dtype != t.dtype:
-        return t
-    return _Recipe(
-        entry.shard, entry.spec, t.size(), t.stride(), t.storage_offset() - gathered.storage_offset()
-    )
+        del live[key]
 
 
 def _unpack(saved):
     if not isinstance(saved, _Recipe):
         return saved
-    from .shard import gather_param  # shard.py imports this module
-
-    with torch.no_grad():
-        full = gather_param(saved.shard, saved.spec, track_for_backward=False)
+    with torch.no_grad():  # the re-gather is not a use: no count, no reduce-scatter, not tracked
+        full = EagerAllGather.apply(saved.shard, saved.spec, None, None)
     return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
 
-def regather_hooks() -> torch.autograd.graph.saved_tensors_hooks:
-    """A fresh context manager installing the pack/unpack pair of [Note: eager re-gather]."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+class Regather:
+    """[Note: eager re-gather] for the parameters of one sharded root."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, _Live] = {}
+        """storage data pointer -> the live gathered tensor on that storage. A storage pointer
+        cannot be shared by two live gathers; the entry is dropped when the gathered tensor
+        object dies."""
+        self._hook_stack: list[torch.autograd.graph.saved_tensors_hooks] = []
+        """Saved-tensor-hook contexts entered by nested root forwards (producer:
+        ``enter_forward``, consumer: ``exit_forward``)."""
+
+    def live_tracked(self) -> int:
+        """Gathered tensors currently registered (tests check that this drains)."""
+        return len(self._live)
+
+    def in_forward(self) -> bool:
+        """Whether a forward of the root is running (its hooks are installed)."""
+        return bool(self._hook_stack)
+
+    def track(self, gathered: torch.Tensor, shard: torch.nn.Parameter, spec: ShardSpec) -> None:
+        """Register an eagerly gathered tensor so saving it for backward stores a recipe instead."""
+        if gathered.numel() == 0:
+            return
+        key = gathered.untyped_storage().data_ptr()
+        live = self._live
+        ref = weakref.ref(gathered, lambda r, key=key: _forget(live, key, r))
+        live[key] = _Live(ref, shard, spec)
+
+    def _pack(self, t: torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        entry = self._live.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            return t
+        gathered = entry.tensor_ref()
+        if gathered is None or gathered.dtype != t.dtype:
+            return t
+        return _Recipe(
+            entry.shard, entry.spec, t.size(), t.stride(), t.storage_offset() - gathered.storage_offset()
+        )
+
+    def enter_forward(self) -> None:
+        """A root forward starts: install a fresh pack/unpack pair."""
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        ctx.__enter__()
+        self._hook_stack.append(ctx)
+
+    def exit_forward(self) -> None:
+        """A root forward ended (also by an exception): remove its pair."""
+        if self._hook_stack:
+            self._hook_stack.pop().__exit__(None, None, None)

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .errors import DoubleReleaseError, ForeignBufferError
+from .pool import default_pool
 
 __all__ = [
     "counters",
@@ -98,16 +101,19 @@ gets when it names no pool."""
 # shard the same modules with the same pools (SPMD) agree on them, as they do on parameter ids.
 # Only the real op implementations consult the registry, at run time; fake implementations
 # never do (ops.py: they need nothing but their arguments).
-_POOLS: dict[int, object] = {}
+# The registry holds pools weakly: a pool lives as long as what uses it (a sharded model's root,
+# an engine), not as long as the process (``zbuf bench`` builds one pool per engine).
+_POOLS: dict[int, weakref.ReferenceType] = {}
+_pool_ids = itertools.count()
 
 
 def pool_id_of(pool) -> int:
     """The id that names ``pool`` in op arguments (registered on first use: ``zbuf.shard``)."""
-    for pool_id, known in _POOLS.items():
-        if known is pool:
+    for pool_id, ref in list(_POOLS.items()):  # a dying pool's callback may pop meanwhile
+        if ref() is pool:
             return pool_id
-    pool_id = len(_POOLS)
-    _POOLS[pool_id] = pool
+    pool_id = next(_pool_ids)
+    _POOLS[pool_id] = weakref.ref(pool, lambda _ref, pool_id=pool_id: _POOLS.pop(pool_id, None))
     return pool_id
 
 
@@ -116,23 +122,22 @@ def pool_of(pool_id: int, like: torch.Tensor):
 
     Takes a tensor, not its device: building a ``torch.device`` costs more than the lookup, and
     only the default pool needs one."""
-    pool = _POOLS.get(pool_id)
+    ref = _POOLS.get(pool_id)
+    pool = ref() if ref is not None else None
     if pool is not None:
         return pool
     if pool_id == DEFAULT_POOL:
-        from .pool import default_pool
-
         return default_pool(like.device)
     raise ValueError(
-        f"zbuf: no gather-buffer pool has id {pool_id} in this process; pool ids come from "
+        f"zbuf: no live gather-buffer pool has id {pool_id} in this process; pool ids come from "
         f"zbuf.shard (ShardSpec.pool_id) or zbuf.runtime.pool_id_of(pool), and -1 names the "
         f"device's default pool"
     )
 
 
 def known_pools() -> list:
-    """Every pool that has an id (``faults`` trims them when a run fails)."""
-    return list(_POOLS.values())
+    """Every live pool that has an id (``faults`` trims them when a run fails)."""
+    return [pool for ref in list(_POOLS.values()) if (pool := ref()) is not None]
 
 
 _resolve_process_group = dist.distributed_c10d._resolve_process_group

@@ -6,38 +6,16 @@ slice ([Note: shard layout] in ``param.py``), registered under its original name
 Reading ``module.weight`` returns the full tensor, produced by ``torch.ops.zbuf.all_gather`` into a
 gather-buffer pool block; its backward reduce-scatters the gradient into ``shard.grad``.
 
-[Note: parameter access through a property]
-Each module class that holds parameters gets one dynamically created subclass per set of sharded
-names (``Linear`` -> ``ZbufLinear``), with a ``property`` per sharded name; the instance's
-``__class__`` is swapped to it. Attribute lookup finds the data descriptor before
-``nn.Module.__getattr__``, so ``self.weight`` inside the unchanged ``forward`` gathers, while
-``_parameters["weight"]`` still holds the shard. Dynamo traces the property (``fullgraph=True``
-works) and guards only on the shards, so evaluating guards never gathers (the alternatives fail
-under Dynamo: a forward pre-hook writing ``__dict__`` breaks graphs, ``parametrize`` renames keys
-and adds guards).
-
-[Note: a model does not keep its group alive]
-``destroy_process_group()`` drops torch's references to its groups; a gloo group is freed (and
-its ``pt_gloo_runloop`` threads joined) only when no other reference is left. A group still
-referenced at interpreter exit keeps those threads running into finalisation, where a thread
-that releases a finished collective's tensor needs the GIL, is ``pthread_exit``-ed by the
-finalising interpreter, and the forced unwind through a ``noexcept`` destructor kills the
-process with SIGABRT after all its work succeeded (observed on torch 2.11, about 5 runs in 6 of
-a 2-rank job). So a sharded model holds its group weakly (``ShardedRoot.group_ref``): scripts
-that keep the model alive past ``destroy_process_group()`` exit cleanly, and using the model
-after that is a clear error. Nothing else in zbuf keeps a group or a DeviceMesh beyond the call
-that needs it (``tests/test_exit.py`` checks that no gloo thread survives destroy).
-
-[Note: materialising meta modules]
-A module built on the meta device is materialised one submodule at a time, in ``modules()`` order:
-the submodule's own meta parameters and buffers get real (uninitialised) storage on the target
-device, ``init_fn(submodule)`` (default: ``submodule.reset_parameters()``) initialises them, and each
-parameter is then cut to this rank's shard before the next submodule is touched. Peak memory is
-one submodule's own full parameters plus the shards made so far. A submodule whose meta tensors
-it cannot initialise (no ``reset_parameters`` and no ``init_fn``) is an error rather than silent
-garbage. Because every rank runs the same initialisation from the same RNG state, the shards
-agree across ranks; initialising in ``modules()`` order equals eager construction for models that
-register submodules in the order they build them (``zbuf.models`` does).
+This module is the public API and its validation; each part of what ``shard`` sets up has its own:
+* ``shard_state.py``: the state left on the model and its accessors (``root_of``, ``specs_of``,
+  ``sharded_parameters``), [Note: a model does not keep its group alive];
+* ``param_access.py``: the class swap, [Note: parameter access through a property];
+* ``materialise.py``: [Note: materialising meta modules];
+* ``regather.py``: saved tensors re-gathered in backward (entered by the root's forward hooks
+  below), [Note: eager re-gather];
+* ``reduce_once.py``: one reduce-scatter per parameter per forward, [Note: reduce once];
+* ``region_inputs.py``: compile regions' bodies, [Note: weights gathered by the caller];
+* ``state_dict.py``: [Note: state dict forms].
 """
 
 from __future__ import annotations
@@ -46,16 +24,29 @@ import itertools
 import sys
 import types
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops as _ops  # registers torch.ops.zbuf.*
-from . import reduce_once, regather, runtime
+from . import runtime, state_dict
+from .materialise import materialise
 from .param import ShardSpec, local_shard_of, shard_numel_for
+from .param_access import gather_param, sharded_class
+from .pool import default_pool
+from .region_inputs import gathered_by_caller
+from .shard_state import (
+    ShardedRoot,
+    ShardingError,
+    attach_root,
+    attach_spec,
+    is_sharded,
+    root_of,
+    roots,
+    sharded_parameters,
+    specs_of,
+)
 
 __all__ = [
     "shard",
@@ -77,168 +68,6 @@ except ImportError:  # pragma: no cover - torch built without distributed
 # process-wide, so ids are unique across models; rank-invariant as long as every rank shards the
 # same modules in the same order (SPMD), which collective-order checks rely on.
 _param_ids = itertools.count()
-
-
-class ShardingError(ValueError):
-    """A module, group or option that ``zbuf.shard`` (or a sharded-model helper) cannot accept."""
-
-
-@dataclass
-class ShardedRoot:
-    """State of one ``zbuf.shard`` call, stored on the root module as ``_zbuf_root``."""
-
-    group_ref: weakref.ReferenceType
-    """The sharding group, weakly: [Note: a model does not keep its group alive]. Read it
-    through ``group``."""
-    world_size: int
-    """``group.size()``."""
-    rank: int
-    """This process's rank in ``group``."""
-    device: torch.device
-    """Where shards and gathered buffers live."""
-    pool: object
-    """The gather-buffer pool every parameter of this root draws from."""
-    specs: dict[int, ShardSpec]
-    """param_id -> spec, in the order parameters were sharded (``named_parameters`` order)."""
-    shards: dict[int, nn.Parameter]
-    """param_id -> the shard parameter."""
-    shard_ids: frozenset = frozenset()
-    """ids of the shard parameters (alive as long as ``shards`` holds them): the eager forward
-    checks that no parameter was added or replaced after sharding."""
-    hook_stack: list = field(default_factory=list)
-    """Saved-tensor-hook contexts entered by nested root forwards (producer: forward pre-hook,
-    consumer: forward post-hook); see [Note: eager re-gather] in ``regather.py``."""
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The sharding group; ``ShardingError`` once it has been destroyed."""
-        group = self.group_ref()
-        if group is None:
-            raise ShardingError(
-                "the process group this model was sharded over has been destroyed "
-                "(torch.distributed.destroy_process_group); a sharded model cannot communicate "
-                "without it. Save what you need (zbuf.save_checkpoint, zbuf.full_state_dict) "
-                "before destroying the group"
-            )
-        return group
-
-    @property
-    def gathered_nbytes(self) -> int:
-        """Bytes of gathering every parameter once (padded), the pool's worst case."""
-        return sum(s.gathered_nbytes for s in self.specs.values())
-
-
-def root_of(module: nn.Module) -> Optional[ShardedRoot]:
-    """The state of the ``zbuf.shard`` call made on ``module`` itself; None when ``module`` is not
-    such a root (never sharded, or a submodule of a sharded model)."""
-    return module.__dict__.get("_zbuf_root")
-
-
-def roots(model: nn.Module) -> list[ShardedRoot]:
-    """The roots of every ``zbuf.shard`` call inside ``model`` (itself included), in
-    ``modules()`` order."""
-    return [r for m in model.modules() if (r := root_of(m)) is not None]
-
-
-def gather_param(shard: nn.Parameter, spec: ShardSpec, *, track_for_backward: bool = True) -> torch.Tensor:
-    """The full tensor of a sharded parameter (the body of the parameter property)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.zbuf.all_gather(
-            shard, spec.param_id, list(spec.shape), spec.group_name, spec.param_dtype, spec.reduce_dtype,
-            spec.pool_id,
-        )
-    # [Note: eager fast path] in ops.py; [Note: reduce once] in reduce_once.py
-    recorded = torch.is_grad_enabled() and shard.requires_grad
-    generation = reduce_once.count_use(spec) if recorded else None
-    full = _ops.EagerAllGather.apply(shard, spec, generation)
-    if track_for_backward and torch.is_grad_enabled():
-        regather.track(full, shard, spec)
-    return full
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` or any submodule holds zbuf shards."""
-    return any("_zbuf_specs" in m.__dict__ for m in module.modules())
-
-
-def sharded_parameters(module: nn.Module):
-    """Yield ``(fqn, submodule, local_name, shard, spec)`` for every sharded name, tied ones too."""
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        specs = sub.__dict__.get("_zbuf_specs")
-        if not specs:
-            continue
-        for name, spec in specs.items():
-            fqn = f"{prefix}.{name}" if prefix else name
-            yield fqn, sub, name, sub._parameters[name], spec
-
-
-# ---------------------------------------------------------------------------------------------
-# [Note: parameter access through a property]
-
-_SUBCLASS_CACHE: dict[tuple[type, frozenset], type] = {}
-
-
-# [Note: weights gathered by the caller]
-# A block compiled once as a nested compile region (compile/regions.py) must not gather inside
-# its body: the body is traced once for all blocks, and a gather bakes in its parameter's id.
-# So the caller gathers the block's parameters in the outer graph and hands the full tensors to
-# the body, which reads them here instead of gathering: while the region is traced, the top of
-# this stack maps param_id -> the body's input for that parameter. It is pushed and popped only
-# by code that Dynamo traces (the region body), so at run time, eager or compiled, it is empty
-# and parameter access gathers as always.
-_GATHERED_BY_CALLER: list[dict[int, torch.Tensor]] = []
-
-
-class gathered_by_caller:
-    """``with gathered_by_caller(ids, tensors):`` parameter access inside returns
-    ``tensors[i]`` for parameter id ``ids[i]`` instead of gathering (see [Note: weights gathered
-    by the caller]); for code traced by ``torch.compile`` only."""
-
-    def __init__(self, param_ids, tensors) -> None:
-        self.mapping = dict(zip(param_ids, tensors))
-
-    def __enter__(self) -> None:
-        _GATHERED_BY_CALLER.append(self.mapping)
-
-    def __exit__(self, *exc) -> None:
-        _GATHERED_BY_CALLER.pop()
-
-
-def _make_property(name: str) -> property:
-    def fget(self):
-        spec = self._zbuf_specs[name]
-        if _GATHERED_BY_CALLER:  # [Note: weights gathered by the caller]
-            full = _GATHERED_BY_CALLER[-1].get(spec.param_id)
-            if full is not None:
-                return full
-        return gather_param(self._parameters[name], spec)
-
-    return property(fget, doc=f"Full ``{name}``, all-gathered from this rank's shard on access.")
-
-
-def _sharded_setattr(self, name, value):
-    if name in type(self)._zbuf_sharded_names:
-        raise ShardingError(
-            f"cannot assign to '{name}' of a zbuf-sharded {type(self).__mro__[1].__name__}: it is "
-            f"a view of a sharded parameter. Tie or replace parameters before zbuf.shard(), change "
-            f"values in place through the shard (module._parameters['{name}']), or load a state "
-            f"dict (load_state_dict accepts full tensors)"
-        )
-    super(type(self), self).__setattr__(name, value)
-
-
-def _sharded_class(cls: type, names: frozenset) -> type:
-    key = (cls, names)
-    sub = _SUBCLASS_CACHE.get(key)
-    if sub is None:
-        attrs = {n: _make_property(n) for n in sorted(names)}
-        attrs["_zbuf_sharded_names"] = names
-        attrs["__setattr__"] = _sharded_setattr
-        attrs["__module__"] = cls.__module__
-        attrs["__doc__"] = cls.__doc__
-        sub = type(f"Zbuf{cls.__name__}", (cls,), attrs)
-        _SUBCLASS_CACHE[key] = sub
-    return sub
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +137,7 @@ def _check_module(module: nn.Module) -> None:
         )
     for name, sub in module.named_modules():
         where = f"submodule '{name}'" if name else "the module"
-        if "_zbuf_specs" in sub.__dict__ or "_zbuf_root" in sub.__dict__:
+        if specs_of(sub) is not None or root_of(sub) is not None:
             raise ShardingError(
                 f"{where} is already sharded by zbuf.shard; shard a model once, at its root "
                 f"(nested or repeated zbuf.shard calls are not supported)"
@@ -363,12 +192,9 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
     return torch.device("cpu"), on_meta
 
 
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_unchanged(module: nn.Module) -> None:
+def _check_unchanged(module: nn.Module, root: ShardedRoot) -> None:
     """Every parameter under the root is still one of its shards (eager forwards only)."""
-    shards = module._zbuf_root.shard_ids
+    shards = root.shard_ids
     late = [
         f"{prefix}.{name}" if prefix else name
         for prefix, sub in module.named_modules()
@@ -383,23 +209,28 @@ def _check_unchanged(module: nn.Module) -> None:
         )
 
 
-def _enter_regather(module, args):
-    if torch.compiler.is_compiling():
-        return
-    _check_unchanged(module)
-    if not module._zbuf_root.hook_stack:
-        reduce_once.new_forward()
-    ctx = regather.regather_hooks()
-    ctx.__enter__()
-    module._zbuf_root.hook_stack.append(ctx)
+# ---------------------------------------------------------------------------------------------
+# the root's forward hooks (eager forwards only; the compile pass plans its own gathers)
 
 
-def _exit_regather(module, args, output):
+def _enter_root_forward(module: nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
-    stack = module._zbuf_root.hook_stack
-    if stack:
-        stack.pop().__exit__(None, None, None)
+    root = root_of(module)
+    _check_unchanged(module, root)
+    if not root.regather.in_forward():  # the outermost forward: [Note: reduce once]
+        root.reduce_once.new_forward()
+    root.regather.enter_forward()  # [Note: eager re-gather]
+
+
+def _exit_root_forward(module: nn.Module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
+    root_of(module).regather.exit_forward()
+
+
+# ---------------------------------------------------------------------------------------------
+# the public API
 
 
 def shard(
@@ -435,8 +266,6 @@ def shard(
     names) stay tied: one shard, registered under every name. ``model.state_dict()`` holds this
     rank's shards under the unsharded keys; ``zbuf.full_state_dict`` gathers full tensors.
     """
-    from . import state_dict as _state_dict
-
     _check_module(module)
     _check_dtype("param_dtype", param_dtype)
     _check_dtype("reduce_dtype", reduce_dtype)
@@ -463,8 +292,6 @@ def shard(
             )
 
     if pool is None:
-        from .pool import default_pool
-
         pool = default_pool(device)
     root = ShardedRoot(group_ref=weakref.ref(group), world_size=world, rank=rank, device=device, pool=pool, specs={}, shards={})
     group_name = group.group_name
@@ -484,56 +311,29 @@ def shard(
         new = nn.Parameter(local_shard_of(p, s, rank, device=device), requires_grad=p.requires_grad)
         for _, sub, name in locs:
             sub._parameters[name] = new
-            sub.__dict__.setdefault("_zbuf_specs", {})[name] = spec
+            attach_spec(sub, name, spec, root)
         root.specs[spec.param_id] = spec
         root.shards[spec.param_id] = new
 
     with torch.no_grad():
         for prefix, sub in module.named_modules():
             if on_meta:
-                _materialise(prefix, sub, device, init_fn, locations)
+                materialise(prefix, sub, device, init_fn, locations)
             for name, p in list(sub._parameters.items()):
                 # locations holds exactly the live, not yet sharded parameters
                 if p is not None and id(p) in locations:
                     shard_one(p)
 
     for sub in module.modules():
-        specs = sub.__dict__.get("_zbuf_specs")
+        specs = specs_of(sub)
         if specs:
-            sub.__class__ = _sharded_class(type(sub), frozenset(specs))
-            _state_dict.install_hooks(sub)
+            sub.__class__ = sharded_class(type(sub), frozenset(specs))
+            state_dict.install_hooks(sub)
     root.shard_ids = frozenset(id(p) for p in root.shards.values())
-    module.__dict__["_zbuf_root"] = root
-    module.register_forward_pre_hook(_enter_regather)
-    module.register_forward_hook(_exit_regather, always_call=True)
+    attach_root(module, root)
+    module.register_forward_pre_hook(_enter_root_forward)
+    module.register_forward_hook(_exit_root_forward, always_call=True)
     return module
-
-
-def _materialise(prefix: str, sub: nn.Module, device: torch.device, init_fn, locations) -> None:
-    """[Note: materialising meta modules] for one submodule's own tensors."""
-    meta_params = [(n, p) for n, p in sub._parameters.items() if p is not None and p.is_meta]
-    meta_buffers = [(n, b) for n, b in sub._buffers.items() if b is not None and b.is_meta]
-    if not meta_params and not meta_buffers:
-        return
-    if init_fn is None and not callable(getattr(sub, "reset_parameters", None)):
-        names = [n for n, _ in meta_params + meta_buffers]
-        raise ShardingError(
-            f"submodule '{prefix or '<root>'}' ({type(sub).__name__}) is on the meta device "
-            f"({', '.join(names)}) but has no reset_parameters() to initialise it; pass "
-            f"init_fn=<callable(module)> to zbuf.shard"
-        )
-    for n, p in meta_params:
-        new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-        locs = locations.pop(id(p))
-        for _, owner, name in locs:
-            owner._parameters[name] = new
-        locations[id(new)] = locs
-    for n, b in meta_buffers:
-        sub._buffers[n] = torch.empty_like(b, device=device)
-    if init_fn is not None:
-        init_fn(sub)
-    else:
-        sub.reset_parameters()
 
 
 class _CallableModule(types.ModuleType):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .param import local_shard_of
+from .shard_state import ShardingError, root_of, sharded_parameters, specs_of
 
 __all__ = ["full_state_dict", "load_full_state_dict", "install_hooks"]
 
@@ -27,15 +28,13 @@ _WORLD_KEY = "zbuf_world_size"
 
 
 def _state_dict_post_hook(module, state_dict, prefix, local_metadata) -> None:
-    specs = module.__dict__.get("_zbuf_specs")
+    specs = specs_of(module)
     if specs:
         local_metadata[_WORLD_KEY] = next(iter(specs.values())).world_size
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-    from .shard import ShardingError
-
-    specs = module.__dict__.get("_zbuf_specs") or {}
+    specs = specs_of(module) or {}
     saved_world = local_metadata.get(_WORLD_KEY) if local_metadata else None
     for name, spec in specs.items():
         key = prefix + name
@@ -83,8 +82,6 @@ def install_hooks(module: nn.Module) -> None:
 
 
 def _root_of(model: nn.Module):
-    from .shard import ShardingError, root_of
-
     root = root_of(model)
     if root is None:
         raise ShardingError(
@@ -102,8 +99,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     model. With ``rank0_only=True`` only rank 0 receives the tensors (the others still take part
     in the gathers and get ``{}``), which keeps host memory on the other ranks flat.
     """
-    from .shard import sharded_parameters
-
     root = _root_of(model)
     sd = model.state_dict()
     full_by_id: dict[int, torch.Tensor] = {}
@@ -136,8 +131,6 @@ def load_full_state_dict(model: nn.Module, state_dict, *, strict: bool = True):
     No collective: every rank passes the full state dict. Returns ``load_state_dict``'s result.
     Raises ``ShardingError`` for a sharded (per-rank) value, naming the world size it came from.
     """
-    from .shard import ShardingError, sharded_parameters
-
     _root_of(model)
     for fqn, _sub, _name, _shard, spec in sharded_parameters(model):
         value = state_dict.get(fqn)

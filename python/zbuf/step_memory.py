@@ -291,7 +291,7 @@ class StepMemory:
     def group(self) -> dist.ProcessGroup:
         """The model's sharding group, read when needed: holding it would keep it (and gloo's
         threads) alive past ``destroy_process_group()`` ([Note: a model does not keep its group
-        alive] in shard.py)."""
+        alive] in shard_state.py)."""
         return _root_of(self.model).group
 
     def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..param import ShardSpec
+from ..shard_state import root_of, sharded_parameters
 from .errors import LayoutError
 
 __all__ = ["ParamEntry", "ModelInventory", "inventory", "param_view", "serialise", "deserialise",
@@ -87,8 +88,6 @@ def inventory(model: nn.Module) -> ModelInventory:
     Raises ``LayoutError`` for a model that was not sharded, or has parameters that are not zbuf
     shards (added after ``zbuf.shard``): saving those would store one rank's private copy.
     """
-    from ..shard import root_of, sharded_parameters
-
     root = root_of(model)
     if root is None:
         raise LayoutError(
@@ -130,7 +129,7 @@ def inventory(model: nn.Module) -> ModelInventory:
 def mesh_for(group: dist.ProcessGroup, device: torch.device):
     """A 1-D DeviceMesh over ``group``, built per save or load and dropped with it: a cached mesh
     would keep the group alive after ``destroy_process_group()`` ([Note: a model does not keep
-    its group alive] in ``shard.py``)."""
+    its group alive] in ``shard_state.py``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device.type)

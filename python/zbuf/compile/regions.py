@@ -11,7 +11,7 @@ marked block's ``__call__``
    parameter access does), then
 2. calls ``_run_block(block, ids, gathered, args, kwargs)``, whose body runs the block's normal
    ``__call__`` (hooks, Hugging Face's checkpointing, ``forward``) with parameter access reading
-   the gathered tensors ([Note: weights gathered by the caller] in shard.py).
+   the gathered tensors ([Note: weights gathered by the caller] in region_inputs.py).
 
 The body thus holds no parameter id, so Dynamo finds the bodies of all blocks equal and emits
 one subgraph called N times (``invoke_subgraph``, with the gathered weights as operands; it

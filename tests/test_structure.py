@@ -1,0 +1,267 @@
+"""The package's shape, checked from its source with ``ast`` (nothing is imported):
+
+* the import graph of ``python/zbuf`` has no cycle (module-level and function-level imports both
+  count: an import inside a function that closes a cycle hides it, it does not remove it), other
+  than through a package ``__init__``'s re-exports;
+* no module keeps mutable state at module level (dicts, lists, sets, counters assigned at module
+  level, ``global`` statements) unless it is named in ``MUTABLE_GLOBALS`` with the reason it
+  must stay.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "zbuf"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never run)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name in ("TYPE_CHECKING", "_TYPE_CHECKING"):
+                skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def _resolve(module: str, node) -> list[str]:
+    """The package modules one import statement of ``module`` loads (only zbuf's own)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in MODULES]
+    if node.level:
+        base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if target not in MODULES:
+        return []
+    out = []
+    for alias in node.names:
+        sub = f"{target}.{alias.name}"
+        out.append(sub if sub in MODULES else target)
+    return sorted(set(out))
+
+
+def import_edges() -> dict[tuple[str, str], str]:
+    """(importer, imported) -> "module" or "function" (where the first such import sits)."""
+    edges: dict[tuple[str, str], str] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in skip:
+                continue
+            # a module-level statement, or inside a module-level try/if: runs at import
+            where = "module" if id(node) in top or not _inside_def(tree, node) else "function"
+            for target in _resolve(module, node):
+                if target != module:
+                    key = (module, target)
+                    if edges.get(key) != "module":
+                        edges[key] = where
+    return edges
+
+
+def _inside_def(tree: ast.Module, target) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            if any(n is target for n in ast.walk(node)):
+                return True
+    return False
+
+
+def _cycles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, list[str]] = {m: [] for m in MODULES}
+    for a, b in edges:
+        graph[a].append(b)
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+# Cycles another branch removes; the lead deletes each entry when that branch merges.
+PENDING_CYCLES = {
+    # pending on branch sim (ec6bbac: ConfigError moves to train/errors.py)
+    frozenset({"zbuf.train.config", "zbuf.train.hf"}): "pending on branch sim",
+}
+
+
+def test_import_graph_has_no_cycle():
+    edges = import_edges()
+    # A package __init__ that re-exports its children imports them; a child that imports a
+    # sibling through the package face is no cycle of modules. Drop the faces' own arrows.
+    kept = {e: w for e, w in edges.items() if not _is_package(e[0])}
+    problems = []
+    for comp in _cycles(kept):
+        if frozenset(comp) in PENDING_CYCLES:
+            continue
+        inside = sorted(f"{a} -> {b} ({w}-level)" for (a, b), w in kept.items()
+                        if a in comp and b in comp)
+        problems.append(f"cycle {comp}:\n    " + "\n    ".join(inside))
+    assert not problems, "import cycles in python/zbuf:\n" + "\n".join(problems)
+
+
+def test_the_walk_sees_function_level_imports():
+    # the walk itself: regather's re-gather once hid a cycle with an import inside a function
+    edges = import_edges()
+    assert edges[("zbuf.shard", "zbuf.param_access")] == "module"
+    assert "function" in edges.values()
+
+
+# ---------------------------------------------------------------------------------------------
+# module-level mutable state
+
+_MUTABLE_CALLS = {
+    "dict", "list", "set", "bytearray", "Counter", "defaultdict", "OrderedDict", "deque",
+    "count", "Lock", "RLock", "local", "WeakValueDictionary", "WeakKeyDictionary", "WeakSet",
+}
+
+
+def _mutable_value(value) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        return name in _MUTABLE_CALLS
+    return False
+
+
+def _module_statements(body):
+    """Statements that run at import: the body, and inside module-level if/try/with blocks."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            for part in ("body", "orelse", "finalbody"):
+                yield from _module_statements(getattr(stmt, part, []))
+            for handler in getattr(stmt, "handlers", []):
+                yield from _module_statements(handler.body)
+
+
+def mutable_globals() -> set[str]:
+    """``module.name`` of every module-level name bound to a mutable object, or rebound by a
+    ``global`` statement."""
+    found = set()
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for stmt in _module_statements(tree.body):
+            if isinstance(stmt, ast.Assign) and _mutable_value(stmt.value):
+                targets = stmt.targets
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None and _mutable_value(stmt.value):
+                targets = [stmt.target]
+            else:
+                continue
+            for target in targets:
+                for node in ast.walk(target):
+                    if isinstance(node, ast.Name) and node.id != "__all__":  # the export list
+                        found.add(f"{module}.{node.id}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found.update(f"{module}.{name}" for name in node.names)
+    return found
+
+
+_CONSTANT = "constant: built at import, never mutated"
+
+MUTABLE_GLOBALS = {
+    # constant tables
+    "zbuf._NAMES": _CONSTANT,
+    "zbuf.checkpoint.layout._DTYPES": _CONSTANT,
+    "zbuf.cli._ENGINES": _CONSTANT,
+    "zbuf.presets.PRESETS": _CONSTANT,
+    "zbuf.train.compile_phases.PHASE_LABELS": _CONSTANT,
+    "zbuf.train.compile_phases.ZBUF_KEYS": _CONSTANT,
+    "zbuf.train.compile_phases._CACHE_COUNTERS": _CONSTANT,
+    "zbuf.train.config._UNITS": _CONSTANT,
+    "zbuf.train.loop._PER_RANK": _CONSTANT,
+    "zbuf.train.record._MERGE_FREE": _CONSTANT,
+    "zbuf.train.resources.RUNTIME_BYTES": _CONSTANT,
+    # process-wide by nature
+    "zbuf.param_access._SUBCLASS_CACHE": "classes are process-wide: one ZbufLinear per (class, "
+        "sharded names) for every model, holding no model's state",
+    "zbuf.region_inputs._GATHERED_BY_CALLER": "a trace-time stack: only Dynamo's tracing of a "
+        "region body pushes and pops it, so it is empty whenever nothing is traced",
+    "zbuf.shard._param_ids": "parameter ids name parameters in op arguments and must be unique "
+        "across every model of the process",
+    "zbuf.pool._default_pools": "the public zbuf.default_pool(device): one per device per "
+        "process, as torch's caching allocator; engines and zbuf bench make their own pools",
+    "zbuf.pool._default_lock": "guards _default_pools",
+    "zbuf.runtime._POOLS": "weak: ops name pools by int ([Note: pool ids]); an entry dies with "
+        "its pool",
+    "zbuf.runtime._pool_ids": "pool ids are unique in the process, never reused ([Note: pool ids])",
+    "zbuf.runtime.counters": "not moved yet: the ops that count carry no owner (a release names "
+        "only its pool, a reduce-scatter only its parameter), see issue 23",
+    # pending on branch globals (the lead deletes these when it merges)
+    "zbuf.compile.collectives._PENDING": "pending on branch globals",
+    "zbuf.compile.collectives._PENDING_RS": "pending on branch globals",
+    "zbuf.compile.collectives._FIRST_RUN_DONE": "pending on branch globals",
+    "zbuf.compile.report._RECORDS": "pending on branch globals",
+    "zbuf.compile.report._UIDS": "pending on branch globals",
+    "zbuf.compile.report._SUMMARIES": "pending on branch globals",
+    "zbuf.compile.regions._CLASSES": "pending on branch globals",
+    # pending on branch contact (the lead deletes these when it merges)
+    "zbuf.faults._timeout_s": "pending on branch contact",
+    "zbuf.faults._released": "pending on branch contact",
+    "zbuf.faults._handlers_installed": "pending on branch contact",
+    "zbuf.faults._state_lock": "pending on branch contact",
+}
+
+
+def test_no_module_level_mutable_state():
+    found = mutable_globals()
+    new = sorted(found - set(MUTABLE_GLOBALS))
+    assert not new, (
+        f"module-level mutable state in python/zbuf: {new}. Keep state on the object it serves "
+        f"(the sharded root, the pool, the compiled model); a constant table never mutated after "
+        f"import, or state that must be process-wide, goes into MUTABLE_GLOBALS with its reason"
+    )
+    gone = sorted(set(MUTABLE_GLOBALS) - found)
+    assert not gone, f"MUTABLE_GLOBALS names what no longer exists, delete: {gone}"
