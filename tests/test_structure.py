@@ -127,13 +127,6 @@ def _cycles(edges) -> list[list[str]]:
     return out
 
 
-# Cycles another branch removes; the lead deletes each entry when that branch merges.
-PENDING_CYCLES = {
-    # pending on branch sim (ec6bbac: ConfigError moves to train/errors.py)
-    frozenset({"zbuf.train.config", "zbuf.train.hf"}): "pending on branch sim",
-}
-
-
 def test_import_graph_has_no_cycle():
     edges = import_edges()
     # A package __init__ that re-exports its children imports them; a child that imports a
@@ -141,8 +134,6 @@ def test_import_graph_has_no_cycle():
     kept = {e: w for e, w in edges.items() if not _is_package(e[0])}
     problems = []
     for comp in _cycles(kept):
-        if frozenset(comp) in PENDING_CYCLES:
-            continue
         inside = sorted(f"{a} -> {b} ({w}-level)" for (a, b), w in kept.items()
                         if a in comp and b in comp)
         problems.append(f"cycle {comp}:\n    " + "\n    ".join(inside))
@@ -220,7 +211,8 @@ MUTABLE_GLOBALS = {
     "zbuf.train.compile_phases.PHASE_LABELS": _CONSTANT,
     "zbuf.train.compile_phases.ZBUF_KEYS": _CONSTANT,
     "zbuf.train.compile_phases._CACHE_COUNTERS": _CONSTANT,
-    "zbuf.train.config._UNITS": _CONSTANT,
+    "zbuf.train.options._UNITS": _CONSTANT,
+    "zbuf.cli._GROUPS": _CONSTANT,
     "zbuf.train.loop._PER_RANK": _CONSTANT,
     "zbuf.train.record._MERGE_FREE": _CONSTANT,
     "zbuf.train.resources.RUNTIME_BYTES": _CONSTANT,
@@ -247,11 +239,6 @@ MUTABLE_GLOBALS = {
     "zbuf.compile.report._UIDS": "pending on branch globals",
     "zbuf.compile.report._SUMMARIES": "pending on branch globals",
     "zbuf.compile.regions._CLASSES": "pending on branch globals",
-    # pending on branch contact (the lead deletes these when it merges)
-    "zbuf.faults._timeout_s": "pending on branch contact",
-    "zbuf.faults._released": "pending on branch contact",
-    "zbuf.faults._handlers_installed": "pending on branch contact",
-    "zbuf.faults._state_lock": "pending on branch contact",
 }
 
 
