@@ -457,7 +457,7 @@ def test_persistence_keeps_what_backward_needs_first():
     # Every gather bandwidth-bound (no latency in the cost model): the order decides, not size.
     # The cap is the budget less the most any one node reads (the head's weight).
     cm = torch.compile(model, backend="zbuf", fullgraph=True, options=dict(
-        inner="aot_eager", collective_latency_seconds=0.0, persist_fraction=1.0,
+        inner="aot_eager", collective_latency_seconds=0.0, persist=True, persist_fraction=1.0,
         budget_bytes=2 * head_bytes + 3 * block_bytes))
     tokens, targets = _batches(1)[0]
     F.cross_entropy(cm(tokens).flatten(0, 1), targets.flatten()).backward()
@@ -473,12 +473,35 @@ def test_persistence_keeps_what_backward_needs_first():
         torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def test_no_persistence_at_world_1_unless_asked():
+    """[Note: selective persistence]: at world 1 a gather moves nothing over a link, so keeping
+    a gathered weight for backward would save nothing and cost its bytes (up to 4fed11d the
+    default kept every weight backward reads: all 3.2 GiB of qwen3-1.7b on one H200)."""
+    from zbuf.shard import shard
+
+    def persisted(**options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shard(Net())
+        cm = torch.compile(model, backend="zbuf", fullgraph=True,
+                           options=dict(inner="aot_eager", **options))
+        tokens, targets = _batches(1)[0]
+        F.cross_entropy(cm(tokens).flatten(0, 1), targets.flatten()).backward()
+        fw, bw = schedule_report(model)
+        return fw.persistent, bw.persistent_bytes
+
+    assert persisted() == (0, 0)
+    kept, nbytes = persisted(persist=True)
+    assert kept > 0 and nbytes > 0
+
+
 def test_backward_that_gathers_nothing_is_still_reported_for_the_model():
     from zbuf.shard import shard
 
     torch.manual_seed(0)
     model = shard(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)))
-    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", budget_bytes=1 << 30))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", budget_bytes=1 << 30,
+                                                           persist=True))
     for _ in range(2):
         cm(torch.randn(4, DIM)).square().mean().backward()
     fw, bw = schedule_report(model)

@@ -1,7 +1,7 @@
 """zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
 
 The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
-persist=True, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
+persist=None, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
 importable modules (the ``torch_dynamo_backends`` entry point names
 ``zbuf.compile.backend:zbuf_backend``).
 

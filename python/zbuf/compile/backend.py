@@ -88,7 +88,7 @@ def compile_model(
     *,
     budget_bytes: int | None = None,
     prefetch: bool = True,
-    persist: bool = True,
+    persist: bool | None = None,
     recompute: str = "checkpointed",
     fullgraph: bool = False,
     dynamic: bool | None = None,

@@ -29,6 +29,7 @@ from .options import CompileOptions
 
 __all__ = [
     "GATHER_OP",
+    "graph_world_size",
     "GatherArgs",
     "gather_args",
     "is_view",
@@ -111,6 +112,13 @@ def group_and_device(graph: torch.fx.Graph):
         a = gather_args(g)
         return a.group_name, a.shard.meta["val"].device
     return None, None
+
+
+def graph_world_size(graph: torch.fx.Graph) -> int | None:
+    """Ranks of the group the graph's first gather gathers over; None when it gathers nothing."""
+    for g in gather_nodes(graph):
+        return runtime.process_group(gather_args(g).group_name).size()
+    return None
 
 
 def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
