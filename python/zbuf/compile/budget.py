@@ -36,11 +36,19 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
+from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
 __all__ = ["agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
-           "stable_free_bytes"]
+           "stable_free_bytes", "gather_reserve", "PREFETCH_BLOCKS"]
+
+PREFETCH_BLOCKS = 2
+"""Blocks of gathered weights kept for the gather planner beyond what one node reads at once:
+the block that runs and the one being prefetched (FSDP2's one block ahead). Recompute's
+activation budget leaves them ([Note: budgeted recompute] in recompute.py), and the measured
+step's plan gets no more ([Note: measure first, then spend] in zbuf/step_memory.py)."""
 
 
 def _host_bytes(kind: str) -> int:
@@ -115,8 +123,31 @@ def graph_memory(options: CompileOptions, device: torch.device) -> int:
     return int(free * (1.0 - options.margin_fraction))
 
 
-def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int) -> int:
-    """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
+def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
+    """``budget_bytes``, or what one node of ``graph`` reads at once plus ``PREFETCH_BLOCKS``
+    blocks' gathered weights."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    return max(1, graph_memory(options, device) - activation_peak)
+    need: dict[torch.fx.Node, int] = {}
+    blocks: dict[str, int] = {}
+    for g in gather_nodes(graph):
+        nbytes = gathered_nbytes(g)
+        key = block_of(g)
+        blocks[key] = blocks.get(key, 0) + nbytes
+        for c in {u for v in (g, *weight_tree(g)) for u in v.users}:
+            need[c] = need.get(c, 0) + nbytes
+    per_block = max((b for k, b in blocks.items() if k), default=0)
+    return max(need.values(), default=0) + PREFETCH_BLOCKS * per_block
+
+
+def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,
+                 graph: torch.fx.Graph | None = None) -> int:
+    """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget]).
+    The measured step's plan (``options.measuring``) gathers no more than ``gather_reserve`` of
+    ``graph``: about one block ahead ([Note: measure first, then spend] in zbuf/step_memory.py)."""
+    if options.budget_bytes is not None:
+        return options.budget_bytes
+    budget = max(1, graph_memory(options, device) - activation_peak)
+    if options.measuring and graph is not None:
+        budget = min(budget, max(1, gather_reserve(graph, options)))
+    return budget

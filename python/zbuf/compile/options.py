@@ -75,6 +75,13 @@ class CompileOptions:
     ``None``: the rank-agreed graph memory less what the gathers need ([Note: budgeted
     recompute]). Raised to the peak with every region recomputed when set lower, and reported."""
 
+    measuring: bool = False
+    """This plan runs the measured step ([Note: measure first, then spend] in
+    zbuf/step_memory.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
+    keeps no activations beyond the model's checkpointing, and each graph gathers at most what
+    one node reads plus about one block ahead (``budget.gather_reserve``). ``zbuf.compile`` sets
+    it for the first plan of a sharded model; the plans made from the measurement clear it."""
+
     inner: Inner = "inductor"
     """What compiles the rewritten graphs: Inductor, or ``aot_eager`` (runs the FX graphs as they
     are; fast to compile, for debugging and CPU tests)."""
@@ -137,7 +144,7 @@ class CompileOptions:
                 "or None",
             )
         need(self.persist in (None, True, False), f"persist={self.persist!r} must be a bool or None")
-        for name in ("prefetch", "coalesce", "check_fingerprint"):
+        for name in ("prefetch", "coalesce", "check_fingerprint", "measuring"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         need(0.0 <= self.persist_fraction <= 1.0,
              f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")

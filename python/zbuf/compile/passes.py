@@ -194,7 +194,7 @@ class GatherSchedulePass(CustomGraphPass):
             token, sched = None, None
             if index.gathers:  # 4
                 peak_act = int(act_profile.max()) if len(act_profile) else 0
-                requested = budget_mod.graph_budget(opts, device, peak_act)
+                requested = budget_mod.graph_budget(opts, device, peak_act, graph)
                 kept = persisted.nbytes if kind == "backward" else 0
                 # Persisted weights are live through backward: they come off its budget.
                 sched = plan_schedule(index.summary, max(1, requested - kept), opts)

@@ -104,7 +104,10 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
     buffers: list[tuple[int, int]] = []
     # At world 1 a gather moves nothing: keeping its weight would cost memory and save nothing
     # ([Note: selective persistence]).
-    if opts.persist is not False and gathers and (opts.persist or graph_world_size(joint) != 1):
+    # The measured step's plan keeps nothing ([Note: measure first, then spend] in
+    # zbuf/step_memory.py): persistence grows into the measured room afterwards.
+    if (opts.persist is not False and not opts.measuring and gathers
+            and (opts.persist or graph_world_size(joint) != 1)):
         _, device = group_and_device(joint)
         peak = activation_peak_bytes(joint) if activation_peak is None else activation_peak
         budget = budget_mod.graph_budget(opts, device, peak)

@@ -1,4 +1,5 @@
-"""Re-planning a zbuf-compiled model once, under the budget the whole step measured.
+"""Re-planning a zbuf-compiled model under the budget the whole step measured: grown once
+after the measured step, shrunk at most once after a steady one.
 
 [Note: bounded re-plan]
 ``zbuf.step_memory`` measures the first step and may find that the plans it ran do not fit the
@@ -65,6 +66,11 @@ class Replanner:
         self.forward = PlannedForward(compiled.forward)
         compiled.forward = self.forward
         self.replanned = False
+        """Compiled again at least once."""
+        self.grown = False
+        """Re-planned after the measured step."""
+        self.shrunk = False
+        """Re-planned after a steady step whose headroom fell below the margin."""
         self._first_graph = 0  # graph_id of the first record of the current plan
 
     # -- the current plan ---------------------------------------------------------------------
@@ -110,14 +116,41 @@ class Replanner:
         return is_marked_model(self.model) and any(
             self.needs(r) > budget_bytes for r in self.records())
 
-    def replan_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
-        """Compile again unless every current plan fits ``budget_bytes`` of gathered weights, or
-        the model was re-planned before. Returns whether it re-planned. Every rank must get the
-        same answer: call it with rank-agreed numbers, at the same point of every rank's program.
-        ``room_bytes``: what activations and gathers may share, for ``recompute="auto"``."""
-        if self.replanned or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
+    def can_grow(self, world_size: int) -> bool:
+        """Whether the current plan, the measured step's ([Note: measure first, then spend] in
+        zbuf/step_memory.py), held something back that more memory would buy: persistence (at
+        world > 1, or asked for), ``recompute="auto"``'s kept activations, or prefetch that the
+        cost model says left communication exposed."""
+        o = self.options
+        if not o.measuring:
+            return False
+        if o.persist is True or (o.persist is None and world_size > 1):
+            return True
+        records = self.records()
+        return any(r.modelled_exposed_seconds > 0 for r in records) or any(
+            r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
+            for r in records)
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> bool:
+        """After the measured step: compile again within the measured ``budget_bytes`` of
+        gathered weights (``room_bytes`` for ``recompute="auto"``) if the measured step's plan
+        held something back or does not fit it. Once. Returns whether it re-planned. Every rank
+        must get the same answer: call it with rank-agreed numbers, at the same point of every
+        rank's program."""
+        if self.replanned or not (self.can_grow(world_size) or not self.fits(budget_bytes)
+                                  or self.below_block_floor(budget_bytes)):
             return False
         self.replan(budget_bytes, room_bytes)
+        self.grown = True
+        return True
+
+    def shrink_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
+        """At a steady step: compile again, once, if a current plan does not fit the budget
+        measured there. Returns whether it re-planned; rank-agreed inputs, as ``grow``."""
+        if self.shrunk or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
+            return False
+        self.replan(budget_bytes, room_bytes)
+        self.shrunk = True
         return True
 
     def replan(self, budget_bytes: int, room_bytes: int) -> None:
@@ -125,6 +158,7 @@ class Replanner:
         (and no explicit activation budget) the measured room becomes the plans' free memory, so
         that budgeted recompute chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``."""
+        self.options = dataclasses.replace(self.options, measuring=False)
         if self.below_block_floor(budget_bytes):
             # The re-plan compiles the model whole, where gathers can be released inside a block.
             unmark_repeated_blocks(self.model)
