@@ -280,7 +280,9 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     ref_losses, _, _ = _train(eager, eager, batches)
     agreed = 3 << 30
     monkeypatch.setattr(budget, "local_free_bytes", lambda device: agreed)
-    cm = zbuf.compile(model, inner="aot_eager", persist=False)
+    # Nothing for the measured step's plan to hold back ([Note: measure first, then spend]):
+    # no persistence, no prefetch, so it is never grown.
+    cm = zbuf.compile(model, inner="aot_eager", persist=False, prefetch=False)
     losses, _, _ = _train(model, cm, batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     fw, bw = schedule_report(model)
@@ -291,7 +293,11 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     free = budget.stable_free_bytes(agreed - grads)
     assert agreed - (64 << 20) <= free < agreed - grads
     expected = int(free * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
-    assert fw.budget_bytes == max(expected, fw.floor_bytes)
+    assert zbuf.compile.step_memory_of(cm).replanner.options.free_memory_bytes == free
+    # The measured step's plan gathers at most about one block ahead, within that budget.
+    assert fw.requested_budget_bytes < expected
+    assert fw.peak_live_gathered_bytes <= fw.budget_bytes == max(fw.requested_budget_bytes,
+                                                                  fw.floor_bytes)
     with pytest.raises(TypeError):
         zbuf.compile(model, no_such_option=1)
 
@@ -493,6 +499,34 @@ def test_no_persistence_at_world_1_unless_asked():
     assert persisted() == (0, 0)
     kept, nbytes = persisted(persist=True)
     assert kept > 0 and nbytes > 0
+
+
+def test_a_plan_above_the_agreed_memory_is_refused_before_it_runs():
+    """[Note: no plan above its memory]: a graph whose projected peak (activations plus the
+    gathered weights one node reads at once, the planner's floor) exceeds the agreed memory
+    raises ``PlanExceedsMemoryError`` naming both, at compile time; up to 4fed11d the planner
+    raised its budget to the floor and the plan ran."""
+    from zbuf.compile import PlanExceedsMemoryError
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(Net())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    cm = torch.compile(model, backend="zbuf", fullgraph=True,
+                       options=dict(inner="aot_eager", free_memory_bytes=largest // 2))
+    tokens, _ = _batches(1)[0]
+    with pytest.raises(Exception) as info:
+        cm(tokens)
+    err = info.value
+    while not isinstance(err, PlanExceedsMemoryError) and err is not None:
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, PlanExceedsMemoryError), info.value
+    assert "forward graph's plan needs" in str(err) and "agreed on" in str(err)
+    # With room for it, the same model compiles and runs.
+    torch._dynamo.reset()
+    ok = torch.compile(model, backend="zbuf", fullgraph=True,
+                       options=dict(inner="aot_eager", free_memory_bytes=1 << 30))
+    ok(tokens).sum().backward()
 
 
 def test_backward_that_gathers_nothing_is_still_reported_for_the_model():

@@ -25,6 +25,7 @@ import sys
 import types
 
 from .backend import compile_model, step_memory_of, zbuf_backend
+from .budget import PlanExceedsMemoryError
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
 from .regions import mark_repeated_blocks
@@ -37,6 +38,7 @@ __all__ = [
     "CompileOptions",
     "mark_repeated_blocks",
     "ScheduleMismatchError",
+    "PlanExceedsMemoryError",
     "ScheduleRecord",
     "schedule_report",
 ]

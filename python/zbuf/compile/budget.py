@@ -41,7 +41,7 @@ import torch.fx
 from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
-__all__ = ["agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
+__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
            "stable_free_bytes", "gather_reserve", "PREFETCH_BLOCKS"]
 
 PREFETCH_BLOCKS = 2
@@ -138,6 +138,41 @@ def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
             need[c] = need.get(c, 0) + nbytes
     per_block = max((b for k, b in blocks.items() if k), default=0)
     return max(need.values(), default=0) + PREFETCH_BLOCKS * per_block
+
+
+class PlanExceedsMemoryError(MemoryError):
+    """A graph's plan projects more memory than every rank agreed it may use ([Note: no plan
+    above its memory]); raised at compile time, before the plan ever runs."""
+
+
+def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
+                    peak_bytes: int, activation_peak: int, gathered_peak: int) -> None:
+    """Refuse a plan whose projected peak exceeds the agreed memory.
+
+    [Note: no plan above its memory]
+    The planner raises a budget below its floor (what one node reads at once) to that floor, and
+    recompute's activation budget is raised to the peak with every region recomputed: so a plan
+    could come out above the memory it was planned in (qwen3-14b as rank 0 of 8 with blocks
+    compiled once inside the user's ``checkpoint``: a backward activation peak of 120 GiB on an
+    80 GiB card). Such a plan would run out of memory in the step, on some rank, mid-collective.
+    So the schedule pass projects each graph's peak (static liveness: activations plus live
+    gathered weights at each node, plus the weights kept from forward) and raises this error
+    instead, naming the graph, the peak and the memory, before anything runs. Every input is
+    rank-agreed, so every rank refuses alike. An explicit ``budget_bytes`` is the user's own
+    bound on the gathers: the activations are then not checked against a memory nobody agreed
+    on (``free_memory_bytes`` unset)."""
+    if options.budget_bytes is not None and options.free_memory_bytes is None:
+        return
+    memory = graph_memory(options, device)
+    if peak_bytes <= memory:
+        return
+    raise PlanExceedsMemoryError(
+        f"zbuf: the {kind} graph's plan needs {peak_bytes / 2**20:.1f} MiB at its peak "
+        f"(activations {activation_peak / 2**20:.1f} MiB, gathered weights "
+        f"{gathered_peak / 2**20:.1f} MiB) but every rank agreed on {memory / 2**20:.1f} MiB "
+        f"(free memory less the margin_fraction); refusing to run a plan that cannot fit. "
+        f"Lower the micro-batch or sequence length, checkpoint more of the model "
+        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
 
 
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,

@@ -127,7 +127,7 @@ class Replanner:
         if o.persist is True or (o.persist is None and world_size > 1):
             return True
         records = self.records()
-        return any(r.modelled_exposed_seconds > 0 for r in records) or any(
+        return (o.prefetch and any(r.modelled_exposed_seconds > 0 for r in records)) or any(
             r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
             for r in records)
 
