@@ -594,3 +594,40 @@ def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
     assert rep.returncode == 0, rep.stderr
     assert "step_memory.png" in os.listdir(plots)
     assert "optimizer peak" in rep.stdout and "re-planned" in rep.stdout  # the step-memory table
+
+
+def test_the_pool_counts_against_a_users_memory_fraction(monkeypatch):
+    """[Note: one cap for torch and the pool] with the device queries mocked (no GPU here): a
+    user's ``set_per_process_memory_fraction`` becomes the capacity torch and the pool share
+    (torch's fraction is then what the pool leaves of it), and a plain
+    ``torch.compile(backend="zbuf")`` plans within it, not within the card."""
+    from types import SimpleNamespace
+
+    from zbuf.compile import budget
+    from zbuf.memory import SharedMemory, user_capacity_bytes
+
+    total = 80 << 30
+    fraction = {"value": 0.5}
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda device=None: fraction["value"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, device=None: set_to.append(f))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cuda = torch.device("cuda", 0)
+    assert user_capacity_bytes(cuda) == total // 2
+    assert user_capacity_bytes(torch.device("cpu")) is None
+    assert budget._total_bytes(cuda) == total // 2
+    # The arbiter's side: with the user's cap as capacity and the pool allowed 8 GiB, torch
+    # gets the rest of the cap, not the cap itself.
+    pool = SimpleNamespace(stats=lambda: SimpleNamespace(
+        charged_bytes=0, outside_bytes=0, pending_free_bytes=0, budget_bytes=8 << 30))
+    arbiter = SimpleNamespace(_capacity=user_capacity_bytes(cuda), device=cuda, pool=pool,
+                              _lent=False, events=SimpleNamespace(cache_releases=0))
+    arbiter.pool_share_bytes = lambda: SharedMemory.pool_share_bytes(arbiter)
+    SharedMemory._apply_capacity(arbiter)
+    assert set_to == [((total // 2) - (8 << 30)) / total]
+    fraction["value"] = 1.0
+    assert user_capacity_bytes(cuda) is None and budget._total_bytes(cuda) == total

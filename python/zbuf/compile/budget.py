@@ -13,8 +13,9 @@ part of the passes' cache key through the options' digest). The rest of what a s
 ``free_memory_bytes * (1 - margin_fraction) - projected activation peak of the graph``; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
 explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
-``torch.compile(m, backend="zbuf")``), the device's *total* memory stands in for the free
-memory: still the same on every rank of a homogeneous job, just less tight.
+``torch.compile(m, backend="zbuf")``), what this process may allocate stands in for the free
+memory: the device's total memory under the user's ``set_per_process_memory_fraction``; still
+the same on every rank of a homogeneous job, just less tight.
 
 [Note: stable agreed memory]
 The agreed value is part of the passes' cache key (through the options' digest), and free memory
@@ -79,8 +80,13 @@ def local_free_bytes(device: torch.device) -> int:
 
 
 def _total_bytes(device: torch.device) -> int:
+    """What this process may allocate on ``device`` at most, the same on every rank of a
+    homogeneous job: the card's memory under the user's ``set_per_process_memory_fraction``
+    (which torch and the pool share: [Note: one cap for torch and the pool] in zbuf/memory.py);
+    on the host, its memory."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * min(1.0, torch.cuda.get_per_process_memory_fraction(device)))
     return _host_bytes("total")
 
 
