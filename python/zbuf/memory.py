@@ -17,7 +17,7 @@ out-of-memory error that the other side could have prevented by letting go is a 
     caller's retry and the event is counted (``torch_ooms``, and ``torch_ooms_with_idle_pool``
     when the pool held idle blocks at that moment: the case that must not happen);
   - when torch's allocator retried (``num_alloc_retries`` rose) since the last step boundary:
-    the pool's pressure policy shrinks its budget (``observe_step``, rust/budget.rs).
+    the pool's pressure policy shrinks its budget (``observe_step``, rust/pressure.rs).
 
 [Note: emulated capacity]
 ``zbuf bench --mem-frac F`` emulates a card with F of the memory. ``set_per_process_memory_fraction``
