@@ -2,15 +2,18 @@
 after the measured step, shrunk at most once after a steady one.
 
 [Note: bounded re-plan]
-``zbuf.step_memory`` measures the first step and may find that the plans it ran do not fit the
-step ([Note: whole-step budget] in zbuf/step_memory.py). The plans live in compiled code, so a new
-plan needs a new compile of the model's frames, and nothing else:
+``zbuf.step_memory`` measures the first step, whose plan spent nothing it could not know
+([Note: measure first, then spend] in zbuf/step_memory.py), and grows the plans into the
+measured room once (``grow``); a steady step later, it shrinks them once if they no longer fit
+(``shrink_if_needed``). So a model is compiled at most three times. The plans live in compiled
+code, so a new plan needs a new compile of the model's frames, and nothing else:
 
 * the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
   callable. Re-planning compiles the same module again with ``torch.compile(...,
   backend="zbuf", options=<budget_bytes=the measured budget>)``: a new backend instance, so
   Dynamo's backend-match guard fails for the old cache entries of these frames and they are
-  traced and planned again (one recompile per frame, well inside Dynamo's recompile limit); every
+  traced and planned again (one recompile per frame and re-plan, well inside Dynamo's recompile
+  limit); every
   other compiled function in the process keeps its code (no ``torch._dynamo.reset()``).
 * the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
   ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to the
