@@ -172,7 +172,9 @@ def test_train_default_engine_then_report(tmp_path):
     assert live == [round(x, 4) for x in losses], (live, losses)
 
     plots = tmp_path / "plots"
-    rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
+    # The measured step's plan and the grown one are two graphs each: a wide terminal keeps the
+    # schedule table's labels on one line.
+    rep = _run(["report", str(out), "-o", str(plots)], timeout=120, env={"COLUMNS": "200"})
     assert rep.returncode == 0, rep.stderr
     names = sorted(os.listdir(plots))
     assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png",
