@@ -11,6 +11,16 @@ it re-planned and how often the pool lent its blocks to the optimizer step.
         --out-dir /tmp/out -- --preset qwen3-8b --micro-batch 4 --seq-len 4096 --ac
     python benches/memfloor.py --summarize /tmp/out1 /tmp/out2 --out benches/results/memfloor_8b
 
+Issue 20's floors (one H200; ``--simulate-world``/``--gpu-memory`` pass through to
+``zbuf bench`` once the CLI has them):
+
+    python benches/memfloor.py --engines zbuf,fsdp2 --optimizer adamw,adamw-fused \
+        --fracs 0.45,0.40,0.35,0.30,0.25,0.20,0.15 --out-dir $OUT/1p7b -- \
+        --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac
+    python benches/memfloor.py --engines zbuf,fsdp2 --optimizer adamw,adamw-fused \
+        --fracs 0.70,0.65,0.60,0.55,0.50,0.45,0.40 --out-dir $OUT/8b_w2 -- \
+        --preset qwen3-8b --simulate-world 2 --micro-batch 4 --seq-len 4096 --ac
+
 Arguments after ``--`` go to every ``zbuf bench``. ``--time-limit`` (seconds) skips runs that
 would not finish inside it (the device tool's 10-minute command limit), judged from the
 engine's previous run in this sweep; skipped fractions are reported as such, not as failures.
@@ -113,7 +123,9 @@ def main(argv: list[str]) -> int:
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="zbuf,fsdp2")
-    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--optimizer", default="adamw",
+                   help="one optimizer or several, comma-separated (adamw,adamw-fused): each "
+                        "sweeps the fractions on its own")
     p.add_argument("--fracs", default="0.70,0.65,0.60,0.55,0.50,0.45,0.40",
                    help="fractions, highest first")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -128,29 +140,31 @@ def main(argv: list[str]) -> int:
         start = time.monotonic()
         fracs = sorted((float(f) for f in args.fracs.split(",")), reverse=True)
         engines = args.engines.split(",")
-        last: dict[str, float] = {}  # engine -> seconds its previous run took
-        done: set[str] = set()  # engines that failed (or ran out of time)
+        last: dict[tuple[str, str], float] = {}  # (engine, optimizer) -> its previous run's s
+        done: set[tuple[str, str]] = set()  # those that failed (or ran out of time)
+        runs = [(e, o) for o in args.optimizer.split(",") for e in engines]
         for frac in fracs:  # fractions outer, engines inner: a time limit cuts all alike
-            for engine in engines:
-                if engine in done:
+            for engine, optimizer in runs:
+                key = (engine, optimizer)
+                if key in done:
                     continue
                 left = None if args.time_limit is None else \
                     args.time_limit - (time.monotonic() - start)
-                if left is not None and engine in last and left < 1.1 * last[engine]:
-                    print(f"[memfloor] {engine} {frac:.2f}: skipped, {left:.0f} s left",
-                          flush=True)
-                    done.add(engine)
+                if left is not None and key in last and left < 1.1 * last[key]:
+                    print(f"[memfloor] {engine} {optimizer} {frac:.2f}: skipped, {left:.0f} s "
+                          "left", flush=True)
+                    done.add(key)
                     continue
                 t0 = time.monotonic()
                 timeout = args.run_timeout if left is None else \
                     max(30.0, min(args.run_timeout, left - 5))
-                path = _run(engine, frac, args.optimizer, args.out_dir, extra, timeout)
-                last[engine] = time.monotonic() - t0
+                path = _run(engine, frac, optimizer, args.out_dir, extra, timeout)
+                last[key] = time.monotonic() - t0
                 r = _row(path)
-                print(f"[memfloor] {engine} {args.optimizer} {frac:.2f}: {r['status']} "
-                      f"({last[engine]:.0f} s)", flush=True)
+                print(f"[memfloor] {engine} {optimizer} {frac:.2f}: {r['status']} "
+                      f"({last[key]:.0f} s)", flush=True)
                 if r["status"] != "ok":
-                    done.add(engine)
+                    done.add(key)
         dirs = [args.out_dir]
     summary = summarize(dirs)
     out = args.out or os.path.join(args.out_dir, "memfloor")

@@ -175,7 +175,9 @@ def test_train_default_engine_then_report(tmp_path):
     assert f"plots:  zbuf report {out}" in res.stdout.splitlines(), res.stdout
 
     plots = tmp_path / "plots"
-    rep = _run(["report", str(out), "-o", str(plots)], timeout=120)
+    # The measured step's plan and the grown one are two graphs each: a wide terminal keeps the
+    # schedule table's labels on one line.
+    rep = _run(["report", str(out), "-o", str(plots)], timeout=120, env={"COLUMNS": "200"})
     assert rep.returncode == 0, rep.stderr
     names = sorted(os.listdir(plots))
     assert names == ["compile_phases.png", "loss.png", "memory.png", "recompute.png",

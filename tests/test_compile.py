@@ -280,7 +280,9 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     ref_losses, _, _ = _train(eager, eager, batches)
     agreed = 3 << 30
     monkeypatch.setattr(budget, "local_free_bytes", lambda device: agreed)
-    cm = zbuf.compile(model, inner="aot_eager", persist=False)
+    # Nothing for the measured step's plan to hold back ([Note: measure first, then spend]):
+    # no persistence, no prefetch, so it is never grown.
+    cm = zbuf.compile(model, inner="aot_eager", persist=False, prefetch=False)
     losses, _, _ = _train(model, cm, batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     fw, bw = schedule_report(model)
@@ -291,7 +293,11 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     free = budget.stable_free_bytes(agreed - grads)
     assert agreed - (64 << 20) <= free < agreed - grads
     expected = int(free * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
-    assert fw.budget_bytes == max(expected, fw.floor_bytes)
+    assert zbuf.compile.step_memory_of(cm).replanner.options.free_memory_bytes == free
+    # The measured step's plan gathers at most about one block ahead, within that budget.
+    assert fw.requested_budget_bytes < expected
+    assert fw.peak_live_gathered_bytes <= fw.budget_bytes == max(fw.requested_budget_bytes,
+                                                                  fw.floor_bytes)
     with pytest.raises(TypeError):
         zbuf.compile(model, no_such_option=1)
 
@@ -457,7 +463,7 @@ def test_persistence_keeps_what_backward_needs_first():
     # Every gather bandwidth-bound (no latency in the cost model): the order decides, not size.
     # The cap is the budget less the most any one node reads (the head's weight).
     cm = torch.compile(model, backend="zbuf", fullgraph=True, options=dict(
-        inner="aot_eager", collective_latency_seconds=0.0, persist_fraction=1.0,
+        inner="aot_eager", collective_latency_seconds=0.0, persist=True, persist_fraction=1.0,
         budget_bytes=2 * head_bytes + 3 * block_bytes))
     tokens, targets = _batches(1)[0]
     F.cross_entropy(cm(tokens).flatten(0, 1), targets.flatten()).backward()
@@ -473,12 +479,63 @@ def test_persistence_keeps_what_backward_needs_first():
         torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def test_no_persistence_at_world_1_unless_asked():
+    """[Note: selective persistence]: at world 1 a gather moves nothing over a link, so keeping
+    a gathered weight for backward would save nothing and cost its bytes (up to 4fed11d the
+    default kept every weight backward reads: all 3.2 GiB of qwen3-1.7b on one H200)."""
+    from zbuf.shard import shard
+
+    def persisted(**options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shard(Net())
+        cm = torch.compile(model, backend="zbuf", fullgraph=True,
+                           options=dict(inner="aot_eager", **options))
+        tokens, targets = _batches(1)[0]
+        F.cross_entropy(cm(tokens).flatten(0, 1), targets.flatten()).backward()
+        fw, bw = schedule_report(model)
+        return fw.persistent, bw.persistent_bytes
+
+    assert persisted() == (0, 0)
+    kept, nbytes = persisted(persist=True)
+    assert kept > 0 and nbytes > 0
+
+
+def test_a_plan_above_the_agreed_memory_is_refused_before_it_runs():
+    """[Note: no plan above its memory]: a graph whose projected peak (activations plus the
+    gathered weights one node reads at once, the planner's floor) exceeds the agreed memory
+    raises ``PlanExceedsMemoryError`` naming both, at compile time; up to 4fed11d the planner
+    raised its budget to the floor and the plan ran."""
+    from zbuf.compile import PlanExceedsMemoryError
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(Net())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    cm = torch.compile(model, backend="zbuf", fullgraph=True,
+                       options=dict(inner="aot_eager", free_memory_bytes=largest // 2))
+    tokens, _ = _batches(1)[0]
+    with pytest.raises(Exception) as info:
+        cm(tokens)
+    err = info.value
+    while not isinstance(err, PlanExceedsMemoryError) and err is not None:
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, PlanExceedsMemoryError), info.value
+    assert "forward graph's plan needs" in str(err) and "agreed on" in str(err)
+    # With room for it, the same model compiles and runs.
+    torch._dynamo.reset()
+    ok = torch.compile(model, backend="zbuf", fullgraph=True,
+                       options=dict(inner="aot_eager", free_memory_bytes=1 << 30))
+    ok(tokens).sum().backward()
+
+
 def test_backward_that_gathers_nothing_is_still_reported_for_the_model():
     from zbuf.shard import shard
 
     torch.manual_seed(0)
     model = shard(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)))
-    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", budget_bytes=1 << 30))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager", budget_bytes=1 << 30,
+                                                           persist=True))
     for _ in range(2):
         cm(torch.randn(4, DIM)).square().mean().backward()
     fw, bw = schedule_report(model)

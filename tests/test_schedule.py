@@ -207,6 +207,48 @@ def test_modelled_exposure_is_bounded(summary, opts, budget):
     assert 0.0 <= exposed <= serial * (1 + 1e-9) + 1e-12
 
 
+@st.composite
+def blocks_as_nodes(draw):
+    """A graph whose blocks are one node each (blocks compiled once: the block's body is one
+    ``invoke_subgraph`` node that reads every gathered weight of the block), node 0 an
+    embedding with nothing to gather. Each block's communication fits in the compute of the
+    node before it, so one block ahead hides everything."""
+    blocks = draw(st.integers(2, 12))
+    per_block = draw(st.integers(1, 6))
+    compute = tuple(draw(st.lists(st.floats(1.1e-3, 2e-3), min_size=blocks + 1,
+                                  max_size=blocks + 1)))
+    gathers = tuple(
+        GatherSpec(f"b{b}.w{k}", draw(st.integers(1, 1000 // per_block)), (b + 1,), 0,
+                   block=f"b{b}")
+        for b in range(blocks) for k in range(per_block))
+    return GraphSummary(blocks + 1, compute, gathers)
+
+
+def _block_bytes(summary: GraphSummary) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for g in summary.gathers:
+        out[g.uses[0]] = out.get(g.uses[0], 0) + g.nbytes
+    return out
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks_as_nodes())
+def test_prefetch_of_blocks_as_nodes_stops_one_block_ahead(summary):
+    """[Note: prefetch deadline]: with an unbounded budget and nothing exposed, a block's fetches
+    start in the node before it, never further back: the peak is two blocks' weights at the same
+    (zero) modelled exposure. Up to 4fed11d each fetch pushed every earlier one back a whole
+    node, and most started in the first slot."""
+    opts = CompileOptions(coalesce=False, link_bytes_per_second=1e6, collective_latency_seconds=0.0)
+    sched = plan_schedule(summary, 10**12, opts)
+    check_schedule(summary, sched, 10**12, opts)
+    assert exposed_seconds(summary, sched, opts) == 0.0
+    for f in sched.fetches:
+        assert f.start == f.wait - 1, (f.start, f.wait)
+    per_block = _block_bytes(summary)
+    two = max(per_block.get(i, 0) + per_block.get(i + 1, 0) for i in range(summary.num_nodes))
+    assert sched.peak_live_bytes <= two
+
+
 def test_budget_below_floor_is_raised_and_reported():
     g = (GatherSpec("a", 700, (1,), 0), GatherSpec("b", 500, (1, 3), 0))
     sched = plan_schedule(GraphSummary(5, (0.0,) * 5, g), 100)

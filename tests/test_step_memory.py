@@ -112,6 +112,34 @@ def test_quantised_budgets_are_stable_and_close():
     assert quantize_budget(0) == quantize_budget(-5) == 1
 
 
+def test_optimizer_policy_reserves_state_from_shards_and_type():
+    """[Note: optimizer state bytes]: AdamW two fp32 copies per shard element, SGD with momentum
+    one, without none; foreach temporaries the size of all parameters, a loop's the largest,
+    fused none. Checked against the state torch really creates."""
+    from zbuf.optimizer_policy import OptimizerPolicy
+
+    params = [torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(7))]
+    nbytes = 37 * 4
+    cases = [
+        (torch.optim.AdamW(params, foreach=True), 2, nbytes),
+        (torch.optim.AdamW(params, foreach=False), 2, 30 * 4),
+        (torch.optim.AdamW(params, fused=True), 2, 0),
+        (torch.optim.SGD(params, lr=0.1, momentum=0.9), 1, 30 * 4),
+        (torch.optim.SGD(params, lr=0.1), 0, 30 * 4),
+    ]
+    for opt, copies, temps in cases:
+        policy = OptimizerPolicy.of(opt)
+        assert policy.state_copies == copies, (opt, policy)
+        assert policy.temporary_bytes(params) == temps, (opt, policy)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        real = sum(v.numel() * v.element_size() for st in opt.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        assert policy.state_bytes(params) == real == copies * nbytes
+        assert policy.step_bytes(opt) == real + temps
+
+
 def test_phase_meter_cpu_stand_in_counts_parameters_gradients_and_state():
     from zbuf.step_phases import PhaseMeter
 
@@ -267,34 +295,50 @@ class _EmulatedDeviceAdamW(torch.optim.AdamW):
         return out
 
 
-def _replan_case(rank, world):
-    """A small device: the first plan keeps gathered weights for backward; the measured step
-    does not leave room for them, so the model is re-planned at step 1, once, on every rank."""
+class _GrowingState:
+    """Something the step holds that grows after the grown plan's first run (another model's
+    state, a cache the user keeps): at ``step`` it adds ``nbytes`` to the optimizer's state,
+    which the CPU stand-in counts ([Note: phase peaks])."""
+
+    def __init__(self, opt, step, nbytes):
+        self.opt, self.step, self.nbytes = opt, step, nbytes
+
+    def __call__(self, i):
+        if i == self.step:
+            p = self.opt.param_groups[0]["params"][0]
+            self.opt.state[p]["zbuf_test_ballast"] = torch.zeros(self.nbytes // 4)
+
+
+def _replan_case(rank, world, free_factor, ballast_factor=0.0):
+    """[Note: measure first, then spend]: step 0's plan keeps nothing for backward; the measured
+    step grows it into the room at step 1, once, on every rank. With ``ballast_factor`` the step
+    holds more from step 2 on (x the shard bytes), its headroom falls below the margin and the
+    plan shrinks at step 3, once."""
     import zbuf
 
     torch._dynamo.reset()
     init, cfg = _tiny(world)
-    steps = 4
+    steps = 5
     batches = _batches(cfg.vocab_size, world, steps)
-    ref_losses, ref_states = _reference(init, batches, steps_to_keep={1, steps - 1})
+    ref_losses, ref_states = _reference(init, batches, steps_to_keep={1, 2, steps - 1})
     model = zbuf.shard(copy.deepcopy(init))
-    # 5.5 x the shard bytes: roomy before the optimizer's state exists (the first plan keeps
-    # most gathered weights for backward), tight after.
-    _shrink_free_memory(int(5.5 * _shard_bytes(model)))
+    shards = _shard_bytes(model)
+    _shrink_free_memory(int(free_factor * shards))
     opt, sched = _adamw(model.parameters())
     cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
+    before = _GrowingState(opt, 2, int(ballast_factor * shards)) if ballast_factor else None
     losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
-                                       keep={1, steps - 1})
+                                       keep={1, 2, steps - 1}, before=before)
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     errors = {f"step {i}": _worst(states[i], ref_states[i]) for i in states}
     assert max(errors.values()) <= RTOL, errors
     recs = zbuf.schedule_report(model)
-    m = sm.measured
     return {
         "replanned": [r.replanned for r in rows],
         "budgets": [r.budget_bytes for r in rows],
-        "measured": m._asdict(),
+        "measured": sm.measured._asdict(),
+        "steady": None if sm.steady is None else sm.steady._asdict(),
         "records": [(r.kind, r.budget_bytes, r.persistent_bytes, r.fingerprint, r.floor_bytes)
                     for r in recs],
         "errors": errors,
@@ -326,7 +370,9 @@ def _replan_auto_case(rank, world):
     o = sm.replanner.options
     return {"replanned": [r.replanned for r in rows], "measured": sm.measured._asdict(),
             "options": (o.budget_bytes, o.free_memory_bytes, o.margin_fraction),
-            "records": [(r.kind, r.budget_bytes) for r in zbuf.schedule_report(model)]}
+            "records": [(r.kind, r.budget_bytes) for r in zbuf.schedule_report(model)],
+            "levels": [(r.recompute.regions, r.recompute.regions_recomputed, r.persistent_bytes)
+                       for r in zbuf.schedule_report(model)]}
 
 
 def _lending_case(rank, world, lend):
@@ -347,7 +393,11 @@ def _lending_case(rank, world, lend):
     pool = model.__dict__["_zbuf_root"].pool
     opt = _EmulatedDeviceAdamW(model.parameters(), pool, capacity, lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / WARMUP))
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt if lend else None)
+    # The emulated device binds only at the optimizer step (the stand-in's forward and backward
+    # peaks do not check it), so the plans get the free memory beside the shards as it was
+    # before the optimizer's state: agreed with its state reserved, nothing would fit.
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt if lend else None,
+                      free_memory_bytes=capacity - shards)
     sm = zbuf.compile.step_memory_of(cm)
     try:
         losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
@@ -372,6 +422,7 @@ def _pool_refuses_case(rank, world):
     ref_losses, ref_states = _reference(init, batches, steps_to_keep={2}, fused=True)
     model = zbuf.shard(copy.deepcopy(init))
     pool = model.__dict__["_zbuf_root"].pool
+    _shrink_free_memory(1 << 34)  # roomy: what fails here is the pool's backend, not the plan
     opt, sched = _adamw(model.parameters(), fused=True)
     cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
@@ -396,7 +447,8 @@ def _pool_refuses_case(rank, world):
 
 
 def _two_rank_worker(rank, world):
-    return {"replan": _replan_case(rank, world),
+    return {"replan": _replan_case(rank, world, free_factor=20),
+            "shrink": _replan_case(rank, world, free_factor=20, ballast_factor=15),
             "replan_auto": _replan_auto_case(rank, world),
             "lend": _lending_case(rank, world, lend=True),
             "no_lend": _lending_case(rank, world, lend=False),
@@ -408,24 +460,43 @@ def two_ranks():
     return run_distributed(_two_rank_worker, 2, timeout=600)
 
 
-def test_replan_once_on_every_rank_and_parity_after_it(two_ranks):
+def test_step_0_keeps_nothing_then_grows_once_on_every_rank_with_parity(two_ranks):
     out = [r["replan"] for r in two_ranks]
     for o in out:
-        # Measured at step 0, re-planned at the first forward of step 1, never again.
-        assert o["replanned"] == [False, True, False, False], o
+        # Measured at step 0, grown at the first forward of step 1, never again.
+        assert o["replanned"] == [False, True, False, False, False], o
         assert o["measured"]["replanned"] and o["measured"]["measured_step"] == 0
+        assert o["steady"] is not None and not o["steady"]["replanned"]
         budget = o["measured"]["budget_bytes"]
-        assert o["budgets"][1:] == [budget] * 3 and o["budgets"][0] != budget
+        assert o["budgets"][1:] == [budget] * 4 and o["budgets"][0] != budget
         kinds = [r[0] for r in o["records"]]
         assert kinds == ["forward", "backward", "forward", "backward"], o["records"]
         first, again = o["records"][:2], o["records"][2:]
-        # The new forward plan is planned within the measured budget (raised to its floor, the
-        # bytes one node needs at once, as every plan is).
+        # Step 0's plan keeps no gathered weight for backward, and gathers within a few
+        # blocks' weights, far below the measured room.
+        assert first[0][2] == 0 and first[1][2] == 0
+        assert first[0][1] < budget
+        # The grown plan spends the measured room: within the budget (raised to its floor),
+        # keeping gathered weights for backward.
         assert again[0][1] == max(budget, again[0][4])
-        assert again[0][2] < first[0][2]  # ... and keeps fewer gathered weights for backward
+        assert again[0][2] > 0
     # Every rank measured, agreed and re-planned the same.
     assert out[0]["measured"] == out[1]["measured"]
     assert out[0]["records"] == out[1]["records"]
+
+
+def test_plan_shrinks_once_when_steady_headroom_falls_below_the_margin(two_ranks):
+    out = [r["shrink"] for r in two_ranks]
+    for o in out:
+        # Grown at step 1; step 2 holds more (the ballast), so its headroom is short: the plan
+        # shrinks at step 3, once; parity with the reference held through both.
+        assert o["replanned"] == [False, True, False, True, False], o
+        assert o["steady"]["replanned"] and o["steady"]["measured_step"] == 2
+        assert o["steady"]["budget_bytes"] < o["measured"]["budget_bytes"]
+        grown, shrunk = o["records"][2:4], o["records"][4:6]
+        assert [r[0] for r in shrunk] == ["forward", "backward"]
+        assert shrunk[0][2] < grown[0][2]  # fewer gathered weights kept for backward
+    assert out[0]["steady"] == out[1]["steady"] and out[0]["records"] == out[1]["records"]
 
 
 def test_replan_with_budgeted_recompute_hands_it_the_measured_room(two_ranks):
@@ -437,6 +508,10 @@ def test_replan_with_budgeted_recompute_hands_it_the_measured_room(two_ranks):
         # The activations are recompute's to choose: the new plans get the room as their memory
         # (no fixed gather budget), and plan every graph's gathers within it.
         assert budget is None and int(free * (1 - margin)) in (room, room - 1)
+        # Step 0's plan keeps no activations beyond the model's checkpointing: every region
+        # recomputed as written, no gathered weight kept ([Note: measure first, then spend]).
+        regions, recomputed, persistent = o["levels"][0]
+        assert regions > 0 and recomputed == regions and persistent == 0, o["levels"]
         new = o["records"][len(o["records"]) // 2:]
         assert [k for k, _ in new] == ["forward", "backward"]
         assert all(b <= room for _, b in new)
@@ -524,3 +599,40 @@ def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
     assert rep.returncode == 0, rep.stderr
     assert "step_memory.png" in os.listdir(plots)
     assert "optimizer peak" in rep.stdout and "re-planned" in rep.stdout  # the step-memory table
+
+
+def test_the_pool_counts_against_a_users_memory_fraction(monkeypatch):
+    """[Note: one cap for torch and the pool] with the device queries mocked (no GPU here): a
+    user's ``set_per_process_memory_fraction`` becomes the capacity torch and the pool share
+    (torch's fraction is then what the pool leaves of it), and a plain
+    ``torch.compile(backend="zbuf")`` plans within it, not within the card."""
+    from types import SimpleNamespace
+
+    from zbuf.compile import budget
+    from zbuf.memory import SharedMemory, user_capacity_bytes
+
+    total = 80 << 30
+    fraction = {"value": 0.5}
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda device=None: fraction["value"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, device=None: set_to.append(f))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cuda = torch.device("cuda", 0)
+    assert user_capacity_bytes(cuda) == total // 2
+    assert user_capacity_bytes(torch.device("cpu")) is None
+    assert budget._total_bytes(cuda) == total // 2
+    # The arbiter's side: with the user's cap as capacity and the pool allowed 8 GiB, torch
+    # gets the rest of the cap, not the cap itself.
+    pool = SimpleNamespace(stats=lambda: SimpleNamespace(
+        charged_bytes=0, outside_bytes=0, pending_free_bytes=0, budget_bytes=8 << 30))
+    arbiter = SimpleNamespace(_capacity=user_capacity_bytes(cuda), device=cuda, pool=pool,
+                              _lent=False, events=SimpleNamespace(cache_releases=0))
+    arbiter.pool_share_bytes = lambda: SharedMemory.pool_share_bytes(arbiter)
+    SharedMemory._apply_capacity(arbiter)
+    assert set_to == [((total // 2) - (8 << 30)) / total]
+    fraction["value"] = 1.0
+    assert user_capacity_bytes(cuda) is None and budget._total_bytes(cuda) == total

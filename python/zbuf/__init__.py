@@ -5,7 +5,7 @@ The public surface:
 - ``GatherBufferPool`` / ``PoolStats`` / ``default_pool``: the Rust gather-buffer pool.
 - ``shard`` / ``full_state_dict`` / ``load_full_state_dict`` / ``clip_grad_norm_``: the ZeRO-3
   parameter model.
-- ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=True,
+- ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=None,
   inner="inductor", recompute="checkpointed", optimizer=None)``), ``schedule_report``,
   ``ScheduleMismatchError``: the ``torch.compile`` backend ``"zbuf"``, with the whole training step
   under one measured memory budget (``zbuf.step_memory``; ``zbuf.memory``: the pool and torch's

@@ -17,7 +17,7 @@ out-of-memory error that the other side could have prevented by letting go is a 
     caller's retry and the event is counted (``torch_ooms``, and ``torch_ooms_with_idle_pool``
     when the pool held idle blocks at that moment: the case that must not happen);
   - when torch's allocator retried (``num_alloc_retries`` rose) since the last step boundary:
-    the pool's pressure policy shrinks its budget (``observe_step``, rust/budget.rs).
+    the pool's pressure policy shrinks its budget (``observe_step``, rust/pressure.rs).
 
 [Note: emulated capacity]
 ``zbuf bench --mem-frac F`` emulates a card with F of the memory. ``set_per_process_memory_fraction``
@@ -39,7 +39,26 @@ import torch
 
 from .pool import GatherBufferPool
 
-__all__ = ["MemoryEvents", "SharedMemory"]
+__all__ = ["MemoryEvents", "SharedMemory", "user_capacity_bytes"]
+
+
+def user_capacity_bytes(device: torch.device) -> Optional[int]:
+    """The cap a user set on this process's CUDA memory with
+    ``torch.cuda.set_per_process_memory_fraction`` (read back through
+    ``torch.cuda.get_per_process_memory_fraction``), in bytes; None without one (or on the host).
+
+    [Note: one cap for torch and the pool]
+    torch's fraction caps its caching allocator only; the pool allocates beside it, so under a
+    user's fraction F torch and the pool together could hold F of the card plus the pool (up to
+    4fed11d the pool's blocks were not counted against it). ``SharedMemory`` takes the user's cap
+    as the capacity torch and the pool share ([Note: emulated capacity]): torch's fraction
+    becomes ``(F * total - what the pool may hold) / total``, and follows the pool's share."""
+    if device.type != "cuda":
+        return None
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
 
 
 @dataclasses.dataclass
@@ -98,6 +117,8 @@ class SharedMemory:
             # no way to detach an observer; this one is inert once ``self`` is gone.
             torch.cuda.init()
             torch._C._cuda_attach_out_of_memory_observer(observer)
+            # [Note: one cap for torch and the pool]: a user's fraction is the shared capacity.
+            self.emulate_capacity(user_capacity_bytes(self.device))
 
     # -- the pool asks ------------------------------------------------------------------------
 

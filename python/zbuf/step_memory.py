@@ -1,14 +1,24 @@
 """The whole training step under one memory budget, measured on the first step.
 
 [Note: whole-step budget]
+[Note: measure first, then spend]
 The gather schedule is planned before the first step, from the rank-agreed free memory
 ([Note: rank-agreed budget] in compile/budget.py). Much of what a step holds is not there yet:
 the optimizer's state (created lazily by its first ``step()``) and temporaries, the gradients,
 an eager loss, NCCL's buffers (allocated by the first collective), the allocator's
-fragmentation. Rather than guess them, zbuf measures the first step and plans again once:
+fragmentation. Up to 4fed11d the first plan spent the free memory at once (persistence,
+prefetch, ``auto``'s kept activations) and the measured step corrected only at step 1, so an
+out-of-memory error in step 0 was never recovered (qwen3-14b as rank 0 of 8 on an 80 GiB card,
+``zbuf.compile(model, optimizer=opt)``: out of memory in the first backward). So zbuf measures
+first and spends after:
 
-1. Step 0 runs on the first plan, which already left the gradients' bytes out of the free
-   memory (known exactly from the shards). The pool's budget starts at 0, so the plans' first
+0. Step 0's plan is no hungrier than FSDP2's (``CompileOptions.measuring``): the user's
+   checkpointing as written (``auto`` keeps nothing more), no persistence, each graph gathers at
+   most what one node reads plus about one block ahead (``budget.gather_reserve``), and the free
+   memory it is planned from leaves out what is known exactly: the gradients and, with
+   ``optimizer=``, the optimizer's state and temporaries from its type and the shards
+   ([Note: optimizer state bytes] in zbuf/optimizer_policy.py).
+1. Step 0 runs on that plan. The pool's budget starts at 0, so the plans' first
    runs size it to exactly what they need. Step 0's phases are measured ([Note: phase peaks] in
    step_phases.py). Before its optimizer step the pool gives all its idle blocks back (nothing is
    known yet about what the optimizer needs; ``zbuf.memory.SharedMemory.yield_idle``).
@@ -33,8 +43,10 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
      former.
    One budget serves every graph: the pool keeps the blocks of the forward's plan while backward
    runs and vice versa, so each phase's peak meets the pool's whole size.
-3. If a graph's current plan does not fit the budget (its peak live gathered bytes, plus the
-   weights kept for backward, exceed it), the model is re-planned: compiled again under a new
+3. The plan grows into the measured room, once: if the measured step's plan held something
+   back (persistence at world > 1, ``auto``'s kept activations, prefetch the cost model says
+   left communication exposed), or does not fit the budget (its peak live gathered bytes, plus
+   the weights kept for backward, exceed it), the model is re-planned: compiled again under a new
    backend instance (compile/replan.py), which recompiles exactly the model's frames, once, and
    leaves every other compiled function alone (no ``torch._dynamo.reset()``). With the user's
    checkpointing as written (``recompute="checkpointed"`` or ``"none"``) the activations are
@@ -43,7 +55,11 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
    measured ``room`` as their free memory (``free_memory_bytes``), which budgeted recompute
    splits between activations and gathers as at compile time ([Note: budgeted recompute] in
    compile/recompute.py). The pool's budget starts again at 0 for the new plans to size. If
-   the plan fits, nothing is recompiled. This happens once.
+   the plan fits and held nothing back, nothing is recompiled. This happens once.
+   After ``STEADY_STEP`` (the first step after the new plan's first run: steady-state reserved
+   bytes, not step 0's, which lacked the optimizer's fragmentation) the same measurement and
+   agreement run once more, and the model is re-planned, once, if its plans no longer fit: the
+   headroom fell below the margin (``limit / SAFETY_DIVISOR``).
 4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
    optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
    without one the optimizer runs inside "backward" and its peak is part of the budget).
@@ -51,8 +67,8 @@ fragmentation. Rather than guess them, zbuf measures the first step and plans ag
 The host (CPU) runs the same steps on a stand-in ([Note: phase peaks]): peaks are the tracked
 parameter, gradient and optimizer-state bytes plus the plans' projected activation peaks, and the
 limit is the agreed free memory at compile time plus the tracked bytes then. On a real host that
-limit is far above anything a test model uses, so the CPU default never re-plans; tests shrink
-the agreed free memory to see the mechanism work.
+limit is far above anything a test model uses, so the CPU default grows its plan at step 1 (at
+world > 1: persistence) and never shrinks; tests shrink the agreed free memory to see the rest.
 
 How zbuf learns of the optimizer: ``zbuf.compile(model, optimizer=opt)``. Its step hooks delimit
 the optimizer phase (so that the pool can lend its idle blocks to it instead of the budget
@@ -177,7 +193,11 @@ class StepMemory:
     """
 
     MEASURED_STEP = 0
-    """The step whose measurement sets the budget (the re-plan happens at the next forward)."""
+    """The step whose measurement sets the budget (the plan grows at the next forward)."""
+    STEADY_STEP = 2
+    """The step whose headroom is checked (the plan shrinks at the next forward if it fell below
+    the margin): the first after the grown plan's first run (step 1, which compiles it and sizes
+    the pool for it), so its reserved bytes are the steady state's, not step 0's."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
@@ -192,10 +212,15 @@ class StepMemory:
         self.meter = PhaseMeter(pool.device, model, optimizer)
         self.replanner = replanner
         self.measured: Optional[MeasuredBudget] = None
+        """The decision after the measured step (the plan grown into the room, [Note: measure
+        first, then spend])."""
+        self.steady: Optional[MeasuredBudget] = None
+        """The check after the steady step (the plan shrunk if its headroom fell short)."""
+        self._steady_row: Optional[tuple[StepPhases, int]] = None
         self.rows: collections.deque[StepMemoryRow] = collections.deque(maxlen=ROWS_KEPT)
         """The latest closed steps' rows, oldest first."""
         self._measured_row: Optional[tuple[StepPhases, int]] = None  # (phases, pool held)
-        self._replan_step: Optional[int] = None
+        self._replan_steps: set[int] = set()
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
         self._events0 = self._event_counts()
@@ -228,7 +253,9 @@ class StepMemory:
 
     def _on_forward(self) -> None:
         if self.measured is None and self._measured_row is not None:
-            self.measured = self._decide(*self._measured_row)
+            self.measured = self._decide(*self._measured_row, grow=True)
+        elif self.steady is None and self._steady_row is not None:
+            self.steady = self._decide(*self._steady_row, grow=False)
         self.memory.observe_step()
         self.memory.take_back()  # the pool's share may have moved (first runs size it)
 
@@ -255,7 +282,7 @@ class StepMemory:
             return self._host_limit
         return self.memory.limit_bytes()
 
-    def _decide(self, row: StepPhases, pool_held: int) -> MeasuredBudget:
+    def _decide(self, row: StepPhases, pool_held: int, *, grow: bool) -> MeasuredBudget:
         growth = max(0, self.meter.resident_bytes() - row.start_bytes)
         fw = row.forward_reserved_bytes + growth
         bw = row.backward_reserved_bytes + growth
@@ -279,13 +306,20 @@ class StepMemory:
         planned = replanned = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
-            replanned = self.replanner.replan_if_needed(budget, room)
+            if grow:
+                replanned = self.replanner.grow(budget, room, self._world_size())
+            else:
+                replanned = self.replanner.shrink_if_needed(budget, room)
         if replanned:
-            self._replan_step = self.meter.closed  # the step now opening
+            self._replan_steps.add(self.meter.closed)  # the step now opening
             # The new plans' first runs size the pool, as the first plans' did.
             self.memory.pool.set_budget(0)
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
                               bool(replanned), row.step)
+
+    def _world_size(self) -> int:
+        g = self.group
+        return g.size() if g is not None else 1
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -317,13 +351,18 @@ class StepMemory:
 
     def _row(self, phases: StepPhases) -> None:
         s = self.memory.pool.stats()
+        held = self._pool_after_backward
+        held = s.charged_bytes if held is None else held
         if phases.step == self.MEASURED_STEP:
-            held = self._pool_after_backward
-            self._measured_row = (phases, s.charged_bytes if held is None else held)
+            self._measured_row = (phases, held)
+        elif phases.step == self.STEADY_STEP:
+            self._steady_row = (phases, held)
         self._pool_after_backward = None
         counts = self._event_counts()
         m = self.measured
-        if m is not None and m.replanned:
+        if self.steady is not None and self.steady.replanned:
+            budget = self.steady.budget_bytes
+        elif m is not None and m.replanned:
             budget = m.budget_bytes
         elif m is not None:
             budget = m.planned_budget_bytes
@@ -332,7 +371,7 @@ class StepMemory:
         row = StepMemoryRow(
             phases, s.charged_bytes, s.idle_bytes, self._yielded,
             counts[0] - self._events0[0], counts[1] - self._events0[1], budget,
-            self._replan_step == phases.step)
+            phases.step in self._replan_steps)
         self._yielded = 0
         self._events0 = counts
         self.rows.append(row)
@@ -342,6 +381,7 @@ class StepMemory:
         m = self.measured
         return {
             "measured": None if m is None else m._asdict(),
+            "steady": None if self.steady is None else self.steady._asdict(),
             "events": dict(vars(self.memory.events)),
             "optimizer_attached": self.optimizer is not None,
             "capacity": self.memory.capacity_fraction(),

@@ -53,7 +53,7 @@
 //! training step; the check is then a length test.
 
 //! [Note: one-shot recovery]
-//! Started by sustained allocator pressure (see [`crate::budget`]), once per pool:
+//! Started by sustained allocator pressure (see [`crate::pressure`]), once per pool:
 //! 1. remember the hot set: the capacities (with multiplicity) of the pool blocks checked out
 //!    now plus the idle ones that served at least one hit;
 //! 2. drain: free every idle block; mark the checked-out ones retired (freed when they return);
@@ -73,7 +73,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::backend::{Backend, BackendError, EventHandle, StreamHandle};
-use crate::budget::{PressureAction, PressureTracker};
+use crate::pressure::{PressureAction, PressureTracker};
 pub use config::PoolConfig;
 pub use error::PoolError;
 pub use events::{EventKind, EventLog, PoolEvent};
@@ -696,7 +696,7 @@ impl<B: Backend> GatherPool<B> {
     }
 
     /// Feeds the caching allocator's cumulative retry counter and the device's free bytes
-    /// (see [`crate::budget`]). Returns what the pool did.
+    /// (see [`crate::pressure`]). Returns what the pool did.
     pub fn observe_pressure(&mut self, num_alloc_retries: u64, free_bytes: u64) -> PressureAction {
         let action = self.pressure.observe(
             num_alloc_retries,

@@ -12,7 +12,7 @@ use super::errors::{raise, to_py};
 use super::shared::Shared;
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Device, DeviceKind};
-use crate::budget::PressureAction;
+use crate::pressure::PressureAction;
 use crate::pool::{GatherPool, Lease, PoolConfig, PoolError, ReleaseOutcome};
 
 /// Default budget: device (or host RAM) total / 32, the reference system's pool size.

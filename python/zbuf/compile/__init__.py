@@ -1,7 +1,7 @@
 """zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
 
 The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
-persist=True, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
+persist=None, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
 importable modules (the ``torch_dynamo_backends`` entry point names
 ``zbuf.compile.backend:zbuf_backend``).
 
@@ -25,6 +25,7 @@ import sys
 import types
 
 from .backend import compile_model, step_memory_of, zbuf_backend
+from .budget import PlanExceedsMemoryError
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
 from .regions import mark_repeated_blocks
@@ -37,6 +38,7 @@ __all__ = [
     "CompileOptions",
     "mark_repeated_blocks",
     "ScheduleMismatchError",
+    "PlanExceedsMemoryError",
     "ScheduleRecord",
     "schedule_report",
 ]

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
@@ -88,7 +89,7 @@ def compile_model(
     *,
     budget_bytes: int | None = None,
     prefetch: bool = True,
-    persist: bool = True,
+    persist: bool | None = None,
     recompute: str = "checkpointed",
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -125,6 +126,11 @@ def compile_model(
         raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     host_free = None
+    sharded = _shard_group(model) is not None
+    if budget_bytes is None and sharded:
+        # Step 0 runs a plan no hungrier than FSDP2's; the measurement grows it ([Note: measure
+        # first, then spend] in zbuf/step_memory.py).
+        opts = dataclasses.replace(opts, measuring=True)
     if budget_bytes is None and opts.free_memory_bytes is None:
         import torch.distributed as dist
 
@@ -132,12 +138,15 @@ def compile_model(
 
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            # The gradients will exist during every backward (and are known exactly); the rest
-            # of what the step holds is measured on its first run ([Note: whole-step budget]).
-            grads = _gradient_bytes(model)
-            free = agree_free_memory(group, reserve_bytes=grads)
+            # What step 0 will hold that is known exactly now: the gradients, and the
+            # optimizer's state and temporaries from its type and the shards ([Note: optimizer
+            # state bytes] in zbuf/optimizer_policy.py); the rest is measured on step 0.
+            reserve = _gradient_bytes(model)
+            if optimizer is not None:
+                reserve += OptimizerPolicy.of(optimizer).step_bytes(optimizer)
+            free = agree_free_memory(group, reserve_bytes=reserve)
             opts = dataclasses.replace(opts, free_memory_bytes=free)
-            host_free = free + grads
+            host_free = free + reserve
     elif opts.free_memory_bytes is not None:
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
     compiled = torch.compile(

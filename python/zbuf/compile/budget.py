@@ -13,8 +13,9 @@ part of the passes' cache key through the options' digest). The rest of what a s
 ``free_memory_bytes * (1 - margin_fraction) - projected activation peak of the graph``; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
 explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
-``torch.compile(m, backend="zbuf")``), the device's *total* memory stands in for the free
-memory: still the same on every rank of a homogeneous job, just less tight.
+``torch.compile(m, backend="zbuf")``), what this process may allocate stands in for the free
+memory: the device's total memory under the user's ``set_per_process_memory_fraction``; still
+the same on every rank of a homogeneous job, just less tight.
 
 [Note: stable agreed memory]
 The agreed value is part of the passes' cache key (through the options' digest), and free memory
@@ -36,11 +37,19 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
+from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
-__all__ = ["agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
-           "stable_free_bytes"]
+__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
+           "stable_free_bytes", "gather_reserve", "PREFETCH_BLOCKS"]
+
+PREFETCH_BLOCKS = 2
+"""Blocks of gathered weights kept for the gather planner beyond what one node reads at once:
+the block that runs and the one being prefetched (FSDP2's one block ahead). Recompute's
+activation budget leaves them ([Note: budgeted recompute] in recompute.py), and the measured
+step's plan gets no more ([Note: measure first, then spend] in zbuf/step_memory.py)."""
 
 
 def _host_bytes(kind: str) -> int:
@@ -71,8 +80,13 @@ def local_free_bytes(device: torch.device) -> int:
 
 
 def _total_bytes(device: torch.device) -> int:
+    """What this process may allocate on ``device`` at most, the same on every rank of a
+    homogeneous job: the card's memory under the user's ``set_per_process_memory_fraction``
+    (which torch and the pool share: [Note: one cap for torch and the pool] in zbuf/memory.py);
+    on the host, its memory."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * min(1.0, torch.cuda.get_per_process_memory_fraction(device)))
     return _host_bytes("total")
 
 
@@ -115,8 +129,66 @@ def graph_memory(options: CompileOptions, device: torch.device) -> int:
     return int(free * (1.0 - options.margin_fraction))
 
 
-def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int) -> int:
-    """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget])."""
+def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
+    """``budget_bytes``, or what one node of ``graph`` reads at once plus ``PREFETCH_BLOCKS``
+    blocks' gathered weights."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    return max(1, graph_memory(options, device) - activation_peak)
+    need: dict[torch.fx.Node, int] = {}
+    blocks: dict[str, int] = {}
+    for g in gather_nodes(graph):
+        nbytes = gathered_nbytes(g)
+        key = block_of(g)
+        blocks[key] = blocks.get(key, 0) + nbytes
+        for c in {u for v in (g, *weight_tree(g)) for u in v.users}:
+            need[c] = need.get(c, 0) + nbytes
+    per_block = max((b for k, b in blocks.items() if k), default=0)
+    return max(need.values(), default=0) + PREFETCH_BLOCKS * per_block
+
+
+class PlanExceedsMemoryError(MemoryError):
+    """A graph's plan projects more memory than every rank agreed it may use ([Note: no plan
+    above its memory]); raised at compile time, before the plan ever runs."""
+
+
+def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
+                    peak_bytes: int, activation_peak: int, gathered_peak: int) -> None:
+    """Refuse a plan whose projected peak exceeds the agreed memory.
+
+    [Note: no plan above its memory]
+    The planner raises a budget below its floor (what one node reads at once) to that floor, and
+    recompute's activation budget is raised to the peak with every region recomputed: so a plan
+    could come out above the memory it was planned in (qwen3-14b as rank 0 of 8 with blocks
+    compiled once inside the user's ``checkpoint``: a backward activation peak of 120 GiB on an
+    80 GiB card). Such a plan would run out of memory in the step, on some rank, mid-collective.
+    So the schedule pass projects each graph's peak (static liveness: activations plus live
+    gathered weights at each node, plus the weights kept from forward) and raises this error
+    instead, naming the graph, the peak and the memory, before anything runs. Every input is
+    rank-agreed, so every rank refuses alike. An explicit ``budget_bytes`` is the user's own
+    bound on the gathers: the activations are then not checked against a memory nobody agreed
+    on (``free_memory_bytes`` unset)."""
+    if options.budget_bytes is not None and options.free_memory_bytes is None:
+        return
+    memory = graph_memory(options, device)
+    if peak_bytes <= memory:
+        return
+    raise PlanExceedsMemoryError(
+        f"zbuf: the {kind} graph's plan needs {peak_bytes / 2**20:.1f} MiB at its peak "
+        f"(activations {activation_peak / 2**20:.1f} MiB, gathered weights "
+        f"{gathered_peak / 2**20:.1f} MiB) but every rank agreed on {memory / 2**20:.1f} MiB "
+        f"(free memory less the margin_fraction); refusing to run a plan that cannot fit. "
+        f"Lower the micro-batch or sequence length, checkpoint more of the model "
+        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
+
+
+def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,
+                 graph: torch.fx.Graph | None = None) -> int:
+    """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget]).
+    The measured step's plan (``options.measuring``) gathers no more than ``gather_reserve`` of
+    ``graph``: about one block ahead ([Note: measure first, then spend] in zbuf/step_memory.py)."""
+    if options.budget_bytes is not None:
+        return options.budget_bytes
+    budget = max(1, graph_memory(options, device) - activation_peak)
+    if options.measuring and graph is not None:
+        budget = min(budget, max(1, gather_reserve(graph, options)))
+    return budget

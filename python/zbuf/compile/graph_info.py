@@ -29,6 +29,7 @@ from .options import CompileOptions
 
 __all__ = [
     "GATHER_OP",
+    "graph_world_size",
     "GatherArgs",
     "gather_args",
     "is_view",
@@ -111,6 +112,13 @@ def group_and_device(graph: torch.fx.Graph):
         a = gather_args(g)
         return a.group_name, a.shard.meta["val"].device
     return None, None
+
+
+def graph_world_size(graph: torch.fx.Graph) -> int | None:
+    """Ranks of the group the graph's first gather gathers over; None when it gathers nothing."""
+    for g in gather_nodes(graph):
+        return runtime.process_group(gather_args(g).group_name).size()
+    return None
 
 
 def view_tree(root: torch.fx.Node) -> list[torch.fx.Node]:
@@ -361,7 +369,8 @@ def activation_peak_bytes(graph: torch.fx.Graph) -> int:
     return int(profile.max()) if len(profile) else 0
 
 
-def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndarray:
+def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
+                       shards: bool = True) -> np.ndarray:
     """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
 
     Static liveness: a tensor is alive from the node that makes it to its last reader, its own or
@@ -372,7 +381,8 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndar
     its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
     gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
     count from their ``getitem`` nodes on; a region call counts, while it runs, the peak of what
-    its body makes ([Note: region bodies] in region_graphs.py).
+    its body makes ([Note: region bodies] in region_graphs.py). ``shards=False`` leaves out the
+    shards the gathers read (the model's state: resident before the step, not made by it).
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -380,6 +390,7 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndar
     for g in gather_nodes(graph):
         gathered.add(g)
         gathered.update(view_tree(g))
+    shard_inputs = set() if shards else {gather_args(g).shard for g in gather_nodes(graph)}
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
         if n.op in ("output", "get_attr") or n in gathered or n.meta.get("zbuf_persistent"):
@@ -394,6 +405,8 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True) -> np.ndar
         if _outputs_of(n) or (is_view(n) and not unpacks_results(n)):
             continue  # a multi-output op's tensors count at its getitems; a view counts nothing
         if n.op == "placeholder" and not inputs:
+            continue
+        if not shards and n in shard_inputs:
             continue
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:

@@ -37,9 +37,12 @@ class CompileOptions:
     prefetch: bool = True
     """Start gathers early so that communication overlaps compute, within the budget."""
 
-    persist: bool = True
+    persist: bool | None = None
     """Keep some gathered weights resident from forward to backward when the budget leaves room
-    (ranked by communication time saved per byte) instead of re-gathering them in backward."""
+    (ranked by communication time saved per byte) instead of re-gathering them in backward
+    ([Note: selective persistence] in persist.py). ``None`` (default): where it saves something,
+    so never at world 1, where a gather moves nothing over a link. ``True``: within the budget
+    whatever the world size. ``False``: never."""
 
     persist_fraction: float = 0.5
     """Share of the budget that selective persistence may use; the rest stays for prefetch."""
@@ -71,6 +74,13 @@ class CompileOptions:
     """``recompute="auto"``: cap on the activation peak of the forward and backward graphs.
     ``None``: the rank-agreed graph memory less what the gathers need ([Note: budgeted
     recompute]). Raised to the peak with every region recomputed when set lower, and reported."""
+
+    measuring: bool = False
+    """This plan runs the measured step ([Note: measure first, then spend] in
+    zbuf/step_memory.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
+    keeps no activations beyond the model's checkpointing, and each graph gathers at most what
+    one node reads plus about one block ahead (``budget.gather_reserve``). ``zbuf.compile`` sets
+    it for the first plan of a sharded model; the plans made from the measurement clear it."""
 
     inner: Inner = "inductor"
     """What compiles the rewritten graphs: Inductor, or ``aot_eager`` (runs the FX graphs as they
@@ -133,7 +143,8 @@ class CompileOptions:
                 f"free_memory_bytes={self.free_memory_bytes!r} must be a non-negative int (bytes) "
                 "or None",
             )
-        for name in ("prefetch", "persist", "coalesce", "check_fingerprint"):
+        need(self.persist in (None, True, False), f"persist={self.persist!r} must be a bool or None")
+        for name in ("prefetch", "coalesce", "check_fingerprint", "measuring"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         need(0.0 <= self.persist_fraction <= 1.0,
              f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")

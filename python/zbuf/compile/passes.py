@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.fx
 from torch._dynamo.utils import dynamo_timed
@@ -37,7 +38,8 @@ from .fingerprint import collective_order, describe_graph, fingerprint_of
 from .graph_info import activation_profile, gather_nodes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
-from .region_graphs import forward_region_inputs, is_body, mark_body, prepare_body_joint
+from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
+                            prepare_body_joint, sink_region_calls)
 from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
@@ -138,6 +140,7 @@ class ZbufPartitioner(CustomPartitionerFn):
                 return tag_for_regather(joint, opts, activation_peak)
 
         forward_region_inputs(gm.graph)  # [Note: region bodies]
+        keep_block_boundaries(gm.graph)
         with record_function("zbuf::partition"):
             fw, bw, persisted, stats = recompute.partition(gm, kwargs["num_fwd_outputs"], opts,
                                                            min_cut, tag)
@@ -193,16 +196,27 @@ class GatherSchedulePass(CustomGraphPass):
         with dynamo_timed("zbuf.plan"):
             merge_reduce_scatters(graph)  # 1
             _drop_dead_gathers(graph)  # 2
+            if kind == "backward":
+                sink_region_calls(graph)  # [Note: region bodies], step 3
             index = summarize(graph, opts)  # 3
             group_name, device = group_and_device(graph)
             act_profile = activation_profile(graph)
             token, sched = None, None
             if index.gathers:  # 4
                 peak_act = int(act_profile.max()) if len(act_profile) else 0
-                requested = budget_mod.graph_budget(opts, device, peak_act)
+                requested = budget_mod.graph_budget(opts, device, peak_act, graph)
                 kept = persisted.nbytes if kind == "backward" else 0
                 # Persisted weights are live through backward: they come off its budget.
                 sched = plan_schedule(index.summary, max(1, requested - kept), opts)
+                # [Note: no plan above its memory] in budget.py: the shards are resident
+                # before the step (the agreed memory is what is free beside them).
+                made = activation_profile(graph, shards=False)
+                both = (made + sched.profile if len(made) == len(sched.profile)
+                        else np.array([int(made.max(initial=0)) + sched.peak_live_bytes]))
+                budget_mod.check_plan_fits(
+                    opts, device, kind=kind, peak_bytes=int(both.max(initial=0)) + kept,
+                    activation_peak=int(made.max(initial=0)),
+                    gathered_peak=sched.peak_live_bytes + kept)
         with dynamo_timed("zbuf.rewrite"):
             if sched is not None:
                 token = rewrite(graph, index, sched)  # 5

@@ -18,7 +18,10 @@ budget (never eating into what a single node needs at once), in this order:
    start of backward (the likely source of 25 ms per step of exposed backward gathers on 2x
    H200). Weights needed late are re-gathered behind the backward of the layers after them, and
    kept weights that backward needs early are released early, freeing their memory sooner.
-Kept bytes are charged to the backward graph's budget as live throughout. Candidates are the
+At world 1 nothing is kept (unless ``persist=True`` asks for it): a gather there moves no bytes over a link (the cost model gives it
+no time), so persistence would spend memory to save nothing (qwen3-1.7b on one H200 kept all
+3.2 GiB of bf16 weights up to 4fed11d). Kept bytes are charged to the backward graph's budget
+as live throughout. Candidates are the
 gathers with a backward consumer in the joint graph, or a consumer that activation
 checkpointing tags for recompute (backward re-runs it, so it needs the weight again). A gather
 that backward re-runs only because the partitioner itself chose to recompute a cheap consumer
@@ -40,6 +43,7 @@ from .graph_info import (
     gather_args,
     gather_nodes,
     gathered_nbytes,
+    graph_world_size,
     group_and_device,
     weight_tree,
 )
@@ -98,7 +102,12 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
     persist: set[torch.fx.Node] = set()
     kept_bytes = 0
     buffers: list[tuple[int, int]] = []
-    if opts.persist and gathers:
+    # At world 1 a gather moves nothing: keeping its weight would cost memory and save nothing
+    # ([Note: selective persistence]).
+    # The measured step's plan keeps nothing ([Note: measure first, then spend] in
+    # zbuf/step_memory.py): persistence grows into the measured room afterwards.
+    if (opts.persist is not False and not opts.measuring and gathers
+            and (opts.persist or graph_world_size(joint) != 1)):
         _, device = group_and_device(joint)
         peak = activation_peak_bytes(joint) if activation_peak is None else activation_peak
         budget = budget_mod.graph_budget(opts, device, peak)

@@ -24,7 +24,8 @@ partitions it as ``"checkpointed"`` does, and the record says 0 regions.
 The budget: the activation peak of the partitioned forward and backward graphs (static liveness,
 ``graph_info.activation_profile``, the projection the gather budget is derived from) must stay
 within ``A = M - G``. M is the memory every rank agreed on for the graph (``budget.graph_memory``);
-G is kept for gathered weights: what one node reads at once plus ``PREFETCH_BLOCKS`` blocks'
+G is kept for gathered weights (``budget.gather_reserve``): what one node reads at once plus
+``PREFETCH_BLOCKS`` blocks'
 weights (the block that runs and the one being prefetched), or ``budget_bytes`` when the user
 set it. The gather planner then plans each graph in ``M - activation peak >= G``
 ([Note: rank-agreed budget]), so activations and gathered weights together stay within M at
@@ -84,9 +85,7 @@ from . import budget as budget_mod
 from .graph_info import (
     activation_profile,
     backward_nodes,
-    block_of,
     gather_nodes,
-    gathered_nbytes,
     group_and_device,
     is_view,
     node_flops,
@@ -99,14 +98,9 @@ from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompu
 
 __all__ = ["LEVELS", "RecomputeStats", "Region", "find_regions", "level_specs", "apply_levels",
            "partition", "copy_joint", "forward_nodes", "forward_names", "measure_partition",
-           "PREFETCH_BLOCKS", "MAX_PARTITIONS"]
+           "MAX_PARTITIONS"]
 
 aten = torch.ops.aten
-
-PREFETCH_BLOCKS = 2
-"""Blocks of gathered weights the activation budget leaves to the gather planner beyond what one
-node reads at once: the block that runs and the one being prefetched ([Note: budgeted
-recompute])."""
 
 MAX_PARTITIONS = 4
 """Most min-cut partitions one ``"auto"`` plan may run (the base included)."""
@@ -323,23 +317,6 @@ def copy_joint(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
 
 
-def _gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
-    """G of [Note: budgeted recompute]: ``budget_bytes``, or what one node reads at once plus
-    ``PREFETCH_BLOCKS`` blocks' gathered weights."""
-    if options.budget_bytes is not None:
-        return options.budget_bytes
-    need: dict[torch.fx.Node, int] = {}
-    blocks: dict[str, int] = {}
-    for g in gather_nodes(graph):
-        nbytes = gathered_nbytes(g)
-        key = block_of(g)
-        blocks[key] = blocks.get(key, 0) + nbytes
-        for c in {u for v in (g, *weight_tree(g)) for u in v.users}:
-            need[c] = need.get(c, 0) + nbytes
-    per_block = max((b for k, b in blocks.items() if k), default=0)
-    return max(need.values(), default=0) + PREFETCH_BLOCKS * per_block
-
-
 def _activation_peak(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
     return max(int(activation_profile(g.graph).max(initial=0)) for g in (fw, bw))
 
@@ -397,7 +374,9 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
         return dict(regions_recomputed=levels.count(0), regions_selective=levels.count(1),
                     regions_kept=levels.count(2))
 
-    if mode != "auto" or not regions:
+    if mode != "auto" or not regions or options.measuring:
+        # The measured step's plan keeps no activations beyond the user's checkpointing
+        # ([Note: measure first, then spend] in zbuf/step_memory.py): auto's levels come after.
         levels = (2 if mode == "none" else 0,) * len(regions)
         apply_levels(gm.graph, regions, levels)
         token = tag_gathers(gm.graph, None)
@@ -409,7 +388,7 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
         requested = options.activation_budget_bytes
     else:
         memory = budget_mod.graph_memory(options, device or torch.device("cpu"))
-        requested = max(1, memory - _gather_reserve(gm.graph, options))
+        requested = max(1, memory - budget_mod.gather_reserve(gm.graph, options))
     specs = level_specs(gm.graph, forward, regions, options)
     base_levels = (0,) * len(regions)
     fw, bw, token = run(base_levels, None)

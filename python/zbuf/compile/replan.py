@@ -1,15 +1,19 @@
-"""Re-planning a zbuf-compiled model once, under the budget the whole step measured.
+"""Re-planning a zbuf-compiled model under the budget the whole step measured: grown once
+after the measured step, shrunk at most once after a steady one.
 
 [Note: bounded re-plan]
-``zbuf.step_memory`` measures the first step and may find that the plans it ran do not fit the
-step ([Note: whole-step budget] in zbuf/step_memory.py). The plans live in compiled code, so a new
-plan needs a new compile of the model's frames, and nothing else:
+``zbuf.step_memory`` measures the first step, whose plan spent nothing it could not know
+([Note: measure first, then spend] in zbuf/step_memory.py), and grows the plans into the
+measured room once (``grow``); a steady step later, it shrinks them once if they no longer fit
+(``shrink_if_needed``). So a model is compiled at most three times. The plans live in compiled
+code, so a new plan needs a new compile of the model's frames, and nothing else:
 
 * the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
   callable. Re-planning compiles the same module again with ``torch.compile(...,
   backend="zbuf", options=<budget_bytes=the measured budget>)``: a new backend instance, so
   Dynamo's backend-match guard fails for the old cache entries of these frames and they are
-  traced and planned again (one recompile per frame, well inside Dynamo's recompile limit); every
+  traced and planned again (one recompile per frame and re-plan, well inside Dynamo's recompile
+  limit); every
   other compiled function in the process keeps its code (no ``torch._dynamo.reset()``).
 * the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
   ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to the
@@ -65,6 +69,11 @@ class Replanner:
         self.forward = PlannedForward(compiled.forward)
         compiled.forward = self.forward
         self.replanned = False
+        """Compiled again at least once."""
+        self.grown = False
+        """Re-planned after the measured step."""
+        self.shrunk = False
+        """Re-planned after a steady step whose headroom fell below the margin."""
         self._first_graph = 0  # graph_id of the first record of the current plan
 
     # -- the current plan ---------------------------------------------------------------------
@@ -110,14 +119,41 @@ class Replanner:
         return is_marked_model(self.model) and any(
             self.needs(r) > budget_bytes for r in self.records())
 
-    def replan_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
-        """Compile again unless every current plan fits ``budget_bytes`` of gathered weights, or
-        the model was re-planned before. Returns whether it re-planned. Every rank must get the
-        same answer: call it with rank-agreed numbers, at the same point of every rank's program.
-        ``room_bytes``: what activations and gathers may share, for ``recompute="auto"``."""
-        if self.replanned or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
+    def can_grow(self, world_size: int) -> bool:
+        """Whether the current plan, the measured step's ([Note: measure first, then spend] in
+        zbuf/step_memory.py), held something back that more memory would buy: persistence (at
+        world > 1, or asked for), ``recompute="auto"``'s kept activations, or prefetch that the
+        cost model says left communication exposed."""
+        o = self.options
+        if not o.measuring:
+            return False
+        if o.persist is True or (o.persist is None and world_size > 1):
+            return True
+        records = self.records()
+        return (o.prefetch and any(r.modelled_exposed_seconds > 0 for r in records)) or any(
+            r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
+            for r in records)
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> bool:
+        """After the measured step: compile again within the measured ``budget_bytes`` of
+        gathered weights (``room_bytes`` for ``recompute="auto"``) if the measured step's plan
+        held something back or does not fit it. Once. Returns whether it re-planned. Every rank
+        must get the same answer: call it with rank-agreed numbers, at the same point of every
+        rank's program."""
+        if self.replanned or not (self.can_grow(world_size) or not self.fits(budget_bytes)
+                                  or self.below_block_floor(budget_bytes)):
             return False
         self.replan(budget_bytes, room_bytes)
+        self.grown = True
+        return True
+
+    def shrink_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
+        """At a steady step: compile again, once, if a current plan does not fit the budget
+        measured there. Returns whether it re-planned; rank-agreed inputs, as ``grow``."""
+        if self.shrunk or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
+            return False
+        self.replan(budget_bytes, room_bytes)
+        self.shrunk = True
         return True
 
     def replan(self, budget_bytes: int, room_bytes: int) -> None:
@@ -125,6 +161,7 @@ class Replanner:
         (and no explicit activation budget) the measured room becomes the plans' free memory, so
         that budgeted recompute chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``."""
+        self.options = dataclasses.replace(self.options, measuring=False)
         if self.below_block_floor(budget_bytes):
             # The re-plan compiles the model whole, where gathers can be released inside a block.
             unmark_repeated_blocks(self.model)
