@@ -208,6 +208,7 @@ MUTABLE_GLOBALS = {
     "zbuf.checkpoint.layout._DTYPES": _CONSTANT,
     "zbuf.cli._ENGINES": _CONSTANT,
     "zbuf.presets.PRESETS": _CONSTANT,
+    "zbuf.optimizer_policy.STATE_COPIES": _CONSTANT,
     "zbuf.train.compile_phases.PHASE_LABELS": _CONSTANT,
     "zbuf.train.compile_phases.ZBUF_KEYS": _CONSTANT,
     "zbuf.train.compile_phases._CACHE_COUNTERS": _CONSTANT,
