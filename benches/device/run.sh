@@ -13,6 +13,9 @@
 #   bash benches/device/run.sh 1gpu-memfloor [FRACS]  # ONE H200 (nvidia-h200): qwen3-1.7b, 1 rank,
 #                                           zbuf vs fsdp2, adamw, --mem-frac 0.30,0.25,0.20 by default,
 #                                           each engine until its first failure (~8 min)
+#   bash benches/device/run.sh floor17b ENGINE OPTIMIZER FRACS  # ONE H200, issue 20's floors:
+#                                           qwen3-1.7b 1 rank (floor8b-sim: qwen3-8b as rank 0
+#                                           of 2), from 0.45 (0.70) down by 0.05, two per call
 #   bash benches/device/run.sh memfloor-8b ENGINE OPTIMIZER FRACS  # nvidia-h200-x2, issue 12's
 #                                           table: qwen3-8b, one engine, adamw|adamw-fused, about
 #                                           two fractions per call (e.g. 0.60,0.55), stopping at
@@ -105,6 +108,14 @@ case "${1:-}" in
     timeout 560 python3 benches/memfloor.py --engines zbuf,fsdp2 --optimizer adamw \
       --fracs "${2:-0.30,0.25,0.20}" --out-dir "$OUT" --time-limit 540 -- \
       --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 2>&1 | tail -20 ;;
+  floor17b|floor8b-sim)  # ONE H200, issue 20's floors: floor17b ENGINE OPTIMIZER FRACS (qwen3-1.7b,
+    # 1 rank) or floor8b-sim ENGINE OPTIMIZER FRACS (qwen3-8b as rank 0 of 2), about two
+    # fractions per call, stopping at the first failure; summarise with memfloor.py --summarize
+    [ $# -eq 4 ] || { echo "usage: $0 $1 zbuf|fsdp2 adamw|adamw-fused 0.30,0.25" >&2; exit 2; }
+    model=(--preset qwen3-1.7b); [ "$1" = floor8b-sim ] && model=(--preset qwen3-8b --simulate-world 2)
+    timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
+      --out-dir "$OUT/$1" --time-limit 575 -- \
+      "${model[@]}" --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 2>&1 | tail -20 ;;
   memfloor-8b)  # nvidia-h200-x2: memfloor-8b ENGINE OPTIMIZER FRAC[,FRAC...]
     [ $# -eq 4 ] || { echo "usage: $0 memfloor-8b zbuf|fsdp2 adamw|adamw-fused 0.60,0.55" >&2; exit 2; }
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
@@ -157,6 +168,6 @@ case "${1:-}" in
       --gpu-memory 80GiB --micro-batch 4 --seq-len 4096 --ac full --steps 30 --warmup 10 \
       --variants "${2:-bench,plain}" --out "$OUT/plain14" 2>&1 | grep -v "Warning\|warn" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14 [VARIANTS]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14 [VARIANTS]" >&2
     exit 2 ;;
 esac
