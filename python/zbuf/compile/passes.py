@@ -42,8 +42,7 @@ from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
 
-__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "CACHE_KEY_MODULES",
-           "thread_reduce_scatters", "check_token_chain"]
+__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "CACHE_KEY_MODULES"]
 
 zbuf = torch.ops.zbuf
 
