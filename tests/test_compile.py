@@ -134,7 +134,9 @@ def test_aot_eager_matches_eager_and_gathers_only_what_it_planned(plan):
     assert per_step[1:] == [fw.gather_calls + bw.gather_calls] * (len(batches) - 1)
     # The pool was sized from the plan: after the first step no gather allocates.
     assert misses[1:] == [0] * (len(misses) - 1), misses
-    assert collectives.pending() == 0
+    for r in recs:  # every start has its wait in the same graph ([Note: work in flight ...])
+        assert r.op_order.count("all_gather_start") == r.op_order.count("all_gather_wait")
+        assert r.op_order.count("reduce_scatter_start") == r.op_order.count("reduce_scatter_wait")
     for r in recs:
         assert r.peak_live_gathered_bytes <= r.budget_bytes
         assert r.fingerprint and r.planning_seconds >= 0 and r.collectives > 0
@@ -243,6 +245,34 @@ def test_schedule_log_writes_json_lines(tmp_path, monkeypatch):
         for key in ("graph_id", "budget_bytes", "peak_live_gathered_bytes", "gathers",
                     "coalesced_groups", "prefetched", "persistent", "fingerprint", "planning_seconds"):
             assert key in r
+
+
+def test_work_in_flight_lives_on_its_token():
+    # [Note: work in flight lives on the token]: a wait finds only the work started on its own
+    # graph run's token.
+    zbuf = torch.ops.zbuf
+    group = dist.group.WORLD.group_name
+    pool_id = _default_pool_id()
+    shard, grad = torch.randn(8), torch.randn(8)
+    a, b = torch.zeros(1), torch.zeros(1)
+    buf = zbuf.gather_buffer.default(a, shard, 0, [8], group, None, pool_id)
+    zbuf.all_gather_start.default(a, [buf], [shard], group)
+    started = zbuf.reduce_scatter_start.default(a, grad, 0, 8, group, None)
+    assert (collectives.pending(a), collectives.pending(b)) == (2, 0)
+    with pytest.raises(RuntimeError, match="no gather started on this token"):
+        zbuf.all_gather_wait.default(b, [buf])
+    with pytest.raises(RuntimeError, match="no reduce-scatter started on this token"):
+        zbuf.reduce_scatter_wait.default(b, started)
+    zbuf.all_gather_wait.default(a, [buf])
+    zbuf.all_gather_release.default(a, buf, pool_id, [buf])
+    zbuf.reduce_scatter_wait.default(a, started)
+    assert collectives.pending(a) == 0
+
+
+def _default_pool_id() -> int:
+    from zbuf.pool import default_pool
+
+    return zbuf.runtime.pool_id_of(default_pool("cpu"))
 
 
 def test_schedule_report_is_per_model():
@@ -420,8 +450,8 @@ def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
                                              torch.bfloat16 if i == 2 else torch.float32)
         torch.testing.assert_close(got[i], want, rtol=0, atol=0)
     torch.testing.assert_close(got[3], -got[0], rtol=0, atol=0)
-    from zbuf.compile.collectives import pending
-    assert pending() == 0
+    # Every wait found its start on the run's token (a missing one raises), and `order` shows
+    # one wait per start: nothing is left in flight.
 
 
 class DeepNet(nn.Module):

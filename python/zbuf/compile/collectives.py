@@ -14,7 +14,8 @@
     parameter's padded block directly (one NCCL group; on gloo one gather per block instead,
     [Note: no coalesced gathers on gloo] in runtime.py).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
-    Waits for the start that filled ``gathered`` (found by the first buffer's storage).
+    Waits for the start that filled ``gathered`` (found by the first buffer's storage, on the
+    token: [Note: work in flight lives on the token]).
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
     ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
@@ -79,7 +80,6 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import runtime
 from ..param import unpad_full
@@ -96,17 +96,33 @@ __all__ = [
     "pending",
 ]
 
-# First buffer's storage pointer -> the in-flight collective (None when it completed at once).
-# Produced by all_gather_start, consumed (popped) by all_gather_wait.
-_PENDING: dict[int, Optional[dist.Work]] = {}
-# The started slice's storage pointer -> its launch. Produced by reduce_scatter_start, consumed
-# (popped) by reduce_scatter_wait.
-_PENDING_RS: dict[int, runtime.ReduceScatterLaunch] = {}
+# [Note: work in flight lives on the token]
+# A wait finds the work its start issued through the schedule token, the first argument of both
+# ops (the ops get nothing but their arguments): a graph run's collectives in flight are kept in
+# two dicts in its token's ``__dict__``, keyed by storage pointer as below. A start and its wait
+# are always in one graph (the rewrite pairs them), so the work lives and dies with the run that
+# issued it: two graphs, or two models, never see each other's, and a run that raises between a
+# start and its wait leaves nothing behind. Reading the dict costs no more than the module-level
+# dicts did (benches/results/op_dispatch_cpu_globals.md).
+_GATHERS = "_zbuf_gathers_in_flight"
+"""First buffer's storage pointer -> the in-flight collective (None when it completed at once).
+Produced by all_gather_start, consumed (popped) by all_gather_wait."""
+_REDUCES = "_zbuf_reduce_scatters_in_flight"
+"""The started slice's storage pointer -> its launch. Produced by reduce_scatter_start, consumed
+(popped) by reduce_scatter_wait."""
 
 
-def pending() -> int:
-    """Started gathers and reduce-scatters not yet waited for (tests check that this drains)."""
-    return len(_PENDING) + len(_PENDING_RS)
+def _in_flight(token: torch.Tensor, kind: str) -> dict:
+    state = token.__dict__
+    work = state.get(kind)
+    if work is None:
+        work = state[kind] = {}
+    return work
+
+
+def pending(token: torch.Tensor) -> int:
+    """Gathers and reduce-scatters started on ``token`` and not yet waited for."""
+    return sum(len(token.__dict__.get(kind, ())) for kind in (_GATHERS, _REDUCES))
 
 
 # [Note: lean dispatch]
@@ -196,7 +212,7 @@ def all_gather_start(
         runtime.counters["all_gather"] += len(blocks)
         runtime.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
         runtime.counters["all_gather_collectives"] += 1
-        _PENDING[gathered[0].untyped_storage().data_ptr()] = work
+        _in_flight(token, _GATHERS)[gathered[0].untyped_storage().data_ptr()] = work
 
 
 @all_gather_start.register_fake
@@ -207,13 +223,14 @@ def _all_gather_start_fake(token, gathered, shards, group_name):
 @_op("all_gather_wait(Tensor(a0!) token, Tensor(a1!)[] gathered) -> ()")
 def all_gather_wait(token: torch.Tensor, gathered: Sequence[torch.Tensor]) -> None:
     with runtime.label("zbuf::all_gather_wait"):
+        in_flight = _in_flight(token, _GATHERS)
         key = gathered[0].untyped_storage().data_ptr()
-        if key not in _PENDING:
+        if key not in in_flight:
             raise RuntimeError(
-                "zbuf::all_gather_wait: no started gather owns this buffer (waited twice, or the "
-                "graph was rewritten wrongly); this is a zbuf bug"
+                "zbuf::all_gather_wait: no gather started on this token owns this buffer (waited "
+                "twice, or the graph was rewritten wrongly); this is a zbuf bug"
             )
-        work = _PENDING.pop(key)
+        work = in_flight.pop(key)
         if work is not None:
             work.wait()
 
@@ -250,7 +267,7 @@ def reduce_scatter_start(
     with runtime.label("zbuf::reduce_scatter_start"):
         launch = runtime.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                             async_op=True)
-        _PENDING_RS[launch.out.untyped_storage().data_ptr()] = launch
+        _in_flight(token, _REDUCES)[launch.out.untyped_storage().data_ptr()] = launch
         return launch.out
 
 
@@ -262,11 +279,11 @@ def _reduce_scatter_start_fake(token, grad, param_id, shard_numel, group_name, r
 @_op("reduce_scatter_wait(Tensor(a0!) token, Tensor(a1!) started) -> ()")
 def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
     with runtime.label("zbuf::reduce_scatter_wait"):
-        launch = _PENDING_RS.pop(started.untyped_storage().data_ptr(), None)
+        launch = _in_flight(token, _REDUCES).pop(started.untyped_storage().data_ptr(), None)
         if launch is None:
             raise RuntimeError(
-                "zbuf::reduce_scatter_wait: no started reduce-scatter owns this tensor (waited "
-                "twice, or the graph was rewritten wrongly); this is a zbuf bug"
+                "zbuf::reduce_scatter_wait: no reduce-scatter started on this token owns this "
+                "tensor (waited twice, or the graph was rewritten wrongly); this is a zbuf bug"
             )
         runtime.reduce_scatter_finish(launch)
 
