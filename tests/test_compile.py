@@ -5,6 +5,7 @@ Multi-rank behaviour (parity at 2 and 3 ranks, mismatch detection) is in test_co
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zbuf.ops as zops
 import zbuf.runtime
+import zbuf.shard
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
@@ -283,6 +285,17 @@ def test_schedule_report_is_per_model():
     ra, rb = schedule_report(a), schedule_report(b)
     assert len(ra) == len(rb) == 2 and not set(ra) & set(rb)
     assert len(schedule_report()) == 4
+    # [Note: records live with their model]: each model has its own, and they go with it.
+    from zbuf.compile import report
+
+    ids_a, ids_b = ({i for root in zbuf.shard.roots(m) for i in root.specs} for m in (a, b))
+    owner_a, owner_b = report.records_of(ids_a), report.records_of(ids_b)
+    assert owner_a is not owner_b and owner_a.records == ra and owner_b.records == rb
+    del a, ra
+    torch._dynamo.reset()
+    gc.collect()
+    assert not ids_a & set(report._OWNERS) and report.records_of(ids_a) is None
+    assert schedule_report() == schedule_report(b) == rb
 
 
 def test_mismatch_message_names_the_first_difference():

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from ..shard import roots
+from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 from .regions import mark_repeated_blocks
@@ -38,6 +39,7 @@ def zbuf_backend(
             f"valid keys: {[f.name for f in dataclasses.fields(CompileOptions)]}"
         )
     opts = CompileOptions.from_mapping(options)
+    report.claim(_gathered_shards(gm, example_inputs))  # [Note: records live with their model]
     state = PlanState(opts)
     partitioner = ZbufPartitioner(state)
     schedule_pass = GatherSchedulePass(state)
@@ -65,6 +67,23 @@ def zbuf_backend(
     return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partitioner)(
         gm, example_inputs
     )
+
+
+def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:
+    """param id -> shard parameter of every ``zbuf::all_gather`` in Dynamo's graph (a graph
+    input, or an attribute of ``gm`` when Dynamo does not lift parameters)."""
+    inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    gather = torch.ops.zbuf.all_gather
+    found = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (gather, gather.default):
+            continue
+        shard, param_id = n.args[0], n.args[1]
+        tensor = inputs.get(shard) if shard.op == "placeholder" else \
+            gm.get_parameter(shard.target) if shard.op == "get_attr" else None
+        if tensor is not None and isinstance(param_id, int):
+            found[param_id] = tensor
+    return found
 
 
 def _shard_group(model: torch.nn.Module):

@@ -29,15 +29,19 @@
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
-                       int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, str record) -> ()``
+                       int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, int param_id,
+                       str record) -> ()``
     Every run of a compiled graph: checks that every rank runs a graph with the same
     ``fingerprint`` (its input shapes and collective order, described by ``collectives``;
     fingerprint.py, [Note: collective order check]); an empty ``fingerprint`` skips that.
     First run only: grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
     keep ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
     schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
-    (report.py) if its compilation did not (a cache hit). Doing this at run time (not at compile
-    time) keeps it working when Inductor serves the graph from its cache and no pass runs.
+    (report.py) if its compilation did not (a cache hit), with the records of the model that
+    holds ``param_id`` (one of the parameters the graph gathers or reduces: [Note: records live
+    with their model] in report.py), which also remember that the first run is done. Doing this
+    at run time (not at compile time) keeps it working when Inductor serves the graph from its
+    cache and no pass runs.
 
 Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
 auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
@@ -83,6 +87,7 @@ import torch
 
 from .. import runtime
 from ..param import unpad_full
+from . import report
 from .fingerprint import check_across_ranks
 
 __all__ = [
@@ -293,11 +298,6 @@ def _reduce_scatter_wait_fake(token, started):
     return None
 
 
-# (group_name, fingerprint, record) of graphs whose first run is done: their pools are sized and
-# their record registered. Consumed only by check_schedule; holds strings, no group.
-_FIRST_RUN_DONE: set[tuple[str, str, str]] = set()
-
-
 def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[int],
                 counts: Sequence[int]) -> None:
     """[Note: pool sizing] for every pool a graph gathers from (two ids may name one pool)."""
@@ -315,7 +315,8 @@ def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[in
 
 @_op(
     "check_schedule(Tensor(a0!) token, str group_name, str fingerprint, str collectives, "
-    "SymInt[] pool_ids, SymInt[] buffer_sizes, SymInt[] buffer_counts, str record) -> ()"
+    "SymInt[] pool_ids, SymInt[] buffer_sizes, SymInt[] buffer_counts, SymInt param_id, "
+    "str record) -> ()"
 )
 def check_schedule(
     token: torch.Tensor,
@@ -325,21 +326,22 @@ def check_schedule(
     pool_ids: Sequence[int],
     buffer_sizes: Sequence[int],
     buffer_counts: Sequence[int],
+    param_id: int,
     record: str,
 ) -> None:
     with runtime.label("zbuf::check_schedule"):
         if fingerprint:  # every run: [Note: collective order check]
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
-        if key in _FIRST_RUN_DONE:
+        owner = report.records_of((param_id,))
+        if owner is not None and key in owner.first_runs:
             return
         _grow_pools(token, pool_ids, buffer_sizes, buffer_counts)
-        from . import report
-
-        report.record(record)
-        _FIRST_RUN_DONE.add(key)
+        report.record(record)  # files the graph's parameter ids if no graph named them yet
+        report.records_of((param_id,)).first_runs.add(key)
 
 
 @check_schedule.register_fake
-def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_ids, buffer_sizes, buffer_counts, record):
+def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_ids, buffer_sizes,
+                         buffer_counts, param_id, record):
     return None

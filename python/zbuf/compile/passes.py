@@ -259,7 +259,8 @@ class GatherSchedulePass(CustomGraphPass):
                     zbuf.check_schedule.default,
                     (token, group_name if group_name is not None else self._group_of_collectives(graph),
                      fp if opts.check_fingerprint else "", description, [e[0] for e in entries],
-                     [e[1] for e in entries], [e[2] for e in entries], rec.to_json()),
+                     [e[1] for e in entries], [e[2] for e in entries], rec.param_ids[0],
+                     rec.to_json()),
                 )
                 chk.meta["val"] = None
         check_token_chain(graph, token)  # 9
