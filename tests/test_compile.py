@@ -289,12 +289,13 @@ def test_schedule_report_is_per_model():
     from zbuf.compile import report
 
     ids_a, ids_b = ({i for root in zbuf.shard.roots(m) for i in root.specs} for m in (a, b))
-    owner_a, owner_b = report.records_of(ids_a), report.records_of(ids_b)
+    owner_a, owner_b = (report.records_of(min(ids)) for ids in (ids_a, ids_b))
     assert owner_a is not owner_b and owner_a.records == ra and owner_b.records == rb
+    assert all(report.records_of(i) is owner_a for i in ids_a)
     del a, ra
     torch._dynamo.reset()
     gc.collect()
-    assert not ids_a & set(report._OWNERS) and report.records_of(ids_a) is None
+    assert not ids_a & set(report._OWNERS) and report.records_of(min(ids_a)) is None
     assert schedule_report() == schedule_report(b) == rb
 
 

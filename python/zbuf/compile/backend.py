@@ -70,19 +70,36 @@ def zbuf_backend(
 
 
 def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:
-    """param id -> shard parameter of every ``zbuf::all_gather`` in Dynamo's graph (a graph
-    input, or an attribute of ``gm`` when Dynamo does not lift parameters)."""
-    inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    """param id -> shard parameter of every ``zbuf::all_gather`` in Dynamo's graph: on a graph
+    input, an attribute of ``gm`` (when Dynamo does not lift parameters), or an operand of a
+    nested graph (a checkpointed region's body, whose placeholders are the operands that follow
+    it among the call's arguments)."""
+    found: dict[int, Any] = {}
     gather = torch.ops.zbuf.all_gather
-    found = {}
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in (gather, gather.default):
-            continue
-        shard, param_id = n.args[0], n.args[1]
-        tensor = inputs.get(shard) if shard.op == "placeholder" else \
-            gm.get_parameter(shard.target) if shard.op == "get_attr" else None
-        if tensor is not None and isinstance(param_id, int):
-            found[param_id] = tensor
+
+    def walk(graph_module: torch.fx.GraphModule, values: dict) -> None:
+        for n in graph_module.graph.nodes:
+            if n.op == "get_attr" and n not in values:
+                attr = graph_module
+                for part in n.target.split("."):
+                    attr = getattr(attr, part)
+                values[n] = attr
+            if n.op != "call_function":
+                continue
+            if n.target in (gather, gather.default):
+                tensor, param_id = values.get(n.args[0]), n.args[1]
+                if isinstance(tensor, torch.Tensor) and isinstance(param_id, int):
+                    found[param_id] = tensor
+                continue
+            for i, arg in enumerate(n.args):
+                body = values.get(arg) if isinstance(arg, torch.fx.Node) else None
+                if isinstance(body, torch.fx.GraphModule):
+                    operands = [a for a in n.args[i + 1:] if isinstance(a, torch.fx.Node)]
+                    inner = [p for p in body.graph.nodes if p.op == "placeholder"]
+                    walk(body, {p: values.get(a) for p, a in zip(inner, operands)})
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    walk(gm, dict(zip(placeholders, example_inputs)))
     return found
 
 

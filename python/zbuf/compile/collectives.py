@@ -336,12 +336,11 @@ def check_schedule(
         if fingerprint:  # every run: [Note: collective order check]
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
-        owner = report.records_of((param_id,))
+        owner = report.records_of(param_id)
         if owner is not None and key in owner.first_runs:
             return
         _grow_pools(token, pool_ids, buffer_sizes, buffer_counts)
-        report.record(record)  # files the graph's parameter ids if no graph named them yet
-        report.records_of((param_id,)).first_runs.add(key)
+        report.record(record).first_runs.add(key)  # the records of the graph's model
 
 
 @check_schedule.register_fake

@@ -231,8 +231,12 @@ def claim(params: Mapping[int, torch.Tensor]) -> ScheduleRecords:
     return owner
 
 
-def records_of(param_ids: Iterable[int]) -> ScheduleRecords | None:
-    """The records of the model that holds the parameters ``param_ids`` (None: none is known)."""
+def records_of(param_id: int) -> ScheduleRecords | None:
+    """The records of the model that holds parameter ``param_id`` (None: no graph named it)."""
+    return _OWNERS.get(param_id)
+
+
+def _any_owner(param_ids: Iterable[int]) -> ScheduleRecords | None:
     for param_id in param_ids:
         owner = _OWNERS.get(param_id)
         if owner is not None:
@@ -273,27 +277,29 @@ def _log(rec: ScheduleRecord) -> None:
 def graph_summary(rec: ScheduleRecord) -> GraphSummary | None:
     """The planner's input of a recorded graph, to re-plan it under other budgets with
     ``plan_schedule``; None for graphs this process did not plan (served from the cache)."""
-    owner = records_of(rec.param_ids)
+    owner = _any_owner(rec.param_ids)
     return owner.summaries.get(rec.uid) if owner is not None else None
 
 
-def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> None:
+def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> ScheduleRecords | None:
     """Keep ``rec`` (or its JSON) with the records of the model whose parameters its graph
-    gathers or reduces, unless a record of the same graph is already kept. A graph that touches
-    no zbuf parameter belongs to no model: its record is only logged (``ZBUF_LOG=schedule``)."""
+    gathers or reduces, unless a record of the same graph is already kept; returns those records.
+    A graph that touches no zbuf parameter belongs to no model: its record is only logged
+    (``ZBUF_LOG=schedule``), and None is returned."""
     if isinstance(rec, str):
         rec = ScheduleRecord.from_json(rec)
-    owner = records_of(rec.param_ids)
+    owner = _any_owner(rec.param_ids)
     if owner is None and rec.param_ids:
         # Parameters no graph handed to the backend named (a pass driven by hand): kept for
         # the process, with no parameter to outlive.
         owner = ScheduleRecords()
         for param_id in rec.param_ids:
             _OWNERS[param_id] = owner
-    if owner is not None:
-        owner.add(rec, summary)
-    else:
+    if owner is None:
         _log(dataclasses.replace(rec, graph_id=next(_GRAPH_IDS)))
+        return None
+    owner.add(rec, summary)
+    return owner
 
 
 def clear_records() -> None:
