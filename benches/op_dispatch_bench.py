@@ -100,7 +100,7 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
             torch.cuda.synchronize()
         rows.append({"sequence": name, **{f"{v}_ns": got[v][0] for v in variants},
                      **{f"{v}_median_ns": got[v][1] for v in variants}})
-    assert C.pending() == 0, "a start was not waited for"
+    assert C.pending(token) == 0, "a start was not waited for"
     return {"device": device, "rows": rows, "aten_add_ns": aten_ns}
 
 

@@ -5,6 +5,7 @@ Multi-rank behaviour (parity at 2 and 3 ranks, mismatch detection) is in test_co
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zbuf.ops as zops
 import zbuf.runtime
+import zbuf.shard
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
@@ -134,7 +136,9 @@ def test_aot_eager_matches_eager_and_gathers_only_what_it_planned(plan):
     assert per_step[1:] == [fw.gather_calls + bw.gather_calls] * (len(batches) - 1)
     # The pool was sized from the plan: after the first step no gather allocates.
     assert misses[1:] == [0] * (len(misses) - 1), misses
-    assert collectives.pending() == 0
+    for r in recs:  # every start has its wait in the same graph ([Note: work in flight ...])
+        assert r.op_order.count("all_gather_start") == r.op_order.count("all_gather_wait")
+        assert r.op_order.count("reduce_scatter_start") == r.op_order.count("reduce_scatter_wait")
     for r in recs:
         assert r.peak_live_gathered_bytes <= r.budget_bytes
         assert r.fingerprint and r.planning_seconds >= 0 and r.collectives > 0
@@ -245,6 +249,34 @@ def test_schedule_log_writes_json_lines(tmp_path, monkeypatch):
             assert key in r
 
 
+def test_work_in_flight_lives_on_its_token():
+    # [Note: work in flight lives on the token]: a wait finds only the work started on its own
+    # graph run's token.
+    zbuf = torch.ops.zbuf
+    group = dist.group.WORLD.group_name
+    pool_id = _default_pool_id()
+    shard, grad = torch.randn(8), torch.randn(8)
+    a, b = torch.zeros(1), torch.zeros(1)
+    buf = zbuf.gather_buffer.default(a, shard, 0, [8], group, None, pool_id)
+    zbuf.all_gather_start.default(a, [buf], [shard], group)
+    started = zbuf.reduce_scatter_start.default(a, grad, 0, 8, group, None)
+    assert (collectives.pending(a), collectives.pending(b)) == (2, 0)
+    with pytest.raises(RuntimeError, match="no gather started on this token"):
+        zbuf.all_gather_wait.default(b, [buf])
+    with pytest.raises(RuntimeError, match="no reduce-scatter started on this token"):
+        zbuf.reduce_scatter_wait.default(b, started)
+    zbuf.all_gather_wait.default(a, [buf])
+    zbuf.all_gather_release.default(a, buf, pool_id, [buf])
+    zbuf.reduce_scatter_wait.default(a, started)
+    assert collectives.pending(a) == 0
+
+
+def _default_pool_id() -> int:
+    from zbuf.pool import default_pool
+
+    return zbuf.runtime.pool_id_of(default_pool("cpu"))
+
+
 def test_schedule_report_is_per_model():
     _, a = _sharded_pair()
     _, b = _sharded_pair()
@@ -253,6 +285,18 @@ def test_schedule_report_is_per_model():
     ra, rb = schedule_report(a), schedule_report(b)
     assert len(ra) == len(rb) == 2 and not set(ra) & set(rb)
     assert len(schedule_report()) == 4
+    # [Note: records live with their model]: each model has its own, and they go with it.
+    from zbuf.compile import report
+
+    ids_a, ids_b = ({i for root in zbuf.shard.roots(m) for i in root.specs} for m in (a, b))
+    owner_a, owner_b = (report.records_of(min(ids)) for ids in (ids_a, ids_b))
+    assert owner_a is not owner_b and owner_a.records == ra and owner_b.records == rb
+    assert all(report.records_of(i) is owner_a for i in ids_a)
+    del a, ra
+    torch._dynamo.reset()
+    gc.collect()
+    assert not ids_a & set(report._OWNERS) and report.records_of(min(ids_a)) is None
+    assert schedule_report() == schedule_report(b) == rb
 
 
 def test_mismatch_message_names_the_first_difference():
@@ -426,8 +470,8 @@ def test_reduce_scatter_waits_bound_the_bytes_in_flight(monkeypatch):
                                              torch.bfloat16 if i == 2 else torch.float32)
         torch.testing.assert_close(got[i], want, rtol=0, atol=0)
     torch.testing.assert_close(got[3], -got[0], rtol=0, atol=0)
-    from zbuf.compile.collectives import pending
-    assert pending() == 0
+    # Every wait found its start on the run's token (a missing one raises), and `order` shows
+    # one wait per start: nothing is left in flight.
 
 
 class DeepNet(nn.Module):
@@ -618,54 +662,38 @@ def test_first_run_sizes_every_pool_the_graph_gathers_from():
         assert stats.checked_out == 0 and stats.hits + stats.misses > 0
 
 
-def _zbuf_imports(module: str) -> set[str]:
-    """The zbuf modules ``module``'s source imports (any import statement, also inside functions)."""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    package = module if spec.submodule_search_locations else module.rpartition(".")[0]
-    tree = ast.parse(open(spec.origin).read())
-    found = set()
-
-    def add(name: str) -> None:
-        if name.startswith("zbuf") and importlib.util.find_spec(name) is not None:
-            found.add(name)
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
-                if node.level else node.module
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                if importlib.util.find_spec(base).submodule_search_locations and \
-                        importlib.util.find_spec(sub) is not None:
-                    add(sub)  # "from .. import ops": the module itself
-                else:
-                    add(base)
-    return found - {module}
+# The modules the pass uuid hashed when CACHE_KEY_MODULES was kept by hand (4fed11d).
+_KEY_BY_HAND = {
+    "zbuf.compile.budget", "zbuf.compile.collectives", "zbuf.compile.fingerprint",
+    "zbuf.compile.graph_info", "zbuf.compile.graph_model", "zbuf.compile.options",
+    "zbuf.compile.passes", "zbuf.compile.persist", "zbuf.compile.recompute",
+    "zbuf.compile.recompute_plan", "zbuf.compile.region_graphs", "zbuf.compile.report",
+    "zbuf.compile.rewrite", "zbuf.compile.schedule", "zbuf.compile.tied", "zbuf.errors", "zbuf.ops",
+    "zbuf.param", "zbuf.pool", "zbuf.reduce_once", "zbuf.regather", "zbuf.runtime", "zbuf.shard",
+    "zbuf.state_dict"}
 
 
-def test_the_pass_uuid_covers_every_module_the_passes_import():
+def test_the_pass_uuid_covers_every_module_the_passes_import(tmp_path, monkeypatch):
     """[Note: pass uuid]: a module the passes import (directly or not) that the cache key leaves
     out would let Inductor's cache serve graphs planned by old code after that module changed."""
-    import importlib.util
+    from zbuf.compile.passes import cache_key_modules, imported_modules
 
-    from zbuf.compile.passes import CACHE_KEY_MODULES
-
-    reached, todo = set(), ["zbuf.compile.passes"]
-    while todo:
-        name = todo.pop()
-        # The compiled extension is not source (what it does is the pool's, not the plan's).
-        if name in reached or not importlib.util.find_spec(name).origin.endswith(".py"):
-            continue
-        reached.add(name)
-        todo.extend(_zbuf_imports(name))
-    # Package __init__ files only re-export; the modules they name are followed themselves.
-    reached = {m for m in reached if m not in ("zbuf", "zbuf.compile")}
-    missing = sorted(reached - set(CACHE_KEY_MODULES))
-    assert not missing, f"add {missing} to CACHE_KEY_MODULES in compile/passes.py"
-    assert "zbuf.compile.rewrite" in reached and "zbuf.runtime" in reached
+    # Every module the hand-kept list named is still found, and more only if the passes import it.
+    assert _KEY_BY_HAND <= set(cache_key_modules()), sorted(_KEY_BY_HAND - set(cache_key_modules()))
+    # The walk follows every kind of import, also one inside a function, and nothing else.
+    pkg = tmp_path / "keypkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from . import unused_by_a\n",
+        "a.py": "import keypkg.b\nfrom .sub import c\nfrom . import d as dee\n",
+        "b.py": "def f():\n    if True:\n        from .e import name\n",
+        "d.py": "import os\n",
+        "e.py": "try:\n    import keypkg.sub.f\nexcept ImportError:\n    pass\n",
+        "unused_by_a.py": "",
+        "sub/__init__.py": "", "sub/c.py": "", "sub/f.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert imported_modules("keypkg.a", "keypkg") == [
+        "keypkg.a", "keypkg.b", "keypkg.d", "keypkg.e", "keypkg.sub.c", "keypkg.sub.f"]

@@ -171,6 +171,22 @@ class _Block(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+def test_one_region_class_per_block_class_kept_on_it():
+    # Two models' blocks of one class share one marked class (Dynamo sees one type per stack),
+    # kept on the block class itself; a subclass of the block class gets its own.
+    class Sub(_Block):
+        pass
+
+    models = [shard(nn.Sequential(nn.ModuleList([kind(), kind()]))) for kind in (_Block, _Block, Sub)]
+    for m in models:
+        assert zbuf.compile.mark_repeated_blocks(m) == 2
+    kinds = [{type(b) for b in m[0]} for m in models]
+    assert kinds[0] == kinds[1] == {_Block.__dict__["_zbuf_region_class"]}
+    assert kinds[2] == {Sub.__dict__["_zbuf_region_class"]} != kinds[0]
+    zbuf.compile.regions.unmark_repeated_blocks(models[2])
+    assert {type(b) for b in models[2][0]} == {Sub}
+
+
 def test_gathers_inside_a_users_region_are_refused():
     """A region the user marks around code that reads sharded parameters would hide its gathers
     from the plan; the error says what to do instead."""

@@ -366,6 +366,31 @@ def test_every_error_is_a_pool_error():
         assert issubclass(getattr(E, name), E.PoolError)
 
 
+def test_errors_are_the_extension_classes_with_their_bases():
+    # The bindings raise these classes by type (rust/python/errors.rs); zbuf.errors re-exports
+    # them with the bases users catch.
+    bases = {"PoolError": (RuntimeError,), "ForeignBufferError": (E.PoolError, ValueError),
+             "DoubleReleaseError": (E.PoolError,), "UnverifiableReleaseError": (E.PoolError,),
+             "PoolOutOfMemoryError": (E.PoolError, MemoryError), "NoCudaDriverError": (E.PoolError,),
+             "InvalidDeviceError": (E.PoolError, ValueError),
+             "InvalidRequestError": (E.PoolError, ValueError),
+             "UnsupportedDtypeError": (E.PoolError, TypeError), "PoolBackendError": (E.PoolError,)}
+    assert sorted(bases) == sorted(E.__all__)
+    for name, want in bases.items():
+        cls = getattr(E, name)
+        assert cls is getattr(_core, name)
+        assert cls.__bases__ == want and (cls.__module__, cls.__qualname__) == ("zbuf.errors", name)
+        assert cls.__doc__
+
+
+@pytest.mark.parametrize("call", [lambda p: p.set_budget(None), lambda p: p.set_budget(True),
+                                  lambda p: p.set_budget(2.0), lambda p: p.observe_pressure(-1, 0, 0),
+                                  lambda p: p.set_reclaim_hook(3)])
+def test_invalid_method_arguments(pool, call):
+    with pytest.raises(E.InvalidRequestError):
+        call(pool)
+
+
 # -- pressure and recovery -------------------------------------------------------------------
 
 

@@ -232,14 +232,10 @@ MUTABLE_GLOBALS = {
     "zbuf.runtime._pool_ids": "pool ids are unique in the process, never reused ([Note: pool ids])",
     "zbuf.runtime.counters": "not moved yet: the ops that count carry no owner (a release names "
         "only its pool, a reduce-scatter only its parameter), see issue 23",
-    # pending on branch globals (the lead deletes these when it merges)
-    "zbuf.compile.collectives._PENDING": "pending on branch globals",
-    "zbuf.compile.collectives._PENDING_RS": "pending on branch globals",
-    "zbuf.compile.collectives._FIRST_RUN_DONE": "pending on branch globals",
-    "zbuf.compile.report._RECORDS": "pending on branch globals",
-    "zbuf.compile.report._UIDS": "pending on branch globals",
-    "zbuf.compile.report._SUMMARIES": "pending on branch globals",
-    "zbuf.compile.regions._CLASSES": "pending on branch globals",
+    "zbuf.compile.report._OWNERS": "parameter id -> the model's records ([Note: records live "
+        "with their model]): a cache-hit graph's check names only ids; weak (an entry dies with "
+        "its parameter)",
+    "zbuf.compile.report._GRAPH_IDS": "graph ids are unique in the process, as parameter ids",
 }
 
 

@@ -181,10 +181,6 @@ class SharedMemory:
         limit = free + held
         return limit if self._capacity is None else min(limit, self._capacity)
 
-    def torch_reserved_bytes(self) -> int:
-        """Bytes torch's caching allocator holds (0 on the host)."""
-        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-
     # -- emulated capacity --------------------------------------------------------------------
 
     def emulate_capacity(self, capacity_bytes: Optional[int]) -> None:

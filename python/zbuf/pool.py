@@ -98,9 +98,7 @@ def _parse_device(device: Any) -> tuple[str, int]:
             f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'"
         ) from e
     if dev.type == "cpu":
-        if dev.index not in (None, 0):
-            raise InvalidDeviceError(f"device {device!r}: the host is one device, use 'cpu'")
-        return "cpu", 0
+        return "cpu", 0 if dev.index is None else dev.index  # the core refuses cpu:N, N > 0
     if dev.type == "cuda":
         if dev.index is not None:
             return "cuda", dev.index
@@ -108,16 +106,6 @@ def _parse_device(device: Any) -> tuple[str, int]:
     raise InvalidDeviceError(
         f"device {device!r} is not supported by the gather-buffer pool: use 'cpu', 'cuda' or 'cuda:N'"
     )
-
-
-def _check_size(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int number of bytes or None, got {value!r}")
-    if value < 0:
-        raise InvalidRequestError(f"{name} must be >= 0 bytes, got {value}")
-    return value
 
 
 class GatherBufferPool:
@@ -138,7 +126,8 @@ class GatherBufferPool:
     # `acquire` and `release` are the Rust methods themselves, bound per instance into slots:
     # a Python wrapper around them cost about 0.5 us per acquire+release pair (measured with
     # benches/pool_bench.py when the wrapper existed), a fifth of the whole path then.
-    # Arguments are validated in Rust with the same errors. (No `record_function` here either:
+    # Arguments are validated in Rust, as are those of the other methods that reach the core
+    # (one layer checks). (No `record_function` here either:
     # it would cost more than the call; the custom ops that call them carry the labels.)
     # Their docs:
     #
@@ -168,16 +157,7 @@ class GatherBufferPool:
         recovery_retry_threshold: int = 3,
     ) -> None:
         kind, index = _parse_device(device)
-        budget_bytes = _check_size("budget_bytes", budget_bytes)
-        hard_cap_bytes = _check_size("hard_cap_bytes", hard_cap_bytes)
-        if hard_cap_bytes == 0:
-            raise InvalidRequestError("hard_cap_bytes must be positive (or None for the default)")
-        if event_log_capacity < 0:
-            raise InvalidRequestError(f"event_log_capacity must be >= 0, got {event_log_capacity}")
-        if recovery_retry_threshold < 1:
-            raise InvalidRequestError(
-                f"recovery_retry_threshold must be >= 1, got {recovery_retry_threshold}"
-            )
+        # The core checks the sizes and options (InvalidRequestError), once.
         self._core = _core.PoolCore(
             kind, index, budget_bytes, hard_cap_bytes, event_log_capacity, recovery_retry_threshold
         )
@@ -224,9 +204,6 @@ class GatherBufferPool:
         Returns the effective budget. A budget below the checked-out bytes takes effect as those
         blocks come back (they are freed instead of cached).
         """
-        nbytes = _check_size("nbytes", nbytes)
-        if nbytes is None:
-            raise InvalidRequestError("set_budget() needs a number of bytes, got None")
         with record_function("zbuf::pool::set_budget"):
             effective = self._core.set_budget(nbytes)
         if self._budget_observer is not None:
@@ -255,9 +232,6 @@ class GatherBufferPool:
         exception from the hook propagates. CUDA pools start with a hook that empties torch's
         caching allocator (its unused cache must not starve the pool: [Note: reclaim hook] in
         rust/python/pool.rs); host pools with none. None removes the hook."""
-        if hook is not None and not callable(hook):
-            raise InvalidRequestError(
-                f"the reclaim hook must be a callable taking a byte count, got {type(hook).__name__}")
         self._core.set_reclaim_hook(hook)
 
     def observe_pressure(self, num_alloc_retries: int, free_bytes: int, total_bytes: int) -> str:
@@ -268,14 +242,7 @@ class GatherBufferPool:
         have been seen, the one-shot recovery starts (rust/pool/mod.rs, [Note: one-shot
         recovery]). Returns "none", "shrink" or "recover".
         """
-        for name, v in (("num_alloc_retries", num_alloc_retries), ("free_bytes", free_bytes),
-                        ("total_bytes", total_bytes)):
-            _check_size(name, v)
-        if free_bytes > total_bytes:
-            raise InvalidRequestError(
-                f"free_bytes={free_bytes} exceeds total_bytes={total_bytes}: pass the device's values"
-            )
-        action, _budget = self._core.observe_pressure(num_alloc_retries, free_bytes)
+        action, _budget = self._core.observe_pressure(num_alloc_retries, free_bytes, total_bytes)
         return action
 
     def observe_torch_allocator(self) -> str:

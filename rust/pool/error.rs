@@ -28,7 +28,8 @@ pub enum PoolError {
 }
 
 impl PoolError {
-    /// Stable short name of the kind (the Python layer maps it to an exception class).
+    /// Stable short name of the kind: the name of the Python exception class the bindings map
+    /// it onto (rust/python/errors.rs).
     pub fn kind(&self) -> &'static str {
         match self {
             PoolError::ForeignBuffer { .. } => "ForeignBufferError",

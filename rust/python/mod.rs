@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::add_to(m)?;
     m.add_class::<pool::PoolCore>()?;
     m.add_class::<buffer::DLPackBuffer>()?;
     m.add("DLPACK_VERSION", (dlpack::DLPACK_MAJOR, dlpack::DLPACK_MINOR))?;

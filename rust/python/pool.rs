@@ -4,11 +4,11 @@
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::buffer::DLPackBuffer;
 use super::dlpack::{self, DLDevice, ExportRequest, Layout};
-use super::errors::{raise, to_py};
+use super::errors::{invalid_request, new_err, to_py, Class};
 use super::shared::Shared;
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Device, DeviceKind};
@@ -39,6 +39,17 @@ fn parse_shape(shape: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return None;
     }
     shape.extract::<Vec<i64>>().ok()
+}
+
+/// A count of bytes (or events) from Python: an int >= 0, not a bool.
+fn byte_count(py: Python<'_>, name: &str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if value.is_instance_of::<PyBool>() || !value.is_instance_of::<PyInt>() {
+        return Err(invalid_request(py, format!("{name} must be an int number of bytes or None, got {}", value.repr()?)));
+    }
+    if value.lt(0)? {
+        return Err(invalid_request(py, format!("{name} must be >= 0 bytes, got {value}")));
+    }
+    value.extract::<u64>().map_err(|_| invalid_request(py, format!("{name}={value} does not fit in 64 bits")))
 }
 
 /// `f(arg)` without building an argument tuple (vectorcall inside CPython; stable ABI).
@@ -99,16 +110,16 @@ impl PoolCore {
             .iter()
             .position(|d| d.as_ptr() == dtype.as_ptr())
             .ok_or_else(|| {
-                raise(py, "UnsupportedDtypeError", format!(
+                new_err(py, Class::UnsupportedDtype, format!(
                     "dtype {dtype} cannot be exported by the pool: use one of {}",
                     dlpack::TORCH_DTYPE_NAMES.join(", ")
                 ))
             })?;
         let (dt, itemsize) = dlpack::dtype(code as u32).expect("tables have the same length");
         let dims = parse_shape(shape).ok_or_else(|| {
-            raise(py, "InvalidRequestError", format!("shape {shape} must be an int or a sequence of ints"))
+            invalid_request(py, format!("shape {shape} must be an int or a sequence of ints"))
         })?;
-        let layout = Layout::contiguous(dims, itemsize).map_err(|m| raise(py, "InvalidRequestError", m))?;
+        let layout = Layout::contiguous(dims, itemsize).map_err(|m| invalid_request(py, m))?;
         Ok((dt, layout))
     }
 
@@ -116,7 +127,7 @@ impl PoolCore {
     /// `torch.cuda.Stream` or a raw handle (int). Always 0 on the host.
     fn stream_handle(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         let Some((current, index)) = &self.current_stream else { return Ok(0) };
-        let bad = || raise(py, "InvalidRequestError", format!(
+        let bad = || invalid_request(py, format!(
             "stream {} is not a torch.cuda.Stream or a raw stream handle (int >= 0)",
             stream.map_or("None".to_string(), |s| s.to_string())
         ));
@@ -196,25 +207,32 @@ impl PoolCore {
     /// Creates a pool. `device_type` is "cpu" or "cuda"; `None` sizes mean the defaults
     /// (budget = total / 32, hard cap = total / 4 of the device's memory, host RAM for "cpu").
     #[new]
+    /// The arguments are checked here only (python/zbuf/pool.py passes them through).
     #[pyo3(signature = (device_type, index=0, budget_bytes=None, hard_cap_bytes=None, event_log_capacity=4096, recovery_retry_threshold=3))]
     fn new(
         py: Python<'_>,
         device_type: &str,
         index: u32,
-        budget_bytes: Option<u64>,
-        hard_cap_bytes: Option<u64>,
-        event_log_capacity: usize,
-        recovery_retry_threshold: u64,
+        budget_bytes: Option<&Bound<'_, PyAny>>,
+        hard_cap_bytes: Option<&Bound<'_, PyAny>>,
+        event_log_capacity: i64,
+        recovery_retry_threshold: i64,
     ) -> PyResult<Self> {
+        let budget_bytes = budget_bytes.map(|b| byte_count(py, "budget_bytes", b)).transpose()?;
+        let hard_cap_bytes = hard_cap_bytes.map(|b| byte_count(py, "hard_cap_bytes", b)).transpose()?;
+        let event_log_capacity = usize::try_from(event_log_capacity)
+            .map_err(|_| invalid_request(py, format!("event_log_capacity must be >= 0, got {event_log_capacity}")))?;
+        let recovery_retry_threshold = u64::try_from(recovery_retry_threshold)
+            .map_err(|_| invalid_request(py, format!("recovery_retry_threshold must be >= 1, got {recovery_retry_threshold}")))?;
         let kind = match device_type {
             "cpu" => DeviceKind::Host,
             "cuda" => DeviceKind::Cuda,
             other => {
-                return Err(raise(py, "InvalidDeviceError", format!("unknown device type {other:?}: use \"cpu\" or \"cuda\"")));
+                return Err(new_err(py, Class::InvalidDevice, format!("unknown device type {other:?}: use \"cpu\" or \"cuda\"")));
             }
         };
         if kind == DeviceKind::Host && index != 0 {
-            return Err(raise(py, "InvalidDeviceError", format!("the host has one device, not cpu:{index}: use \"cpu\"")));
+            return Err(new_err(py, Class::InvalidDevice, format!("the host has one device, not cpu:{index}: use \"cpu\"")));
         }
         let device = Device { kind, index };
         let mut backend = open_backend(device).map_err(to_py)?;
@@ -223,9 +241,8 @@ impl PoolCore {
         let budget = budget_bytes.unwrap_or((total / DEFAULT_BUDGET_DIVISOR).min(hard_cap));
         if let Some(b) = budget_bytes {
             if b > hard_cap {
-                return Err(raise(
+                return Err(invalid_request(
                     py,
-                    "InvalidRequestError",
                     format!("budget_bytes={b} exceeds hard_cap_bytes={hard_cap}: lower the budget or raise the hard cap"),
                 ));
             }
@@ -316,7 +333,7 @@ impl PoolCore {
     fn release(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = Some(self.stream_handle(py, stream)?);
         if !self.is_tensor(py, tensor)? {
-            return Err(raise(py, "InvalidRequestError", format!(
+            return Err(invalid_request(py, format!(
                 "release() takes a torch.Tensor from acquire(), got {}", tensor.get_type().name()?
             )));
         }
@@ -359,7 +376,7 @@ impl PoolCore {
     fn set_reclaim_hook(&self, py: Python<'_>, hook: Option<Py<PyAny>>) -> PyResult<()> {
         if let Some(h) = &hook {
             if !h.bind(py).is_callable() {
-                return Err(raise(py, "InvalidRequestError", format!("the reclaim hook must be callable (it gets the refused byte count), got {}", h.bind(py).get_type().name()?)));
+                return Err(invalid_request(py, format!("the reclaim hook must be callable (it gets the refused byte count), got {}", h.bind(py).get_type().name()?)));
             }
         }
         let old = std::mem::replace(&mut *self.reclaim_hook.lock().unwrap_or_else(|p| p.into_inner()), hook);
@@ -368,8 +385,12 @@ impl PoolCore {
     }
 
     /// Sets the budget (clamped to the hard cap); returns the effective value.
-    fn set_budget(&self, nbytes: u64) -> u64 {
-        self.shared.lock().set_budget(nbytes)
+    fn set_budget(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if nbytes.is_none() {
+            return Err(invalid_request(py, "set_budget() needs a number of bytes, got None".into()));
+        }
+        let nbytes = byte_count(py, "nbytes", nbytes)?;
+        Ok(self.shared.lock().set_budget(nbytes))
     }
 
     /// Frees every idle block (waiting for their release events); returns the bytes freed.
@@ -378,8 +399,14 @@ impl PoolCore {
         py.detach(move || shared.lock().trim())
     }
 
-    /// Feeds allocator telemetry; returns "none", "shrink" or "recover".
-    fn observe_pressure(&self, num_alloc_retries: u64, free_bytes: u64) -> (&'static str, u64) {
+    /// Feeds allocator telemetry; returns "none", "shrink" or "recover", and the budget.
+    fn observe_pressure(&self, py: Python<'_>, num_alloc_retries: &Bound<'_, PyAny>, free_bytes: &Bound<'_, PyAny>, total_bytes: &Bound<'_, PyAny>) -> PyResult<(&'static str, u64)> {
+        let num_alloc_retries = byte_count(py, "num_alloc_retries", num_alloc_retries)?;
+        let free_bytes = byte_count(py, "free_bytes", free_bytes)?;
+        let total_bytes = byte_count(py, "total_bytes", total_bytes)?;
+        if free_bytes > total_bytes {
+            return Err(invalid_request(py, format!("free_bytes={free_bytes} exceeds total_bytes={total_bytes}: pass the device's values")));
+        }
         let mut pool = self.shared.lock();
         let action = pool.observe_pressure(num_alloc_retries, free_bytes);
         let budget = pool.stats().budget_bytes;
@@ -388,7 +415,7 @@ impl PoolCore {
             PressureAction::Shrink { .. } => "shrink",
             PressureAction::ShrinkAndRecover { .. } => "recover",
         };
-        (name, budget)
+        Ok((name, budget))
     }
 
     /// Counters and byte totals as a dict (zbuf.pool.PoolStats wraps it).

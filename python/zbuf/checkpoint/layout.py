@@ -26,7 +26,6 @@ load can validate everything before it touches the model.
 from __future__ import annotations
 
 import io
-import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -189,10 +188,6 @@ def optimizer_param_fqns(optimizer: torch.optim.Optimizer, inv: ModelInventory) 
             names.append(name)
         groups.append(names)
     return groups
-
-
-def numel_of(shape) -> int:
-    return math.prod(shape)
 
 
 # ---------------------------------------------------------------------------------------------

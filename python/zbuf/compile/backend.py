@@ -20,6 +20,7 @@ import torch
 
 from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
+from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 from .regions import mark_repeated_blocks
@@ -39,6 +40,7 @@ def zbuf_backend(
             f"valid keys: {[f.name for f in dataclasses.fields(CompileOptions)]}"
         )
     opts = CompileOptions.from_mapping(options)
+    report.claim(_gathered_shards(gm, example_inputs))  # [Note: records live with their model]
     state = PlanState(opts)
     partitioner = ZbufPartitioner(state)
     schedule_pass = GatherSchedulePass(state)
@@ -66,6 +68,40 @@ def zbuf_backend(
     return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partitioner)(
         gm, example_inputs
     )
+
+
+def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:
+    """param id -> shard parameter of every ``zbuf::all_gather`` in Dynamo's graph: on a graph
+    input, an attribute of ``gm`` (when Dynamo does not lift parameters), or an operand of a
+    nested graph (a checkpointed region's body, whose placeholders are the operands that follow
+    it among the call's arguments)."""
+    found: dict[int, Any] = {}
+    gather = torch.ops.zbuf.all_gather
+
+    def walk(graph_module: torch.fx.GraphModule, values: dict) -> None:
+        for n in graph_module.graph.nodes:
+            if n.op == "get_attr" and n not in values:
+                attr = graph_module
+                for part in n.target.split("."):
+                    attr = getattr(attr, part)
+                values[n] = attr
+            if n.op != "call_function":
+                continue
+            if n.target in (gather, gather.default):
+                tensor, param_id = values.get(n.args[0]), n.args[1]
+                if isinstance(tensor, torch.Tensor) and isinstance(param_id, int):
+                    found[param_id] = tensor
+                continue
+            for i, arg in enumerate(n.args):
+                body = values.get(arg) if isinstance(arg, torch.fx.Node) else None
+                if isinstance(body, torch.fx.GraphModule):
+                    operands = [a for a in n.args[i + 1:] if isinstance(a, torch.fx.Node)]
+                    inner = [p for p in body.graph.nodes if p.op == "placeholder"]
+                    walk(body, {p: values.get(a) for p, a in zip(inner, operands)})
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    walk(gm, dict(zip(placeholders, example_inputs)))
+    return found
 
 
 def _shard_group(model: torch.nn.Module):

@@ -14,7 +14,8 @@
     parameter's padded block directly (one NCCL group; on gloo one gather per block instead,
     [Note: no coalesced gathers on gloo] in runtime.py).
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
-    Waits for the start that filled ``gathered`` (found by the first buffer's storage).
+    Waits for the start that filled ``gathered`` (found by the first buffer's storage, on the
+    token: [Note: work in flight lives on the token]).
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
     ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
@@ -28,15 +29,19 @@
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
 ``zbuf::check_schedule(Tensor(a!) token, str group_name, str fingerprint, str collectives,
-                       int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, str record) -> ()``
+                       int[] pool_ids, int[] buffer_sizes, int[] buffer_counts, int param_id,
+                       str record) -> ()``
     Every run of a compiled graph: checks that every rank runs a graph with the same
     ``fingerprint`` (its input shapes and collective order, described by ``collectives``;
     fingerprint.py, [Note: collective order check]); an empty ``fingerprint`` skips that.
     First run only: grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
     keep ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
     schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
-    (report.py) if its compilation did not (a cache hit). Doing this at run time (not at compile
-    time) keeps it working when Inductor serves the graph from its cache and no pass runs.
+    (report.py) if its compilation did not (a cache hit), with the records of the model that
+    holds ``param_id`` (one of the parameters the graph gathers or reduces: [Note: records live
+    with their model] in report.py), which also remember that the first run is done. Doing this
+    at run time (not at compile time) keeps it working when Inductor serves the graph from its
+    cache and no pass runs.
 
 Why buffers come from their own op: Inductor lowers a mutating custom op only when it is
 auto-functionalizable, which rules out returning a list of tensors; a start that *writes into*
@@ -79,10 +84,10 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import runtime
 from ..param import unpad_full
+from . import report
 from .fingerprint import check_across_ranks
 
 __all__ = [
@@ -96,17 +101,26 @@ __all__ = [
     "pending",
 ]
 
-# First buffer's storage pointer -> the in-flight collective (None when it completed at once).
-# Produced by all_gather_start, consumed (popped) by all_gather_wait.
-_PENDING: dict[int, Optional[dist.Work]] = {}
-# The started slice's storage pointer -> its launch. Produced by reduce_scatter_start, consumed
-# (popped) by reduce_scatter_wait.
-_PENDING_RS: dict[int, runtime.ReduceScatterLaunch] = {}
+# [Note: work in flight lives on the token]
+# A wait finds the work its start issued through the schedule token, the first argument of both
+# ops (the ops get nothing but their arguments): a graph run's collectives in flight are kept in
+# two dicts that are attributes of its token, keyed by storage pointer:
+# ``_zbuf_gathers_in_flight``, first buffer's storage pointer -> the in-flight collective (None
+# when it completed at once), made by all_gather_start, popped by all_gather_wait; and
+# ``_zbuf_reduce_scatters_in_flight``, the started slice's storage pointer -> its launch, made
+# by reduce_scatter_start, popped by reduce_scatter_wait. A start and its wait are always in one
+# graph (the rewrite pairs them), so the work lives and dies with the run that issued it: two
+# graphs, or two models, never see each other's, and a run that raises between a start and its
+# wait leaves nothing behind. Reading a tensor's attribute costs what reading a module global
+# did (about 65 ns on the 2-core CPU; ``token.__dict__.get`` costs twice that), and only the
+# first start of a run pays for the AttributeError that creates its dict
+# (benches/results/op_dispatch_cpu_globals.md).
 
 
-def pending() -> int:
-    """Started gathers and reduce-scatters not yet waited for (tests check that this drains)."""
-    return len(_PENDING) + len(_PENDING_RS)
+def pending(token: torch.Tensor) -> int:
+    """Gathers and reduce-scatters started on ``token`` and not yet waited for."""
+    return sum(len(token.__dict__.get(name, ()))
+               for name in ("_zbuf_gathers_in_flight", "_zbuf_reduce_scatters_in_flight"))
 
 
 # [Note: lean dispatch]
@@ -196,7 +210,11 @@ def all_gather_start(
         runtime.counters["all_gather"] += len(blocks)
         runtime.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
         runtime.counters["all_gather_collectives"] += 1
-        _PENDING[gathered[0].untyped_storage().data_ptr()] = work
+        key = gathered[0].untyped_storage().data_ptr()
+        try:  # [Note: work in flight lives on the token]
+            token._zbuf_gathers_in_flight[key] = work
+        except AttributeError:
+            token._zbuf_gathers_in_flight = {key: work}
 
 
 @all_gather_start.register_fake
@@ -207,13 +225,13 @@ def _all_gather_start_fake(token, gathered, shards, group_name):
 @_op("all_gather_wait(Tensor(a0!) token, Tensor(a1!)[] gathered) -> ()")
 def all_gather_wait(token: torch.Tensor, gathered: Sequence[torch.Tensor]) -> None:
     with runtime.label("zbuf::all_gather_wait"):
-        key = gathered[0].untyped_storage().data_ptr()
-        if key not in _PENDING:
+        try:
+            work = token._zbuf_gathers_in_flight.pop(gathered[0].untyped_storage().data_ptr())
+        except (AttributeError, KeyError):
             raise RuntimeError(
-                "zbuf::all_gather_wait: no started gather owns this buffer (waited twice, or the "
-                "graph was rewritten wrongly); this is a zbuf bug"
-            )
-        work = _PENDING.pop(key)
+                "zbuf::all_gather_wait: no gather started on this token owns this buffer (waited "
+                "twice, or the graph was rewritten wrongly); this is a zbuf bug"
+            ) from None
         if work is not None:
             work.wait()
 
@@ -250,7 +268,11 @@ def reduce_scatter_start(
     with runtime.label("zbuf::reduce_scatter_start"):
         launch = runtime.reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
                                             async_op=True)
-        _PENDING_RS[launch.out.untyped_storage().data_ptr()] = launch
+        key = launch.out.untyped_storage().data_ptr()
+        try:  # [Note: work in flight lives on the token]
+            token._zbuf_reduce_scatters_in_flight[key] = launch
+        except AttributeError:
+            token._zbuf_reduce_scatters_in_flight = {key: launch}
         return launch.out
 
 
@@ -262,11 +284,14 @@ def _reduce_scatter_start_fake(token, grad, param_id, shard_numel, group_name, r
 @_op("reduce_scatter_wait(Tensor(a0!) token, Tensor(a1!) started) -> ()")
 def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
     with runtime.label("zbuf::reduce_scatter_wait"):
-        launch = _PENDING_RS.pop(started.untyped_storage().data_ptr(), None)
+        try:
+            launch = token._zbuf_reduce_scatters_in_flight.pop(started.untyped_storage().data_ptr())
+        except (AttributeError, KeyError):
+            launch = None
         if launch is None:
             raise RuntimeError(
-                "zbuf::reduce_scatter_wait: no started reduce-scatter owns this tensor (waited "
-                "twice, or the graph was rewritten wrongly); this is a zbuf bug"
+                "zbuf::reduce_scatter_wait: no reduce-scatter started on this token owns this "
+                "tensor (waited twice, or the graph was rewritten wrongly); this is a zbuf bug"
             )
         runtime.reduce_scatter_finish(launch)
 
@@ -274,11 +299,6 @@ def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
 @reduce_scatter_wait.register_fake
 def _reduce_scatter_wait_fake(token, started):
     return None
-
-
-# (group_name, fingerprint, record) of graphs whose first run is done: their pools are sized and
-# their record registered. Consumed only by check_schedule; holds strings, no group.
-_FIRST_RUN_DONE: set[tuple[str, str, str]] = set()
 
 
 def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[int],
@@ -298,7 +318,8 @@ def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[in
 
 @_op(
     "check_schedule(Tensor(a0!) token, str group_name, str fingerprint, str collectives, "
-    "SymInt[] pool_ids, SymInt[] buffer_sizes, SymInt[] buffer_counts, str record) -> ()"
+    "SymInt[] pool_ids, SymInt[] buffer_sizes, SymInt[] buffer_counts, SymInt param_id, "
+    "str record) -> ()"
 )
 def check_schedule(
     token: torch.Tensor,
@@ -308,21 +329,21 @@ def check_schedule(
     pool_ids: Sequence[int],
     buffer_sizes: Sequence[int],
     buffer_counts: Sequence[int],
+    param_id: int,
     record: str,
 ) -> None:
     with runtime.label("zbuf::check_schedule"):
         if fingerprint:  # every run: [Note: collective order check]
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
-        if key in _FIRST_RUN_DONE:
+        owner = report.records_of(param_id)
+        if owner is not None and key in owner.first_runs:
             return
         _grow_pools(token, pool_ids, buffer_sizes, buffer_counts)
-        from . import report
-
-        report.record(record)
-        _FIRST_RUN_DONE.add(key)
+        report.record(record).first_runs.add(key)  # the records of the graph's model
 
 
 @check_schedule.register_fake
-def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_ids, buffer_sizes, buffer_counts, record):
+def _check_schedule_fake(token, group_name, fingerprint, collectives, pool_ids, buffer_sizes,
+                         buffer_counts, param_id, record):
     return None

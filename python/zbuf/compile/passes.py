@@ -12,15 +12,17 @@ weights, except the gathers selective persistence keeps (``MUST_SAVE``: persist.
 
 [Note: pass uuid]
 Inductor's FX-graph cache skips the passes on a hit, so a pass's ``uuid`` must change whenever its
-output could: it hashes the sources of ``CACHE_KEY_MODULES`` (every zbuf module the passes import,
-directly or not: tests/test_compile.py fails when one is missing, so moving a helper into a new
-module cannot silently drop it from the key), the options, the planning input that is not in the
+output could: it hashes the sources of ``cache_key_modules()`` (every zbuf module the passes import,
+directly or not, found by walking their import statements: moving a helper into a new module
+cannot silently drop it from the key), the options, the planning input that is not in the
 graph (the agreed free memory is the option ``free_memory_bytes``; the world size shows in the
 shard shapes), and torch's version.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import importlib.util
 from typing import Any, Sequence
@@ -44,55 +46,83 @@ from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
 
-__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "CACHE_KEY_MODULES",
-           "thread_reduce_scatters", "check_token_chain"]
+__all__ = ["ZbufPartitioner", "GatherSchedulePass", "PlanState", "cache_key_modules",
+           "imported_modules"]
 
 zbuf = torch.ops.zbuf
 
 
-CACHE_KEY_MODULES = (
-    "zbuf.compile.budget",
-    "zbuf.compile.collectives",
-    "zbuf.compile.fingerprint",
-    "zbuf.compile.graph_info",
-    "zbuf.compile.graph_model",
-    "zbuf.compile.options",
-    "zbuf.compile.passes",
-    "zbuf.compile.persist",
-    "zbuf.compile.recompute",
-    "zbuf.compile.recompute_plan",
-    "zbuf.compile.region_graphs",
-    "zbuf.compile.report",
-    "zbuf.compile.rewrite",
-    "zbuf.compile.schedule",
-    "zbuf.compile.tied",
-    "zbuf.eager_ops",
-    "zbuf.errors",
-    "zbuf.materialise",
-    "zbuf.ops",
-    "zbuf.param",
-    "zbuf.param_access",
-    "zbuf.pool",
-    "zbuf.reduce_once",
-    "zbuf.regather",
-    "zbuf.region_inputs",
-    "zbuf.runtime",
-    "zbuf.shard",
-    "zbuf.shard_state",
-    "zbuf.state_dict",
-)
-"""The modules whose sources the pass uuid hashes ([Note: pass uuid])."""
+def imported_modules(module: str, prefix: str = "zbuf") -> list[str]:
+    """``module`` and every module of package ``prefix`` that its source imports, directly or
+    not, by any import statement (also one inside a function), sorted; package ``__init__``
+    files are left out (they only re-export: the modules they name are followed themselves),
+    and so is compiled code (the extension's behaviour is the pool's, not the plan's)."""
+    find = functools.cache(importlib.util.find_spec)  # a lookup searches sys.path: once each
+    reached: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        spec = find(name)
+        if name in reached or spec is None or not (spec.origin or "").endswith(".py"):
+            continue
+        reached.add(name)
+        todo.extend(_imports_of(name, spec, prefix, find))
+    return sorted(m for m in reached if not find(m).submodule_search_locations)
 
 
+def _imports_of(module: str, spec, prefix: str, find) -> set[str]:
+    """The modules of ``prefix`` named by the import statements of ``module``'s source."""
+    package = module if spec.submodule_search_locations else module.rpartition(".")[0]
+    with open(spec.origin, "rb") as f:
+        tree = ast.parse(f.read(), spec.origin)
+    found: set[str] = set()
+
+    def ours(name: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    for node in _statements(tree.body):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if ours(alias.name))
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            if not ours(base):
+                continue
+            is_package = find(base).submodule_search_locations is not None
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                # "from .. import ops": the module itself; "from ..param import X": the module.
+                found.add(sub if is_package and find(sub) is not None else base)
+    return found - {module}
+
+
+def _statements(body: list[ast.stmt]):
+    """Every statement of ``body``, nested ones included (imports are statements: expressions,
+    most of a module's nodes, are not walked)."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
+
+
+@functools.cache
+def cache_key_modules() -> tuple[str, ...]:
+    """The modules whose sources the pass uuid hashes ([Note: pass uuid]): this one and every
+    zbuf module it imports, directly or not (derived from the import statements, so a helper
+    moved into a new module is in the key as soon as a pass imports it). Found on the first
+    compile, not at import."""
+    return tuple(imported_modules(__name__))
+
+
+@functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for name in CACHE_KEY_MODULES:
+    for name in cache_key_modules():
         with open(importlib.util.find_spec(name).origin, "rb") as f:
             h.update(name.encode() + f.read())
     return h.hexdigest()[:16]
-
-
-_SOURCE_HASH = _source_hash()
 
 
 class PlanState:
@@ -111,7 +141,7 @@ class PlanState:
         """What the partition kept for backward and what backward recomputes (recompute.py)."""
 
     def uuid(self) -> str:
-        return f"{_SOURCE_HASH}:{self.options.digest()}:{torch.__version__}"
+        return f"{_source_hash()}:{self.options.digest()}:{torch.__version__}"
 
 
 class ZbufPartitioner(CustomPartitionerFn):
@@ -243,7 +273,8 @@ class GatherSchedulePass(CustomGraphPass):
                     zbuf.check_schedule.default,
                     (token, group_name if group_name is not None else self._group_of_collectives(graph),
                      fp if opts.check_fingerprint else "", description, [e[0] for e in entries],
-                     [e[1] for e in entries], [e[2] for e in entries], rec.to_json()),
+                     [e[1] for e in entries], [e[2] for e in entries], rec.param_ids[0],
+                     rec.to_json()),
                 )
                 chk.meta["val"] = None
         check_token_chain(graph, token)  # 9

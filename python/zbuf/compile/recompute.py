@@ -17,7 +17,7 @@ re-runs (``RecomputeStats``, shown by ``schedule_report`` and ``zbuf report``).
 - ``"none"``: every region keeps its activations (checkpointing is ignored), and the min-cut
   partitioner decides alone: what ``"auto"`` does when everything fits.
 Gathered weights follow the re-gather and persistence rules in every mode ([Note: selective
-persistence] in passes.py). A model without candidate regions has nothing to choose: every mode
+persistence] in persist.py). A model without candidate regions has nothing to choose: every mode
 partitions it as ``"checkpointed"`` does, and the record says 0 regions.
 
 [Note: budgeted recompute]

@@ -68,15 +68,15 @@ def _region_call(self, *args, **kwargs):
     return _run_block(self, ids, gathered, args, kwargs)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def _region_class(cls: type) -> type:
-    sub = _CLASSES.get(cls)
+    """The marked class of block class ``cls``: one per class (so that Dynamo sees one type for
+    every block of a stack), kept on ``cls`` itself, read from its own ``__dict__`` (a subclass of
+    ``cls`` gets its own)."""
+    sub = cls.__dict__.get("_zbuf_region_class")
     if sub is None:
         sub = type(cls.__name__, (cls,), {"__call__": _region_call, "_zbuf_region_base": cls,
                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
-        _CLASSES[cls] = sub
+        type.__setattr__(cls, "_zbuf_region_class", sub)
     return sub
 
 

@@ -172,7 +172,7 @@ class Replanner:
             self.options = dataclasses.replace(o, free_memory_bytes=free)
         else:
             self.options = dataclasses.replace(o, budget_bytes=budget_bytes)
-        self._first_graph = len(schedule_report(None))
+        self._first_graph = max((r.graph_id for r in schedule_report(self.model)), default=-1) + 1
         fresh = torch.compile(self.model, backend="zbuf", options=dataclasses.asdict(self.options),
                               fullgraph=self.fullgraph, dynamic=self.dynamic)
         # The wrapper's Dynamo context follows its plan (torch reads it for pickling and AOT).

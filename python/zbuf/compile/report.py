@@ -3,16 +3,31 @@
 Records are made when a graph is planned (compile time); a graph served from Inductor's FX-graph
 cache is not planned again, so its record, embedded in the graph's ``zbuf::check_schedule`` call,
 is registered by the graph's first run instead.
+
+[Note: records live with their model]
+A model's records are in its ``ScheduleRecords`` (the graphs that gather or reduce its
+parameters, and which of them have run once), and nowhere else: two models in one process never
+share one. The two places that file a record reach the model only through parameter ids: the
+schedule pass sees fake tensors, and a graph served from the cache files its record at its first
+run, inside ``zbuf::check_schedule``, which gets nothing but its arguments (ids, unlike objects,
+mean the same in the process that compiled a graph and in the one that runs it). So one table is
+process-wide, the only one in compile/: ``_OWNERS``, parameter id -> the ``ScheduleRecords`` of
+the model that holds the parameter. The backend fills it (``claim``) from the real shard
+parameters of every graph Dynamo hands it, with a finalizer on each parameter: an entry goes when
+its parameter is freed, and a model's records with its last parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
 import uuid
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -28,8 +43,11 @@ from .schedule import Schedule, exposed_seconds
 
 __all__ = [
     "ScheduleRecord",
+    "ScheduleRecords",
     "schedule_record",
     "schedule_report",
+    "claim",
+    "records_of",
     "record",
     "clear_records",
     "graph_summary",
@@ -43,7 +61,8 @@ GraphKind = Literal["forward", "backward", "inference"]
 @dataclass(frozen=True)
 class ScheduleRecord:
     graph_id: int
-    """Process-wide sequence number of recorded graphs (assigned by ``record``)."""
+    """Sequence number of recorded graphs, unique in the process and increasing in the order
+    they were recorded (assigned by ``record``)."""
     uid: str
     """Identity of the compiled graph: the record made at compile time and the one its first
     run registers (for graphs served from Inductor's cache) are the same record."""
@@ -168,29 +187,83 @@ def downsample_peaks(values, points: int = PROFILE_POINTS) -> tuple[int, ...]:
     return tuple(int(v) for v in arr)
 
 
-_RECORDS: list[ScheduleRecord] = []
-_UIDS: set[str] = set()
-# uid -> the planner's input for graphs planned in this process (not for cache hits).
-_SUMMARIES: dict[str, GraphSummary] = {}
+@dataclass(eq=False)
+class ScheduleRecords:
+    """The schedule records of one model's graphs ([Note: records live with their model])."""
+
+    records: list[ScheduleRecord] = field(default_factory=list)
+    """In the order they were recorded."""
+    uids: set[str] = field(default_factory=set)
+    """``uid`` of every kept record: a graph's compile and its first run file one record."""
+    summaries: dict[str, GraphSummary] = field(default_factory=dict)
+    """uid -> the planner's input, for graphs planned in this process (not for cache hits)."""
+    first_runs: set[tuple[str, str, str]] = field(default_factory=set)
+    """(group name, fingerprint, record) of the graphs whose first run is done: their pools are
+    sized and their record kept (``zbuf::check_schedule``)."""
+
+    def add(self, rec: ScheduleRecord, summary: GraphSummary | None = None) -> None:
+        """Keep ``rec`` unless a record of the same graph is already kept."""
+        if summary is not None:
+            self.summaries[rec.uid] = summary
+        if rec.uid in self.uids:
+            return
+        rec = dataclasses.replace(rec, graph_id=next(_GRAPH_IDS))
+        self.uids.add(rec.uid)
+        self.records.append(rec)
+        _log(rec)
 
 
-def graph_summary(rec: ScheduleRecord) -> GraphSummary | None:
-    """The planner's input of a recorded graph, to re-plan it under other budgets with
-    ``plan_schedule``; None for graphs this process did not plan (served from the cache)."""
-    return _SUMMARIES.get(rec.uid)
+_GRAPH_IDS = itertools.count()  # a source of ids, as shard's parameter ids: no state to share
+_OWNERS: dict[int, ScheduleRecords] = {}  # [Note: records live with their model]
 
 
-def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> None:
-    """Keep ``rec`` (or its JSON) unless a record of the same graph is already kept."""
-    if isinstance(rec, str):
-        rec = ScheduleRecord.from_json(rec)
-    if summary is not None:
-        _SUMMARIES[rec.uid] = summary
-    if rec.uid in _UIDS:
-        return
-    rec = dataclasses.replace(rec, graph_id=len(_RECORDS))
-    _UIDS.add(rec.uid)
-    _RECORDS.append(rec)
+def claim(params: Mapping[int, torch.Tensor]) -> ScheduleRecords:
+    """The records of the model that holds ``params`` (param id -> shard parameter, those of one
+    graph); files the ids not yet known, each until its parameter is freed."""
+    known = _owners(params)
+    owner = known[0] if known else ScheduleRecords()
+    for other in known[1:]:  # graphs of one model seen apart until now (split by graph breaks)
+        _absorb(owner, other)
+    for param_id, shard in params.items():
+        if param_id not in _OWNERS:
+            _OWNERS[param_id] = owner
+            weakref.finalize(shard, _OWNERS.pop, param_id, None)
+    return owner
+
+
+def records_of(param_id: int) -> ScheduleRecords | None:
+    """The records of the model that holds parameter ``param_id`` (None: no graph named it)."""
+    return _OWNERS.get(param_id)
+
+
+def _any_owner(param_ids: Iterable[int]) -> ScheduleRecords | None:
+    for param_id in param_ids:
+        owner = _OWNERS.get(param_id)
+        if owner is not None:
+            return owner
+    return None
+
+
+def _owners(param_ids: Iterable[int]) -> list[ScheduleRecords]:
+    found: dict[int, ScheduleRecords] = {}
+    for param_id in param_ids:
+        owner = _OWNERS.get(param_id)
+        if owner is not None:
+            found.setdefault(id(owner), owner)
+    return list(found.values())
+
+
+def _absorb(owner: ScheduleRecords, other: ScheduleRecords) -> None:
+    owner.records = sorted(owner.records + other.records, key=lambda r: r.graph_id)
+    owner.uids |= other.uids
+    owner.summaries.update(other.summaries)
+    owner.first_runs |= other.first_runs
+    for param_id, known in list(_OWNERS.items()):
+        if known is other:
+            _OWNERS[param_id] = owner
+
+
+def _log(rec: ScheduleRecord) -> None:
     if "schedule" in os.environ.get("ZBUF_LOG", "").split(","):
         path = os.environ.get("ZBUF_LOG_FILE")
         line = rec.to_json() + "\n"
@@ -201,10 +274,40 @@ def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> No
             sys.stderr.write(line)
 
 
+def graph_summary(rec: ScheduleRecord) -> GraphSummary | None:
+    """The planner's input of a recorded graph, to re-plan it under other budgets with
+    ``plan_schedule``; None for graphs this process did not plan (served from the cache)."""
+    owner = _any_owner(rec.param_ids)
+    return owner.summaries.get(rec.uid) if owner is not None else None
+
+
+def record(rec: ScheduleRecord | str, summary: GraphSummary | None = None) -> ScheduleRecords | None:
+    """Keep ``rec`` (or its JSON) with the records of the model whose parameters its graph
+    gathers or reduces, unless a record of the same graph is already kept; returns those records.
+    A graph that touches no zbuf parameter belongs to no model: its record is only logged
+    (``ZBUF_LOG=schedule``), and None is returned."""
+    if isinstance(rec, str):
+        rec = ScheduleRecord.from_json(rec)
+    owner = _any_owner(rec.param_ids)
+    if owner is None and rec.param_ids:
+        # Parameters no graph handed to the backend named (a pass driven by hand): kept for
+        # the process, with no parameter to outlive.
+        owner = ScheduleRecords()
+        for param_id in rec.param_ids:
+            _OWNERS[param_id] = owner
+    if owner is None:
+        _log(dataclasses.replace(rec, graph_id=next(_GRAPH_IDS)))
+        return None
+    owner.add(rec, summary)
+    return owner
+
+
 def clear_records() -> None:
-    _RECORDS.clear()
-    _UIDS.clear()
-    _SUMMARIES.clear()
+    """Forget every model's records (tests); the graphs' first runs stay done."""
+    for owner in _owners(_OWNERS):
+        owner.records.clear()
+        owner.uids.clear()
+        owner.summaries.clear()
 
 
 def _param_ids_of(model: torch.nn.Module) -> set[int]:
@@ -212,12 +315,15 @@ def _param_ids_of(model: torch.nn.Module) -> set[int]:
 
 
 def schedule_report(model: torch.nn.Module | None = None) -> list[ScheduleRecord]:
-    """Records of the graphs planned for ``model`` (all records when ``model`` is None).
+    """Records of the graphs planned for ``model`` (every model's when ``model`` is None), in
+    the order they were recorded.
 
-    A graph belongs to a model when it gathers one of the model's parameters; graphs that gather
-    nothing (e.g. a graph-break fragment with no parameter access) are not attributed.
+    A graph belongs to a model when it gathers or reduces one of the model's parameters; graphs
+    that touch none (e.g. a graph-break fragment with no parameter access) are not kept.
     """
     if model is None:
-        return list(_RECORDS)
+        owners = _owners(_OWNERS)
+        return sorted((r for o in owners for r in o.records), key=lambda r: r.graph_id)
     ids = _param_ids_of(getattr(model, "_orig_mod", model))
-    return [r for r in _RECORDS if ids.intersection(r.param_ids)]
+    return sorted((r for o in _owners(ids) for r in o.records if ids.intersection(r.param_ids)),
+                  key=lambda r: r.graph_id)

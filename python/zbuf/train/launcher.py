@@ -19,16 +19,8 @@ picks (no free-port race) and every rank connects to it as a client.
   parent dies (``PR_SET_PDEATHSIG``, set by the worker itself at start-up; see
   ``die_with_parent``).
 - A worker that fails: its peers would block in their next collective, so the launcher stops
-  them and reports the failed rank ([Note: one line per cause]
-A failure seen by N ranks is one cause, not N messages: when one rank dies, every peer stops
-with the same "a peer died" paragraph, and a bug that hits every rank prints the same traceback
-N times (64 ranks made 60 identical 600-character lines). So the launcher relays the workers'
-stderr itself, live, and drops a line when another rank already printed it up to its numbers
-(rank ids, ports, addresses differ; the cause does not). A rank's own repeated lines still show.
-After a failure, ``GroupResult.causes`` sums up how every rank ended in one line per distinct
-ending, naming the ranks.
-
-[Note: which rank failed]).
+  them and reports the failed rank ([Note: which rank failed]), one line per cause ([Note: one
+  line per cause]).
 
 [Note: which rank failed]
 A rank that dies takes its sockets with it, so its peers' next collective fails at once and they
@@ -37,6 +29,15 @@ visible here (a signal death is reaped later; a traceback takes time to print). 
 first exit seen would blame a survivor and hide the cause. So a peer-failure exit is only ever
 reported when no rank failed on its own: the launcher waits up to ``cause_wait`` seconds for the
 rank that did, and reports that one.
+
+[Note: one line per cause]
+A failure seen by N ranks is one cause, not N messages: when one rank dies, every peer stops
+with the same "a peer died" paragraph, and a bug that hits every rank prints the same traceback
+N times (64 ranks made 60 identical 600-character lines). So the launcher relays the workers'
+stderr itself, live, and drops a line when another rank already printed it up to its numbers
+(rank ids, ports, addresses differ; the cause does not). A rank's own repeated lines still show.
+After a failure, ``GroupResult.causes`` sums up how every rank ended in one line per distinct
+ending, naming the ranks.
 """
 
 from __future__ import annotations

@@ -70,12 +70,13 @@ class StepRow(NamedTuple):
 def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional[dict[str, Any]]:
     """Apply ``--mem-frac``: torch's allocator gets that fraction of the card.
 
-    [Note: fair memory cap] ``set_per_process_memory_fraction`` limits only the caching
-    allocator, and the zbuf pool allocates beside it. So that zbuf does not get more memory than
-    the engines it is compared with, the zbuf engines hand the cap to their ``SharedMemory``,
-    which keeps allocator + pool <= mem_frac of the card at every moment, the same total every
-    engine gets ([Note: emulated capacity] in zbuf/memory.py). Applied before the engine is
-    built (so that the rank-agreed budget sees it) and again, through the pool's arbiter, after.
+    [Note: fair memory cap]
+    ``set_per_process_memory_fraction`` limits only the caching allocator, and the zbuf pool
+    allocates beside it. So that zbuf does not get more memory than the engines it is compared
+    with, the zbuf engines hand the cap to their ``SharedMemory``, which keeps allocator + pool
+    <= mem_frac of the card at every moment, the same total every engine gets ([Note: emulated
+    capacity] in zbuf/memory.py). Applied before the engine is built (so that the rank-agreed
+    budget sees it) and again, through the pool's arbiter, after.
     """
     if cfg.mem_frac is None or device.type != "cuda":
         return None

@@ -81,13 +81,14 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
         results.append(run_engine(engine, cfg.for_run(i), device, shown, labels[i],
                                   on_interrupt=_interrupted_writer(cfg, device, results,
                                                                    interrupted_path)))
-    # [Note: worker teardown order]: run_engine dropped the model and optimizer; compiled code
-    # can still reference a model (a DDP wrapper holds its group strongly), so it goes too, and
-    # the collector frees what cycles kept, all before the caller destroys the process group.
-    # Then destroy frees the groups and joins gloo's threads while the interpreter is whole
-    # ([Note: a model does not keep its group alive] in zbuf/shard_state.py). What torch itself keeps
-    # (FSDP2's mesh, in DTensor's caches) outlives destroy; faults.end_process then ends the
-    # process without the finalisation those threads can crash.
+    # [Note: worker teardown order]
+    # run_engine dropped the model and optimizer; compiled code can still reference a model (a
+    # DDP wrapper holds its group strongly), so it goes too, and the collector frees what cycles
+    # kept, all before the caller destroys the process group. Then destroy frees the groups and
+    # joins gloo's threads while the interpreter is whole ([Note: a model does not keep its
+    # group alive] in zbuf/shard_state.py). What torch itself keeps (FSDP2's mesh, in DTensor's
+    # caches) outlives destroy; faults.end_process then ends the process without the
+    # finalisation those threads can crash.
     torch._dynamo.reset()
     gc.collect()
     env = environment(device)
