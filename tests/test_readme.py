@@ -45,8 +45,9 @@ def test_python_block_runs_as_written(index, tmp_path):
     assert res.returncode == 0, f"README python block {index}:\n{code}\n{res.stderr[-4000:]}"
     if "zbuf.schedule_report" in code:  # the API tour shows the user what zbuf planned
         lines = res.stdout.splitlines()
-        assert [l.split(":")[0] for l in lines if "parameters gathered in" in l] == \
-            ["forward", "backward"], res.stdout
+        # [Note: measure first, then spend]: the measured step's plan, and the one grown after it
+        kinds = [l.split(":")[0] for l in lines if "parameters gathered in" in l]
+        assert kinds in (["forward", "backward"], ["forward", "backward"] * 2), res.stdout
         assert any(l.startswith("saved ") and l.endswith("ckpt") for l in lines), res.stdout
 
 
