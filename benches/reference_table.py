@@ -13,19 +13,44 @@ zbuf/train/simulate.py). Every row of a simulated record is marked as such.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from zbuf.train.config import format_bytes
 from zbuf.train.record import hardware_text, load_record, run_label, simulated_text
 
 
+_OOM = re.compile(r"OutOfMemoryError: CUDA out of memory\. Tried to allocate ([\d.]+ \w+)\..*?"
+                  r"([\d.]+ \w+) allowed; Of the allocated memory ([\d.]+ \w+) is allocated")
+
+
+def _failure(eng: dict) -> str:
+    """One cell's worth of why a run failed: a CUDA OOM as its request and the allocator's state,
+    anything else as the error's last line."""
+    lines = (eng.get("error") or "").strip().splitlines()
+    last = lines[-1] if lines else ""
+    oom = _OOM.search(last)
+    if oom:
+        return (f"CUDA out of memory: asked {oom.group(1)} with {oom.group(3)} allocated of "
+                f"{oom.group(2)} allowed")
+    return last[:200].replace("|", "/")
+
+
+def _label(record: dict, eng: dict) -> str:
+    """The run's name, with its activation checkpointing where it is not the record's."""
+    label = run_label(eng)
+    ac = eng.get("ac")
+    if ac and ac != record["config"].get("ac") and ":" not in label:
+        label = f"{label}:{ac}"
+    return label + (" (simulated)" if record.get("simulated") else "")
+
+
 def _rows(record: dict) -> list[str]:
     out = []
     for eng in record["engines"]:
         if eng.get("status") != "ok":
-            reason = (eng.get("error") or "").strip().splitlines()
-            out.append(f"| {run_label(eng)} | {eng.get('status')}: "
-                       f"{(reason[-1] if reason else '').replace('|', '/')} | | | | | | |")
+            out.append(f"| {_label(record, eng)} | {eng.get('status')}: {_failure(eng)} "
+                       f"| | | | | | |")
             continue
         s = eng["summary"]
         ranks = eng["per_rank"]
@@ -37,7 +62,7 @@ def _rows(record: dict) -> list[str]:
             f"{comm['seconds'] * 1e3:.3g} ms ({format_bytes(comm['wire_bytes'])} per rank at "
             f"{comm['link_gbps']:g} Gbit/s)")
         out.append(
-            f"| {run_label(eng)}{' (simulated)' if record.get('simulated') else ''} | "
+            f"| {_label(record, eng)} | "
             f"{s['step_time_median_s'] * 1e3:,.0f} ms | {s['step_time_min_s'] * 1e3:,.0f}-"
             f"{s['step_time_max_s'] * 1e3:,.0f} ms | {warm} / {measured} | "
             f"{format_bytes(reserved)} | {format_bytes(s['peak_device_bytes'])} | "

@@ -359,6 +359,7 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
         num_nodes=len(nodes),
         compute_seconds=tuple(node_seconds(n, options) for n in nodes),
         gathers=tuple(s for _, s in specs),
+        world_size=graph_world_size(graph),
     )
     return GraphIndex(summary, nodes, [g for g, _ in specs])
 

@@ -63,6 +63,9 @@ class GraphSummary:
     compute_seconds: tuple[float, ...]
     """Estimated run time of each node (cost model in graph_info.py)."""
     gathers: tuple[GatherSpec, ...]
+    world_size: int | None = None
+    """Ranks the gathers gather over; ``None``: unknown, priced as a collective over a link. At
+    world 1 a gather is a device copy ([Note: world-aware gather cost] in schedule.py)."""
 
     def __post_init__(self) -> None:
         if len(self.compute_seconds) != self.num_nodes:

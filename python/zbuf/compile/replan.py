@@ -39,9 +39,15 @@ import torch
 
 from .options import CompileOptions
 from .regions import is_marked_model, unmark_repeated_blocks
-from .report import ScheduleRecord, schedule_report
+from .report import ScheduleRecord, graph_summary, schedule_report
+from .schedule import exposed_seconds, plan_schedule
 
-__all__ = ["PlannedForward", "Replanner"]
+__all__ = ["PlannedForward", "Replanner", "GROW_MIN_GAIN"]
+
+GROW_MIN_GAIN = 0.01
+"""Least share of the current graphs' modelled compute time that more prefetch must take off
+their modelled exposure to be worth a recompile: below it the grown plan would differ from the
+measured one by less than a step's noise, and the recompile costs seconds."""
 
 
 class PlannedForward:
@@ -119,20 +125,40 @@ class Replanner:
         return is_marked_model(self.model) and any(
             self.needs(r) > budget_bytes for r in self.records())
 
-    def can_grow(self, world_size: int) -> bool:
+    def prefetch_gain_seconds(self, budget_bytes: int) -> float:
+        """Modelled exposure ([Note: modelled exposure] in schedule.py) that the current graphs
+        would lose if re-planned within ``budget_bytes``: each graph's planner input is planned
+        again under the new budget, as the re-plan would. ``inf`` when a graph that leaves
+        communication exposed was served from Inductor's cache (its planner input is unknown)."""
+        gain = 0.0
+        for r in self.records():
+            if not r.gathers or r.modelled_exposed_seconds <= 0:
+                continue
+            summary = graph_summary(r)
+            if summary is None:
+                return math.inf
+            kept = r.persistent_bytes if r.kind == "backward" else 0
+            grown = plan_schedule(summary, max(1, budget_bytes - kept), self.options)
+            gain += r.modelled_exposed_seconds - exposed_seconds(summary, grown, self.options)
+        return gain
+
+    def can_grow(self, world_size: int, budget_bytes: int) -> bool:
         """Whether the current plan, the measured step's ([Note: measure first, then spend] in
-        zbuf/step_memory.py), held something back that more memory would buy: persistence (at
-        world > 1, or asked for), ``recompute="auto"``'s kept activations, or prefetch that the
-        cost model says left communication exposed."""
+        zbuf/step_memory.py), held something back that ``budget_bytes`` would buy: persistence
+        (at world > 1, or asked for), ``recompute="auto"``'s kept activations, or prefetch that
+        takes at least ``GROW_MIN_GAIN`` of the modelled compute time off the modelled exposure.
+        A grown plan that would equal the measured one is not compiled."""
         o = self.options
         if not o.measuring:
             return False
         if o.persist is True or (o.persist is None and world_size > 1):
             return True
         records = self.records()
-        return (o.prefetch and any(r.modelled_exposed_seconds > 0 for r in records)) or any(
-            r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
-            for r in records)
+        if any(r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
+               for r in records):
+            return True
+        compute = sum(r.modelled_compute_seconds for r in records)
+        return o.prefetch and self.prefetch_gain_seconds(budget_bytes) > GROW_MIN_GAIN * compute
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> bool:
         """After the measured step: compile again within the measured ``budget_bytes`` of
@@ -140,7 +166,7 @@ class Replanner:
         held something back or does not fit it. Once. Returns whether it re-planned. Every rank
         must get the same answer: call it with rank-agreed numbers, at the same point of every
         rank's program."""
-        if self.replanned or not (self.can_grow(world_size) or not self.fits(budget_bytes)
+        if self.replanned or not (self.can_grow(world_size, budget_bytes) or not self.fits(budget_bytes)
                                   or self.below_block_floor(budget_bytes)):
             return False
         self.replan(budget_bytes, room_bytes)

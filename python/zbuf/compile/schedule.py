@@ -119,7 +119,14 @@ class Schedule:
         return extra
 
 
-def _comm_seconds(nbytes: int, options: CompileOptions) -> float:
+def _comm_seconds(nbytes: int, options: CompileOptions, world_size: int | None) -> float:
+    """[Note: world-aware gather cost]
+    A gather over ranks receives its bytes over the link, after a collective's latency. At world
+    1 nothing crosses a link: the "gather" copies the shard into its pool buffer on the device
+    (a read and a write of ``nbytes``), so pricing it as a collective would make every world-1
+    plan look exposed and buy prefetch (memory) that hides nothing real."""
+    if world_size == 1:
+        return 2 * nbytes / options.memory_bytes_per_second
     return options.collective_latency_seconds + nbytes / options.link_bytes_per_second
 
 
@@ -214,7 +221,7 @@ def plan_schedule(
         for i in range(len(groups) - 1, -1, -1):
             wait, lo = waits[i], earliest[i]
             finish = min(float(elapsed[wait]), deadline)
-            begin = finish - _comm_seconds(sizes[i], options)
+            begin = finish - _comm_seconds(sizes[i], options, summary.world_size)
             # Largest slot s with elapsed[s] <= begin: enough compute between it and the finish.
             s = int(np.searchsorted(elapsed, begin, side="right")) - 1
             target[i] = min(max(s, lo), wait)
@@ -305,7 +312,7 @@ def exposed_seconds(summary: GraphSummary, schedule: Schedule,
     for f in schedule.fetches:
         before = bisect.bisect_right(stall_slots, f.start)
         issued = elapsed[f.start] + (stall_totals[before - 1] if before else 0.0)
-        done = max(issued, comm_free) + _comm_seconds(f.nbytes, options)
+        done = max(issued, comm_free) + _comm_seconds(f.nbytes, options, summary.world_size)
         comm_free = done
         stop = done - (elapsed[f.wait] + stalled)
         if stop > 0:

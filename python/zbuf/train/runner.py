@@ -252,12 +252,14 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                 print_error(command, f"  also {line}")
             if not bench:
                 break
-    if not env:  # nothing ran: describe the machine from here
+    if not env:  # no worker reported: describe the machine the run was for, from here
         import torch
 
-        from .metrics import environment
+        from .metrics import environment, peak_flops_per_second
 
-        env = environment(torch.device("cpu"))
+        device = torch.device(cfg.device)  # the workers have exited: a CUDA context here is free
+        env = environment(device)
+        peak = peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype)
     code = _finish(command, cfg, env, engines_out, peak, console) or status
     if status == 130:
         _resume_hint(cfg, argv, console)
