@@ -136,6 +136,24 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert eng["status"] == "failed" and said in eng["error"]
 
 
+def test_a_step_that_runs_out_of_memory_keeps_where_it_failed_in_the_record(tmp_path):
+    # [Note: interrupted runs] in zbuf/train/loop.py: the record of a failed step says which step
+    # and phase failed, with the plans in force and the steps done, not just the error.
+    out = tmp_path / "run.json"
+    res = _run(["train", "--nproc", "1", "--steps", "3", "--out", str(out)],
+               env={"ZBUF_FAULT": "train.backward", "ZBUF_FAULT_SIGNAL": "OOM"})
+    assert res.returncode == 1, _why(res, out)
+    assert "OutOfMemoryError: injected at fault point train.backward" in res.stderr, res.stderr
+    eng = json.loads(out.read_text())["engines"][0]
+    assert eng["status"] == "failed" and "OutOfMemoryError" in eng["error"]
+    assert eng["failed_at"]["step"] == 0 and eng["failed_at"]["phase"] == "backward", eng["failed_at"]
+    assert eng["failed_at"]["error"].startswith("OutOfMemoryError: injected"), eng["failed_at"]
+    assert eng["steps"] == []
+    kinds = [g["kind"] for g in eng["schedule"]["graphs"]]
+    assert "forward" in kinds, kinds  # the plan that ran is in the record
+    assert eng["step_memory"]["measured"] is None  # failed before the measured step closed
+
+
 def _assert_clean_teardown(res, torch_keeps=False):
     """Every rank destroyed its group and no gloo thread was left, or (``torch_keeps``: FSDP2,
     whose mesh DTensor's caches keep) the rank ended without interpreter finalisation

@@ -47,7 +47,8 @@ since a graceful destroy waits for collectives that will never finish). It is id
 [Note: fault points]
 ``fault_point(name)`` is a no-op unless the environment variable ``ZBUF_FAULT`` names it
 (``name`` or ``name@<rank>``, with ``RANK`` the global rank); then the process kills itself with
-SIGKILL (``ZBUF_FAULT_SIGNAL=STOP`` stops it instead, a hung rank). Tests use it to die at exact
+SIGKILL (``ZBUF_FAULT_SIGNAL=STOP`` stops it instead, a hung rank; ``ZBUF_FAULT_SIGNAL=OOM``
+raises ``torch.OutOfMemoryError`` there, an allocation that failed). Tests use it to die at exact
 places (mid-step, mid-save) without racing a timer. The check is one dict lookup.
 """
 
@@ -362,7 +363,10 @@ def fault_point(name: str) -> None:
         return
     if rank and rank != os.environ.get("RANK", str(dist.get_rank()) if dist.is_initialized() else ""):
         return
-    sig = signal.SIGSTOP if os.environ.get("ZBUF_FAULT_SIGNAL", "").upper() == "STOP" else signal.SIGKILL
+    how = os.environ.get("ZBUF_FAULT_SIGNAL", "").upper()
+    if how == "OOM":
+        raise torch.OutOfMemoryError(f"injected at fault point {name} (ZBUF_FAULT)")
+    sig = signal.SIGSTOP if how == "STOP" else signal.SIGKILL
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), sig)

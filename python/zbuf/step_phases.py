@@ -108,6 +108,11 @@ class PhaseMeter:
         self._handles: list[Any] = []
         self._optimizer_ran = False
 
+    @property
+    def phase(self) -> Optional[str]:
+        """The running phase ("forward", "backward", "optimizer"); None outside a step."""
+        return self._phase
+
     # -- driving ------------------------------------------------------------------------------
 
     def attach(self, module: Optional[nn.Module] = None) -> "PhaseMeter":

@@ -20,16 +20,21 @@ them; their durations go to the record's ``checkpoints`` list.
 
 [Note: interrupted runs]
 Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SystemExit``) during the steps keeps what finished:
-``run_engine`` hands ``on_interrupt`` a result of status ``"interrupted"`` holding the rows of
+``run_engine`` hands ``on_stop`` a result of status ``"interrupted"`` holding the rows of
 the steps this rank finished, then lets the interruption go on. Its peers are being stopped at
 the same moment, so no collective gathers their rows: the record holds rank 0's times and
 memory (the loss of each finished step is already the mean over ranks), ``per_rank`` one entry.
 A Ctrl-C reaches every rank at once, and a peer that stops first fails this rank's collective
 before its own ``KeyboardInterrupt`` arrives (which may then land while the result is written):
-a peer failure is handled alike (the launcher uses the result only when the run was
-interrupted), and the write is retried once if the rank's own interrupt cuts it short. Seen
-without this: 2 of 4 ``test_interrupt_leaves_no_orphans_and_a_record[ctrl-c]`` runs recorded no
-step.
+a peer failure is handled alike, and the write is retried once if the rank's own interrupt cuts
+it short. Seen without this: 2 of 4 ``test_interrupt_leaves_no_orphans_and_a_record[ctrl-c]``
+runs recorded no step.
+
+A step that fails on this rank (an out-of-memory error, above all) is kept the same way, with
+status ``"failed"`` and ``failed_at``: the step and phase it failed in, the step-memory
+decisions made so far and the plans in force (their projected peaks). Without it the record of
+qwen3-14b's ``zbuf:auto`` as rank 0 of 8 (one H200, d32c336) said only "CUDA out of memory" and
+not whether step 0's plan or the grown one ran out.
 """
 
 from __future__ import annotations
@@ -97,12 +102,12 @@ def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional
 
 def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                label: Optional[str] = None,
-               on_interrupt: Optional[Callable[[dict], None]] = None) -> dict:
+               on_stop: Optional[Callable[[dict], None]] = None) -> dict:
     """Train ``cfg.steps`` steps with ``engine``; every rank returns the same result dict.
     ``label`` names the run in the record, the progress bar and profile files (default: the
-    engine's name; ``TrainConfig.run_labels``). ``on_interrupt``: called with this rank's
-    result of the steps done ([Note: interrupted runs]) when Ctrl-C or SIGTERM stops the
-    steps; the interruption then goes on."""
+    engine's name; ``TrainConfig.run_labels``). ``on_stop``: called with this rank's result of
+    the steps done ([Note: interrupted runs]) when Ctrl-C, SIGTERM or an error stops the steps;
+    the interruption or error then goes on."""
     label = label or engine.value
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
@@ -180,26 +185,32 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 saves.append({"step": step + 1, "path": str(path),
                               "seconds": time.perf_counter() - t0})
     except BaseException as e:
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)) and not faults.is_peer_failure(e):
-            raise
+        interrupt = isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_peer_failure(e)
         progress.end_engine()
-        if on_interrupt is None:
+        if on_stop is None:
             raise
 
-        def interrupted() -> None:
+        def stopped() -> None:
             result = _combine(engine, cfg, [rows], world, start)
-            result.update(label=label, ac=cfg.ac, status="interrupted",
+            result.update(label=label, ac=cfg.ac, status="interrupted" if interrupt else "failed",
                           setup_seconds=setup_seconds, resume_seconds=resume_seconds,
                           checkpoints=[s for s in saves if os.path.isdir(s["path"])],
                           run_id=checkpoints.run_id, notices=notices,
+                          compile_phases=compile_phases,
                           resumed_from=str(checkpoints.resumed_from)
                           if checkpoints.resumed_from else None)
-            on_interrupt(result)
+            if not interrupt:
+                result.update(
+                    failed_at={"step": step, "phase": meter.phase,
+                               "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"},
+                    schedule=setup.schedule_report(),
+                    step_memory=step_memory.report() if step_memory is not None else None)
+            on_stop(result)
 
         try:
-            interrupted()
+            stopped()
         except KeyboardInterrupt:  # this rank's own Ctrl-C, after a peer's failed the collective
-            interrupted()
+            stopped()
         raise
     progress.end_engine()
     if cfg.profile_dir is not None:
@@ -250,6 +261,7 @@ def _train_step(setup, batch, marks=None) -> torch.Tensor:
             loss = setup.step_loss(batch)
         with record_function("zbuf.train.backward"):
             mark("backward")
+            faults.fault_point("train.backward")  # [Note: fault points]
             loss.backward()
         with record_function("zbuf.train.optimizer"):
             mark("optimizer")

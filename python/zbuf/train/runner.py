@@ -183,7 +183,12 @@ def _spawned(cfg: TrainConfig, index: int,
         code = group.returncodes[rank]
         if code == 1 and texts.get(rank):  # a Python exception: its traceback, once
             print(texts[rank].rstrip(), file=sys.stderr, flush=True)
-        return {"engines": [_failure(cfg, index, "failed", msg)]}, code if code > 0 else 1, causes
+        partial = {"engines": [_failure(cfg, index, "failed", msg)]}
+        if os.path.exists(partial_path):  # rank 0 kept the steps it did ([Note: interrupted runs])
+            with open(partial_path) as f:
+                partial = json.load(f)
+            partial["engines"][-1].update(status="failed", error=msg)
+        return partial, code if code > 0 else 1, causes
 
 
 def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
@@ -299,7 +304,7 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
         try:
             with faults.supervised():  # releases the pools and the process group on every way out
                 partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
-                                      interrupted_path=stopped)
+                                      stopped_path=stopped)
         except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
             if rank == 0:
                 print_error(command, f"{type(e).__name__}: {e}")

@@ -64,9 +64,9 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
-                interrupted_path: Optional[str] = None) -> dict[str, Any]:
+                stopped_path: Optional[str] = None) -> dict[str, Any]:
     """Run ``cfg``'s runs of these indices (``TrainConfig.runs``) one after another on this rank;
-    returns the partial record (all ranks). ``interrupted_path``: where rank 0 writes the partial
+    returns the partial record (all ranks). ``stopped_path``: where rank 0 writes the partial
     record of the steps done when Ctrl-C or SIGTERM stops it ([Note: interrupted runs] in
     ``loop``)."""
     device = init_distributed(cfg)
@@ -79,8 +79,7 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
         torch._dynamo.reset()  # compiled code of a previous engine must not leak into this one
         engine, _ = cfg.runs()[i]
         results.append(run_engine(engine, cfg.for_run(i), device, shown, labels[i],
-                                  on_interrupt=_interrupted_writer(cfg, device, results,
-                                                                   interrupted_path)))
+                                  on_stop=_stopped_writer(cfg, device, results, stopped_path)))
     # [Note: worker teardown order]
     # run_engine dropped the model and optimizer; compiled code can still reference a model (a
     # DDP wrapper holds its group strongly), so it goes too, and the collector frees what cycles
@@ -100,11 +99,11 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
     }
 
 
-def _interrupted_writer(cfg: TrainConfig, device: torch.device, done: list[dict],
-                        path: Optional[str]) -> Optional[Callable[[dict], None]]:
-    """Rank 0's ``on_interrupt``: the runs done and the interrupted one, as a partial record at
-    ``path``. The rank is stopping: a second Ctrl-C, or the launcher's SIGTERM, must not cut
-    the file short, so both are ignored from here on."""
+def _stopped_writer(cfg: TrainConfig, device: torch.device, done: list[dict],
+                    path: Optional[str]) -> Optional[Callable[[dict], None]]:
+    """Rank 0's ``on_stop``: the runs done and the interrupted or failed one, as a partial record
+    at ``path`` ([Note: interrupted runs] in ``loop``). The rank is stopping: a second Ctrl-C, or
+    the launcher's SIGTERM, must not cut the file short, so both are ignored from here on."""
     if path is None or dist.get_rank() != 0:
         return None
 
@@ -133,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with faults.supervised():
             partial = run_engines(cfg, tuple(spec["runs"]), cfg.progress,
-                                  interrupted_path=spec["partial"])
+                                  stopped_path=spec["partial"])
         if rank == 0:
             with open(spec["partial"], "w") as f:
                 json.dump(partial, f)
