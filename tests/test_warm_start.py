@@ -1,5 +1,5 @@
 """A second launch with Inductor's caches on disk skips the compile ([Note: stable agreed memory]
-in compile/budget.py, [Note: pass uuid] in compile/passes.py).
+in zbuf/agreement.py, [Note: pass uuid] in compile/passes.py).
 
 Two fresh processes compile the same sharded model with the zbuf backend (Inductor, budget from
 the agreed free memory, its two blocks compiled once) against one ``TORCHINDUCTOR_CACHE_DIR``. Their free memory differs by
@@ -17,8 +17,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zbuf.compile.budget import stable_free_bytes
+from zbuf.agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, stable_bytes
+
+
+def stable_free_bytes(n):
+    return stable_bytes(n, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
 
 _SCRIPT = r"""
 import json, sys
@@ -83,6 +89,18 @@ def _launch(cache_dir, free) -> dict:
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 48), st.integers(0, 10), st.sampled_from([1, 64 << 20]))
+def test_stable_bytes_rounds_down_by_at_most_one_quantum_and_is_idempotent(n, bits, min_quantum):
+    # [Note: stable agreed memory]: never above the count (plans stay feasible), at most one
+    # quantum below it, and a rounded count rounds to itself (a relaunch agrees).
+    q = stable_bytes(n, bits=bits, min_quantum=min_quantum)
+    quantum = max(min_quantum, (1 << max(0, n.bit_length() - 1)) >> bits, 1)
+    assert n - quantum < q <= n or (n <= min_quantum and q == n)
+    assert stable_bytes(q, bits=bits, min_quantum=min_quantum) == q
+    assert stable_bytes(n + 1, bits=bits, min_quantum=min_quantum) >= q  # monotone
 
 
 def test_free_memory_is_rounded_down_to_a_stable_value():

@@ -88,6 +88,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import MEASURED_BITS, agree_extremes, stable_bytes
 from .memory import SharedMemory
 from .shard import roots
 from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
@@ -102,16 +103,10 @@ SAFETY_DIVISOR = 64
 """``limit / SAFETY_DIVISOR`` of the measured limit stays unplanned: allocations that differ from
 step 0 to later steps (the measurement itself is exact for what it saw)."""
 
-_QUANT_BITS = 4
-
-
 def quantize_budget(nbytes: int) -> int:
-    """``nbytes`` rounded down to a multiple of 1/16 of its leading power of two (at most 6 % less),
-    at least 1: nearby measurements give the same budget, so a relaunch hits Inductor's cache."""
-    if nbytes <= 1:
-        return 1
-    step = 1 << max(0, nbytes.bit_length() - 1 - _QUANT_BITS)
-    return max(1, nbytes // step * step)
+    """A measured budget rounded down to a value that repeats ([Note: stable agreed memory] in
+    zbuf/agreement.py), at least 1 byte."""
+    return max(1, stable_bytes(nbytes, bits=MEASURED_BITS))
 
 
 class MeasuredBudget(NamedTuple):
@@ -329,14 +324,10 @@ class StepMemory:
         return _root_of(self.model).group
 
     def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
-        """One all-reduce(MIN) over the sharding group: the smallest limit, the largest rest."""
-        vals = [limit, -fw, -bw, -(opt or 0), -excess]
-        if self.group is not None and dist.is_available() and dist.is_initialized():
-            dev = self.memory.device if dist.get_backend(self.group) == "nccl" else "cpu"
-            t = torch.tensor(vals, dtype=torch.int64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            vals = [int(v) for v in t.tolist()]
-        return vals[0], -vals[1], -vals[2], (None if opt is None else -vals[3]), -vals[4]
+        """The smallest limit and the largest rest over the sharding group (one all-reduce)."""
+        (limit,), (fw, bw, opt_peak, excess) = agree_extremes(
+            self.group, self.memory.device, smallest=[limit], largest=[fw, bw, opt or 0, excess])
+        return limit, fw, bw, (None if opt is None else opt_peak), excess
 
     # -- telemetry ----------------------------------------------------------------------------
 

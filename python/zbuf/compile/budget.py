@@ -17,18 +17,8 @@ explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (
 memory: the device's total memory under the user's ``set_per_process_memory_fraction``; still
 the same on every rank of a homogeneous job, just less tight.
 
-[Note: stable agreed memory]
-The agreed value is part of the passes' cache key (through the options' digest), and free memory
-differs from launch to launch by a few megabytes (a context, a library, the page cache): the
-exact number would miss Inductor's FX-graph and AOT caches on every launch. ``agree_free_memory``
-therefore rounds the agreed minimum down to a multiple of a quantum (``stable_free_bytes``): a
-power of two between 1/128 and 1/64 of the value, at least 64 MiB (1 GiB for 80-140 GB free).
-What stays correct: the plan assumes at most the memory that was really free (rounding is down,
-never up), so it remains feasible; it leaves up to one quantum (1.6 % of the free memory, or
-64 MiB below 8 GiB) unplanned, on top of ``margin_fraction``. A launch whose free memory lands in
-another quantum plans and compiles afresh, as any different budget must. A re-plan's measured
-budget is rounded the same way, more coarsely (``quantize_budget`` in zbuf/step_memory.py), and
-an explicit ``budget_bytes`` is the user's own stable number.
+The agreed free memory is rounded to a value that repeats from launch to launch ([Note: stable
+agreed memory] in zbuf/agreement.py).
 """
 
 from __future__ import annotations
@@ -39,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from ..agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, agree_extremes, stable_bytes
 from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
 __all__ = ["PlanExceedsMemoryError", "check_plan_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
-           "stable_free_bytes", "gather_reserve", "PREFETCH_BLOCKS"]
+           "gather_reserve", "PREFETCH_BLOCKS"]
 
 PREFETCH_BLOCKS = 2
 """Blocks of gathered weights kept for the gather planner beyond what one node reads at once:
@@ -90,34 +81,19 @@ def _total_bytes(device: torch.device) -> int:
     return _host_bytes("total")
 
 
-_MIN_QUANTUM = 64 << 20
-
-
-def stable_free_bytes(free: int) -> int:
-    """``free`` rounded down to its quantum ([Note: stable agreed memory])."""
-    if free <= _MIN_QUANTUM:
-        return max(0, int(free))
-    quantum = max(_MIN_QUANTUM, 1 << (int(free).bit_length() - 7))
-    return int(free) // quantum * quantum
-
-
 def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                       reserve_bytes: int = 0) -> int:
     """The minimum free memory over ``group`` (None: the default group), with one all-reduce;
     this process's own free memory when no process group is initialised; rounded down to a value
-    that repeats from launch to launch. See the Notes.
+    that repeats from launch to launch ([Note: stable agreed memory] in zbuf/agreement.py).
 
     ``reserve_bytes``: memory the step will hold that is not allocated yet and that this rank
     knows exactly (``zbuf.compile`` passes its gradients' bytes), taken off the free memory."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    free = max(0, local_free_bytes(device) - reserve_bytes)
-    if dist.is_available() and dist.is_initialized():
-        pg = group if group is not None else dist.group.WORLD
-        t = torch.tensor([free], dtype=torch.int64, device=device if dist.get_backend(pg) == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
-        free = int(t.item())
-    return stable_free_bytes(free)
+    (free,), _ = agree_extremes(group, device,
+                                smallest=[max(0, local_free_bytes(device) - reserve_bytes)])
+    return stable_bytes(free, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
 
 
 def graph_memory(options: CompileOptions, device: torch.device) -> int:
