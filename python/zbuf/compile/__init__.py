@@ -1,12 +1,12 @@
 """zbuf's torch.compile backend and its memory-budgeted all-gather scheduling.
 
 The subpackage is itself callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True,
-persist=None, optimizer=None, recompute="checkpointed", ...)`` is ``backend.compile_model``, while ``zbuf.compile.backend`` & co. stay
-importable modules (the ``torch_dynamo_backends`` entry point names
-``zbuf.compile.backend:zbuf_backend``).
+persist=None, optimizer=None, recompute="checkpointed", ...)`` is
+``compiled_model.compile_model``, while ``zbuf.compile.backend`` & co. stay importable modules
+(the ``torch_dynamo_backends`` entry point names ``zbuf.compile.backend:zbuf_backend``).
 
-- ``backend``: the backend and ``compile_model``; ``options``: ``CompileOptions``; ``budget``: the
-  rank-agreed budget.
+- ``backend``: the backend; ``compiled_model``: ``compile_model``, the backend plus the step's
+  measured memory; ``options``: ``CompileOptions``; ``budget``: the rank-agreed budget.
 - ``passes``: the partitioner and schedule pass objects, ``PlanState``, the pass uuid.
 - ``recompute``: which activations forward keeps and backward recomputes (the recompute modes,
   the budgeted plan checked on the partitioned graphs); ``recompute_plan``: its planner (pure).
@@ -24,7 +24,8 @@ from __future__ import annotations
 import sys
 import types
 
-from .backend import compile_model, step_memory_of, zbuf_backend
+from .backend import zbuf_backend
+from .compiled_model import compile_model, step_memory_of
 from .budget import PlanExceedsMemoryError
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions

@@ -1,8 +1,9 @@
 """The ``zbuf`` torch.compile backend: Inductor (or aot_eager) with the zbuf passes.
 
 ``torch.compile(model, backend="zbuf", options={...})`` finds this through the
-``torch_dynamo_backends`` entry point; ``zbuf.compile(model, ...)`` is the same with keyword
-options and the one-time rank agreement on free memory ([Note: rank-agreed budget]).
+``torch_dynamo_backends`` entry point; ``zbuf.compile(model, ...)`` (compiled_model.py) is the
+same with keyword options, the one-time rank agreement on free memory ([Note: rank-agreed
+budget] in budget.py) and the step's measured memory.
 
 Only public hooks are used: ``compile_fx(..., config_patches=...)`` (applied to the forward and to
 the lazily compiled backward alike) with ``custom_partitioner_fn`` and
@@ -18,14 +19,11 @@ from typing import Any, Mapping
 
 import torch
 
-from ..optimizer_policy import OptimizerPolicy
-from ..shard import roots
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
-from .regions import mark_repeated_blocks
 
-__all__ = ["zbuf_backend", "compile_model", "step_memory_of"]
+__all__ = ["zbuf_backend"]
 
 
 def zbuf_backend(
@@ -102,111 +100,3 @@ def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dic
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     walk(gm, dict(zip(placeholders, example_inputs)))
     return found
-
-
-def _shard_group(model: torch.nn.Module):
-    found = roots(model)
-    return found[0].group if found else None
-
-
-def _gradient_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the gradients of ``model``'s trainable parameters (shards, once each)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
-
-
-def compile_model(
-    model: torch.nn.Module,
-    *,
-    budget_bytes: int | None = None,
-    prefetch: bool = True,
-    persist: bool | None = None,
-    recompute: str = "checkpointed",
-    fullgraph: bool = False,
-    dynamic: bool | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    **options: Any,
-) -> torch.nn.Module:
-    """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
-    the whole training step under one measured memory budget.
-
-    ``recompute``: ``"checkpointed"`` (backward recomputes the model's checkpointed regions as
-    written), ``"auto"`` (zbuf decides per checkpointed region what to keep and what to recompute
-    within the rank-agreed budget) or ``"none"`` (keep every region's activations); see
-    [Note: recompute modes] in recompute.py. Unless ``compile_blocks_once=False`` (or
-    ``recompute="auto"``), the model's repeated blocks are marked to compile once, in place
-    ([Note: compile repeated blocks once] in regions.py).
-
-    Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
-    ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
-    model's sharding group ([Note: rank-agreed budget] in budget.py).
-
-    For a model sharded with ``zbuf.shard``, the first step is measured and, if the step does not
-    fit the plans, the model is re-planned once, at the first forward of the second step, on
-    every rank ([Note: whole-step budget] in zbuf/step_memory.py; ``zbuf.step_memory_of``).
-    ``optimizer``: the model's optimizer. zbuf then measures its step separately and lends it the
-    pool's idle blocks when it needs them; without it the optimizer step is measured as part of
-    backward and the budget leaves room for it beside the pool. An explicit ``budget_bytes`` is
-    never re-planned.
-    """
-    opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
-                          recompute=recompute, **options)
-    if opts.blocks_once:
-        mark_repeated_blocks(model)  # [Note: compile repeated blocks once] in regions.py
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    host_free = None
-    sharded = _shard_group(model) is not None
-    if budget_bytes is None and sharded:
-        # Step 0 runs a plan no hungrier than FSDP2's; the measurement grows it ([Note: measure
-        # first, then spend] in zbuf/step_memory.py).
-        opts = dataclasses.replace(opts, measuring=True)
-    if budget_bytes is None and opts.free_memory_bytes is None:
-        import torch.distributed as dist
-
-        from .budget import agree_free_memory
-
-        group = _shard_group(model)
-        if group is not None or not dist.is_initialized():
-            # What step 0 will hold that is known exactly now: the gradients, and the
-            # optimizer's state and temporaries from its type and the shards ([Note: optimizer
-            # state bytes] in zbuf/optimizer_policy.py); the rest is measured on step 0.
-            reserve = _gradient_bytes(model)
-            if optimizer is not None:
-                reserve += OptimizerPolicy.of(optimizer).step_bytes(optimizer)
-            free = agree_free_memory(group, reserve_bytes=reserve)
-            opts = dataclasses.replace(opts, free_memory_bytes=free)
-            host_free = free + reserve
-    elif opts.free_memory_bytes is not None:
-        host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
-    compiled = torch.compile(
-        model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
-    )
-    if _shard_group(model) is None:
-        if optimizer is not None:
-            raise ValueError("zbuf.compile(..., optimizer=...) measures the step of a model "
-                             "sharded with zbuf.shard; shard the model first, or leave out "
-                             "optimizer=")
-        return compiled
-    from ..step_memory import StepMemory
-    from .replan import Replanner
-
-    replanner = None
-    if budget_bytes is None:
-        replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
-    compiled.__dict__["_zbuf_step_memory"] = StepMemory(
-        model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
-        host_free_bytes=host_free)
-    return compiled
-
-
-def step_memory_of(compiled: torch.nn.Module):
-    """The ``zbuf.step_memory.StepMemory`` that ``zbuf.compile`` attached to ``compiled`` (its
-    measured budget, per-step rows and events), or None."""
-    return compiled.__dict__.get("_zbuf_step_memory")

@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import models
 from .. import shard as zshard
-from ..compile import backend as zbackend
+from ..compile import compiled_model as zcompiled
 from ..compile import schedule_report as zschedule_report
 from ..pool import GatherBufferPool
 from ..step_memory import StepMemory
@@ -257,7 +257,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
     once.update(_stand_in_card(model, cfg, device))
-    compiled = zbackend.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
+    compiled = zcompiled.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
                                       inner=cfg.compiler, optimizer=optimizer,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
                                       **once)
@@ -270,7 +270,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
         return {"graphs": to_jsonable(records)} if records else None
 
     return EngineSetup(step_loss, model, optimizer, pool, schedule_report,
-                       zbackend.step_memory_of(compiled))
+                       zcompiled.step_memory_of(compiled))
 
 
 def _stand_in_card(model: nn.Module, cfg: TrainConfig, device: torch.device) -> dict:
