@@ -41,7 +41,9 @@
 # (nvidia-h200), one engine per call:
 #   bash benches/device/run.sh seed14 ENGINE[:MODE]  # the reference configuration: qwen3-14b as
 #                                           rank 0 of 8 on an 80 GiB card, mb 4, seq 4096, AC,
-#                                           10 + 20 steps; ENGINE: zbuf, zbuf:auto, fsdp2 (~5 min)
+#                                           10 + 20 steps; ENGINE: zbuf, zbuf:auto, fsdp2 (measured
+#                                           at d32c336: zbuf 5.1 min, fsdp2 2.4 min, zbuf:auto
+#                                           6.2 min to its OOM; a fresh machine adds ~2 min)
 #                                           then: zbuf bench --merge $OUT/seed14_*.json --out
 #                                           benches/results/seed14.json; python3
 #                                           benches/reference_table.py benches/results/seed14.json
@@ -54,6 +56,10 @@
 #   bash benches/device/run.sh plain14    # benches/plain_setup.py as rank 0 of 8, qwen3-14b, 80 GiB
 #                                           card: the plain user setup vs the bench engine
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
+# Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
+# under /tmp, and follow with calls that wait and copy the logs to $OUT. The machine is given
+# back 30 s after a call ends, killing detached work with it: chain the next call at once (a gap
+# of two minutes lost a running `fit8b` on 2026-12-02).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benches/device/env.sh
