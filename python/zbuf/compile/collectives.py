@@ -287,12 +287,10 @@ def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
         try:
             launch = token._zbuf_reduce_scatters_in_flight.pop(started.untyped_storage().data_ptr())
         except (AttributeError, KeyError):
-            launch = None
-        if launch is None:
             raise RuntimeError(
                 "zbuf::reduce_scatter_wait: no reduce-scatter started on this token owns this "
                 "tensor (waited twice, or the graph was rewritten wrongly); this is a zbuf bug"
-            )
+            ) from None
         runtime.reduce_scatter_finish(launch)
 
 
