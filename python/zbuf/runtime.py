@@ -95,8 +95,8 @@ def count_into(param_ids, counts) -> None:
 
 
 # The lookup is written out in both counting functions: a shared helper was one Python call more
-# per op, 250-300 ns against 4fed11d's module-global counter instead of 150-190 (one process,
-# interleaved; benches/results/op_dispatch_cpu_counts.md).
+# per op, 150-260 ns per count more than 4fed11d's module-global counter instead of 90-190 (one
+# process, interleaved: benches/results/op_dispatch_cpu_counts.md).
 
 
 def count_gather(param_id: int, nbytes: int) -> None:
