@@ -20,6 +20,7 @@ Writes op_dispatch_<device>.json and op_dispatch_<device>.md.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -89,6 +90,10 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
     }
     # A sharded parameter's pool, as compiled graphs name it ([Note: pool ids] in runtime.py).
     pool_id = runtime.pool_id_of(default_pool(dev))
+    # ...and its root's op counts ([Note: counts live with their model]): PARAM_ID belongs to no
+    # model, so without this the ops would skip the counting a real parameter's ops do.
+    counts = collections.Counter()
+    runtime.count_into([PARAM_ID], counts)
     seqs = {v: _sequences(ops, token, shard, group, grad, pool_id) for v, ops in variants.items()}
     warm_up(1.0, seqs["zbuf"]["gather cycle (buffer, start, wait, release)"])
     floor = torch.zeros(1, device=dev)
@@ -101,6 +106,7 @@ def bench_device(device: str, iters: int, repeats: int) -> dict:
         rows.append({"sequence": name, **{f"{v}_ns": got[v][0] for v in variants},
                      **{f"{v}_median_ns": got[v][1] for v in variants}})
     assert C.pending(token) == 0, "a start was not waited for"
+    assert counts["all_gather"] > 0 and counts["reduce_scatter"] > 0
     return {"device": device, "rows": rows, "aten_add_ns": aten_ns}
 
 

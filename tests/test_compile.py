@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import zbuf.ops as zops
 import zbuf.runtime
 import zbuf.shard
 from zbuf.agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, stable_bytes
@@ -71,11 +70,11 @@ def _train(model, step_fn, batches):
 
     pool = default_pool("cpu")
     for tokens, targets in batches:
-        before = zops.counters["all_gather"]
+        before = zbuf.shard.op_counts(model)["all_gather"]
         misses = pool.stats().misses
         loss = F.cross_entropy(step_fn(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
-        per_step.append(zops.counters["all_gather"] - before)
+        per_step.append(zbuf.shard.op_counts(model)["all_gather"] - before)
         pool_misses.append(pool.stats().misses - misses)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -96,7 +96,7 @@ def _full_grads(model, *, sharded) -> dict[str, torch.Tensor]:
 
 def _train(step_fn, model, batches, rank, world, *, sharded, loss_fn) -> _Run:
     """AdamW steps after a linear warm-up from lr 0."""
-    import zbuf.ops as zops
+    from zbuf.shard import op_counts
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     # [Note: first Adam step]: no sign step on fp32 rounding noise.
@@ -105,10 +105,10 @@ def _train(step_fn, model, batches, rank, world, *, sharded, loss_fn) -> _Run:
     for tokens, targets in batches:
         if sharded:
             tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
-        before = zops.counters["all_gather"]
+        before = op_counts(model)["all_gather"]
         loss = loss_fn(step_fn, tokens, targets)
         loss.backward()
-        gathers.append(zops.counters["all_gather"] - before)
+        gathers.append(op_counts(model)["all_gather"] - before)
         if first_grads is None:
             first_grads = _full_grads(model, sharded=sharded)
         opt.step()

@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import zbuf.ops
 import zbuf.runtime
 from test_shard_parity import ParityNet
-from zbuf.shard import ShardingError, shard, sharded_parameters
+from zbuf.shard import ShardingError, op_counts, shard, sharded_parameters
 from zbuf.state_dict import full_state_dict
 
 
@@ -45,11 +44,11 @@ def test_tied_weight_reduces_into_one_gradient_frozen_gets_none():
     ref = ParityNet()
     model = shard(copy.deepcopy(ref))
     tokens = torch.randint(0, 37, (3, 5))
-    before = zbuf.ops.counters["reduce_scatter"]
+    before = op_counts(model)["reduce_scatter"]
     model(tokens).sum().backward()
     ref(tokens).sum().backward()
     # one per trainable parameter: the tied embedding/head once ([Note: reduce once]) + 2 blocks x 4
-    assert zbuf.ops.counters["reduce_scatter"] - before == 9
+    assert op_counts(model)["reduce_scatter"] - before == 9
     emb = model.embed._parameters["weight"]
     torch.testing.assert_close(emb.grad.view(ref.embed.weight.shape), ref.embed.weight.grad, rtol=1e-6, atol=1e-7)
     assert model.frozen._parameters["weight"].grad is None
@@ -137,14 +136,14 @@ def test_guard_evaluation_never_gathers():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     tokens = torch.randint(0, 37, (2, 5))
     with torch.no_grad():
-        before = zbuf.ops.counters["all_gather"]
+        before = op_counts(model)["all_gather"]
         model(tokens)
-        per_call = zbuf.ops.counters["all_gather"] - before
+        per_call = op_counts(model)["all_gather"] - before
         compiled(tokens)  # compiles
         for _ in range(3):
-            before = zbuf.ops.counters["all_gather"]
+            before = op_counts(model)["all_gather"]
             compiled(tokens)  # guards evaluated, graph run
-            assert zbuf.ops.counters["all_gather"] - before == per_call
+            assert op_counts(model)["all_gather"] - before == per_call
 
 
 def test_param_dtype_gathers_and_travels_in_low_precision():
@@ -152,10 +151,10 @@ def test_param_dtype_gathers_and_travels_in_low_precision():
     ref = nn.Linear(16, 8)
     model = shard(copy.deepcopy(ref), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert model._parameters["weight"].dtype == torch.float32
-    before = zbuf.ops.counters["all_gather_bytes"]
+    before = op_counts(model)["all_gather_bytes"]
     w = model.weight
     assert w.dtype == torch.bfloat16 and w.shape == (8, 16)
-    assert zbuf.ops.counters["all_gather_bytes"] - before == 8 * 16 * 2
+    assert op_counts(model)["all_gather_bytes"] - before == 8 * 16 * 2
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model(x).float().sum().backward()
     g = model._parameters["weight"].grad
@@ -212,3 +211,36 @@ def test_a_models_pool_does_not_outlive_the_model():
     assert alive() is None
     with pytest.raises(ValueError, match="no live gather-buffer pool has id"):
         zbuf.runtime.pool_of(pool_id, torch.zeros(1))
+
+
+def test_two_models_in_one_process_keep_separate_counts():
+    """[Note: counts live with their model]: two models sharded in one process, on the same
+    (default) pool, each count only their own gathers and reduce-scatters, and a model's counts
+    are freed with it."""
+    import gc
+    import weakref
+
+    from zbuf.shard import root_of
+
+    a = shard(nn.Linear(8, 8))
+    b = shard(nn.Linear(16, 4), param_dtype=torch.bfloat16)
+    assert root_of(a).pool is root_of(b).pool
+    a(torch.randn(2, 8)).sum().backward()
+    # weight and bias gathered once and reduced once each, fp32 at world 1: (64 + 8) * 4 bytes
+    after_a = op_counts(a)
+    assert after_a == {"all_gather": 2, "all_gather_bytes": 288,
+                       "reduce_scatter": 2, "reduce_scatter_bytes": 288}
+    assert op_counts(b) == {}
+
+    b(torch.randn(3, 16, dtype=torch.bfloat16)).float().sum().backward()
+    assert op_counts(a) == after_a
+    # bf16 both ways (no reduce_dtype): (64 + 4) * 2 bytes
+    after_b = op_counts(b)
+    assert after_b == {"all_gather": 2, "all_gather_bytes": 136,
+                       "reduce_scatter": 2, "reduce_scatter_bytes": 136}
+    assert op_counts(torch.compile(b, backend="aot_eager")) == after_b  # the accessor sees through
+
+    counts = weakref.ref(root_of(a).counters)
+    del a
+    gc.collect()
+    assert counts() is None

@@ -42,9 +42,8 @@ class Stack(nn.Module):
 
 
 def _memory_worker(rank, world):
-    import zbuf.ops
     from zbuf.pool import GatherBufferPool
-    from zbuf.shard import root_of, shard
+    from zbuf.shard import op_counts, root_of, shard
 
     out = {}
     for ckpt in (False, True):
@@ -60,11 +59,11 @@ def _memory_worker(rank, world):
         allocations_after_first = None
         gathers_per_step = []
         for step in range(STEPS):
-            before = zbuf.ops.counters["all_gather"]
+            before = op_counts(model)["all_gather"]
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            gathers_per_step.append(zbuf.ops.counters["all_gather"] - before)
+            gathers_per_step.append(op_counts(model)["all_gather"] - before)
             stats = pool.stats()
             assert stats.checked_out == 0, f"step {step}: {stats.checked_out} leases not returned"
             assert root_of(model).regather.live_tracked() == 0

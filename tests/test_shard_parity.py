@@ -123,8 +123,7 @@ def assert_state_matches(full_sd, ref, what, *, per_tensor=False):
 
 
 def _parity_worker(rank, world, modes):
-    import zbuf.ops
-    from zbuf.shard import shard, sharded_parameters
+    from zbuf.shard import op_counts, shard, sharded_parameters
     from zbuf.state_dict import full_state_dict
 
     torch.manual_seed(0)
@@ -139,7 +138,7 @@ def _parity_worker(rank, world, modes):
         model = shard(copy.deepcopy(init))
         frozen = model.frozen._parameters["weight"]
         step = model if mode == "eager" else torch.compile(model, backend=mode, fullgraph=True)
-        before = dict(zbuf.ops.counters)
+        before = op_counts(model)["reduce_scatter"]
         losses, norms = train(step, batches, rank, world, sharded=True)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0,
                                    msg=lambda m: f"{mode} losses: {m}")
@@ -151,7 +150,7 @@ def _parity_worker(rank, world, modes):
         assert all(n == -(-spec.numel // world) for *_, spec in sharded_parameters(model) for n in [spec.shard_numel])
         report[mode] = {
             "losses": losses,
-            "reduce_scatters": zbuf.ops.counters["reduce_scatter"] - before.get("reduce_scatter", 0),
+            "reduce_scatters": op_counts(model)["reduce_scatter"] - before,
             "shard_sizes": sorted(n_shards),
         }
     if "tiny" in modes or world == 2:

@@ -230,8 +230,8 @@ MUTABLE_GLOBALS = {
     "zbuf.runtime._POOLS": "weak: ops name pools by int ([Note: pool ids]); an entry dies with "
         "its pool",
     "zbuf.runtime._pool_ids": "pool ids are unique in the process, never reused ([Note: pool ids])",
-    "zbuf.runtime.counters": "not moved yet: the ops that count carry no owner (a release names "
-        "only its pool, a reduce-scatter only its parameter), see issue 23",
+    "zbuf.runtime._COUNTS": "weak: ops name parameters by int ([Note: counts live with their "
+        "model]); parameter id -> its root's counter, an entry dies with that counter",
     "zbuf.compile.report._OWNERS": "parameter id -> the model's records ([Note: records live "
         "with their model]): a cache-hit graph's check names only ids; weak (an entry dies with "
         "its parameter)",

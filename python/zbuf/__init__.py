@@ -16,7 +16,8 @@ The public surface:
 
 [Note: lazy import]
 ``import zbuf`` in a process that has not imported torch yet imports neither torch nor any zbuf
-module, so the ``zbuf`` command parses its options and answers ``zbuf --help`` without the
+module but ``zbuf.errors`` (the Rust extension's exception classes, which need no torch), so the
+``zbuf`` command parses its options and answers ``zbuf --help`` without the
 seconds torch takes to import. zbuf loads itself the moment torch has been imported (a one-shot
 import hook, ``_LoadAfterTorch``), or at once when torch was imported before zbuf, and any
 public name used before that loads it too. So every process that uses zbuf has loaded all of it,
@@ -66,7 +67,12 @@ if (0, 0) < _torch_version() < (2, 11):
 
 __version__ = "0.1.0"
 
-# Public name -> the zbuf module that defines it. ``shard``, ``compile`` and ``models`` are
+# The exceptions: every name of zbuf.errors, bound at once (the Rust extension's classes; its
+# import takes under a millisecond and no torch: [Note: lazy import]).
+from . import errors as _errors  # noqa: E402
+from .errors import *  # noqa: E402, F403
+
+# Every other public name -> the zbuf module that defines it. ``shard``, ``compile`` and ``models`` are
 # modules themselves (``zbuf.shard`` and ``zbuf.compile`` are callable modules: ``zbuf.shard(model)``
 # and ``zbuf.shard.<helper>`` both work).
 _SUBMODULES = ("shard", "compile", "models")
@@ -74,16 +80,6 @@ _NAMES = {
     "GatherBufferPool": "pool",
     "PoolStats": "pool",
     "default_pool": "pool",
-    "PoolError": "errors",
-    "ForeignBufferError": "errors",
-    "DoubleReleaseError": "errors",
-    "PoolOutOfMemoryError": "errors",
-    "NoCudaDriverError": "errors",
-    "InvalidDeviceError": "errors",
-    "InvalidRequestError": "errors",
-    "UnsupportedDtypeError": "errors",
-    "UnverifiableReleaseError": "errors",
-    "PoolBackendError": "errors",
     "ShardingError": "shard",
     "full_state_dict": "state_dict",
     "load_full_state_dict": "state_dict",
@@ -101,7 +97,7 @@ _NAMES = {
     "CheckpointMismatchError": "checkpoint",
 }
 
-__all__ = [*_NAMES, *_SUBMODULES]
+__all__ = [*_NAMES, *_errors.__all__, *_SUBMODULES]
 
 
 # [Note: import before init_process_group]
@@ -203,18 +199,6 @@ if _TYPE_CHECKING:  # what the names are, for type checkers and editors
     )
     from .clip import clip_grad_norm_  # noqa: F401
     from .compile import ScheduleMismatchError, schedule_report  # noqa: F401
-    from .errors import (  # noqa: F401
-        DoubleReleaseError,
-        ForeignBufferError,
-        InvalidDeviceError,
-        InvalidRequestError,
-        NoCudaDriverError,
-        PoolBackendError,
-        PoolError,
-        PoolOutOfMemoryError,
-        UnsupportedDtypeError,
-        UnverifiableReleaseError,
-    )
     from .pool import GatherBufferPool, PoolStats, default_pool  # noqa: F401
     from .shard import ShardingError  # noqa: F401
     from .state_dict import full_state_dict, load_full_state_dict  # noqa: F401

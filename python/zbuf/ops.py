@@ -36,9 +36,9 @@ Every op checks its arguments (1-D contiguous shard of ``ceil(numel / world)`` e
 floating dtypes, a live process group) and raises ``ValueError``/``RuntimeError`` naming the
 parameter id and the fix.
 
-The op bodies are thin: pools, counters, the debug flags, the process-group lookup and the
-collective helpers they share with the graph ops of ``compile/collectives.py`` live in
-``runtime.py`` (``counters`` is re-exported here).
+The op bodies are thin: pools, op counts ([Note: counts live with their model]), the debug
+flags, the process-group lookup and the collective helpers they share with the graph ops of
+``compile/collectives.py`` live in ``runtime.py``.
 
 [Note: tied parameters]
 A parameter reachable under several names (tied embeddings) is one shard ``nn.Parameter``. Each
@@ -68,7 +68,7 @@ from .param import unpad_full
 from .runtime import (
     DEFAULT_POOL,
     borrowed,
-    counters,
+    count_gather,
     gather_into,
     label,
     pool_of,
@@ -84,7 +84,6 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_impl",
     "release",
-    "counters",
 ]
 
 
@@ -123,8 +122,7 @@ def all_gather_impl(shard, param_id, shape, group_name, param_dtype, pool_id) ->
         padded = world * shard.numel()
         buf = pool_of(pool_id, shard).acquire((padded,), dtype)
         gather_into([borrowed(buf) if world > 1 else buf], [shard.detach()], pg, async_op=False)
-        counters["all_gather"] += 1
-        counters["all_gather_bytes"] += buf.numel() * buf.element_size()
+        count_gather(param_id, buf.numel() * buf.element_size())
         return unpad_full(buf, shape)
 
 

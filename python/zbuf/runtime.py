@@ -1,4 +1,4 @@
-"""The run-time side of zbuf's collectives: pools, counters, debug flags, process groups, and
+"""The run-time side of zbuf's collectives: pools, op counts, debug flags, process groups, and
 the helpers that launch, finish and release gathers and reduce-scatters.
 
 Everything here runs when an op actually executes (never while tracing): the custom ops of
@@ -6,7 +6,8 @@ Everything here runs when an op actually executes (never while tracing): the cus
 autograd function) and the graph ops of ``compile/collectives.py`` (start, wait, release) are thin
 shells around these helpers, so eager and compiled runs move bytes the same way.
 
-- ``counters``: what ran (tests and reports read it);
+- the op counts' registry ([Note: counts live with their model]): ``count_into``,
+  ``count_gather``, ``count_reduce_scatter``;
 - ``POISON_RELEASES``: [Note: poisoned releases];
 - the pool registry ([Note: pool ids]): ``pool_id_of``, ``pool_of``, ``known_pools``;
 - ``process_group``: the one lookup of a group by name, with the error that names the fix;
@@ -38,7 +39,6 @@ block, waited together (``_Works``); NCCL keeps its coalesced launch.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import os
@@ -54,7 +54,9 @@ from .errors import DoubleReleaseError, ForeignBufferError
 from .pool import default_pool
 
 __all__ = [
-    "counters",
+    "count_into",
+    "count_gather",
+    "count_reduce_scatter",
     "POISON_RELEASES",
     "DEFAULT_POOL",
     "pool_id_of",
@@ -70,13 +72,47 @@ __all__ = [
     "release_buffer",
 ]
 
-counters: collections.Counter = collections.Counter()
-"""Real (non-fake) op executions in this process: ``all_gather``, ``reduce_scatter``, ``release``,
-and the bytes each moved (``all_gather_bytes``: gathered buffer bytes; ``reduce_scatter_bytes``:
-bytes of the padded reduce input); eager gradient contributions held for a later reduction
-(``grad_accumulate``) and reductions made at the end of a backward (``reduce_scatter_flush``, also
-counted in ``reduce_scatter``), see [Note: reduce once]. Tests and reports read it; nothing else
-depends on it."""
+# [Note: counts live with their model]
+# What zbuf's ops did is counted per sharded root (``ShardedRoot.counters``, read with
+# ``zbuf.shard.op_counts(model)``), so two models in one process keep their own counts (``zbuf
+# bench`` builds its engines in one process; the train loop records a step's collective bytes).
+# Ops get nothing but their arguments, so they reach the counts through the parameter id every
+# gather and reduce-scatter carries: ``_COUNTS``, parameter id -> the counter of the root that
+# sharded it, filed by ``count_into`` when ``zbuf.shard`` attaches the root and held weakly (an
+# entry dies with its root's counter). An op on an id that no live root sharded (a direct call of
+# ``zbuf::all_gather`` on a plain tensor) counts nowhere. Releases name only their pool, which
+# counts them itself (``PoolStats.releases``).
+_COUNTS: dict[int, weakref.ReferenceType] = {}
+
+
+def count_into(param_ids, counts) -> None:
+    """Count the gathers and reduce-scatters of ``param_ids`` into ``counts`` (a
+    ``collections.Counter``) for as long as it lives."""
+    ids = tuple(param_ids)
+    ref = weakref.ref(counts, lambda _ref: [_COUNTS.pop(i, None) for i in ids])
+    for param_id in ids:
+        _COUNTS[param_id] = ref
+
+
+# The lookup is written out in both counting functions: a shared helper was one Python call more
+# per op, 150-260 ns per count more than 4fed11d's module-global counter instead of 90-190 (one
+# process, interleaved: benches/results/op_dispatch_cpu_counts.md).
+
+
+def count_gather(param_id: int, nbytes: int) -> None:
+    """One gather of ``param_id`` into a buffer of ``nbytes`` (padded)."""
+    ref = _COUNTS.get(param_id)
+    if ref is not None and (counts := ref()) is not None:
+        counts["all_gather"] += 1
+        counts["all_gather_bytes"] += nbytes
+
+
+def count_reduce_scatter(param_id: int, nbytes: int) -> None:
+    """One reduce-scatter of ``param_id``'s gradient, ``nbytes`` of padded input."""
+    ref = _COUNTS.get(param_id)
+    if ref is not None and (counts := ref()) is not None:
+        counts["reduce_scatter"] += 1
+        counts["reduce_scatter_bytes"] += nbytes
 
 # [Note: poisoned releases]
 # A debugging aid (and what the compile tests run under): when set, every released gathered
@@ -299,8 +335,7 @@ def reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
         out.copy_(inp)
     else:
         work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
-    counters["reduce_scatter"] += 1
-    counters["reduce_scatter_bytes"] += inp.numel() * inp.element_size()
+    count_reduce_scatter(param_id, inp.numel() * inp.element_size())
     return ReduceScatterLaunch(out, work if async_op else None, 1 if pre_divide else world)
 
 
@@ -327,4 +362,3 @@ def release_buffer(t: torch.Tensor, pool_id: int) -> None:
                 f"{pool_id}); only the output of zbuf::all_gather can be released, only once, and "
                 f"to the pool it came from (ShardSpec.pool_id)"
             ) from None
-        counters["release"] += 1

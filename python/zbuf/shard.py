@@ -8,7 +8,7 @@ gather-buffer pool block; its backward reduce-scatters the gradient into ``shard
 
 This module is the public API and its validation; each part of what ``shard`` sets up has its own:
 * ``shard_state.py``: the state left on the model and its accessors (``root_of``, ``specs_of``,
-  ``sharded_parameters``), [Note: a model does not keep its group alive];
+  ``sharded_parameters``, ``op_counts``), [Note: a model does not keep its group alive];
 * ``param_access.py``: the class swap, [Note: parameter access through a property];
 * ``materialise.py``: [Note: materialising meta modules];
 * ``regather.py``: saved tensors re-gathered in backward (entered by the root's forward hooks
@@ -42,6 +42,7 @@ from .shard_state import (
     attach_root,
     attach_spec,
     is_sharded,
+    op_counts,
     root_of,
     roots,
     sharded_parameters,
@@ -58,6 +59,7 @@ __all__ = [
     "sharded_parameters",
     "root_of",
     "roots",
+    "op_counts",
 ]
 
 try:

@@ -9,6 +9,8 @@ Dynamo reads them as plain attributes), written only here:
   with ``specs_of(module)`` (``sharded_parameters(model)`` walks them all), and reaches the
   ``ShardedRoot`` it belongs to with ``owner_of(module)``.
 
+What the ops did for a model's parameters is on its roots too: ``op_counts(model)``.
+
 As FSDP2's ``fully_shard.state(module)``: other modules go through these accessors, never through
 the attribute names.
 
@@ -27,6 +29,7 @@ that needs it (``tests/test_exit.py`` checks that no gloo thread survives destro
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -47,6 +50,7 @@ __all__ = [
     "roots",
     "specs_of",
     "owner_of",
+    "op_counts",
     "is_sharded",
     "sharded_parameters",
     "attach_root",
@@ -86,8 +90,18 @@ class ShardedRoot:
     checks that no parameter was added or replaced after sharding."""
     regather: Regather = field(default_factory=Regather)
     """The eager forwards' saved-tensor hooks: [Note: eager re-gather] in ``regather.py``."""
-    reduce_once: ReduceOnce = field(default_factory=lambda: ReduceOnce(runtime.counters))
+    counters: collections.Counter = field(default_factory=collections.Counter)
+    """What the ops did for this root's parameters ([Note: counts live with their model] in
+    runtime.py; read with ``op_counts``): ``all_gather`` and ``all_gather_bytes`` (gathers and
+    the bytes of their padded buffers), ``reduce_scatter`` and ``reduce_scatter_bytes``
+    (reduce-scatters and the bytes of their padded inputs), eager gradient contributions held
+    for a later reduction (``grad_accumulate``) and reductions made at the end of a backward
+    (``reduce_scatter_flush``, also counted in ``reduce_scatter``): [Note: reduce once]."""
+    reduce_once: ReduceOnce = field(init=False)
     """The eager backwards' gradient reductions: [Note: reduce once] in ``reduce_once.py``."""
+
+    def __post_init__(self) -> None:
+        self.reduce_once = ReduceOnce(self.counters)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -130,6 +144,16 @@ def owner_of(module: nn.Module) -> Optional[ShardedRoot]:
     return module.__dict__.get(_OWNER_KEY)
 
 
+def op_counts(model: nn.Module) -> collections.Counter:
+    """What zbuf's ops did for the parameters of every root inside ``model`` (a compiled model
+    too), summed into a new counter: the keys of ``ShardedRoot.counters``. Another model's ops
+    are not in it ([Note: counts live with their model] in runtime.py)."""
+    total = collections.Counter()
+    for root in roots(model):
+        total.update(root.counters)
+    return total
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` or any submodule holds zbuf shards."""
     return any(_SPECS_KEY in m.__dict__ for m in module.modules())
@@ -153,5 +177,7 @@ def attach_spec(sub: nn.Module, name: str, spec: ShardSpec, root: ShardedRoot) -
 
 
 def attach_root(module: nn.Module, root: ShardedRoot) -> None:
-    """Record ``root`` as the state of the ``zbuf.shard`` call made on ``module``."""
+    """Record ``root`` as the state of the ``zbuf.shard`` call made on ``module``; from now on its
+    parameters' gathers and reduce-scatters count into ``root.counters``."""
     module.__dict__[_ROOT_KEY] = root
+    runtime.count_into(root.specs, root.counters)

@@ -26,11 +26,10 @@ def _world() -> int:
 def _gpu_worker(rank, world):
     import torch.nn.functional as F
 
-    import zbuf.ops
     from test_shard_memory import DIM, LAYERS, Stack
     from test_shard_parity import ParityNet, assert_state_matches, make_batches, train
     from zbuf.pool import GatherBufferPool
-    from zbuf.shard import shard
+    from zbuf.shard import op_counts, shard
     from zbuf.state_dict import full_state_dict
 
     dev = torch.device("cuda", rank)
@@ -59,10 +58,10 @@ def _gpu_worker(rank, world):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48, device=dev)
     model = shard(copy.deepcopy(lin), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    before = zbuf.ops.counters["all_gather_bytes"]
+    before = op_counts(model)["all_gather_bytes"]
     w = model.weight
     assert w.dtype == torch.bfloat16 and w.is_cuda
-    assert zbuf.ops.counters["all_gather_bytes"] - before == 64 * 48 * 2
+    assert op_counts(model)["all_gather_bytes"] - before == 64 * 48 * 2
     del w
     x = torch.randn(8, 64, device=dev, dtype=torch.bfloat16)
     F.mse_loss(model(x).float(), torch.zeros(8, 48, device=dev)).backward()

@@ -16,7 +16,7 @@ persist=None, optimizer=None, recompute="checkpointed", ...)`` is
   ``collectives``: the graph ops it inserts; ``tied``: tied weights' reduce-scatters.
 - ``fingerprint``: the cross-rank collective-order check; ``report``: schedule records.
 
-The run-time side of the ops (pools, process groups, counters) is ``zbuf.runtime``.
+The run-time side of the ops (pools, process groups, op counts) is ``zbuf.runtime``.
 """
 
 from __future__ import annotations

@@ -179,6 +179,9 @@ def gather_buffer(
             f"{shard.numel()} (param_id {param_id})"
         )
     buf = runtime.pool_of(pool_id, shard).acquire((padded,), dtype)
+    # Counted here, not at the start that fills it: the start names no parameter id ([Note:
+    # counts live with their model] in runtime.py), and every buffer's gather starts in its graph.
+    runtime.count_gather(param_id, buf.numel() * buf.element_size())
     return unpad_full(buf, shape)
 
 
@@ -207,9 +210,6 @@ def all_gather_start(
         # work object cannot keep alive ([Note: collective output lifetime] in runtime.py).
         blocks = [runtime.borrowed(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
         work = runtime.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
-        runtime.counters["all_gather"] += len(blocks)
-        runtime.counters["all_gather_bytes"] += sum(b.numel() * b.element_size() for b in blocks)
-        runtime.counters["all_gather_collectives"] += 1
         key = gathered[0].untyped_storage().data_ptr()
         try:  # [Note: work in flight lives on the token]
             token._zbuf_gathers_in_flight[key] = work
@@ -287,12 +287,10 @@ def reduce_scatter_wait(token: torch.Tensor, started: torch.Tensor) -> None:
         try:
             launch = token._zbuf_reduce_scatters_in_flight.pop(started.untyped_storage().data_ptr())
         except (AttributeError, KeyError):
-            launch = None
-        if launch is None:
             raise RuntimeError(
                 "zbuf::reduce_scatter_wait: no reduce-scatter started on this token owns this "
                 "tensor (waited twice, or the graph was rewritten wrongly); this is a zbuf bug"
-            )
+            ) from None
         runtime.reduce_scatter_finish(launch)
 
 

@@ -48,11 +48,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .. import faults, runtime
+from .. import faults
 from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
+from ..shard import op_counts
 from ..step_memory import StepMemoryRow
 from ..step_phases import PhaseMeter, StepPhases
 from .metrics import MemoryProbe, MemorySample
@@ -150,7 +151,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
     counted = None  # zbuf's collective bytes in the latest step (simulated runs' estimate)
     try:
         for step in range(start, cfg.steps):
-            before = _collective_bytes()
+            before = _collective_bytes(setup.model)
             batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                                mcfg_vocab, device)
             t_step = time.perf_counter()
@@ -159,7 +160,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 if cuda:
                     torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - t_step
-            counted = tuple(a - b for a, b in zip(_collective_bytes(), before))
+            counted = tuple(a - b for a, b in zip(_collective_bytes(setup.model), before))
             timed = clock.result(elapsed)
             if step == start or timed.caches["graphs"] > 0:
                 compile_phases.append(dict(timed.to_json(), step=step))
@@ -271,9 +272,11 @@ def _train_step(setup, batch, marks=None) -> torch.Tensor:
     return loss
 
 
-def _collective_bytes() -> tuple[int, int]:
-    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far in this process."""
-    return runtime.counters["all_gather_bytes"], runtime.counters["reduce_scatter_bytes"]
+def _collective_bytes(model) -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far for ``model``'s
+    parameters (0 for the engines that are not zbuf's)."""
+    counts = op_counts(model)
+    return counts["all_gather_bytes"], counts["reduce_scatter_bytes"]
 
 
 def _communication(engine: Engine, cfg: TrainConfig, setup, world: int,

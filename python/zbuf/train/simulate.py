@@ -101,7 +101,7 @@ def communication_estimate(engine: str, world: int, link_gbps: float, *,
     """The per-step ``CommEstimate`` of one rank.
 
     ``counted``: (all-gather bytes, reduce-scatter bytes) zbuf's collectives issued in one
-    measured step (the zbuf engines count them, ``zbuf.runtime.counters``). Otherwise from the
+    measured step (the zbuf engines count them, ``zbuf.shard.op_counts``). Otherwise from the
     engine: FSDP2 gathers every parameter in forward and the blocks' again in backward (its
     root keeps its parameters from forward to backward) and reduce-scatters every gradient;
     DDP all-reduces every gradient. ``param_bytes``: all parameters in the gathered dtype;
