@@ -130,6 +130,56 @@ def test_blocks_compile_once_and_train_like_eager(monkeypatch, ac, persist):
         assert rec.peak_live_gathered_bytes <= rec.budget_bytes
 
 
+@pytest.mark.parametrize("ac", [False, True])
+def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
+    """Issue 21: from 2 to 8 identical blocks, the model compiles as many Dynamo graphs, traces,
+    partitions and installs as many block bodies, and none of them more than once per distinct
+    body; only the outer graphs' calls grow. Up to 0dadfdf's parent torch's schema check re-traced
+    the body at every call ([Note: one schema per region]): 10 body traces at 2 blocks, 40 at 8."""
+    import torch._higher_order_ops.utils as hop_utils
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from zbuf.compile.report import clear_records
+
+    traced = []
+    materialize = hop_utils.materialize_as_graph
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return materialize(*args, **kwargs)
+
+    monkeypatch.setattr(hop_utils, "materialize_as_graph", counting)
+    graphs, bodies = _capture(monkeypatch)
+    work = {}
+    for layers in (2, 8):
+        torch._dynamo.reset()
+        clear_records()
+        traced.clear()
+        graphs.clear()
+        bodies.clear()
+        spans0 = len(compilation_time_metrics.get("invoke_subgraph_proxy_tensor", []))
+        graphs0 = counters["stats"]["unique_graphs"]
+        cfg = resolve_config("tiny").replace(num_layers=layers, vocab_size=97, hidden_size=64,
+                                             ffn_hidden_size=128, head_dim=16)
+        torch.manual_seed(0)
+        init = build_model(cfg)
+        apply_activation_checkpointing(init, ac)
+        model = shard(init)
+        cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
+        _train(cm, model, _batches(1))
+        calls = [n for g in graphs for n in g.nodes if n.target is REGION]
+        assert len(calls) == 2 * layers  # one forward and one backward call per block
+        work[layers] = dict(
+            dynamo_graphs=counters["stats"]["unique_graphs"] - graphs0,
+            bodies_partitioned=len(bodies),
+            bodies_installed=len({n.args[0].target for n in calls}),
+            body_proxy_traces=len(compilation_time_metrics["invoke_subgraph_proxy_tensor"])
+            - spans0,
+            body_schema_traces=len(traced))
+    assert work[2] == work[8], work
+    assert work[8]["bodies_partitioned"] == 1 and work[8]["bodies_installed"] == 2, work
+
+
 @pytest.mark.parametrize("options,regions", [
     ({}, True),  # the default
     ({"compile_blocks_once": False}, False),

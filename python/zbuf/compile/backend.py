@@ -22,6 +22,7 @@ import torch
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
+from .region_schema import SchemaMemo
 
 __all__ = ["zbuf_backend"]
 
@@ -45,15 +46,16 @@ def zbuf_backend(
     if opts.inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(
-            gm,
-            example_inputs,
-            config_patches={
-                "custom_partitioner_fn": partitioner,
-                "post_grad_custom_post_pass": schedule_pass,
-                "reorder_for_peak_memory": False,
-            },
-        )
+        with state.schemas.active():  # [Note: one schema per region] in region_schema.py
+            return compile_fx(
+                gm,
+                example_inputs,
+                config_patches={
+                    "custom_partitioner_fn": partitioner,
+                    "post_grad_custom_post_pass": schedule_pass,
+                    "reorder_for_peak_memory": False,
+                },
+            )
 
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
@@ -63,9 +65,9 @@ def zbuf_backend(
         fx.recompile()
         return make_boxed_func(fx.forward)
 
-    return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, partition_fn=partitioner)(
-        gm, example_inputs
-    )
+    with state.schemas.active():
+        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                            partition_fn=partitioner)(gm, example_inputs)
 
 
 def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:

@@ -42,6 +42,7 @@ from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
 from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
                             prepare_body_joint, sink_region_calls)
+from .region_schema import SchemaMemo
 from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
@@ -139,6 +140,8 @@ class PlanState:
         self.persisted = Persisted()
         self.recompute: recompute.RecomputeStats | None = None
         """What the partition kept for backward and what backward recomputes (recompute.py)."""
+        self.schemas = SchemaMemo()
+        """The region calls' schemas while this graph is traced ([Note: one schema per region])."""
 
     def uuid(self) -> str:
         return f"{_source_hash()}:{self.options.digest()}:{torch.__version__}"
