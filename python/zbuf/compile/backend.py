@@ -22,7 +22,6 @@ import torch
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
-from .region_schema import SchemaMemo
 
 __all__ = ["zbuf_backend"]
 
