@@ -202,19 +202,33 @@ def _holdings(rank, world, engines):
     return out if rank == 0 else None
 
 
-def _simulated(world, engines):
+_HOLDING_ENGINES = ("zbuf-eager", "fsdp2")
+_HOLDING_WORLDS = (2, 3)
+
+
+def _simulated(worlds, engines):
     from zbuf.train.simulate import simulate_world
 
-    with simulate_world(world):
-        return _holdings(0, world, engines)
+    held = {}
+    for world in worlds:  # one after the other: each world's fake group is the default group
+        with simulate_world(world):
+            held[world] = _holdings(0, world, engines)
+    return held
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rank0_holds_what_a_real_rank0_holds(world):
-    engines = ("zbuf-eager", "fsdp2")
-    real = run_distributed(_holdings, world, engines)[0]
+@pytest.fixture(scope="module")
+def simulated_rank0():
+    """Rank 0's holdings under ``simulate_world(N)`` for every N tested, from one spawned
+    process (not this one: the fake group would be its default group), started once."""
     with mp.get_context("spawn").Pool(1) as pool:
-        sim = pool.apply(_simulated, (world, engines))
+        return pool.apply(_simulated, (_HOLDING_WORLDS, _HOLDING_ENGINES))
+
+
+@pytest.mark.parametrize("world", _HOLDING_WORLDS)
+def test_rank0_holds_what_a_real_rank0_holds(world, simulated_rank0):
+    engines = _HOLDING_ENGINES
+    real = run_distributed(_holdings, world, engines)[0]
+    sim = simulated_rank0[world]
     from zbuf.presets import resolve_config
 
     unsharded = 4 * resolve_config("tiny").num_params()
