@@ -23,6 +23,26 @@ def _cli(argv, timeout=600):
                           text=True, timeout=timeout, env=_ENV)
 
 
+class _Started:
+    """A ``zbuf`` command running in the background, its output going to files in ``where``."""
+
+    def __init__(self, argv, where, name):
+        self.argv, self.out, self.err = argv, where / f"{name}.out", where / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "zbuf.cli", *argv], stdout=out,
+                                         stderr=err, text=True, env=_ENV)
+
+    def result(self, timeout=600) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return subprocess.CompletedProcess(self.argv, code, self.out.read_text(),
+                                           self.err.read_text())
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """Fails the test if the run gets as far as starting workers."""
@@ -121,10 +141,36 @@ def _check_simulated_record(path, engines, steps):
     return record
 
 
-def test_train_simulate_world_4(tmp_path):
-    out = tmp_path / "sim.json"
-    res = _cli(["train", "--simulate-world", "4", "--steps", "2", "--micro-batch", "2",
-                "--seq-len", "32", "--gpu-memory", "64MiB", "--out", str(out), "--no-progress"])
+@pytest.fixture(scope="module")
+def simulated_runs(tmp_path_factory):
+    """``zbuf train`` and ``zbuf bench`` at ``--simulate-world 4`` (then ``zbuf report`` of
+    train's record), for the two tests below: started together, since each runs one worker
+    process at a time, so CI's two cores take them in about the time of the longer one.
+
+    Bench takes one step: zbuf's re-plan after step 0 (a second compile) is train's to show.
+    Returns ``{name: (completed process, record path)}``."""
+    where = tmp_path_factory.mktemp("simulated")
+    common = ["--simulate-world", "4", "--micro-batch", "2", "--seq-len", "32", "--no-progress"]
+    train = _Started(["train", *common, "--steps", "2", "--gpu-memory", "64MiB", "--out",
+                      str(where / "sim.json")], where, "train")
+    bench = _Started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "1", "--out",
+                      str(where / "bench.json")], where, "bench")
+    try:
+        runs = {"train": (train.result(), where / "sim.json")}
+        report = _Started(["report", str(where / "sim.json"), "-o", str(where / "plots")], where,
+                          "report")
+        runs["report"] = (report.result(timeout=300), where / "plots")
+        runs["bench"] = (bench.result(), where / "bench.json")
+    finally:
+        for started in (train, bench):
+            if started.proc.poll() is None:
+                started.proc.kill()
+                started.proc.wait()
+    return runs
+
+
+def test_train_simulate_world_4(simulated_runs):
+    res, out = simulated_runs["train"]
     assert res.returncode == 0, res.stderr[-3000:]
     record = _check_simulated_record(out, ["zbuf"], 2)
     # On CPU the card is zbuf's stand-in: the schedule is planned within it (18 GiB without).
@@ -134,21 +180,19 @@ def test_train_simulate_world_4(tmp_path):
     assert comm["source"].startswith("counted")
     assert "SIMULATED ranks" in res.stdout and "SIMULATED: simulated ranks: rank 0 of 4" in \
         " ".join(res.stdout.split()), res.stdout
-    rep = _cli(["report", str(out), "-o", str(tmp_path / "plots")], timeout=300)
+    rep, _ = simulated_runs["report"]
     assert rep.returncode == 0 and "SIMULATED" in rep.stdout, rep.stderr[-2000:]
 
 
-def test_bench_simulate_world_4_three_engines(tmp_path):
-    out = tmp_path / "bench.json"
-    res = _cli(["bench", "--simulate-world", "4", "--engines", "zbuf,fsdp2,ddp", "--steps", "2",
-                "--micro-batch", "2", "--seq-len", "32", "--out", str(out), "--no-progress"])
+def test_bench_simulate_world_4_three_engines(simulated_runs):
+    res, out = simulated_runs["bench"]
     assert res.returncode == 0, res.stderr[-3000:]
-    record = _check_simulated_record(out, ["zbuf", "fsdp2", "ddp"], 2)
+    record = _check_simulated_record(out, ["zbuf", "fsdp2", "ddp"], 1)
     fsdp2, ddp = record["engines"][1]["communication"], record["engines"][2]["communication"]
     params = record["model"]["params"]
     assert ddp["all_reduce_bytes"] == 4 * params  # fp32 gradients, whole model
     assert fsdp2["reduce_scatter_bytes"] == 4 * params
-    md = (tmp_path / "bench.md").read_text()
+    md = out.with_suffix(".md").read_text()
     assert "**SIMULATED: simulated ranks: rank 0 of 4" in md and "communication" in md.lower()
     # The reference configuration's table (benches/reference_table.py): one row per engine.
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches"))
