@@ -263,16 +263,18 @@ def _simulated(worlds, engines):
 @pytest.fixture(scope="module")
 def simulated_rank0():
     """Rank 0's holdings under ``simulate_world(N)`` for every N tested, from one spawned
-    process (not this one: the fake group would be its default group), started once."""
+    process (not this one: the fake group would be its default group), started once; the
+    pending result, which works beside the first test's real ranks (one process to their N,
+    on CI's two cores)."""
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_simulated, (_HOLDING_WORLDS, _HOLDING_ENGINES))
+        yield pool.apply_async(_simulated, (_HOLDING_WORLDS, _HOLDING_ENGINES))
 
 
 @pytest.mark.parametrize("world", _HOLDING_WORLDS)
 def test_rank0_holds_what_a_real_rank0_holds(world, simulated_rank0):
     engines = _HOLDING_ENGINES
     real = run_distributed(_holdings, world, engines)[0]
-    sim = simulated_rank0[world]
+    sim = simulated_rank0.get(timeout=600)[world]
     from zbuf.presets import resolve_config
 
     unsharded = 4 * resolve_config("tiny").num_params()
