@@ -147,13 +147,12 @@ def simulated_runs(tmp_path_factory):
     train's record), for the two tests below: started together, since each runs one worker
     process at a time, so CI's two cores take them in about the time of the longer one.
 
-    Bench takes one step: zbuf's re-plan after step 0 (a second compile) is train's to show.
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("simulated")
     common = ["--simulate-world", "4", "--micro-batch", "2", "--seq-len", "32", "--no-progress"]
     train = _Started(["train", *common, "--steps", "2", "--gpu-memory", "64MiB", "--out",
                       str(where / "sim.json")], where, "train")
-    bench = _Started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "1", "--out",
+    bench = _Started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "2", "--out",
                       str(where / "bench.json")], where, "bench")
     try:
         runs = {"train": (train.result(), where / "sim.json")}
@@ -187,7 +186,7 @@ def test_train_simulate_world_4(simulated_runs):
 def test_bench_simulate_world_4_three_engines(simulated_runs):
     res, out = simulated_runs["bench"]
     assert res.returncode == 0, res.stderr[-3000:]
-    record = _check_simulated_record(out, ["zbuf", "fsdp2", "ddp"], 1)
+    record = _check_simulated_record(out, ["zbuf", "fsdp2", "ddp"], 2)
     fsdp2, ddp = record["engines"][1]["communication"], record["engines"][2]["communication"]
     params = record["model"]["params"]
     assert ddp["all_reduce_bytes"] == 4 * params  # fp32 gradients, whole model
