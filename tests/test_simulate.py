@@ -23,6 +23,26 @@ def _cli(argv, timeout=600):
                           text=True, timeout=timeout, env=_ENV)
 
 
+class _Started:
+    """A ``zbuf`` command running in the background, its output going to files in ``where``."""
+
+    def __init__(self, argv, where, name):
+        self.argv, self.out, self.err = argv, where / f"{name}.out", where / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "zbuf.cli", *argv], stdout=out,
+                                         stderr=err, text=True, env=_ENV)
+
+    def result(self, timeout=600) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return subprocess.CompletedProcess(self.argv, code, self.out.read_text(),
+                                           self.err.read_text())
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """Fails the test if the run gets as far as starting workers."""
@@ -121,10 +141,35 @@ def _check_simulated_record(path, engines, steps):
     return record
 
 
-def test_train_simulate_world_4(tmp_path):
-    out = tmp_path / "sim.json"
-    res = _cli(["train", "--simulate-world", "4", "--steps", "2", "--micro-batch", "2",
-                "--seq-len", "32", "--gpu-memory", "64MiB", "--out", str(out), "--no-progress"])
+@pytest.fixture(scope="module")
+def simulated_runs(tmp_path_factory):
+    """``zbuf train`` and ``zbuf bench`` at ``--simulate-world 4`` (then ``zbuf report`` of
+    train's record), for the two tests below: started together, since each runs one worker
+    process at a time, so CI's two cores take them in about the time of the longer one.
+
+    Returns ``{name: (completed process, record path)}``."""
+    where = tmp_path_factory.mktemp("simulated")
+    common = ["--simulate-world", "4", "--micro-batch", "2", "--seq-len", "32", "--no-progress"]
+    train = _Started(["train", *common, "--steps", "2", "--gpu-memory", "64MiB", "--out",
+                      str(where / "sim.json")], where, "train")
+    bench = _Started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "2", "--out",
+                      str(where / "bench.json")], where, "bench")
+    try:
+        runs = {"train": (train.result(), where / "sim.json")}
+        report = _Started(["report", str(where / "sim.json"), "-o", str(where / "plots")], where,
+                          "report")
+        runs["report"] = (report.result(timeout=300), where / "plots")
+        runs["bench"] = (bench.result(), where / "bench.json")
+    finally:
+        for started in (train, bench):
+            if started.proc.poll() is None:
+                started.proc.kill()
+                started.proc.wait()
+    return runs
+
+
+def test_train_simulate_world_4(simulated_runs):
+    res, out = simulated_runs["train"]
     assert res.returncode == 0, res.stderr[-3000:]
     record = _check_simulated_record(out, ["zbuf"], 2)
     # On CPU the card is zbuf's stand-in: the schedule is planned within it (18 GiB without).
@@ -134,21 +179,19 @@ def test_train_simulate_world_4(tmp_path):
     assert comm["source"].startswith("counted")
     assert "SIMULATED ranks" in res.stdout and "SIMULATED: simulated ranks: rank 0 of 4" in \
         " ".join(res.stdout.split()), res.stdout
-    rep = _cli(["report", str(out), "-o", str(tmp_path / "plots")], timeout=300)
+    rep, _ = simulated_runs["report"]
     assert rep.returncode == 0 and "SIMULATED" in rep.stdout, rep.stderr[-2000:]
 
 
-def test_bench_simulate_world_4_three_engines(tmp_path):
-    out = tmp_path / "bench.json"
-    res = _cli(["bench", "--simulate-world", "4", "--engines", "zbuf,fsdp2,ddp", "--steps", "2",
-                "--micro-batch", "2", "--seq-len", "32", "--out", str(out), "--no-progress"])
+def test_bench_simulate_world_4_three_engines(simulated_runs):
+    res, out = simulated_runs["bench"]
     assert res.returncode == 0, res.stderr[-3000:]
     record = _check_simulated_record(out, ["zbuf", "fsdp2", "ddp"], 2)
     fsdp2, ddp = record["engines"][1]["communication"], record["engines"][2]["communication"]
     params = record["model"]["params"]
     assert ddp["all_reduce_bytes"] == 4 * params  # fp32 gradients, whole model
     assert fsdp2["reduce_scatter_bytes"] == 4 * params
-    md = (tmp_path / "bench.md").read_text()
+    md = out.with_suffix(".md").read_text()
     assert "**SIMULATED: simulated ranks: rank 0 of 4" in md and "communication" in md.lower()
     # The reference configuration's table (benches/reference_table.py): one row per engine.
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches"))
@@ -202,19 +245,35 @@ def _holdings(rank, world, engines):
     return out if rank == 0 else None
 
 
-def _simulated(world, engines):
+_HOLDING_ENGINES = ("zbuf-eager", "fsdp2")
+_HOLDING_WORLDS = (2, 3)
+
+
+def _simulated(worlds, engines):
     from zbuf.train.simulate import simulate_world
 
-    with simulate_world(world):
-        return _holdings(0, world, engines)
+    held = {}
+    for world in worlds:  # one after the other: each world's fake group is the default group
+        with simulate_world(world):
+            held[world] = _holdings(0, world, engines)
+    return held
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rank0_holds_what_a_real_rank0_holds(world):
-    engines = ("zbuf-eager", "fsdp2")
-    real = run_distributed(_holdings, world, engines)[0]
+@pytest.fixture(scope="module")
+def simulated_rank0():
+    """Rank 0's holdings under ``simulate_world(N)`` for every N tested, from one spawned
+    process (not this one: the fake group would be its default group), started once; the
+    pending result, which works beside the first test's real ranks (one process to their N,
+    on CI's two cores)."""
     with mp.get_context("spawn").Pool(1) as pool:
-        sim = pool.apply(_simulated, (world, engines))
+        yield pool.apply_async(_simulated, (_HOLDING_WORLDS, _HOLDING_ENGINES))
+
+
+@pytest.mark.parametrize("world", _HOLDING_WORLDS)
+def test_rank0_holds_what_a_real_rank0_holds(world, simulated_rank0):
+    engines = _HOLDING_ENGINES
+    real = run_distributed(_holdings, world, engines)[0]
+    sim = simulated_rank0.get(timeout=600)[world]
     from zbuf.presets import resolve_config
 
     unsharded = 4 * resolve_config("tiny").num_params()
