@@ -10,11 +10,15 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
+from ..step_memory import StepMemory
+from .budget import agree_free_memory
 from .options import CompileOptions
 from .regions import mark_repeated_blocks
+from .replan import Replanner
 
 __all__ = ["compile_model", "step_memory_of"]
 
@@ -83,10 +87,6 @@ def compile_model(
         # first, then spend] in zbuf/step_memory.py).
         opts = dataclasses.replace(opts, measuring=True)
     if budget_bytes is None and opts.free_memory_bytes is None:
-        import torch.distributed as dist
-
-        from .budget import agree_free_memory
-
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
             # What step 0 will hold that is known exactly now: the gradients, and the
@@ -109,9 +109,6 @@ def compile_model(
                              "sharded with zbuf.shard; shard the model first, or leave out "
                              "optimizer=")
         return compiled
-    from ..step_memory import StepMemory
-    from .replan import Replanner
-
     replanner = None
     if budget_bytes is None:
         replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
