@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zbuf.runtime
 import zbuf.shard
-from zbuf.agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, stable_bytes
+from zbuf.agreement import stable_free_memory
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
@@ -341,7 +341,7 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     # that repeats from launch to launch: [Note: stable agreed memory]) minus the graph's
     # activation peak.
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    free = stable_bytes(agreed - grads, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
+    free = stable_free_memory(agreed - grads)
     assert agreed - (64 << 20) <= free < agreed - grads
     expected = int(free * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
     assert zbuf.compile.step_memory_of(cm).replanner.options.free_memory_bytes == free

@@ -101,15 +101,15 @@ def test_shared_memory_reclaims_yields_and_follows_budget_changes():
 
 
 def test_quantised_budgets_are_stable_and_close():
-    from zbuf.step_memory import quantize_budget
+    from zbuf.agreement import stable_budget
 
     for n in (1, 2, 17, 1000, 123_456_789, 3 << 30, (77 << 30) + 12345):
-        q = quantize_budget(n)
+        q = stable_budget(n)
         assert 0 < q <= max(n, 1) and q >= n - n / 16 - 1
-        assert quantize_budget(q) == q
+        assert stable_budget(q) == q
     # Measurements a few MiB apart land on the same value (a relaunch hits the compile cache).
-    assert quantize_budget((20 << 30) + (3 << 20)) == quantize_budget((20 << 30) + (9 << 20))
-    assert quantize_budget(0) == quantize_budget(-5) == 1
+    assert stable_budget((20 << 30) + (3 << 20)) == stable_budget((20 << 30) + (9 << 20))
+    assert stable_budget(0) == stable_budget(-5) == 1
 
 
 def test_optimizer_policy_reserves_state_from_shards_and_type():

@@ -20,11 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbuf.agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, stable_bytes
-
-
-def stable_free_bytes(n):
-    return stable_bytes(n, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
+from zbuf.agreement import stable_bytes, stable_free_memory
 
 _SCRIPT = r"""
 import json, sys
@@ -105,12 +101,12 @@ def test_stable_bytes_rounds_down_by_at_most_one_quantum_and_is_idempotent(n, bi
 
 def test_free_memory_is_rounded_down_to_a_stable_value():
     for free in (3 << 20, 700 << 20, 9 << 30, 18 * 10**9, 141 * 10**9):
-        q = stable_free_bytes(free)
+        q = stable_free_memory(free)
         assert min(free * (1 - 1 / 64), free - (64 << 20)) <= q <= free
-        assert stable_free_bytes(q) == q
+        assert stable_free_memory(q) == q
     # Launch-to-launch jitter of tens of MB keeps the value, hence the pass uuid.
-    assert stable_free_bytes(BASE) == stable_free_bytes(BASE + (37 << 20))
-    assert stable_free_bytes(141 * 10**9 + (300 << 20)) == stable_free_bytes(141 * 10**9)
+    assert stable_free_memory(BASE) == stable_free_memory(BASE + (37 << 20))
+    assert stable_free_memory(141 * 10**9 + (300 << 20)) == stable_free_memory(141 * 10**9)
 
 
 @pytest.mark.timeout(1800)
@@ -121,7 +117,7 @@ def test_second_launch_is_served_from_the_caches(tmp_path):
     assert cold["caches"]["fxgraph_miss"] >= 2 and cold["kernel_work"] > 0
     assert warm["caches"]["aot_hit"] >= 1 and warm["caches"]["aot_miss"] == 0
     assert warm["caches"]["fxgraph_miss"] == 0
-    assert cold["agreed"] == warm["agreed"] == stable_free_bytes(BASE)
+    assert cold["agreed"] == warm["agreed"] == stable_free_memory(BASE)
     # No kernel compiled: what is left is Inductor's once-per-process probe of the CPU's vector
     # instructions (one small C++ build, under a second).
     assert warm["kernel_work"] < 0.1 * cold["kernel_work"]

@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_extremes", "stable_bytes", "FREE_MEMORY_BITS", "MEASURED_BITS",
-           "FREE_MEMORY_MIN_QUANTUM"]
+__all__ = ["agree_extremes", "stable_bytes", "stable_free_memory", "stable_budget",
+           "FREE_MEMORY_BITS", "MEASURED_BITS", "FREE_MEMORY_MIN_QUANTUM"]
 
 FREE_MEMORY_BITS = 6
 """Agreed free memory is rounded to 1/2**6 of its leading power of two."""
@@ -47,6 +47,16 @@ def stable_bytes(nbytes: int, *, bits: int, min_quantum: int = 1) -> int:
         return nbytes
     quantum = max(min_quantum, 1 << max(0, nbytes.bit_length() - 1 - bits))
     return nbytes // quantum * quantum
+
+
+def stable_free_memory(nbytes: int) -> int:
+    """Agreed free memory, rounded ([Note: stable agreed memory])."""
+    return stable_bytes(nbytes, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
+
+
+def stable_budget(nbytes: int) -> int:
+    """A measured budget, rounded ([Note: stable agreed memory]), at least 1 byte."""
+    return max(1, stable_bytes(nbytes, bits=MEASURED_BITS))
 
 
 def agree_extremes(group: Optional[dist.ProcessGroup], device: torch.device, *,

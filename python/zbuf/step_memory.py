@@ -88,7 +88,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import MEASURED_BITS, agree_extremes, stable_bytes
+from .agreement import agree_extremes, stable_budget
 from .memory import SharedMemory
 from .shard import roots
 from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
@@ -96,18 +96,12 @@ from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
 if TYPE_CHECKING:
     from .compile.replan import Replanner
 
-__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "quantize_budget",
+__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget",
            "SAFETY_DIVISOR"]
 
 SAFETY_DIVISOR = 64
 """``limit / SAFETY_DIVISOR`` of the measured limit stays unplanned: allocations that differ from
 step 0 to later steps (the measurement itself is exact for what it saw)."""
-
-def quantize_budget(nbytes: int) -> int:
-    """A measured budget rounded down to a value that repeats ([Note: stable agreed memory] in
-    zbuf/agreement.py), at least 1 byte."""
-    return max(1, stable_bytes(nbytes, bits=MEASURED_BITS))
-
 
 class MeasuredBudget(NamedTuple):
     """The rank-agreed outcome of the measured step ([Note: whole-step budget], step 2)."""
@@ -293,10 +287,10 @@ class StepMemory:
                 bw += act.get("backward", 0)
         limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
         usable = self._usable(limit) - excess
-        budget = quantize_budget(usable - max(fw, bw))
+        budget = stable_budget(usable - max(fw, bw))
         # What activations and gathered weights may share: the peaks less the plans' projected
         # activations (rank-invariant: the same graphs on every rank).
-        room = quantize_budget(usable - max(fw - act.get("forward", 0),
+        room = stable_budget(usable - max(fw - act.get("forward", 0),
                                             bw - act.get("backward", 0)))
         planned = replanned = None
         if self.replanner is not None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from ..agreement import FREE_MEMORY_BITS, FREE_MEMORY_MIN_QUANTUM, agree_extremes, stable_bytes
+from ..agreement import agree_extremes, stable_free_memory
 from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
@@ -93,7 +93,7 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     (free,), _ = agree_extremes(group, device,
                                 smallest=[max(0, local_free_bytes(device) - reserve_bytes)])
-    return stable_bytes(free, bits=FREE_MEMORY_BITS, min_quantum=FREE_MEMORY_MIN_QUANTUM)
+    return stable_free_memory(free)
 
 
 def graph_memory(options: CompileOptions, device: torch.device) -> int:

@@ -49,13 +49,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import faults
+from ..shard import op_counts
+from ..step_memory import StepMemoryRow
+from ..step_phases import PhaseMeter, StepPhases
 from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
 from .data import rank_batch
 from .engines import build_engine
-from ..shard import op_counts
-from ..step_memory import StepMemoryRow
-from ..step_phases import PhaseMeter, StepPhases
 from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
 from .record import budget_notices
@@ -201,11 +201,14 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                           resumed_from=str(checkpoints.resumed_from)
                           if checkpoints.resumed_from else None)
             if not interrupt:
-                result.update(
-                    failed_at={"step": step, "phase": meter.phase,
-                               "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"},
-                    schedule=setup.schedule_report(),
-                    step_memory=step_memory.report() if step_memory is not None else None)
+                first_line = str(e).splitlines()[0] if str(e) else ""
+                result["failed_at"] = {"step": step, "phase": meter.phase,
+                                       "error": f"{type(e).__name__}: {first_line}"}
+                try:  # best effort: what the failed step leaves must not hide its own error
+                    result.update(schedule=setup.schedule_report(), step_memory=(
+                        step_memory.report() if step_memory is not None else None))
+                except Exception as extra:  # noqa: BLE001
+                    result["failed_at"]["unreported"] = f"{type(extra).__name__}: {extra}"
             on_stop(result)
 
         try:
