@@ -178,7 +178,7 @@ def knapsack(joint, *, fraction=None, byte_budget=None) -> dict:
     with torch._guards.tracing(torch._guards.TracingContext(joint["fake_mode"])), \
             torch._functorch.config.patch(patch):
         fw, bw = _min_cut(joint)(gm)
-    stats = recompute.measure_partition("knapsack", fwd, fw, bw, regions=len(regions))
+    stats = recompute.measure_partition("knapsack", fwd, fw, bw, opts, regions=len(regions))
     name = f"knapsack dp {fraction:.2f}" if fraction is not None else "knapsack zbuf bytes"
     return _row(name, byte_budget, fw, bw, stats, time.perf_counter() - t0)
 

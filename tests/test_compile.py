@@ -580,6 +580,77 @@ def test_a_plan_above_the_agreed_memory_is_refused_before_it_runs():
     ok(tokens).sum().backward()
 
 
+def test_the_model_state_is_not_counted_as_activations_beside_the_agreed_memory(monkeypatch):
+    """[Note: the model's state is not an activation]: the agreed free memory is what is free
+    beside the shards and their gradients, so a backward plan is checked without the gradient
+    shards it returns. Up to 3a9b429 they were counted again, and a plan with room to spare was
+    refused (qwen3-1.7b, one H200 at --mem-frac 0.30: 12.3 GiB "needed", 6.4 GiB of it the
+    reserved fp32 gradients). Against the total memory (no agreed free memory) the state counts."""
+    from zbuf.compile import PlanExceedsMemoryError, budget
+    from zbuf.shard import shard
+
+    width = 256
+    x = torch.randn(2, width)
+
+    def compiled(**options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shard(nn.Sequential(nn.Linear(width, width, bias=False), nn.GELU(),
+                                    nn.Linear(width, width, bias=False)))
+        cm = torch.compile(model, backend="zbuf", fullgraph=True,
+                           options=dict(inner="aot_eager", persist=False, prefetch=False,
+                                        **options))
+        cm(x).sum().backward()
+        return model, schedule_report(model)
+
+    model, (_, bw) = compiled(free_memory_bytes=1 << 30)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert grads == 2 * width * width * 4
+    needed = bw.activation_peak_bytes + bw.peak_live_gathered_bytes
+    assert bw.activation_peak_bytes < grads  # the gradients are not in the checked profile
+    # Room for what the backward makes and gathers, not for its gradients a second time.
+    margin = CompileOptions().margin_fraction
+    free = int((needed + grads // 4) / (1 - margin)) + 1
+    _, (_, bw) = compiled(free_memory_bytes=free)
+    assert bw.activation_peak_bytes + bw.peak_live_gathered_bytes <= free * (1 - margin)
+    # The total memory a plain torch.compile plans in holds the state: there it is counted,
+    # and the same memory is too small for the shards, their gradients and the step.
+    monkeypatch.setattr(budget, "_total_bytes", lambda device: free)
+    with pytest.raises(Exception) as info:
+        compiled()
+    err = info.value
+    while not isinstance(err, PlanExceedsMemoryError) and err is not None:
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    assert isinstance(err, PlanExceedsMemoryError), info.value
+
+
+def test_zbuf_compile_reserves_the_optimizer_state_not_its_temporaries(monkeypatch):
+    """[Note: optimizer state bytes]: the optimizer's state lives through every later forward
+    and backward, its step's temporaries only inside ``step()``, when the graphs hold nothing:
+    the agreed free memory is less the gradients and the state; temporaries that cannot fit
+    even there are refused at ``zbuf.compile``, before a whole step runs into them."""
+    import zbuf.compile
+    from zbuf.compile import PlanExceedsMemoryError, budget
+
+    _, model = _sharded_pair()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in params)
+    agreed = 3 << 30
+    monkeypatch.setattr(budget, "local_free_bytes", lambda device: agreed)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    free = zbuf.compile.step_memory_of(cm).replanner.options.free_memory_bytes
+    assert free == stable_free_memory(agreed - grads - 2 * grads)
+    zbuf.compile.step_memory_of(cm).detach()
+    # Free memory beside the state smaller than foreach AdamW's temporaries (one copy of the
+    # parameters): refused, naming the fix; fused AdamW has none and compiles.
+    monkeypatch.setattr(budget, "local_free_bytes", lambda device: 3 * grads + grads // 2)
+    with pytest.raises(PlanExceedsMemoryError, match="AdamW's step needs .* fused=True"):
+        zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    zbuf.compile.step_memory_of(zbuf.compile(model, inner="aot_eager", optimizer=fused)).detach()
+
+
 def test_backward_that_gathers_nothing_is_still_reported_for_the_model():
     from zbuf.shard import shard
 

@@ -137,7 +137,7 @@ def test_optimizer_policy_reserves_state_from_shards_and_type():
         real = sum(v.numel() * v.element_size() for st in opt.state.values()
                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         assert policy.state_bytes(params) == real == copies * nbytes
-        assert policy.step_bytes(opt) == real + temps
+        assert policy.step_bytes(opt) == (real, temps)
 
 
 def test_phase_meter_cpu_stand_in_counts_parameters_gradients_and_state():

@@ -19,12 +19,19 @@ Temporaries of the step, by implementation (``foreach`` / ``fused`` / a per-para
 * a per-parameter loop (``foreach=False``, and torch's default on CPU): one intermediate the size
   of the largest parameter.
 The gradients are not the optimizer's: the step's memory owner reserves them separately.
+The state is reserved beside the graphs: it lives from the first ``step()`` on, through every
+later forward and backward. The temporaries are not: they live inside ``step()`` only, when the
+graphs' activations are freed and the pool has lent its idle blocks ([Note: whole-step budget]
+in zbuf/step_memory.py), so they share that memory rather than add to it. Reserving them too
+(main 3a9b429) took 6.4 GiB off every graph's memory at qwen3-1.7b, world 1, foreach AdamW,
+which then refused a plan FSDP2 runs. What the step needs is that the temporaries fit in the
+memory the graphs share; ``zbuf.compile`` refuses one whose temporaries cannot.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Literal, Optional
+from typing import Iterable, Literal
 
 import torch
 
@@ -91,9 +98,9 @@ class OptimizerPolicy:
             return 0
         return sum(sizes) if self.implementation == "foreach" else max(sizes)
 
-    def step_bytes(self, optimizer: torch.optim.Optimizer,
-                   params: Optional[Iterable[torch.Tensor]] = None) -> int:
-        """State plus temporaries of ``optimizer``'s step over ``params`` (default: all of its
-        parameters): what a plan made before step 0 reserves for it."""
-        ps = self._params(optimizer) if params is None else _unique(params)
-        return self.state_bytes(ps) + self.temporary_bytes(ps)
+    def step_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        """``(state, temporaries)`` of ``optimizer``'s step over all of its parameters: what a
+        plan made before step 0 reserves beside the graphs, and what the step needs on top of
+        that while the graphs hold nothing ([Note: optimizer state bytes])."""
+        ps = self._params(optimizer)
+        return self.state_bytes(ps), self.temporary_bytes(ps)

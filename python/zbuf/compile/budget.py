@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.fx
 
 from ..agreement import agree_extremes, stable_free_memory
-from .graph_info import block_of, gather_nodes, gathered_nbytes, weight_tree
+from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
-__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
-           "gather_reserve", "PREFETCH_BLOCKS"]
+__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "check_optimizer_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
+           "gather_reserve", "planning_profile", "PREFETCH_BLOCKS"]
 
 PREFETCH_BLOCKS = 2
 """Blocks of gathered weights kept for the gather planner beyond what one node reads at once:
@@ -96,6 +97,26 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
     return stable_free_memory(free)
 
 
+def planning_profile(graph: torch.fx.Graph, options: CompileOptions) -> np.ndarray:
+    """The activation profile a graph is planned and checked with: beside the agreed free memory
+    it leaves out the model's state, against the total memory it counts it.
+
+    [Note: the model's state is not an activation]
+    ``zbuf.compile`` agrees on the free memory beside the model's state: the shards are resident
+    when it asks, and their gradients and the optimizer's state are taken off before the
+    agreement (they are known exactly then). A graph's static profile counts its shards (inputs,
+    alive from the start) and, in a backward graph, the gradient shards it returns (outputs,
+    alive to the end). Compared with the free memory, those bytes counted twice: qwen3-1.7b at
+    world 1 (one H200, ``--mem-frac`` 0.30, main 3a9b429) refused its backward plan, "12583.9
+    MiB at its peak" against 9100.8 MiB, where 6.4 GiB of the 12.3 were the fp32 gradients
+    already reserved, and FSDP2 trains down to 0.25. So beside the agreed free memory every
+    planner (gathers, persistence, budgeted recompute, the refusal, the measured step's room)
+    reads the profile without the state; against the total memory a plain
+    ``torch.compile(backend="zbuf")`` plans in (``free_memory_bytes`` unset), the state is in
+    the profile, as it is in that memory."""
+    return activation_profile(graph, state=options.free_memory_bytes is None)
+
+
 def graph_memory(options: CompileOptions, device: torch.device) -> int:
     """What one graph's activations and gathered weights share: the agreed free memory less the
     margin (see [Note: rank-agreed budget])."""
@@ -155,6 +176,20 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
         f"(free memory less the margin_fraction); refusing to run a plan that cannot fit. "
         f"Lower the micro-batch or sequence length, checkpoint more of the model "
         f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
+
+
+def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) -> None:
+    """Refuse an optimizer whose step's temporaries cannot fit in the memory every rank agreed
+    is free beside the model's state ([Note: optimizer state bytes] in
+    zbuf/optimizer_policy.py): its first ``step()`` would run out of memory after a whole
+    forward and backward."""
+    if temporary_bytes <= free_bytes:
+        return
+    raise PlanExceedsMemoryError(
+        f"zbuf: {optimizer}'s step needs {temporary_bytes / 2**20:.1f} MiB of temporaries but "
+        f"every rank agreed on {free_bytes / 2**20:.1f} MiB free beside the model's state; "
+        f"refusing a step that cannot fit. Use fused=True (no parameter-sized temporaries), "
+        f"or shard over more ranks")
 
 
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
 from ..step_memory import StepMemory
-from .budget import agree_free_memory
+from .budget import agree_free_memory, check_optimizer_fits
 from .options import CompileOptions
 from .regions import mark_repeated_blocks
 from .replan import Replanner
@@ -89,13 +89,15 @@ def compile_model(
     if budget_bytes is None and opts.free_memory_bytes is None:
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            # What step 0 will hold that is known exactly now: the gradients, and the
-            # optimizer's state and temporaries from its type and the shards ([Note: optimizer
-            # state bytes] in zbuf/optimizer_policy.py); the rest is measured on step 0.
-            reserve = _gradient_bytes(model)
+            # What step 0 will hold beside its graphs that is known exactly now: the gradients,
+            # and the optimizer's state from its type and the shards ([Note: optimizer state
+            # bytes] in zbuf/optimizer_policy.py); the rest is measured on step 0.
+            reserve, temporaries = _gradient_bytes(model), 0
             if optimizer is not None:
-                reserve += OptimizerPolicy.of(optimizer).step_bytes(optimizer)
+                state, temporaries = OptimizerPolicy.of(optimizer).step_bytes(optimizer)
+                reserve += state
             free = agree_free_memory(group, reserve_bytes=reserve)
+            check_optimizer_fits(free, temporaries, type(optimizer).__name__)
             opts = dataclasses.replace(opts, free_memory_bytes=free)
             host_free = free + reserve
     elif opts.free_memory_bytes is not None:

@@ -60,6 +60,7 @@ def _gather_op():
 
 
 GATHER_OP = _gather_op()
+REDUCE_SCATTER_OP = torch.ops.zbuf.reduce_scatter.default
 
 class GatherArgs(NamedTuple):
     """The arguments of a ``zbuf::all_gather`` node (ops.py has the op's schema)."""
@@ -364,14 +365,14 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
     return GraphIndex(summary, nodes, [g for g, _ in specs])
 
 
-def activation_peak_bytes(graph: torch.fx.Graph) -> int:
+def activation_peak_bytes(graph: torch.fx.Graph, *, state: bool = True) -> int:
     """Static liveness of every non-gathered tensor: peak of bytes alive at once."""
-    profile = activation_profile(graph)
+    profile = activation_profile(graph, state=state)
     return int(profile.max()) if len(profile) else 0
 
 
 def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
-                       shards: bool = True) -> np.ndarray:
+                       state: bool = True) -> np.ndarray:
     """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
 
     Static liveness: a tensor is alive from the node that makes it to its last reader, its own or
@@ -382,8 +383,10 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
     its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
     gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
     count from their ``getitem`` nodes on; a region call counts, while it runs, the peak of what
-    its body makes ([Note: region bodies] in region_graphs.py). ``shards=False`` leaves out the
-    shards the gathers read (the model's state: resident before the step, not made by it).
+    its body makes ([Note: region bodies] in region_graphs.py). ``state=False`` leaves out the
+    model's state: the shards the gathers read (resident before the step) and the gradient
+    shards the reduce-scatters return (reserved beside them before the step: [Note: the model's
+    state is not an activation] in budget.py).
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -391,14 +394,20 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
     for g in gather_nodes(graph):
         gathered.add(g)
         gathered.update(view_tree(g))
-    shard_inputs = set() if shards else {gather_args(g).shard for g in gather_nodes(graph)}
+    if state:
+        model_state: set[torch.fx.Node] = set()
+    else:
+        # Before the schedule pass's rewrite, which is when profiles are taken, every gradient
+        # shard comes out of a functional reduce-scatter.
+        model_state = {gather_args(g).shard for g in gather_nodes(graph)}
+        model_state.update(n for n in nodes if n.target is REDUCE_SCATTER_OP)
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
         if n.op in ("output", "get_attr") or n in gathered or n.meta.get("zbuf_persistent"):
             continue
         if n.target is _REGION_OP:
             body = getattr(graph.owning_module, n.args[0].target)
-            inner = activation_profile(body.graph, inputs=False)
+            inner = activation_profile(body.graph, inputs=False, state=state)
             peak = int(inner.max()) if len(inner) else 0
             delta[pos[n]] += peak
             delta[pos[n] + 1] -= peak
@@ -407,7 +416,7 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
             continue  # a multi-output op's tensors count at its getitems; a view counts nothing
         if n.op == "placeholder" and not inputs:
             continue
-        if not shards and n in shard_inputs:
+        if n in model_state:
             continue
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:

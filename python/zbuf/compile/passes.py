@@ -37,7 +37,7 @@ from torch.profiler import record_function
 from . import budget as budget_mod
 from . import recompute, report
 from .fingerprint import collective_order, describe_graph, fingerprint_of
-from .graph_info import activation_profile, gather_nodes, group_and_device, summarize
+from .graph_info import gather_nodes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
 from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
@@ -233,7 +233,7 @@ class GatherSchedulePass(CustomGraphPass):
                 sink_region_calls(graph)  # [Note: region bodies], step 3
             index = summarize(graph, opts)  # 3
             group_name, device = group_and_device(graph)
-            act_profile = activation_profile(graph)
+            act_profile = budget_mod.planning_profile(graph, opts)
             token, sched = None, None
             if index.gathers:  # 4
                 peak_act = int(act_profile.max()) if len(act_profile) else 0
@@ -241,14 +241,12 @@ class GatherSchedulePass(CustomGraphPass):
                 kept = persisted.nbytes if kind == "backward" else 0
                 # Persisted weights are live through backward: they come off its budget.
                 sched = plan_schedule(index.summary, max(1, requested - kept), opts)
-                # [Note: no plan above its memory] in budget.py: the shards are resident
-                # before the step (the agreed memory is what is free beside them).
-                made = activation_profile(graph, shards=False)
-                both = (made + sched.profile if len(made) == len(sched.profile)
-                        else np.array([int(made.max(initial=0)) + sched.peak_live_bytes]))
+                # [Note: no plan above its memory] in budget.py.
+                both = (act_profile + sched.profile if len(act_profile) == len(sched.profile)
+                        else np.array([peak_act + sched.peak_live_bytes]))
                 budget_mod.check_plan_fits(
                     opts, device, kind=kind, peak_bytes=int(both.max(initial=0)) + kept,
-                    activation_peak=int(made.max(initial=0)),
+                    activation_peak=peak_act,
                     gathered_peak=sched.peak_live_bytes + kept)
         with dynamo_timed("zbuf.rewrite"):
             if sched is not None:

@@ -38,7 +38,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import budget as budget_mod
 from .graph_info import (
-    activation_peak_bytes,
     backward_nodes,
     gather_args,
     gather_nodes,
@@ -109,8 +108,9 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
     if (opts.persist is not False and not opts.measuring and gathers
             and (opts.persist or graph_world_size(joint) != 1)):
         _, device = group_and_device(joint)
-        peak = activation_peak_bytes(joint) if activation_peak is None else activation_peak
-        budget = budget_mod.graph_budget(opts, device, peak)
+        if activation_peak is None:
+            activation_peak = int(budget_mod.planning_profile(joint, opts).max(initial=0))
+        budget = budget_mod.graph_budget(opts, device, activation_peak)
         # What one node needs at once is off limits; persistence may use a share of the rest.
         need: dict[torch.fx.Node, int] = {}
         for g in gathers:

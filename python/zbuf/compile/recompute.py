@@ -22,7 +22,7 @@ partitions it as ``"checkpointed"`` does, and the record says 0 regions.
 
 [Note: budgeted recompute]
 The budget: the activation peak of the partitioned forward and backward graphs (static liveness,
-``graph_info.activation_profile``, the projection the gather budget is derived from) must stay
+``budget.planning_profile``, the projection the gather budget is derived from) must stay
 within ``A = M - G``. M is the memory every rank agreed on for the graph (``budget.graph_memory``);
 G is kept for gathered weights (``budget.gather_reserve``): what one node reads at once plus
 ``PREFETCH_BLOCKS`` blocks'
@@ -83,7 +83,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import budget as budget_mod
 from .graph_info import (
-    activation_profile,
     backward_nodes,
     gather_nodes,
     group_and_device,
@@ -317,12 +316,14 @@ def copy_joint(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
 
 
-def _activation_peak(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
-    return max(int(activation_profile(g.graph).max(initial=0)) for g in (fw, bw))
+def _activation_peak(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                     options: CompileOptions) -> int:
+    return max(int(budget_mod.planning_profile(g.graph, options).max(initial=0))
+               for g in (fw, bw))
 
 
 def measure_partition(mode: str, forward_names: set[str], fw: torch.fx.GraphModule,
-                      bw: torch.fx.GraphModule, **fields) -> RecomputeStats:
+                      bw: torch.fx.GraphModule, options: CompileOptions, **fields) -> RecomputeStats:
     """What a partition kept and recomputes; ``forward_names``: the joint graph's forward nodes."""
     fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
     weights = {n.name for n in _gather_trees(fw.graph)}
@@ -335,7 +336,7 @@ def measure_partition(mode: str, forward_names: set[str], fw: torch.fx.GraphModu
                   if n.op == "call_function" and n.name in forward_names and n not in bw_weights]
     return RecomputeStats(
         mode=mode,
-        activation_peak_bytes=_activation_peak(fw, bw),
+        activation_peak_bytes=_activation_peak(fw, bw, options),
         kept_bytes=kept,
         recomputed_bytes=sum(_value_bytes(n) for n in recomputed),
         forward_flops=sum(node_flops(n) for n in fw.graph.nodes if n.op == "call_function"),
@@ -381,7 +382,8 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
         apply_levels(gm.graph, regions, levels)
         token = tag_gathers(gm.graph, None)
         fw, bw = min_cut(gm)
-        return fw, bw, token, measure_partition(mode, fwd, fw, bw, partitions=1, **counts, **by_level(levels))
+        return fw, bw, token, measure_partition(mode, fwd, fw, bw, options, partitions=1, **counts,
+                                                **by_level(levels))
 
     group_name, device = group_and_device(gm.graph)
     if options.activation_budget_bytes is not None:
@@ -392,7 +394,7 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
     specs = level_specs(gm.graph, forward, regions, options)
     base_levels = (0,) * len(regions)
     fw, bw, token = run(base_levels, None)
-    base = _activation_peak(fw, bw)
+    base = _activation_peak(fw, bw, options)
     budget = max(requested, base)
     best = (base_levels, fw, bw, token)
     best_seconds = sum(s.levels[0].recompute_seconds for s in specs)
@@ -419,7 +421,7 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
         tried.add(plan.levels)
         fw, bw, token = run(plan.levels, min(plan.modelled_peak_bytes, budget))
         partitions += 1
-        peak = _activation_peak(fw, bw)
+        peak = _activation_peak(fw, bw, options)
         point = (plan.modelled_peak_bytes, peak)
         if peak <= budget:
             if plan.recompute_seconds < best_seconds:
@@ -435,6 +437,6 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
             slope = (hi[0] - lo[0]) / max(hi[1] - lo[1], 1)
             model_budget = min(lo[0] + int((budget - lo[1]) * slope), hi[0] - 1)
     levels, fw, bw, token = best
-    return fw, bw, token, measure_partition(mode, fwd, fw, bw, partitions=partitions,
+    return fw, bw, token, measure_partition(mode, fwd, fw, bw, options, partitions=partitions,
                           activation_budget_bytes=budget, requested_activation_budget_bytes=requested,
                           **counts, **by_level(levels))
