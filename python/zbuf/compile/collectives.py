@@ -19,12 +19,30 @@
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
     ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
     ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
+``zbuf::hold_released(Tensor(a!) token, Tensor(b!)[] released) -> ()``
+    Does nothing; the graph's last zbuf op takes every buffer the graph released ([Note: the
+    pool's memory is not Inductor's]).
 ``zbuf::reduce_scatter_start(Tensor(a!) token, Tensor grad, int param_id, SymInt shard_numel,
                              str group_name, ScalarType? reduce_dtype) -> Tensor``
     The first half of ``zbuf::reduce_scatter`` (``runtime.reduce_scatter_launch``): casts and
     pads ``grad`` and issues the collective without waiting; returns this rank's slice, in the reduce dtype, whose contents
     are valid only after the matching wait. The pass substitutes a start/wait pair for every
-    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: reduce-scatter overlap]).
+    ``zbuf::reduce_scatter`` that autograd put in a graph ([Note: the pool's memory is not Inductor's]
+A gathered buffer is a tensor over a pool block, returned by ``gather_buffer``; to Inductor it
+is a buffer like any other, dead after its last reader, which is its release. Inductor's wrapper
+reuses dead buffers' storage for later tensors (``buf243 = reinterpret_tensor(buf47, ...); del
+buf47  # reuse``), so it wrote a norm weight's gradient, or a saved activation, into a block the
+pool had taken back and handed to the next gather: on one H200 (main 3a9b429, world 1, fp32, no
+collective involved) eight gradients of layer 0 and the embedding were 55-77 % off eager's,
+deterministically (the same with CUDA_LAUNCH_BLOCKING=1; exact under ``aot_eager``, which reuses
+nothing), and poisoned releases could not see it: the reuse overwrites the poison. So the
+rewrite ends every graph with ``hold_released``, which takes every released buffer as written:
+their last use is the graph's end, after which Inductor allocates nothing, so it never reuses
+the pool's memory. The tensors' lifetime as Python objects grows to the graph's end; the blocks
+went back to the pool at their releases as before (stream-ordered: [Note: release contract] in
+pool.py).
+
+[Note: reduce-scatter overlap]).
 ``zbuf::reduce_scatter_wait(Tensor(a!) token, Tensor(b!) started) -> ()``
     Makes the current stream wait for the start that returned ``started`` and averages it in
     place: the same arithmetic as ``zbuf::reduce_scatter``.
@@ -95,6 +113,7 @@ __all__ = [
     "all_gather_start",
     "all_gather_wait",
     "all_gather_release",
+    "hold_released",
     "reduce_scatter_start",
     "reduce_scatter_wait",
     "check_schedule",
@@ -250,6 +269,17 @@ def all_gather_release(token: torch.Tensor, t: torch.Tensor, pool_id: int,
 
 @all_gather_release.register_fake
 def _all_gather_release_fake(token, t, pool_id, after):
+    return None
+
+
+@_op("hold_released(Tensor(a0!) token, Tensor(a1!)[] released) -> ()")
+def hold_released(token: torch.Tensor, released: Sequence[torch.Tensor]) -> None:
+    # Only the compiler reads it: [Note: the pool's memory is not Inductor's].
+    pass
+
+
+@hold_released.register_fake
+def _hold_released_fake(token, released):
     return None
 
 

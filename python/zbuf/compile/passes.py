@@ -43,7 +43,7 @@ from .persist import Persisted, tag_for_regather
 from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
                             prepare_body_joint, sink_region_calls)
 from .region_schema import SchemaMemo
-from .rewrite import check_token_chain, rewrite, thread_reduce_scatters
+from .rewrite import check_token_chain, hold_released_buffers, rewrite, thread_reduce_scatters
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
 
@@ -218,7 +218,9 @@ class GatherSchedulePass(CustomGraphPass):
         4. plan the gathers under this graph's budget (schedule.py; a backward's budget less the
            bytes persistence kept from forward);
         5. rewrite the gathers into start / wait / release on the schedule token (rewrite.py);
-        6. thread the reduce-scatters onto the token ([Note: reduce-scatter overlap]);
+        6. thread the reduce-scatters onto the token ([Note: reduce-scatter overlap]), and end
+           the graph holding every released buffer ([Note: the pool's memory is not
+           Inductor's]);
         7. fingerprint the input shapes and collective order, build the graph's record (report.py);
         8. add the every-run check and the first-run pool sizing (``zbuf::check_schedule``);
         9. verify the token chain and the graph, then register the record.
@@ -252,6 +254,7 @@ class GatherSchedulePass(CustomGraphPass):
             if sched is not None:
                 token = rewrite(graph, index, sched)  # 5
             token = thread_reduce_scatters(graph, token)  # 6
+            hold_released_buffers(graph, token)  # [Note: the pool's memory is not Inductor's]
         with dynamo_timed("zbuf.fingerprint"):
             order = collective_order(graph)  # 7
             description = describe_graph(graph, order)

@@ -18,7 +18,8 @@ from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_st
 from .graph_info import GraphIndex, gather_args, group_and_device, is_view, unpacks_results
 from .schedule import Schedule
 
-__all__ = ["RS_IN_FLIGHT_BYTES", "new_token", "rewrite", "thread_reduce_scatters", "check_token_chain"]
+__all__ = ["RS_IN_FLIGHT_BYTES", "new_token", "rewrite", "thread_reduce_scatters",
+           "hold_released_buffers", "check_token_chain"]
 
 aten = torch.ops.aten
 zbuf = torch.ops.zbuf
@@ -117,6 +118,17 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
         raise AssertionError("zbuf: a reduce-scatter result has no reader (not even the graph "
                              "output); this is a zbuf bug")
     return token
+
+
+def hold_released_buffers(graph: torch.fx.Graph, token: torch.fx.Node | None) -> None:
+    """End the graph with ``zbuf::hold_released`` over every buffer it releases, so that
+    Inductor never reuses a block the pool took back ([Note: the pool's memory is not
+    Inductor's] in collectives.py)."""
+    released = [n.args[1] for n in graph.nodes if n.target is zbuf.all_gather_release.default]
+    if not released:
+        return
+    with graph.inserting_before(graph.output_node()):
+        graph.call_function(zbuf.hold_released.default, (token, released)).meta["val"] = None
 
 
 def check_token_chain(graph: torch.fx.Graph, token: torch.fx.Node | None) -> list[torch.fx.Node]:
