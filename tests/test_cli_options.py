@@ -101,6 +101,27 @@ def test_argparse_level_errors(argv, needle, capsys):
     assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
 
 
+@pytest.mark.parametrize("argv", [["train", "--budget", "1GiB"], ["bench", "--budget=1"],
+                                  ["fit", "--budget"], ["train", "--engine", "zbuf-eager",
+                                                        "--budget", "lots"]])
+def test_the_split_budget_names_both_replacements(argv, capsys):
+    # --budget meant the gather budget for zbuf and the pool's cap for zbuf-eager; a script that
+    # still passes it is told what each meaning is called now, whatever follows the flag.
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert (f"zbuf {argv[0]}: error: --budget was split in two: --gather-budget SIZE bounds "
+            f"engine zbuf's gathered bytes, --pool-budget SIZE caps engine zbuf-eager's "
+            f"gather-buffer pool") in err, err
+    with pytest.raises(SystemExit):
+        main([argv[0], "--help"])
+    shown = capsys.readouterr().out  # hidden: --help shows the two that replaced it
+    assert "--gather-budget SIZE" in shown and "--pool-budget SIZE" in shown
+    assert " --budget" not in shown and "[--budget" not in shown
+
+
 def test_each_budget_applies_to_its_own_engine():
     # One bench of both zbuf engines takes both budgets, each for its engine.
     TrainConfig(engines=(Engine.ZBUF, Engine.ZBUF_EAGER), gather_budget=1 << 30,
