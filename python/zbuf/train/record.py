@@ -369,10 +369,12 @@ def phases_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Config fields that may differ between records merged into one comparison.
+# Config fields that may differ between records merged into one comparison. "budget" is the
+# field of records written before it was split into gather_budget and pool_budget (each engine's
+# own budget, so free as it was): such a record still merges with newer ones.
 _MERGE_FREE = {"engines", "engine_ac", "ac", "out", "progress", "gather_budget", "pool_budget",
-               "checkpoint_dir", "save_every", "keep_checkpoints", "resume_from", "allow_change",
-               "collective_timeout_s"}
+               "budget", "checkpoint_dir", "save_every", "keep_checkpoints", "resume_from",
+               "allow_change", "collective_timeout_s"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:
