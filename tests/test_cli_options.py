@@ -22,7 +22,16 @@ from zbuf.train.config import ConfigError, Engine, TrainConfig, parse_bytes
     (["train", "--out", "/nonexistent-zbuf-dir/run.json"], "does not exist"),
     (["train", "--out", "/proc/zbuf-run.json"], "cannot write there"),
     (["train", "--mem-frac", "0.5", "--device", "cpu"], "no GPU"),
-    (["train", "--engine", "ddp", "--budget", "1GiB"], "has no meaning"),
+    (["train", "--engine", "ddp", "--gather-budget", "1GiB"],
+     "has no meaning for engine(s) ddp: drop it, or add engine zbuf"),
+    (["train", "--engine", "zbuf-eager", "--gather-budget", "1GiB"],
+     "has no meaning for engine(s) zbuf-eager: use --pool-budget for zbuf-eager"),
+    (["train", "--pool-budget", "1GiB"],
+     "has no meaning for engine(s) zbuf: use --gather-budget for zbuf (its plan sizes the pool)"),
+    (["bench", "--engines", "fsdp2,ddp", "--pool-budget", "1GiB"],
+     "has no meaning for engine(s) fsdp2, ddp: drop it, or add engine zbuf-eager"),
+    (["fit", "--engine", "zbuf-eager", "--gather-budget", "1GiB", "--simulate-world", "2",
+      "--gpu-memory", "1GiB"], "use --pool-budget for zbuf-eager"),
     (["train", "--steps", "3", "--warmup", "3"], "no measured step"),
     (["train", "--seq-len", "2"], "at least 4"),
     (["train", "--seq-len", "4096"], "max_seq_len"),
@@ -50,6 +59,7 @@ def test_bad_option_clear_message_nonzero_exit(argv, needle, capsys, tmp_path):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in " ".join(err.split()), err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run.json").exists()
     assert not (tmp_path / "ck").exists()  # refused before anything was created
 
@@ -74,7 +84,8 @@ def test_bench_refuses_checkpoints(tmp_path, capsys):
     (["train", "--layers", "0"], "positive integer"),
     (["train", "--engine", "deepspeed"], "invalid choice"),
     (["bench", "--engines", "zbuf,megatron"], "unknown engine(s) megatron"),
-    (["train", "--budget", "lots"], "byte count"),
+    (["train", "--gather-budget", "lots"], "--gather-budget: cannot read 'lots' as a byte count"),
+    (["train", "--pool-budget", "0"], "--pool-budget: byte count '0' must be positive"),
     (["train", "--save-every", "0"], "positive integer"),
     (["train", "--collective-timeout", "0"], "positive number"),
     (["train", "--collective-timeout", "soon"], "positive number"),
@@ -88,6 +99,66 @@ def test_argparse_level_errors(argv, needle, capsys):
     assert needle in err
     # One line that matters, not argparse's usage block before it (issue 22 item 7).
     assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["train", "--budget", "1GiB"], ["bench", "--budget=1"],
+                                  ["fit", "--budget"], ["train", "--engine", "zbuf-eager",
+                                                        "--budget", "lots"]])
+def test_the_split_budget_names_both_replacements(argv, capsys):
+    # --budget meant the gather budget for zbuf and the pool's cap for zbuf-eager; a script that
+    # still passes it is told what each meaning is called now, whatever follows the flag.
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert (f"zbuf {argv[0]}: error: --budget was split in two: --gather-budget SIZE bounds "
+            f"engine zbuf's gathered bytes, --pool-budget SIZE caps engine zbuf-eager's "
+            f"gather-buffer pool") in err, err
+    with pytest.raises(SystemExit):
+        main([argv[0], "--help"])
+    shown = capsys.readouterr().out  # hidden: --help shows the two that replaced it
+    assert "--gather-budget SIZE" in shown and "--pool-budget SIZE" in shown
+    assert " --budget" not in shown and "[--budget" not in shown
+
+
+def test_each_budget_applies_to_its_own_engine():
+    # One bench of both zbuf engines takes both budgets, each for its engine.
+    TrainConfig(engines=(Engine.ZBUF, Engine.ZBUF_EAGER), gather_budget=1 << 30,
+                pool_budget=1 << 28).validate()
+    with pytest.raises(ConfigError, match="--pool-budget caps the zbuf-eager engine's"):
+        TrainConfig(engines=(Engine.ZBUF,), pool_budget=1 << 28).validate()
+    with pytest.raises(ConfigError, match=r"--gather-budget must be a positive byte count"):
+        TrainConfig(gather_budget=-1).validate()
+
+
+def test_budgets_reach_the_compiled_plan_and_the_eager_pool(one_rank_group, monkeypatch):
+    # --gather-budget is zbuf.compile's budget_bytes and leaves the pool to the plan;
+    # --pool-budget caps zbuf-eager's pool. Both given, as a bench of both engines may.
+    import torch
+
+    from zbuf.train import engines
+
+    cfg = TrainConfig(engines=(Engine.ZBUF, Engine.ZBUF_EAGER), gather_budget=5 << 20,
+                      pool_budget=3 << 20, steps=1, micro_batch=1, seq_len=8)
+    cfg = cfg.resolve(cuda=False, world=1, bench=True)
+    seen = {}
+
+    def compile_model(model, **kwargs):  # the plan itself is tested in test_compile*.py
+        seen.update(kwargs)
+        return model
+
+    monkeypatch.setattr(engines.zcompiled, "compile_model", compile_model)
+    monkeypatch.setattr(engines.zcompiled, "step_memory_of", lambda compiled: None)
+    cpu = torch.device("cpu")
+    compiled = engines.build_engine(Engine.ZBUF, cfg, cpu)
+    assert seen["budget_bytes"] == 5 << 20
+    assert compiled.pool.stats().budget_bytes not in (3 << 20, 5 << 20)  # the pool's default
+    eager = engines.build_engine(Engine.ZBUF_EAGER, cfg, cpu)
+    assert eager.pool.stats().budget_bytes == 3 << 20
+    default = engines.build_engine(Engine.ZBUF_EAGER, dataclasses.replace(cfg, pool_budget=None),
+                                   cpu)
+    assert default.pool.stats().budget_bytes == compiled.pool.stats().budget_bytes
 
 
 def test_an_option_is_checked_by_one_definition():

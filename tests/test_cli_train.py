@@ -250,12 +250,13 @@ def _check_plot_layout(record, out_dir):
 
 
 def test_two_steps_with_a_budget_below_the_floor(tmp_path):
-    # --steps 2 failed on the default --warmup 3; --budget 1 was raised to the schedule's floor
-    # without a word. One rank keeps it short.
+    # --steps 2 failed on the default --warmup 3; --gather-budget 1 was raised to the schedule's
+    # floor without a word. One rank keeps it short.
     out = tmp_path / "run.json"
-    res = _run(["train", "--steps", "2", "--budget", "1", "--nproc", "1", "--out", str(out)])
+    res = _run(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1", "--out",
+                str(out)])
     assert res.returncode == 0, _why(res, out)
-    note = "--budget 1 B is below the schedule's floor"
+    note = "--gather-budget 1 B is below the schedule's floor"
     lines = res.stdout.splitlines()
     said = [i for i, line in enumerate(lines) if note in line]
     first_step = next(i for i, line in enumerate(lines) if "step 1/2" in line)

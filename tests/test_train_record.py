@@ -105,6 +105,29 @@ def test_merge_records(tmp_path, capsys):
     assert "repeat" in capsys.readouterr().err
 
 
+def test_a_record_from_before_the_budget_split_still_merges(tmp_path):
+    # Records written before --budget became --gather-budget and --pool-budget carry "budget"
+    # and neither new field; each engine's budget is free to differ, so they merge as before.
+    old = _record([_engine("fsdp2", [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 1])])
+    cfg = {k: v for k, v in old["config"].items() if k not in ("gather_budget", "pool_budget")}
+    old["config"] = dict(cfg, budget=1 << 30)
+    new = _record([_engine("zbuf", [3, 1, 1, 1, 1, 0.9], [5, 4, 3, 2, 1, 1], pool=True)],
+                  TrainConfig(engines=(Engine.ZBUF,), warmup=2, steps=6, micro_batch=1,
+                              seq_len=1024, gather_budget=8 << 30).resolve(cuda=True, world=2,
+                                                                           bench=True))
+    assert new["config"]["gather_budget"] == 8 << 30 and "budget" not in new["config"]
+    paths = [tmp_path / "old.json", tmp_path / "new.json"]
+    for path, rec in zip(paths, (old, new)):
+        path.write_text(json.dumps(rec))
+    merged = merge_records([str(p) for p in paths])
+    assert [e["engine"] for e in merged["engines"]] == ["fsdp2", "zbuf"]
+    assert "zbuf" in markdown(merged)
+    # What must match still must: the old record's other fields are compared as ever.
+    paths[0].write_text(json.dumps(dict(old, config=dict(old["config"], seq_len=2048))))
+    with pytest.raises(ValueError, match="seq_len"):
+        merge_records([str(p) for p in paths])
+
+
 def test_fewer_layers_of_a_preset_are_recorded_and_refuse_to_merge(tmp_path):
     # A large preset's harness on a small machine: same layer shape, fewer layers, and a record
     # that says so (and will not be merged with a run of the whole model).

@@ -43,6 +43,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+_RETIRED = {
+    "--budget": "--budget was split in two: --gather-budget SIZE bounds engine zbuf's gathered "
+                "bytes, --pool-budget SIZE caps engine zbuf-eager's gather-buffer pool",
+}
+"""Flags that no longer exist -> the one line that says what replaced them (argparse alone
+would answer "unrecognized arguments", which names no replacement)."""
+
+
+class _Retired(argparse.Action):
+    """A retired flag, hidden from ``--help``: using it is an error naming its replacement."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(_RETIRED[option_string])
+
+
 def _engine_list(text: str) -> tuple[tuple[Engine, Optional[str]], ...]:
     """``zbuf,fsdp2:selective`` -> ((zbuf, None), (fsdp2, "selective")): engines, each with an
     optional activation checkpointing mode that overrides ``--ac``."""
@@ -116,6 +131,9 @@ def _add_config_options(p: argparse.ArgumentParser, command: str) -> None:
             group(opt.group).add_argument("--no-ac", dest="ac", action="store_const",
                                           const="off", help="no activation checkpointing (same "
                                                             "as --ac off)")
+    for flag in _RETIRED:  # nargs="?": the bare flag and --flag=VALUE get the same line
+        p.add_argument(flag, action=_Retired, nargs="?", dest=argparse.SUPPRESS,
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:

@@ -142,10 +142,23 @@ class TrainConfig:
     """Per engine, in the order of ``engines`` (``--engines zbuf:auto,fsdp2,fsdp2:selective``):
     its activation checkpointing, None to take ``ac``. Empty: every engine takes ``ac``. One
     engine may run more than once with different modes."""
-    budget: Optional[int] = option(
-        help="zbuf gather budget, e.g. 8GiB (default: from rank-agreed free memory)",
-        check=BYTES, commands=WITH_FIT)
-    """Gather budget in bytes for the zbuf engines (``None``: derived from free memory)."""
+    gather_budget: Optional[int] = option(
+        help="engine zbuf: the most gathered bytes its plan keeps live at once, e.g. 8GiB "
+             "(default: from rank-agreed free memory)", check=BYTES, metavar="SIZE",
+        commands=WITH_FIT)
+    """Engine ``zbuf`` (compiled) only: the gather budget in bytes, the most gathered parameter
+    bytes its schedule keeps live at any point (``budget_bytes`` of ``zbuf.compile``; raised to
+    the schedule's floor when below it). ``None``: derived from the rank-agreed free memory.
+    Uncompiled ``zbuf-eager`` has no schedule to keep within it: see ``pool_budget``."""
+    pool_budget: Optional[int] = option(
+        help="engine zbuf-eager: the most bytes its gather-buffer pool keeps; gathers beyond "
+             "it are allocated outside the pool, e.g. 2GiB (default: the pool's own)",
+        check=BYTES, metavar="SIZE", commands=WITH_FIT)
+    """Engine ``zbuf-eager`` only: the byte cap of its gather-buffer pool
+    (``GatherBufferPool.set_budget``, clamped to the pool's hard cap); a gather that does not
+    fit is allocated outside the pool instead of cached. ``None``: the pool's default. Refused
+    for engine ``zbuf``: a compiled plan sizes its pool from its schedule on the first run and
+    would override the cap; bound it with ``gather_budget``."""
     mem_frac: Optional[float] = option(
         help="cap usable GPU memory to this fraction (emulates a smaller GPU)", check=FRACTION)
     """Cap usable GPU memory to this fraction of the card (emulates a smaller GPU)."""
@@ -317,9 +330,17 @@ class TrainConfig:
                               "ranks), not both")
         if self.seq_len is not None and self.seq_len < 4:
             raise ConfigError(f"--seq-len must be at least 4, got {self.seq_len}")
-        if self.budget is not None and not any(e.uses_zbuf for e in self.engines):
-            raise ConfigError("--budget sets the zbuf gather budget; it has no meaning for "
-                              f"engine(s) {', '.join(e.value for e in self.engines)}")
+        names = ", ".join(e.value for e in self.engines)
+        if self.gather_budget is not None and Engine.ZBUF not in self.engines:
+            fix = ("use --pool-budget for zbuf-eager" if Engine.ZBUF_EAGER in self.engines
+                   else "drop it, or add engine zbuf")
+            raise ConfigError(f"--gather-budget bounds the compiled zbuf engine's schedule; it "
+                              f"has no meaning for engine(s) {names}: {fix}")
+        if self.pool_budget is not None and Engine.ZBUF_EAGER not in self.engines:
+            fix = ("use --gather-budget for zbuf (its plan sizes the pool)"
+                   if Engine.ZBUF in self.engines else "drop it, or add engine zbuf-eager")
+            raise ConfigError(f"--pool-budget caps the zbuf-eager engine's gather-buffer pool; "
+                              f"it has no meaning for engine(s) {names}: {fix}")
         unknown = [k for k in self.allow_change if k not in RUN_DEFINING]
         if unknown:
             raise ConfigError(f"--allow-change {','.join(unknown)}: not a setting that defines a "
@@ -354,7 +375,7 @@ class TrainConfig:
     def run_definition(self) -> dict[str, Any]:
         """The settings that define this (resolved) run's trajectory, by flag name: a checkpoint
         records them and a resume compares them ([Note: checkpoints belong to one run] in
-        ``save_resume.py``). Performance and bookkeeping options (engine, compiler, budget,
+        ``save_resume.py``). Performance and bookkeeping options (engine, compiler, budgets,
         activation checkpointing, steps) may change between restarts; the world size may too,
         as long as the global batch stays (the data of a step depends on it, not on the split)."""
         return {

@@ -223,21 +223,21 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
 
-def _zbuf_shard(model, cfg, device, dtype, group, *, pool_budget: bool):
+def _zbuf_shard(model, device, dtype, group, *, pool_budget: Optional[int] = None):
     # A pool of its own per engine: what one engine's plans and step memory did to a pool (its
     # budget, its blocks) must not carry over to the next engine of a bench.
     pool = GatherBufferPool(device)
     # A meta model (simulated ranks) is materialised one submodule's shards at a time.
     zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                  pool=pool, device=device, init_fn=lambda sub: init_module(sub, model))
-    if pool_budget and cfg.budget is not None:
-        # Uncompiled, there is no schedule to size the pool: --budget caps the pool itself.
-        pool.set_budget(cfg.budget)
+    if pool_budget is not None:
+        # Uncompiled, there is no schedule to size the pool: --pool-budget caps it instead.
+        pool.set_budget(pool_budget)
     return pool
 
 
 def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
-    pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=True)
+    pool = _zbuf_shard(model, device, dtype, group, pool_budget=cfg.pool_budget)
     optimizer = build_optimizer(model, cfg)
     # No plan to remake; measured, and the pool lends its idle blocks to the optimizer step.
     step_memory = StepMemory(model, optimizer)
@@ -249,16 +249,17 @@ def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
 
 
 def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
-    pool = _zbuf_shard(model, cfg, device, dtype, group, pool_budget=False)
+    pool = _zbuf_shard(model, device, dtype, group)  # its plan sizes the pool
     whole = _WithLoss(model)
     optimizer = build_optimizer(model, cfg)
-    # compile_model, not torch.compile(backend="zbuf"): without --budget it agrees the
+    # compile_model, not torch.compile(backend="zbuf"): without --gather-budget it agrees the
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
     once.update(_stand_in_card(model, cfg, device))
-    compiled = zcompiled.compile_model(whole, budget_bytes=cfg.budget, fullgraph=not cfg.hf_model,
-                                      inner=cfg.compiler, optimizer=optimizer,
+    compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
+                                      fullgraph=not cfg.hf_model, inner=cfg.compiler,
+                                      optimizer=optimizer,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
                                       **once)
 
@@ -277,7 +278,7 @@ def _stand_in_card(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
     """``--gpu-memory`` on CPU: the free memory zbuf's CPU stand-in plans against is the card
     less what the shards and their gradients will hold (on CUDA the card is emulated for real,
     through ``mem_frac``)."""
-    if cfg.gpu_memory is None or device.type != "cpu" or cfg.budget is not None:
+    if cfg.gpu_memory is None or device.type != "cpu" or cfg.gather_budget is not None:
         return {}
     shards = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)

@@ -172,7 +172,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 probe.feed_pool()
                 mem, phases = None, meter.close_step()
             if step == start:  # the first step planned the schedule: say what it changed
-                notices.extend(budget_notices(cfg.budget, setup.schedule_report()))
+                notices.extend(budget_notices(cfg.gather_budget, setup.schedule_report()))
                 for text in notices:
                     progress.notice(text)
             m = probe.sample(phases)

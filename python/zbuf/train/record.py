@@ -29,7 +29,7 @@ Record layout (``schema: zbuf.run/1``)::
                                alloc_retries_total, alloc_retries_measured),
                    pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
                    notices[] (what the run changed of the options, shown live too, e.g. a
-                   --budget below the schedule's floor),
+                   --gather-budget below the schedule's floor),
                    step_memory (zbuf engines, rank 0: the measured whole-step budget and the
                                 pool/allocator events; see ``zbuf.step_memory``),
                    compile_phases[per rank] (the first step cut into phases, see
@@ -82,14 +82,14 @@ def _find(obj: Any, keys: tuple[str, ...], how=max) -> Optional[float]:
 def budget_notices(requested: Optional[int], schedule: Optional[dict[str, Any]]) -> list[str]:
     """What a user must be told about the gather budget once the schedule is planned: a budget
     below the floor (the most gathered bytes one operation needs at once) is raised to it by the
-    planner, which would otherwise go unsaid. ``requested``: ``--budget`` (None: the
+    planner, which would otherwise go unsaid. ``requested``: ``--gather-budget`` (None: the
     rank-agreed free memory)."""
     raised = [g for g in (schedule or {}).get("graphs", [])
               if g.get("budget_bytes", 0) > g.get("requested_budget_bytes", 0)]
     if not raised:
         return []
     asked = min(g["requested_budget_bytes"] for g in raised)
-    what = (f"--budget {format_bytes(requested)}" if requested is not None
+    what = (f"--gather-budget {format_bytes(requested)}" if requested is not None
             else f"the gather budget from free memory ({format_bytes(asked)})")
     floor = max(g["budget_bytes"] for g in raised)
     return [f"{what} is below the schedule's floor, the most gathered bytes one operation needs "
@@ -369,10 +369,12 @@ def phases_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Config fields that may differ between records merged into one comparison.
-_MERGE_FREE = {"engines", "engine_ac", "ac", "out", "progress", "budget", "checkpoint_dir",
-               "save_every", "keep_checkpoints", "resume_from", "allow_change",
-               "collective_timeout_s"}
+# Config fields that may differ between records merged into one comparison. "budget" is the
+# field of records written before it was split into gather_budget and pool_budget (each engine's
+# own budget, so free as it was): such a record still merges with newer ones.
+_MERGE_FREE = {"engines", "engine_ac", "ac", "out", "progress", "gather_budget", "pool_budget",
+               "budget", "checkpoint_dir", "save_every", "keep_checkpoints", "resume_from",
+               "allow_change", "collective_timeout_s"}
 
 
 def merge_records(paths: list[str]) -> dict[str, Any]:

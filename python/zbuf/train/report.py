@@ -259,9 +259,9 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                 ax.plot(range(len(act)), [v / scale for v in act], color="tab:green",
                         label="projected activations")
             if budget_on_scale:
-                ax.axhline(budget / scale, color="tab:red", linestyle="--", label="budget")
+                ax.axhline(budget / scale, color="tab:red", linestyle="--", label="gather budget")
             else:
-                ax.text(0.01, 0.04, f"budget {budget / _GIB:.2f} GiB (off scale)",
+                ax.text(0.01, 0.04, f"gather budget {budget / _GIB:.2f} GiB (off scale)",
                         transform=ax.transAxes, va="bottom", color="tab:red", fontsize="small")
             ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
                          f"({g.get('kind', '?')}), {len(live)} nodes")
@@ -271,7 +271,8 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
             ax.legend(fontsize="small")
     else:
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        fields = [("budget_bytes", "budget"), ("peak_live_gathered_bytes", "peak live gathered"),
+        fields = [("budget_bytes", "gather budget"),
+                  ("peak_live_gathered_bytes", "peak live gathered"),
                   ("activation_peak_bytes", "activation peak"),
                   ("persistent_bytes", "kept for backward")]
         width = 0.8 / len(fields)
@@ -500,7 +501,8 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
             ("collectives", "collectives"), ("coalesced groups", "coalesced_groups"),
             ("prefetched", "prefetched"), ("re-gathers", "regathers"),
             ("kept forward->backward", "persistent"), ("bytes kept", "persistent_bytes"),
-            ("budget", "budget_bytes"), ("requested budget", "requested_budget_bytes"),
+            ("gather budget", "budget_bytes"),
+            ("requested gather budget", "requested_budget_bytes"),
             ("feasible floor", "floor_bytes"), ("peak live gathered", "peak_live_gathered_bytes"),
             ("activation peak", "activation_peak_bytes"),
             ("modelled compute", "modelled_compute_seconds"),
