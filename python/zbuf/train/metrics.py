@@ -139,7 +139,9 @@ def _driver_version() -> Optional[str]:
 def _git_commit() -> Optional[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+        # "-dirty" when tracked files differ from the commit: a record must not name a commit
+        # whose code it did not run (the GPU machine runs a copy of the working tree).
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=here,
                              capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
