@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import re
 import sys
+import types
 from typing import Optional
 
 from .train.config import AC_CHOICES, Engine, Task, TrainConfig
@@ -43,10 +44,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_RETIRED = {
+_RETIRED = types.MappingProxyType({
     "--budget": "--budget was split in two: --gather-budget SIZE bounds engine zbuf's gathered "
                 "bytes, --pool-budget SIZE caps engine zbuf-eager's gather-buffer pool",
-}
+})
 """Flags that no longer exist -> the one line that says what replaced them (argparse alone
 would answer "unrecognized arguments", which names no replacement)."""
 
