@@ -66,6 +66,18 @@ def test_summary_statistics_and_markdown():
     json.dumps(rec)  # the record is plain JSON
 
 
+def test_time_to_the_final_plan_counts_through_the_last_replan():
+    """Issue 21's measure: from set-up to the end of the first step that ran the plan kept
+    (a re-plan's step compiles again, so it counts), not only the first step."""
+    eng = _engine("zbuf", [3, 2, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2])
+    assert _record([eng])["engines"][0]["summary"]["time_to_final_plan_s"] == 1.0 + 3
+    eng = _engine("zbuf", [3, 2, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2])
+    eng["steps"][1]["replanned"] = [True, True]
+    summary = _record([eng])["engines"][0]["summary"]
+    assert summary["time_to_final_plan_s"] == 1.0 + 3 + 2
+    assert summary["first_step_s"] == 3
+
+
 def test_report_plots_schedule_profiles(tmp_path):
     rec = _record([_engine("zbuf", [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2], pool=True,
                            schedule=SCHEDULE)])

@@ -139,6 +139,8 @@ def summary_table(record: dict[str, Any]) -> Table:
     compiles = all(Engine(e["engine"]).compiles for e in engines)
     row("first step (compile)" if compiles else "first step",
         lambda s: f"{s['first_step_s']:.2f} s")
+    row("time to the final plan", lambda s: "-" if s.get("time_to_final_plan_s") is None
+        else f"{s['time_to_final_plan_s']:.2f} s")
     row("loss (mean over ranks)", lambda s: f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}")
     row("pool hits / misses", lambda s: f"{s['pool'].get('hits', 0)} / "
                                         f"{s['pool'].get('misses', 0)}" if s.get("pool") else "-")
@@ -183,7 +185,8 @@ def comparison_table(record: dict[str, Any]) -> Optional[Table]:
     base = next((e for e in fsdp2 if e.get("ac") in ("full", None)), fsdp2[0] if fsdp2 else ok[0])
     b = base["summary"]
     table = Table(title=f"relative to {run_label(base)} (lower is better for time and memory)")
-    for col in ("engine", "step time", "tok/s/GPU", "peak memory", "first step"):
+    for col in ("engine", "step time", "tok/s/GPU", "peak memory", "first step",
+                "to the final plan"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for eng in ok:
         s = eng["summary"]
@@ -191,5 +194,8 @@ def comparison_table(record: dict[str, Any]) -> Optional[Table]:
                       f"{s['step_time_median_s'] / b['step_time_median_s']:.3f}x",
                       f"{s['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.3f}x",
                       f"{s['peak_device_bytes'] / max(b['peak_device_bytes'], 1):.3f}x",
-                      f"{s['first_step_s'] / b['first_step_s']:.3f}x")
+                      f"{s['first_step_s'] / b['first_step_s']:.3f}x",
+                      # issue 21's measure: against the baseline's first step, not its own
+                      "-" if s.get("time_to_final_plan_s") is None
+                      else f"{s['time_to_final_plan_s'] / b['first_step_s']:.3f}x")
     return table

@@ -39,7 +39,8 @@ Record layout (``schema: zbuf.run/1``)::
                    communication (simulated runs: rank 0's per-step collective bytes and
                                   their time at link_gbps, ``simulate.CommEstimate``; never part
                                   of time_s),
-                   summary (see ``summarize``)
+                   summary (see ``summarize``; ``time_to_final_plan_s``: set-up plus every
+                            step through the last re-plan's, issue 21's measure)
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "alloc_retries_per_rank": [r["alloc_retries_measured"] for r in result["per_rank"]],
         "alloc_retries_total_per_rank": [r["alloc_retries_total"] for r in result["per_rank"]],
         "first_step_s": steps[0]["time_s"],
+        "time_to_final_plan_s": _time_to_final_plan(result, steps),
         "first_loss": steps[0]["loss"],
         "final_loss": steps[-1]["loss"],
         "losses": [s["loss"] for s in steps],
@@ -189,6 +191,16 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "recompute": _recompute(result.get("schedule")),
         "compile_phases": slowest_phases(result),
     }
+
+
+def _time_to_final_plan(result: dict[str, Any], steps: list[dict[str, Any]]) -> float:
+    """Seconds from the engine's set-up to the end of the first step that ran the plan it kept:
+    the first step, or the last step a re-plan took effect in ([Note: measure first, then
+    spend] in zbuf/step_memory.py), with every step before it; what a user waits before the
+    step time the summary reports."""
+    replans = [s["step"] for s in steps if any(s.get("replanned") or [])]
+    last = max(replans, default=steps[0]["step"])
+    return result.get("setup_seconds", 0.0) + sum(s["time_s"] for s in steps if s["step"] <= last)
 
 
 def _recompute(schedule: Optional[dict]) -> Optional[dict[str, Any]]:
