@@ -22,6 +22,7 @@ import torch
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
+from .region_graphs import checkpoint_bodies
 
 __all__ = ["zbuf_backend"]
 
@@ -39,6 +40,8 @@ def zbuf_backend(
         )
     opts = CompileOptions.from_mapping(options)
     report.claim(_gathered_shards(gm, example_inputs))  # [Note: records live with their model]
+    if opts.recompute == "checkpointed":
+        checkpoint_bodies(gm)  # [Note: region bodies], step 0
     state = PlanState(opts)
     partitioner = ZbufPartitioner(state)
     schedule_pass = GatherSchedulePass(state)

@@ -5,9 +5,28 @@ With blocks marked by ``regions.mark_repeated_blocks`` ([Note: compile repeated 
 AOTAutograd partitions each distinct region body on its own (the partitioner is called with the
 body's joint graph and no example inputs) before the outer joint graph, then stitches the
 partitioned forward and backward bodies back into it: the forward call returns the body's saved
-tensors, which the outer graph hands to the backward call. Three things keep the gathered
-weights the outer graph's to plan:
+tensors, which the outer graph hands to the backward call. Step 0 puts a user's checkpoint
+around a block into the body; steps 1-3 keep the gathered weights the outer graph's to plan:
 
+0. Dynamo's graph (``checkpoint_bodies``, before AOTAutograd, ``recompute="checkpointed"``
+   only): a body every call of which is under a user's plain ``torch.utils.checkpoint``
+   (``checkpoint(block, x)`` in the user's loop, around the marked block's call) gets that
+   checkpoint's tags (``PREFER_RECOMPUTE``) on its own nodes, as if the block checkpointed its
+   own forward. The body's partition then saves only its inputs and its backward recomputes the
+   block, freeing each recomputed tensor after its last use; the outer backward re-runs no
+   block call. Without it, the body saved its activations (it did not know it was checkpointed)
+   and the outer graph re-ran the call in backward (step 3) to get them, and held them as the
+   backward call's operands through the whole call, where the whole graph frees each after its
+   last use. 6 checkpointed MLP blocks (tests/test_compile_regions.py), backward activation
+   peak, bytes: compiled whole 5,727,744 projected (``schedule_report``), 5,263,881 measured
+   (CPU allocator, profiler, graphs run freeing each value after its last use as Inductor's
+   code does); compiled once 6,776,320 / 6,312,457 before, 5,727,744 / 5,263,881 with it. Run
+   by aot_eager (which keeps every saved tensor to the end of backward), once measures 262,144
+   (one block output) above whole: the last block's output, saved for the head, which the whole
+   graph recomputes with the last block. A body also called outside a plain checkpoint (a
+   selective one, whose policy decides per op while AOTAutograd traces, or none) is left as it
+   is, so a block the user did not checkpoint is never recomputed; step 3 then bounds its
+   checkpointed calls.
 1. Body joint (``prepare_body_joint``): views and casts of the body's inputs are tagged
    ``MUST_RECOMPUTE``, so the body saves an input itself rather than a view of it (a transposed
    weight). An input saved so is returned unchanged by the forward body.
@@ -16,17 +35,18 @@ weights the outer graph's to plan:
    the outer gather directly; zbuf's recompute tags make backward re-gather it (or keep it, under
    selective persistence), where otherwise every block's gathered weights would be saved from
    forward to backward through the calls' results.
-3. Outer joint (``keep_block_boundaries``): a forward call under the user's checkpoint
-   (``torch.utils.checkpoint`` around the block) has its results that forward reads on (the
-   block's output, the next block's input) saved: read through a ``clone`` tagged ``MUST_SAVE``
-   (the partitioner never bans a ``getitem`` from recompute; Inductor removes the copy as a
-   no-op after partitioning, or it costs one block output's copy per block). In the backward
-   graph each recomputed forward call then moves to just before its first reader
-   (``sink_region_calls``), so one block's recomputation is live at a time. Without it the outer partition
-   saw the calls as one chain of recomputable nodes and saved only the embedding's output:
-   backward re-ran every block's forward before the first block's backward (a static backward
-   activation peak of 120 GiB for qwen3-14b as rank 0 of 8, against 19 GiB compiled whole). Saved
-   so, backward re-runs one block at a time, as the whole graph's checkpointing does.
+3. Outer joint (``keep_block_boundaries``): a forward call under the user's checkpoint has its
+   results that forward reads on (the block's output, the next block's input) saved: read
+   through a ``clone`` tagged ``MUST_SAVE`` (the partitioner never bans a ``getitem`` from
+   recompute; Inductor removes the copy as a no-op after partitioning, or it costs one block
+   output's copy per block). Without it the outer partition sees the calls as one chain of
+   recomputable nodes and saves only the embedding's output: backward re-ran every block's
+   forward before the first block's backward (a static backward activation peak of 120 GiB for
+   qwen3-14b as rank 0 of 8, against 19 GiB compiled whole); with step 0 that chain is still
+   re-run (the calls keep the user's tags), each block's forward then twice in backward. A call
+   whose body step 0 left alone is re-run by the outer backward; each such recomputed forward
+   call moves to just before its first reader (``sink_region_calls``), so one block's
+   recomputation is live at a time, as the whole graph's checkpointing does.
 4. Post-grad: the partitioned bodies are marked (``mark_body``) and the schedule pass leaves
    them alone (``is_body``); they hold no collective, the outer graphs hold them all.
 
@@ -46,11 +66,12 @@ from .graph_info import backward_nodes, gather_nodes, is_view, weight_tree
 from .options import CompileOptions
 from .recompute import LEVELS, apply_levels, find_regions
 
-__all__ = ["REGION_OP", "is_region_call", "prepare_body_joint", "forward_region_inputs",
-           "keep_block_boundaries", "sink_region_calls",
+__all__ = ["REGION_OP", "is_region_call", "checkpoint_bodies", "prepare_body_joint",
+           "forward_region_inputs", "keep_block_boundaries", "sink_region_calls",
            "mark_body", "is_body", "body_of"]
 
 REGION_OP = torch.ops.higher_order.invoke_subgraph
+_CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
 
 _BODY = "zbuf_region_body"
 
@@ -62,6 +83,38 @@ def is_region_call(node: torch.fx.Node) -> bool:
 def body_of(node: torch.fx.Node) -> torch.fx.GraphModule:
     """The subgraph a region call runs (its first argument is a ``get_attr``)."""
     return getattr(node.graph.owning_module, node.args[0].target)
+
+
+def checkpoint_bodies(gm: torch.fx.GraphModule) -> int:
+    """Step 0 of [Note: region bodies], on Dynamo's graph: a body every call of which is under a
+    user's plain ``torch.utils.checkpoint`` gets that checkpoint's tags on its own nodes. Returns
+    how many bodies were tagged."""
+    plain: set[int] = set()  # the graphs plain checkpoints run
+    callers: dict[int, tuple[torch.fx.GraphModule, list[int]]] = {}  # body -> calling graphs
+    for m in gm.modules():
+        if not isinstance(m, torch.fx.GraphModule):
+            continue
+        for n in m.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target is _CHECKPOINT_OP:
+                # A selective checkpoint's policy decides per op while AOTAutograd traces
+                # (Dynamo leaves it on the graph's meta): a region call is one op to it.
+                if "_checkpoint_context_fn" not in body_of(n).meta:
+                    plain.add(id(body_of(n)))
+            elif is_region_call(n):
+                callers.setdefault(id(body_of(n)), (body_of(n), []))[1].append(id(m))
+    tagged = 0
+    for body, graphs in callers.values():
+        if not all(g in plain for g in graphs):
+            continue
+        for n in body.graph.nodes:
+            if n.op == "call_function" and "recompute" not in n.meta:
+                # What a plain checkpoint's nodes get (TagActivationCheckpoint.tag_nodes).
+                n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                n.meta["ac_graph_id"] = _BODY
+        tagged += 1
+    return tagged
 
 
 def prepare_body_joint(joint: torch.fx.Graph, options: CompileOptions) -> None:
