@@ -23,10 +23,10 @@ around a block into the body; steps 1-3 keep the gathered weights the outer grap
    code does); compiled once 6,776,320 / 6,312,457 before, 5,727,744 / 5,263,881 with it. Run
    by aot_eager (which keeps every saved tensor to the end of backward), once measures 262,144
    (one block output) above whole: the last block's output, saved for the head, which the whole
-   graph recomputes with the last block. A body also called outside a plain checkpoint (a
-   selective one, whose policy decides per op while AOTAutograd traces, or none) is left as it
-   is, so a block the user did not checkpoint is never recomputed; step 3 then bounds its
-   checkpointed calls.
+   graph recomputes with the last block (benches/results/region_checkpoint_peak_cpu.md). A body
+   also called outside a plain checkpoint (a selective one, whose policy decides per op while
+   AOTAutograd traces, or none) is left as it is, so a block the user did not checkpoint is
+   never recomputed; step 3 then bounds its checkpointed calls.
 1. Body joint (``prepare_body_joint``): views and casts of the body's inputs are tagged
    ``MUST_RECOMPUTE``, so the body saves an input itself rather than a view of it (a transposed
    weight). An input saved so is returned unchanged by the forward body.
