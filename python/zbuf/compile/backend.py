@@ -9,7 +9,9 @@ Only public hooks are used: ``compile_fx(..., config_patches=...)`` (applied to 
 the lazily compiled backward alike) with ``custom_partitioner_fn`` and
 ``post_grad_custom_post_pass``; for aot_eager, ``aot_autograd`` with the same partitioner and the
 schedule pass as forward/backward compilers. ``reorder_for_peak_memory`` is off because it sinks
-hoisted gather starts back to their waits, undoing prefetch.
+hoisted gather starts back to their waits, undoing prefetch. Before either, Dynamo's graph is
+only re-tagged: a user's checkpoint around a block compiled once moves into its body ([Note: region
+bodies] step 0 in region_graphs.py), with the tags Dynamo itself gives a checkpoint's nodes.
 """
 
 from __future__ import annotations
