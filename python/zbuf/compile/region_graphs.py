@@ -18,15 +18,21 @@ around a block into the body; steps 1-3 keep the gathered weights the outer grap
    and the outer graph re-ran the call in backward (step 3) to get them, and held them as the
    backward call's operands through the whole call, where the whole graph frees each after its
    last use. 6 checkpointed MLP blocks (tests/test_compile_regions.py), backward activation
-   peak, bytes: compiled whole 5,727,744 projected (``schedule_report``), 5,263,881 measured
+   peak, bytes: compiled whole 4,988,928 projected (``schedule_report``), 5,263,881 measured
    (CPU allocator, profiler, graphs run freeing each value after its last use as Inductor's
-   code does); compiled once 6,776,320 / 6,312,457 before, 5,727,744 / 5,263,881 with it. Run
-   by aot_eager (which keeps every saved tensor to the end of backward), once measures 262,144
-   (one block output) above whole: the last block's output, saved for the head, which the whole
-   graph recomputes with the last block (benches/results/region_checkpoint_peak_cpu.md). A body
-   also called outside a plain checkpoint (a selective one, whose policy decides per op while
-   AOTAutograd traces, or none) is left as it is, so a block the user did not checkpoint is
-   never recomputed; step 3 then bounds its checkpointed calls.
+   code does); compiled once 6,103,040 / 6,312,457 before, 5,054,464 / 5,263,881 with it. The
+   projection's 65,536 above whole is one weight's gradient: a block call returns its gradients
+   when it ends (the body holds no reduce-scatter, step 4), so the one made first in the
+   block's backward is live at the body's peak, where the whole graph has reduce-scattered it
+   into its shard (the model's state, not counted: [Note: the model's state is not an
+   activation] in budget.py). The allocator counts that shard too: measured on one rank the
+   two are equal; on N ranks the shard is 1/N of the gradient. Run by aot_eager (which keeps
+   every saved tensor to the end of backward), once measures 262,144 (one block output) above
+   whole: the last block's output, saved for the head, which the whole graph recomputes with
+   the last block (benches/results/region_checkpoint_peak_cpu.md). A body also called outside a
+   plain checkpoint (a selective one, whose policy decides per op while AOTAutograd traces, or
+   none) is left as it is, so a block the user did not checkpoint is never recomputed; step 3
+   then bounds its checkpointed calls.
 1. Body joint (``prepare_body_joint``): views and casts of the body's inputs are tagged
    ``MUST_RECOMPUTE``, so the body saves an input itself rather than a view of it (a transposed
    weight). An input saved so is returned unchanged by the forward body.
