@@ -2,11 +2,21 @@
 
 Multi-process tests start several torch processes on a 2-core machine: one intra-op thread per
 process keeps them from oversubscribing the cores (and keeps CPU numerics deterministic).
+
+``TORCHINDUCTOR_VEC_ISA_OK=1``: every process that first compiles with Inductor on a CPU probes
+each vector instruction set the CPU lists (AVX-512, AVX2) by building a small library and loading
+it in a new Python that imports torch, about 6 s of CPU per process on CI's 2-core box (a warm
+launch of test_warm_start.py: 21-22 s of CPU with the probe, 15 s without). The suite's Inductor
+processes (pytest itself, the two launches of test_warm_start.py, the two ranks of
+test_compile_dist.py's Inductor test) take the instruction set from the CPU's flags instead, as
+torch does with the variable set; what they compile is the same. The variable is inherited by
+the worker processes and subprocesses the tests start; an explicit setting wins.
 """
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
