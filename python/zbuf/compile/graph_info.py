@@ -39,7 +39,6 @@ __all__ = [
     "localize_view_chains",
     "summarize",
     "GraphIndex",
-    "activation_peak_bytes",
     "activation_profile",
     "tensor_bytes",
     "gathered_nbytes",
@@ -363,12 +362,6 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
         world_size=graph_world_size(graph),
     )
     return GraphIndex(summary, nodes, [g for g, _ in specs])
-
-
-def activation_peak_bytes(graph: torch.fx.Graph, *, state: bool = True) -> int:
-    """Static liveness of every non-gathered tensor: peak of bytes alive at once."""
-    profile = activation_profile(graph, state=state)
-    return int(profile.max()) if len(profile) else 0
 
 
 def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
