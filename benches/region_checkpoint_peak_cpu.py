@@ -32,7 +32,9 @@ from torch import nn
 BLOCKS = 6
 
 
-class _Mlp(nn.Module):
+class Mlp(nn.Module):
+    """One block: 64 -> 256 -> 64, residual."""
+
     def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(64, 256)
@@ -42,19 +44,23 @@ class _Mlp(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-class _CheckpointedStack(nn.Module):
-    def __init__(self, n: int) -> None:
+class CheckpointedStack(nn.Module):
+    """A plain user script's checkpointing: each block called through ``checkpoint`` (every
+    ``every``-th block only, when set). tests/test_compile_regions.py asserts on this model."""
+
+    def __init__(self, n: int, every: int = 1) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, 64)
-        self.blocks = nn.ModuleList(_Mlp() for _ in range(n))
+        self.blocks = nn.ModuleList(Mlp() for _ in range(n))
         self.head = nn.Linear(64, 50, bias=False)
+        self.every = every
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint
 
         x = self.embed(tokens)
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False)
+        for i, b in enumerate(self.blocks):
+            x = checkpoint(b, x, use_reentrant=False) if i % self.every == 0 else b(x)
         return self.head(x)
 
 
@@ -83,7 +89,7 @@ def measure(once: bool, freeing: bool) -> dict:
     torch.set_num_threads(1)
     tokens = torch.randint(0, 50, (8, 128), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    model = shard(_CheckpointedStack(BLOCKS))
+    model = shard(CheckpointedStack(BLOCKS))
     if once:
         zbuf.compile.mark_repeated_blocks(model)
     cm = torch.compile(model, backend="zbuf",

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zbuf.compile
@@ -309,49 +309,26 @@ def test_inductor_lowers_the_body_once():
     assert len(compilation_time_metrics["GraphLowering.run"]) - before == 4
 
 
-class _Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(64, 256)
-        self.down = nn.Linear(256, 64, bias=False)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class _CheckpointedStack(nn.Module):
-    """A plain user script's checkpointing: each block called through ``checkpoint`` (every
-    ``every``-th block only, when set)."""
-
-    def __init__(self, n: int, every: int = 1) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(50, 64)
-        self.blocks = nn.ModuleList(_Mlp() for _ in range(n))
-        self.head = nn.Linear(64, 50, bias=False)
-        self.every = every
-
-    def forward(self, tokens):
-        from torch.utils.checkpoint import checkpoint
-
-        x = self.embed(tokens)
-        for i, b in enumerate(self.blocks):
-            x = checkpoint(b, x, use_reentrant=False) if i % self.every == 0 else b(x)
-        return self.head(x)
-
+# The model benches/region_checkpoint_peak_cpu.py measures, so the test asserts on what it reports.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches"))
+try:
+    from region_checkpoint_peak_cpu import CheckpointedStack, Mlp
+finally:
+    sys.path.pop(0)
 
 _TOKENS = torch.randint(0, 50, (8, 128), generator=torch.Generator().manual_seed(0))
 _BLOCK_OUTPUT = 8 * 128 * 64 * 4
 
 
 def _stack_step(compiled: str, every: int = 1):
-    """One step of a 6-block ``_CheckpointedStack``, ``compiled`` "eager", "whole" or "once"
+    """One step of a 6-block ``CheckpointedStack``, ``compiled`` "eager", "whole" or "once"
     (blocks marked): its loss, its gradients and (compiled) its records."""
     from zbuf.compile.report import clear_records
 
     torch._dynamo.reset()
     clear_records()
     torch.manual_seed(0)
-    model = shard(_CheckpointedStack(6, every))
+    model = shard(CheckpointedStack(6, every))
     run = model
     if compiled == "once":
         zbuf.compile.mark_repeated_blocks(model)
@@ -391,7 +368,7 @@ def test_blocks_compiled_once_under_a_users_checkpoint_recompute_in_their_body(m
     _assert_trains_like_eager(losses, grads)
     (whole, _), (once, once_kept) = peaks["whole"], peaks["once"]
     assert once_kept >= 6 * _BLOCK_OUTPUT, peaks  # every block's input is kept
-    block_grads = sum(p.numel() * p.element_size() for p in _Mlp().parameters())
+    block_grads = sum(p.numel() * p.element_size() for p in Mlp().parameters())
     assert once <= whole + block_grads, (peaks, block_grads)
     fw_graph, bw_graph = graphs
     bw_calls = [n.args[1] for n in bw_graph.nodes if n.target is REGION]
