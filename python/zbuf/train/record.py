@@ -116,6 +116,11 @@ def _phase_peaks(steps: list[dict[str, Any]]) -> Optional[dict[str, Optional[int
     return out
 
 
+def _replan_steps(steps: list[dict[str, Any]]) -> list[int]:
+    """The steps a re-plan took effect in (on any rank), in order."""
+    return sorted({s["step"] for s in steps if any(s.get("replanned") or [])})
+
+
 def _step_memory_summary(report: Optional[dict[str, Any]],
                          steps: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The whole-step budget of a zbuf engine: what was planned, measured and re-planned."""
@@ -126,7 +131,7 @@ def _step_memory_summary(report: Optional[dict[str, Any]],
         "planned_budget_bytes": m.get("planned_budget_bytes"),
         "measured_budget_bytes": m.get("budget_bytes"),
         "replanned": bool(m.get("replanned")),
-        "replan_steps": sorted({s["step"] for s in steps if any(s.get("replanned") or [])}),
+        "replan_steps": _replan_steps(steps),
         "limit_bytes": m.get("limit_bytes"),
         "pool_yields": sum(1 for s in steps for v in s.get("pool_yielded_bytes") or [] if v),
         "events": report.get("events"),
@@ -198,8 +203,7 @@ def _time_to_final_plan(result: dict[str, Any], steps: list[dict[str, Any]]) -> 
     the first step, or the last step a re-plan took effect in ([Note: measure first, then
     spend] in zbuf/step_memory.py), with every step before it; what a user waits before the
     step time the summary reports."""
-    replans = [s["step"] for s in steps if any(s.get("replanned") or [])]
-    last = max(replans, default=steps[0]["step"])
+    last = max(_replan_steps(steps), default=steps[0]["step"])
     return result.get("setup_seconds", 0.0) + sum(s["time_s"] for s in steps if s["step"] <= last)
 
 
