@@ -32,6 +32,8 @@ from zbuf.train.config import ConfigError, Engine, TrainConfig, parse_bytes
      "has no meaning for engine(s) fsdp2, ddp: drop it, or add engine zbuf-eager"),
     (["fit", "--engine", "zbuf-eager", "--gather-budget", "1GiB", "--simulate-world", "2",
       "--gpu-memory", "1GiB"], "use --pool-budget for zbuf-eager"),
+    (["bench", "--engines", "fsdp2,ddp", "--optimizer-in-backward"],
+     "engine(s) fsdp2, ddp step after backward: drop it, or use engine zbuf"),
     (["train", "--steps", "3", "--warmup", "3"], "no measured step"),
     (["train", "--seq-len", "2"], "at least 4"),
     (["train", "--seq-len", "4096"], "max_seq_len"),

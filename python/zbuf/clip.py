@@ -32,6 +32,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             "clip_grad_norm_ takes the module passed to zbuf.shard (its root); for an unsharded "
             "model use torch.nn.utils.clip_grad_norm_"
         )
+    if root.steps_in_backward:
+        raise ShardingError(
+            "clip_grad_norm_: this model's optimizer steps in backward (zbuf.compile(..., "
+            "optimizer_in_backward=True)), which uses each gradient as it arrives and leaves none "
+            "to clip; compile without optimizer_in_backward to clip gradients")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")

@@ -98,6 +98,15 @@ class OptimizerPolicy:
             return 0
         return sum(sizes) if self.implementation == "foreach" else max(sizes)
 
+    def batch_temporary_bytes(self, optimizer: torch.optim.Optimizer, batch_bytes: int) -> int:
+        """Bytes of the step's largest temporaries when it runs over batches of parameters of
+        ``batch_bytes`` or more, a batch closed by the parameter that reaches it ([Note:
+        optimizer in backward] in zbuf/optimizer_in_backward.py)."""
+        sizes = [p.numel() * p.element_size() for p in self._params(optimizer)]
+        if self.implementation == "fused" or not sizes:
+            return 0
+        return max(sizes) + (batch_bytes if self.implementation == "foreach" else 0)
+
     def step_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         """``(state, temporaries)`` of ``optimizer``'s step over all of its parameters: what a
         plan made before step 0 reserves beside the graphs, and what the step needs on top of

@@ -70,6 +70,8 @@ __all__ = [
     "reduce_scatter_launch",
     "reduce_scatter_finish",
     "release_buffer",
+    "step_into",
+    "step_in_backward",
 ]
 
 # [Note: counts live with their model]
@@ -113,6 +115,32 @@ def count_reduce_scatter(param_id: int, nbytes: int) -> None:
     if ref is not None and (counts := ref()) is not None:
         counts["reduce_scatter"] += 1
         counts["reduce_scatter_bytes"] += nbytes
+
+# The optimizers that step shards in backward ([Note: optimizer in backward] in
+# zbuf/optimizer_in_backward.py), by parameter id, held weakly like the counts: an entry lives as
+# long as its ``BackwardStep``.
+_BACKWARD_STEPS: dict[int, weakref.ReferenceType] = {}
+
+
+def step_into(param_ids, stepper) -> None:
+    """Have ``stepper`` (a ``BackwardStep``) update ``param_ids`` in backward while it lives."""
+    ids = tuple(param_ids)
+    ref = weakref.ref(stepper, lambda _ref: [_BACKWARD_STEPS.pop(i, None) for i in ids])
+    for param_id in ids:
+        _BACKWARD_STEPS[param_id] = ref
+
+
+def step_in_backward(grads: Sequence[torch.Tensor], param_ids: Sequence[int]) -> None:
+    """Update the shards ``param_ids`` with ``grads`` through the optimizer stepping them."""
+    ref = _BACKWARD_STEPS.get(param_ids[0]) if param_ids else None
+    stepper = ref() if ref is not None else None
+    if stepper is None:
+        raise RuntimeError(
+            f"zbuf::step_in_backward: no optimizer steps parameter {param_ids[0]} in backward "
+            f"(the BackwardStep of zbuf.compile(..., optimizer_in_backward=True) is gone); "
+            f"keep the compiled model alive while it trains")
+    stepper.step(list(grads), list(param_ids))
+
 
 # [Note: poisoned releases]
 # A debugging aid (and what the compile tests run under): when set, every released gathered

@@ -97,6 +97,9 @@ class ShardedRoot:
     (reduce-scatters and the bytes of their padded inputs), eager gradient contributions held
     for a later reduction (``grad_accumulate``) and reductions made at the end of a backward
     (``reduce_scatter_flush``, also counted in ``reduce_scatter``): [Note: reduce once]."""
+    steps_in_backward: bool = False
+    """An optimizer updates these shards in backward and drops their gradients there
+    ([Note: optimizer in backward] in optimizer_in_backward.py): nothing is left to clip."""
     reduce_once: ReduceOnce = field(init=False)
     """The eager backwards' gradient reductions: [Note: reduce once] in ``reduce_once.py``."""
 

@@ -91,7 +91,7 @@ from torch import nn
 from .agreement import agree_extremes, stable_budget
 from .memory import SharedMemory
 from .shard import roots
-from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases
+from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
 
 if TYPE_CHECKING:
     from .compile.replan import Replanner
@@ -226,10 +226,11 @@ class StepMemory:
         self.meter.attach(hooked)
         self._handles = [hooked.register_forward_pre_hook(lambda _m, _a: self._on_forward())]
         if optimizer is not None:
+            # Steps inside backward (the optimizer in backward) are backward's, as the meter's.
             self._handles.append(optimizer.register_step_pre_hook(
-                lambda _o, _a, _k: self._before_optimizer()))
+                lambda _o, _a, _k: None if in_backward() else self._before_optimizer()))
             self._handles.append(optimizer.register_step_post_hook(
-                lambda _o, _a, _k: self.memory.take_back()))
+                lambda _o, _a, _k: None if in_backward() else self.memory.take_back()))
 
     def detach(self) -> None:
         """Remove every hook (the meter's too)."""
@@ -283,8 +284,10 @@ class StepMemory:
             act = self.replanner.activation_peaks()
             if self._host_limit is not None:
                 # CPU stand-in: activations are invisible to the meter; the plans project them.
-                fw += act.get("forward", 0)
-                bw += act.get("backward", 0)
+                # The gradients are in both: the meter tracks them, the profiles count them.
+                own = self.replanner.activation_peaks(gradients=False)
+                fw += own.get("forward", 0)
+                bw += own.get("backward", 0)
         limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
         usable = self._usable(limit) - excess
         budget = stable_budget(usable - max(fw, bw))

@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepPhases", "PhaseMeter", "PHASES"]
+__all__ = ["StepPhases", "PhaseMeter", "PHASES", "in_backward"]
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -82,6 +82,13 @@ def _tensor_bytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: an optimizer step there is the
+    optimizer in backward ([Note: optimizer in backward] in optimizer_in_backward.py), part of
+    the backward phase, not a phase of its own."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class PhaseMeter:
     """Per-phase memory peaks of the steps of ``module`` (+ ``optimizer``) on ``device`` ([Note:
     phase peaks]).
@@ -125,9 +132,9 @@ class PhaseMeter:
             lambda _m, _args, _out: self.mark("backward")))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(
-                lambda _o, _a, _k: self.mark("optimizer")))
+                lambda _o, _a, _k: None if in_backward() else self.mark("optimizer")))
             self._handles.append(self.optimizer.register_step_post_hook(
-                lambda _o, _a, _k: self.mark("after")))
+                lambda _o, _a, _k: None if in_backward() else self.mark("after")))
         return self
 
     def detach(self) -> None:

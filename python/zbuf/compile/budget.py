@@ -4,13 +4,15 @@
 The planner's output must be identical on all ranks ([Note: rank-invariant schedule]), so its
 budget cannot be each rank's own free memory. ``agree_free_memory`` takes the minimum free memory
 over the group with one all-reduce; ``zbuf.compile`` calls it (every rank calls ``zbuf.compile``
-at the same point of its program), taking the gradients' bytes off each rank's free memory first
-(they will exist in every backward), and passes the result to the backend as the option
-``free_memory_bytes``, so the value lives with the compiled model that planned with it (and is
+at the same point of its program), taking the optimizer's state off each rank's free memory
+first (it will exist from the first ``step()`` on), and passes the result to the backend as the
+option ``free_memory_bytes``, with the gradients' bytes as ``gradient_bytes`` ([Note: gradients
+live in backward]), so the values live with the compiled model that planned with them (and are
 part of the passes' cache key through the options' digest). The rest of what a step holds
-(optimizer state, temporaries, NCCL) is measured on the first step, which may re-plan once
-([Note: whole-step budget] in zbuf/step_memory.py). A graph's budget is then
-``free_memory_bytes * (1 - margin_fraction) - projected activation peak of the graph``; the
+(temporaries, NCCL, fragmentation) is measured on the first step, which may re-plan once
+([Note: whole-step budget] in zbuf/step_memory.py). A graph's budget is then its memory
+(``graph_memory``: the free memory less the gradients it does not make itself, less
+``margin_fraction``) less its projected activation peak; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
 explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
 ``torch.compile(m, backend="zbuf")``), what this process may allocate stands in for the free
@@ -31,10 +33,11 @@ import torch.distributed as dist
 import torch.fx
 
 from ..agreement import agree_extremes, stable_free_memory
-from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
+from .graph_info import (activation_profile, block_of, gather_nodes, gathered_nbytes,
+                         gradient_shard_bytes, weight_tree)
 from .options import CompileOptions
 
-__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "check_optimizer_fits", "agree_free_memory", "graph_budget", "graph_memory", "local_free_bytes",
+__all__ = ["PlanExceedsMemoryError", "check_plan_fits", "check_optimizer_fits", "agree_free_memory", "graph_budget", "graph_memory", "gradient_reserve", "local_free_bytes",
            "gather_reserve", "planning_profile", "PREFETCH_BLOCKS"]
 
 PREFETCH_BLOCKS = 2
@@ -99,31 +102,56 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
 
 def planning_profile(graph: torch.fx.Graph, options: CompileOptions) -> np.ndarray:
     """The activation profile a graph is planned and checked with: beside the agreed free memory
-    it leaves out the model's state, against the total memory it counts it.
+    it leaves out the shards, against the total memory it counts them.
 
     [Note: the model's state is not an activation]
     ``zbuf.compile`` agrees on the free memory beside the model's state: the shards are resident
-    when it asks, and their gradients and the optimizer's state are taken off before the
-    agreement (they are known exactly then). A graph's static profile counts its shards (inputs,
-    alive from the start) and, in a backward graph, the gradient shards it returns (outputs,
-    alive to the end). Compared with the free memory, those bytes counted twice: qwen3-1.7b at
-    world 1 (one H200, ``--mem-frac`` 0.30, main 3a9b429) refused its backward plan, "12583.9
-    MiB at its peak" against 9100.8 MiB, where 6.4 GiB of the 12.3 were the fp32 gradients
-    already reserved, and FSDP2 trains down to 0.25. So beside the agreed free memory every
-    planner (gathers, persistence, budgeted recompute, the refusal, the measured step's room)
-    reads the profile without the state; against the total memory a plain
-    ``torch.compile(backend="zbuf")`` plans in (``free_memory_bytes`` unset), the state is in
-    the profile, as it is in that memory."""
-    return activation_profile(graph, state=options.free_memory_bytes is None)
+    when it asks, and the optimizer's state is taken off before the agreement (it is known
+    exactly then). A graph's static profile counts its shards (inputs, alive from the start).
+    Compared with the free memory, those bytes counted twice: qwen3-1.7b at world 1 (one H200,
+    ``--mem-frac`` 0.30, main 3a9b429) refused its backward plan, "12583.9 MiB at its peak"
+    against 9100.8 MiB, where 6.4 GiB of the 12.3 were fp32 gradients reserved beside the
+    graphs and counted again in the profile, and FSDP2 trains down to 0.25. So beside the agreed
+    free memory every planner (gathers, persistence, budgeted recompute, the refusal, the
+    measured step's room) reads the profile without the shards, and counts each gradient once:
+    in the profile of the graph that makes it, as a reservation in the others' ([Note:
+    gradients live in backward]). Against the total memory a plain
+    ``torch.compile(backend="zbuf")`` plans in (``free_memory_bytes`` unset), the shards are in
+    the profile, as they are in that memory."""
+    return activation_profile(graph, shards=options.free_memory_bytes is None,
+                              stepped_gradients=options.optimizer_in_backward)
 
 
-def graph_memory(options: CompileOptions, device: torch.device) -> int:
-    """What one graph's activations and gathered weights share: the agreed free memory less the
-    margin (see [Note: rank-agreed budget])."""
+def gradient_reserve(graph: torch.fx.Graph, options: CompileOptions, *, backward: bool) -> int:
+    """The gradients alive beside ``graph`` that its profile does not count.
+
+    [Note: gradients live in backward]
+    A step's gradients do not exist in its forward: ``zero_grad()`` sets them to None (torch's
+    default), and the backward makes them, each at its reduce-scatter. Up to 845ca7f
+    ``zbuf.compile`` took all of them off the agreed free memory, so every forward planned as if
+    they were there: qwen3-1.7b at world 1 (one H200, ``--mem-frac`` 0.25) refused its step-0
+    forward plan for 193 MiB while 6.4 GiB of the memory it was denied were fp32 gradients that
+    would only appear in backward, where the activations that peak in forward are gone; FSDP2
+    trains there. Now a graph's profile counts the gradient shards it returns from their
+    reduce-scatters on (``graph_info.activation_profile``), and only a backward (or joint) graph
+    reserves the rest of ``gradient_bytes``: those other graphs' backwards (a model with graph
+    breaks) leave alive when it runs. A forward graph reserves none. A forward that runs while
+    gradients are kept (``zero_grad(set_to_none=False)``, or micro-batches accumulated before one
+    ``step()``) shows them as resident growth in the measured step, whose re-plan counts them
+    ([Note: whole-step budget] in zbuf/step_memory.py). Against the total memory of a plain
+    ``torch.compile(backend="zbuf")`` nothing is reserved: the profile counts the shards too."""
+    if not backward or options.free_memory_bytes is None:
+        return 0
+    return max(0, options.gradient_bytes - gradient_shard_bytes(graph))
+
+
+def graph_memory(options: CompileOptions, device: torch.device, reserve_bytes: int = 0) -> int:
+    """What one graph's activations and gathered weights share: the agreed free memory less
+    ``reserve_bytes`` (``gradient_reserve``) and the margin (see [Note: rank-agreed budget])."""
     free = options.free_memory_bytes
     if free is None:
         free = _total_bytes(device)
-    return int(free * (1.0 - options.margin_fraction))
+    return int(max(0, free - reserve_bytes) * (1.0 - options.margin_fraction))
 
 
 def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
@@ -149,7 +177,8 @@ class PlanExceedsMemoryError(MemoryError):
 
 
 def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
-                    peak_bytes: int, activation_peak: int, gathered_peak: int) -> None:
+                    peak_bytes: int, activation_peak: int, gathered_peak: int,
+                    reserve_bytes: int = 0) -> None:
     """Refuse a plan whose projected peak exceeds the agreed memory.
 
     [Note: no plan above its memory]
@@ -166,14 +195,15 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
     on (``free_memory_bytes`` unset)."""
     if options.budget_bytes is not None and options.free_memory_bytes is None:
         return
-    memory = graph_memory(options, device)
+    memory = graph_memory(options, device, reserve_bytes)
     if peak_bytes <= memory:
         return
     raise PlanExceedsMemoryError(
         f"zbuf: the {kind} graph's plan needs {peak_bytes / 2**20:.1f} MiB at its peak "
         f"(activations {activation_peak / 2**20:.1f} MiB, gathered weights "
         f"{gathered_peak / 2**20:.1f} MiB) but every rank agreed on {memory / 2**20:.1f} MiB "
-        f"(free memory less the margin_fraction); refusing to run a plan that cannot fit. "
+        f"(free memory less {reserve_bytes / 2**20:.1f} MiB of other graphs' gradients and the "
+        f"margin_fraction); refusing to run a plan that cannot fit. "
         f"Lower the micro-batch or sequence length, checkpoint more of the model "
         f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
 
@@ -193,13 +223,13 @@ def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) 
 
 
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,
-                 graph: torch.fx.Graph | None = None) -> int:
+                 graph: torch.fx.Graph | None = None, reserve_bytes: int = 0) -> int:
     """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget]).
     The measured step's plan (``options.measuring``) gathers no more than ``gather_reserve`` of
     ``graph``: about one block ahead ([Note: measure first, then spend] in zbuf/step_memory.py)."""
     if options.budget_bytes is not None:
         return options.budget_bytes
-    budget = max(1, graph_memory(options, device) - activation_peak)
+    budget = max(1, graph_memory(options, device, reserve_bytes) - activation_peak)
     if options.measuring and graph is not None:
         budget = min(budget, max(1, gather_reserve(graph, options)))
     return budget

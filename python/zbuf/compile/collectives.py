@@ -114,6 +114,7 @@ __all__ = [
     "all_gather_wait",
     "all_gather_release",
     "hold_released",
+    "step_in_backward",
     "reduce_scatter_start",
     "reduce_scatter_wait",
     "check_schedule",
@@ -280,6 +281,19 @@ def hold_released(token: torch.Tensor, released: Sequence[torch.Tensor]) -> None
 
 @hold_released.register_fake
 def _hold_released_fake(token, released):
+    return None
+
+
+@_op("step_in_backward(Tensor(a0!) token, Tensor[] grads, SymInt[] param_ids) -> ()")
+def step_in_backward(token: torch.Tensor, grads: Sequence[torch.Tensor],
+                     param_ids: Sequence[int]) -> None:
+    # [Note: optimizer in backward] in zbuf/optimizer_in_backward.py
+    with runtime.label("zbuf::step_in_backward"):
+        runtime.step_in_backward(grads, param_ids)
+
+
+@step_in_backward.register_fake
+def _step_in_backward_fake(token, grads, param_ids):
     return None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..optimizer_in_backward import BATCH_BYTES, BackwardStep
 from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
 from ..step_memory import StepMemory
@@ -49,6 +50,7 @@ def compile_model(
     fullgraph: bool = False,
     dynamic: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    optimizer_in_backward: bool = False,
     **options: Any,
 ) -> torch.nn.Module:
     """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
@@ -72,9 +74,23 @@ def compile_model(
     pool's idle blocks when it needs them; without it the optimizer step is measured as part of
     backward and the budget leaves room for it beside the pool. An explicit ``budget_bytes`` is
     never re-planned.
+
+    ``optimizer_in_backward=True``: ``optimizer`` updates each shard in backward as soon as its
+    gradient is reduced, and the gradient is dropped there, so the step never holds all
+    gradients at once ([Note: optimizer in backward] in zbuf/optimizer_in_backward.py). Every
+    backward is then an optimizer step (no gradient accumulation, nothing left to clip); the
+    loop's ``optimizer.step()`` after backward finds no gradients on the shards and may stay.
+    Needs ``optimizer=`` and ``fullgraph=True``.
     """
+    if optimizer_in_backward and (optimizer is None or not fullgraph):
+        missing = "optimizer=" if optimizer is None else "fullgraph=True"
+        raise ValueError(f"zbuf.compile(..., optimizer_in_backward=True) needs {missing}: the "
+                         f"optimizer is what backward steps, and one graph must make each "
+                         f"gradient (a graph break could split a parameter's uses and step it "
+                         f"twice)")
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
-                          recompute=recompute, **options)
+                          recompute=recompute, optimizer_in_backward=optimizer_in_backward,
+                          **options)
     if opts.blocks_once:
         mark_repeated_blocks(model)  # [Note: compile repeated blocks once] in regions.py
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -89,16 +105,23 @@ def compile_model(
     if budget_bytes is None and opts.free_memory_bytes is None:
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
-            # What step 0 will hold beside its graphs that is known exactly now: the gradients,
-            # and the optimizer's state from its type and the shards ([Note: optimizer state
-            # bytes] in zbuf/optimizer_policy.py); the rest is measured on step 0.
-            reserve, temporaries = _gradient_bytes(model), 0
+            # What step 0 will hold beside its graphs that is known exactly now: the optimizer's
+            # state from its type and the shards ([Note: optimizer state bytes] in
+            # zbuf/optimizer_policy.py), through every graph; the gradients, through the
+            # backward graphs only ([Note: gradients live in backward] in budget.py); the rest is
+            # measured on step 0.
+            gradients = _gradient_bytes(model)
+            reserve, temporaries = 0, 0
             if optimizer is not None:
-                state, temporaries = OptimizerPolicy.of(optimizer).step_bytes(optimizer)
-                reserve += state
+                policy = OptimizerPolicy.of(optimizer)
+                reserve, temporaries = policy.step_bytes(optimizer)
+                if optimizer_in_backward:  # a batch at a time, beside a batch of gradients
+                    temporaries = policy.batch_temporary_bytes(optimizer, BATCH_BYTES)
+                    gradients = 0  # none outlives its graph
             free = agree_free_memory(group, reserve_bytes=reserve)
-            check_optimizer_fits(free, temporaries, type(optimizer).__name__)
-            opts = dataclasses.replace(opts, free_memory_bytes=free)
+            # The step's temporaries come after backward, beside its gradients.
+            check_optimizer_fits(max(0, free - gradients), temporaries, type(optimizer).__name__)
+            opts = dataclasses.replace(opts, free_memory_bytes=free, gradient_bytes=gradients)
             host_free = free + reserve
     elif opts.free_memory_bytes is not None:
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
@@ -114,6 +137,8 @@ def compile_model(
     replanner = None
     if budget_bytes is None:
         replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
+    if optimizer_in_backward:
+        compiled.__dict__["_zbuf_backward_step"] = BackwardStep(model, optimizer)
     compiled.__dict__["_zbuf_step_memory"] = StepMemory(
         model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
         host_free_bytes=host_free)

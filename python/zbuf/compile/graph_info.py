@@ -29,6 +29,7 @@ from .options import CompileOptions
 
 __all__ = [
     "GATHER_OP",
+    "gradient_shard_bytes",
     "graph_world_size",
     "GatherArgs",
     "gather_args",
@@ -365,7 +366,7 @@ def summarize(graph: torch.fx.Graph, options: CompileOptions) -> GraphIndex:
 
 
 def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
-                       state: bool = True) -> np.ndarray:
+                       shards: bool = True, stepped_gradients: bool = False) -> np.ndarray:
     """Bytes of non-gathered tensors alive at each node (int64, one entry per node of ``graph``).
 
     Static liveness: a tensor is alive from the node that makes it to its last reader, its own or
@@ -376,10 +377,12 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
     its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
     gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
     count from their ``getitem`` nodes on; a region call counts, while it runs, the peak of what
-    its body makes ([Note: region bodies] in region_graphs.py). ``state=False`` leaves out the
-    model's state: the shards the gathers read (resident before the step) and the gradient
-    shards the reduce-scatters return (reserved beside them before the step: [Note: the model's
-    state is not an activation] in budget.py).
+    its body makes ([Note: region bodies] in region_graphs.py). ``shards=False`` leaves out the
+    shards the gathers read (resident before the step: [Note: the model's state is not an
+    activation] in budget.py); the gradient shards the reduce-scatters return always count, from
+    the reduce-scatter on ([Note: gradients live in backward] in budget.py), to the graph's end,
+    or with ``stepped_gradients`` at their own node only (the optimizer consumes them there:
+    [Note: optimizer in backward] in zbuf/optimizer_in_backward.py).
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -387,20 +390,15 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
     for g in gather_nodes(graph):
         gathered.add(g)
         gathered.update(view_tree(g))
-    if state:
-        model_state: set[torch.fx.Node] = set()
-    else:
-        # Before the schedule pass's rewrite, which is when profiles are taken, every gradient
-        # shard comes out of a functional reduce-scatter.
-        model_state = {gather_args(g).shard for g in gather_nodes(graph)}
-        model_state.update(n for n in nodes if n.target is REDUCE_SCATTER_OP)
+    resident = set() if shards else {gather_args(g).shard for g in gather_nodes(graph)}
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
         if n.op in ("output", "get_attr") or n in gathered or n.meta.get("zbuf_persistent"):
             continue
         if n.target is _REGION_OP:
             body = getattr(graph.owning_module, n.args[0].target)
-            inner = activation_profile(body.graph, inputs=False, state=state)
+            inner = activation_profile(body.graph, inputs=False, shards=shards,
+                                       stepped_gradients=stepped_gradients)
             peak = int(inner.max()) if len(inner) else 0
             delta[pos[n]] += peak
             delta[pos[n] + 1] -= peak
@@ -409,10 +407,14 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
             continue  # a multi-output op's tensors count at its getitems; a view counts nothing
         if n.op == "placeholder" and not inputs:
             continue
-        if n in model_state:
+        if n in resident:
             continue
         nbytes = tensor_bytes(n.meta.get("val"))
         if not nbytes:
+            continue
+        if stepped_gradients and n.target is REDUCE_SCATTER_OP:
+            delta[pos[n]] += nbytes
+            delta[pos[n] + 1] -= nbytes
             continue
         last, readers = pos[n], [n]
         while readers:
@@ -423,3 +425,21 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
         delta[0 if n.op == "placeholder" else pos[n]] += nbytes
         delta[last + 1] -= nbytes
     return np.cumsum(np.asarray(delta[:-1], dtype=np.int64))
+
+
+def gradient_shard_bytes(graph: torch.fx.Graph) -> int:
+    """Bytes of the gradient shards ``graph``'s reduce-scatters return, once per parameter (the
+    tied weights' reduce-scatters are merged later, [Note: merging reduce-scatters] in tied.py;
+    before that a tied weight has one per use). Taken before the schedule pass's rewrite, when
+    every gradient shard comes out of a functional ``zbuf::reduce_scatter``."""
+    per_param: dict[int, int] = {}
+
+    def visit(g: torch.fx.Graph) -> None:
+        for n in g.nodes:
+            if n.target is REDUCE_SCATTER_OP:
+                per_param[n.args[1]] = tensor_bytes(n.meta.get("val"))
+            elif n.target is _REGION_OP:
+                visit(getattr(g.owning_module, n.args[0].target).graph)
+
+    visit(graph)
+    return sum(per_param.values())

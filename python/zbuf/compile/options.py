@@ -34,6 +34,18 @@ class CompileOptions:
     budget.py); must be the same on every rank. ``zbuf.compile`` fills it in with one all-reduce
     over the model's sharding group. ``None``: the device's total memory stands in."""
 
+    gradient_bytes: int = 0
+    """Bytes of the gradients the backward graphs make, not yet allocated when
+    ``free_memory_bytes`` was agreed: each backward graph reserves those it does not make itself,
+    the forward graphs none ([Note: gradients live in backward] in budget.py). ``zbuf.compile``
+    fills it in; the same on every rank (the shards are)."""
+
+    optimizer_in_backward: bool = False
+    """Each backward graph hands every gradient shard it makes to ``zbuf::step_in_backward``
+    and returns none ([Note: optimizer in backward] in zbuf/optimizer_in_backward.py): set by
+    ``zbuf.compile(..., optimizer_in_backward=True)``, which attaches the optimizer the op
+    steps."""
+
     prefetch: bool = True
     """Start gathers early so that communication overlaps compute, within the budget."""
 
@@ -143,8 +155,12 @@ class CompileOptions:
                 f"free_memory_bytes={self.free_memory_bytes!r} must be a non-negative int (bytes) "
                 "or None",
             )
+        need(isinstance(self.gradient_bytes, int) and not isinstance(self.gradient_bytes, bool)
+             and self.gradient_bytes >= 0,
+             f"gradient_bytes={self.gradient_bytes!r} must be a non-negative int (bytes)")
         need(self.persist in (None, True, False), f"persist={self.persist!r} must be a bool or None")
-        for name in ("prefetch", "coalesce", "check_fingerprint", "measuring"):
+        for name in ("prefetch", "coalesce", "check_fingerprint", "measuring",
+                     "optimizer_in_backward"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         need(0.0 <= self.persist_fraction <= 1.0,
              f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")

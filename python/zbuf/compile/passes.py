@@ -34,16 +34,18 @@ from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch.profiler import record_function
 
+from ..optimizer_in_backward import BATCH_BYTES
 from . import budget as budget_mod
 from . import recompute, report
 from .fingerprint import collective_order, describe_graph, fingerprint_of
-from .graph_info import gather_nodes, group_and_device, summarize
+from .graph_info import gather_nodes, gradient_shard_bytes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
 from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
                             prepare_body_joint, sink_region_calls)
 from .region_schema import SchemaMemo
-from .rewrite import check_token_chain, hold_released_buffers, rewrite, thread_reduce_scatters
+from .rewrite import (check_token_chain, hold_released_buffers, rewrite,
+                      step_gradients_in_backward, thread_reduce_scatters)
 from .schedule import buffer_counts, plan_schedule
 from .tied import merge_reduce_scatters
 
@@ -218,9 +220,10 @@ class GatherSchedulePass(CustomGraphPass):
         4. plan the gathers under this graph's budget (schedule.py; a backward's budget less the
            bytes persistence kept from forward);
         5. rewrite the gathers into start / wait / release on the schedule token (rewrite.py);
-        6. thread the reduce-scatters onto the token ([Note: reduce-scatter overlap]), and end
-           the graph holding every released buffer ([Note: the pool's memory is not
-           Inductor's]);
+        6. thread the reduce-scatters onto the token ([Note: reduce-scatter overlap]); with
+           ``optimizer_in_backward``, step each gradient shard once it is reduced ([Note:
+           optimizer in backward]); end the graph holding every released buffer ([Note: the
+           pool's memory is not Inductor's]);
         7. fingerprint the input shapes and collective order, build the graph's record (report.py);
         8. add the every-run check and the first-run pool sizing (``zbuf::check_schedule``);
         9. verify the token chain and the graph, then register the record.
@@ -236,10 +239,13 @@ class GatherSchedulePass(CustomGraphPass):
             index = summarize(graph, opts)  # 3
             group_name, device = group_and_device(graph)
             act_profile = budget_mod.planning_profile(graph, opts)
+            # [Note: gradients live in backward] in budget.py
+            gradients = gradient_shard_bytes(graph)
+            reserve = budget_mod.gradient_reserve(graph, opts, backward=kind == "backward")
             token, sched = None, None
             if index.gathers:  # 4
                 peak_act = int(act_profile.max()) if len(act_profile) else 0
-                requested = budget_mod.graph_budget(opts, device, peak_act, graph)
+                requested = budget_mod.graph_budget(opts, device, peak_act, graph, reserve)
                 kept = persisted.nbytes if kind == "backward" else 0
                 # Persisted weights are live through backward: they come off its budget.
                 sched = plan_schedule(index.summary, max(1, requested - kept), opts)
@@ -249,11 +255,13 @@ class GatherSchedulePass(CustomGraphPass):
                 budget_mod.check_plan_fits(
                     opts, device, kind=kind, peak_bytes=int(both.max(initial=0)) + kept,
                     activation_peak=peak_act,
-                    gathered_peak=sched.peak_live_bytes + kept)
+                    gathered_peak=sched.peak_live_bytes + kept, reserve_bytes=reserve)
         with dynamo_timed("zbuf.rewrite"):
             if sched is not None:
                 token = rewrite(graph, index, sched)  # 5
             token = thread_reduce_scatters(graph, token)  # 6
+            if opts.optimizer_in_backward and kind == "backward":
+                step_gradients_in_backward(graph, token, BATCH_BYTES)
             hold_released_buffers(graph, token)  # [Note: the pool's memory is not Inductor's]
         with dynamo_timed("zbuf.fingerprint"):
             order = collective_order(graph)  # 7
@@ -263,7 +271,8 @@ class GatherSchedulePass(CustomGraphPass):
         rec = report.schedule_record(
             graph, kind=kind, index=index, sched=sched, options=opts,
             persistent_bytes=persisted.nbytes, activation_profile=act_profile, order=order,
-            fingerprint=fp, checked=checked, recompute=self.state.recompute)
+            fingerprint=fp, checked=checked, recompute=self.state.recompute,
+            gradient_bytes=gradients)
         if checked:  # 8
             counts = buffer_counts(index.summary, sched) if sched else {}
             if kind == "backward":

@@ -110,7 +110,8 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
         _, device = group_and_device(joint)
         if activation_peak is None:
             activation_peak = int(budget_mod.planning_profile(joint, opts).max(initial=0))
-        budget = budget_mod.graph_budget(opts, device, activation_peak)
+        reserve = budget_mod.gradient_reserve(joint, opts, backward=True)
+        budget = budget_mod.graph_budget(opts, device, activation_peak, reserve_bytes=reserve)
         # What one node needs at once is off limits; persistence may use a share of the rest.
         need: dict[torch.fx.Node, int] = {}
         for g in gathers:

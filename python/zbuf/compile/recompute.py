@@ -389,7 +389,9 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
     if options.activation_budget_bytes is not None:
         requested = options.activation_budget_bytes
     else:
-        memory = budget_mod.graph_memory(options, device or torch.device("cpu"))
+        memory = budget_mod.graph_memory(
+            options, device or torch.device("cpu"),
+            budget_mod.gradient_reserve(gm.graph, options, backward=True))
         requested = max(1, memory - budget_mod.gather_reserve(gm.graph, options))
     specs = level_specs(gm.graph, forward, regions, options)
     base_levels = (0,) * len(regions)

@@ -93,11 +93,14 @@ class Replanner:
         budgets = [r.budget_bytes for r in self.records() if r.gathers]
         return min(budgets) if budgets else None
 
-    def activation_peaks(self) -> dict[str, int]:
-        """The largest projected activation peak of the current graphs, by kind."""
+    def activation_peaks(self, *, gradients: bool = True) -> dict[str, int]:
+        """The largest projected activation peak of the current graphs, by kind; with
+        ``gradients=False`` less the gradient shards each graph makes (they are in its profile:
+        [Note: gradients live in backward] in budget.py)."""
         out: dict[str, int] = {}
         for r in self.records():
-            out[r.kind] = max(out.get(r.kind, 0), r.activation_peak_bytes)
+            peak = r.activation_peak_bytes - (0 if gradients else r.gradient_bytes)
+            out[r.kind] = max(out.get(r.kind, 0), peak)
         return out
 
     @staticmethod

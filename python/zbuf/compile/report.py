@@ -106,6 +106,10 @@ class ScheduleRecord:
     modelled_exposed_seconds: float = 0.0
     """Gather time the compute stream would wait for under the same model
     (``schedule.exposed_seconds``, [Note: modelled exposure]); 0 when every gather is hidden."""
+    gradient_bytes: int = 0
+    """Bytes of the gradient shards this graph makes, counted in its activation profile from
+    their reduce-scatters on ([Note: gradients live in backward] in budget.py); 0 in a forward
+    graph."""
     recompute: RecomputeStats | None = None
     """What the forward/backward pair of this graph kept for backward and what backward
     recomputes, in bytes and FLOPs, and the recompute mode's decisions (the same in both graphs'
@@ -129,7 +133,8 @@ class ScheduleRecord:
 def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex,
                     sched: Schedule | None, options: CompileOptions, persistent_bytes: int,
                     activation_profile: np.ndarray, order: list[str], fingerprint: str,
-                    checked: bool, recompute: RecomputeStats | None) -> ScheduleRecord:
+                    checked: bool, recompute: RecomputeStats | None,
+                    gradient_bytes: int = 0) -> ScheduleRecord:
     """The record of a graph the schedule pass just rewrote (``sched``: None when it gathers
     nothing; ``checked``: the graph starts with ``zbuf::check_schedule``)."""
     zbuf = torch.ops.zbuf
@@ -167,6 +172,7 @@ def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex
         activation_profile=downsample_peaks(activation_profile),
         modelled_compute_seconds=float(sum(index.summary.compute_seconds)),
         modelled_exposed_seconds=exposed_seconds(index.summary, sched, options) if sched else 0.0,
+        gradient_bytes=gradient_bytes,
         recompute=recompute,
     )
 

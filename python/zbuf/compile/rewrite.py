@@ -15,11 +15,12 @@ import torch
 import torch.fx
 
 from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_start & co.)
-from .graph_info import GraphIndex, gather_args, group_and_device, is_view, unpacks_results
+from .graph_info import (GraphIndex, gather_args, group_and_device, is_view, tensor_bytes,
+                         unpacks_results)
 from .schedule import Schedule
 
 __all__ = ["RS_IN_FLIGHT_BYTES", "new_token", "rewrite", "thread_reduce_scatters",
-           "hold_released_buffers", "check_token_chain"]
+           "step_gradients_in_backward", "hold_released_buffers", "check_token_chain"]
 
 aten = torch.ops.aten
 zbuf = torch.ops.zbuf
@@ -118,6 +119,61 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
         raise AssertionError("zbuf: a reduce-scatter result has no reader (not even the graph "
                              "output); this is a zbuf bug")
     return token
+
+
+def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | None,
+                               batch_bytes: int) -> int:
+    """End every gradient shard the graph returns in ``zbuf::step_in_backward``, in batches of
+    about ``batch_bytes`` in the order their reduce-scatters are waited for, and return no
+    gradient for it ([Note: optimizer in backward] in zbuf/optimizer_in_backward.py). Call after
+    ``thread_reduce_scatters``. Returns the bytes of gradient shards stepped."""
+    if token is None:
+        return 0
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    waited = {n.args[1]: n for n in nodes if n.target is zbuf.reduce_scatter_wait.default}
+
+    def started_of(n) -> torch.fx.Node | None:
+        if isinstance(n, torch.fx.Node) and n.target is prims.convert_element_type.default:
+            n = n.args[0]
+        ok = isinstance(n, torch.fx.Node) and n.target is zbuf.reduce_scatter_start.default
+        return n if ok and n in waited else None
+
+    output = graph.output_node()
+    results = list(output.args[0])
+    ready = []  # (after which node the gradient is complete, output index, param_id)
+    for i, r in enumerate(results):
+        started = started_of(r)
+        if started is not None and set(r.users) <= {output, waited[started]}:  # no other reader
+            after = max(waited[started], r, key=pos.__getitem__)
+            ready.append((after, i, started.args[2]))
+    ready.sort(key=lambda x: pos[x[0]])
+    batch: list[tuple[torch.fx.Node, int, int]] = []
+    stepped = 0
+
+    def flush() -> None:
+        with graph.inserting_after(batch[-1][0]):
+            op = graph.call_function(zbuf.step_in_backward.default,
+                                     (token, [results[i] for _, i, _ in batch],
+                                      [param_id for _, _, param_id in batch]))
+            op.meta["val"] = None
+        batch.clear()
+
+    pending = 0
+    for entry in ready:
+        batch.append(entry)
+        nbytes = tensor_bytes(results[entry[1]].meta.get("val"))
+        pending += nbytes
+        stepped += nbytes
+        if pending >= batch_bytes:
+            flush()
+            pending = 0
+    if batch:
+        flush()
+    for _, i, _ in ready:
+        results[i] = None
+    output.args = (type(output.args[0])(results),)
+    return stepped
 
 
 def hold_released_buffers(graph: torch.fx.Graph, token: torch.fx.Node | None) -> None:

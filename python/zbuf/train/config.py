@@ -216,6 +216,14 @@ class TrainConfig:
     foreach on GPU, which holds about one more copy of the shards while it steps),
     ``adamw-fused`` (one fused kernel, no shard-sized temporaries) or ``sgd`` (momentum 0.9,
     one state tensor per shard). Weight decay 0 for all."""
+    optimizer_in_backward: bool = option(
+        False, help="engine zbuf: step the optimizer on each shard in backward, as soon as its "
+                    "gradient is reduced, and drop the gradient there (every backward a step: "
+                    "no clipping, no accumulation)", group="training",
+        argparse={"action": "store_true"}, commands=WITH_FIT)
+    """Engine ``zbuf`` only: ``zbuf.compile(..., optimizer_in_backward=True)`` ([Note: optimizer
+    in backward] in zbuf/optimizer_in_backward.py): the step never holds all gradients at once.
+    The same updates as stepping after backward."""
     lr: Optional[float] = option(
         help="learning rate (AdamW: default 3e-3 for tiny, 3e-4 for the Qwen3 presets; SGD: 0.1 "
              "for tiny, 1e-2 for Qwen3)", group="training", check=POSITIVE_NUMBER,
@@ -336,6 +344,13 @@ class TrainConfig:
                    else "drop it, or add engine zbuf")
             raise ConfigError(f"--gather-budget bounds the compiled zbuf engine's schedule; it "
                               f"has no meaning for engine(s) {names}: {fix}")
+        if self.optimizer_in_backward and (Engine.ZBUF not in self.engines or self.hf_model):
+            why = (f"engine(s) {names} step after backward" if Engine.ZBUF not in self.engines
+                   else "a --hf-model compiles with graph breaks, and a parameter split between "
+                        "two graphs would be stepped twice")
+            raise ConfigError(f"--optimizer-in-backward steps the compiled zbuf engine's "
+                              f"optimizer inside its one backward graph; {why}: drop it, or use "
+                              f"engine zbuf with a built-in model")
         if self.pool_budget is not None and Engine.ZBUF_EAGER not in self.engines:
             fix = ("use --gather-budget for zbuf (its plan sizes the pool)"
                    if Engine.ZBUF in self.engines else "drop it, or add engine zbuf-eager")

@@ -260,6 +260,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
                                       optimizer=optimizer,
+                                      optimizer_in_backward=cfg.optimizer_in_backward,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
                                       **once)
 
@@ -276,13 +277,15 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
 
 def _stand_in_card(model: nn.Module, cfg: TrainConfig, device: torch.device) -> dict:
     """``--gpu-memory`` on CPU: the free memory zbuf's CPU stand-in plans against is the card
-    less what the shards and their gradients will hold (on CUDA the card is emulated for real,
-    through ``mem_frac``)."""
+    less the shards, with the gradients' bytes for the backward graphs (on CUDA the card is
+    emulated for real, through ``mem_frac``)."""
     if cfg.gpu_memory is None or device.type != "cpu" or cfg.gather_budget is not None:
         return {}
     shards = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-    return {"free_memory_bytes": max(0, cfg.gpu_memory - shards - grads)}
+    # The gradients go to the backward graphs ([Note: gradients live in backward]).
+    return {"free_memory_bytes": max(0, cfg.gpu_memory - shards),
+            "gradient_bytes": 0 if cfg.optimizer_in_backward else grads}
 
 
 def to_jsonable(obj):
