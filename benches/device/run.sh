@@ -114,14 +114,16 @@ case "${1:-}" in
     timeout 560 python3 benches/memfloor.py --engines zbuf,fsdp2 --optimizer adamw \
       --fracs "${2:-0.30,0.25,0.20}" --out-dir "$OUT" --time-limit 540 -- \
       --preset qwen3-1.7b --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 2>&1 | tail -20 ;;
-  floor17b|floor8b-sim)  # ONE H200, issue 20's floors: floor17b ENGINE OPTIMIZER FRACS (qwen3-1.7b,
-    # 1 rank) or floor8b-sim ENGINE OPTIMIZER FRACS (qwen3-8b as rank 0 of 2), about two
-    # fractions per call, stopping at the first failure; summarise with memfloor.py --summarize
-    [ $# -eq 4 ] || { echo "usage: $0 $1 zbuf|fsdp2 adamw|adamw-fused 0.30,0.25" >&2; exit 2; }
+  floor17b|floor8b-sim)  # ONE H200, issue 20's floors: floor17b ENGINE OPTIMIZER FRACS [BENCH
+    # ARGS] (qwen3-1.7b, 1 rank) or floor8b-sim ... (qwen3-8b as rank 0 of 2), about two
+    # fractions per call, stopping at the first failure; summarise with memfloor.py --summarize.
+    # BENCH ARGS go to every run, e.g. --optimizer-in-backward (engine zbuf)
+    [ $# -ge 4 ] || { echo "usage: $0 $1 zbuf|fsdp2 adamw|adamw-fused 0.30,0.25 [bench args]" >&2; exit 2; }
     model=(--preset qwen3-1.7b); [ "$1" = floor8b-sim ] && model=(--preset qwen3-8b --simulate-world 2)
+    dir="$OUT/$1"; [ $# -gt 4 ] && dir="$dir$(echo "${@:5}" | tr -cs 'a-z0-9' '_')"
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
-      --out-dir "$OUT/$1" --time-limit 575 -- \
-      "${model[@]}" --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 2>&1 | tail -20 ;;
+      --out-dir "$dir" --time-limit 575 -- \
+      "${model[@]}" --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 "${@:5}" 2>&1 | tail -20 ;;
   memfloor-8b)  # nvidia-h200-x2: memfloor-8b ENGINE OPTIMIZER FRAC[,FRAC...]
     [ $# -eq 4 ] || { echo "usage: $0 memfloor-8b zbuf|fsdp2 adamw|adamw-fused 0.60,0.55" >&2; exit 2; }
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
