@@ -378,46 +378,56 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 FUSED_HEAD_CHUNK_BYTES = 1 << 28
 """fp32 bytes of one row chunk's logits in ``linear_cross_entropy`` ([Note: fused output head]).
 
-It bounds the head's transient memory: a chunk's fp32 logits, turned into their softmax gradient
-in place, beside their compute-dtype copy and the gradient's: 512 MiB in bf16 at 256 MiB per
-chunk. Smaller chunks would only shrink the matmuls: at qwen3's vocabulary (151,936) a chunk is
-441 rows, a [441, hidden] x [hidden, 151936] product, large enough to keep a GPU's matmul units
-busy.
+It bounds the head's transient memory beside the gradients: eagerly a chunk's fp32 logits
+(turned into their softmax gradient in place), their compute-dtype copy and the gradient's, 512
+MiB in bf16 at 256 MiB per chunk. Smaller chunks would only shrink the matmuls: at qwen3's
+vocabulary (151,936) a chunk is 441 rows, a [441, hidden] x [hidden, 151936] product, large
+enough to keep a GPU's matmul units busy.
 """
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """[Note: fused output head]
     The output head and the loss as one function of the final hidden states ``h`` [N, H] and the
-    head weight ``W`` [V, H], so the [N, V] logits are never materialised. Unfused, the logits
-    are an activation saved for backward (4.6 GiB in bf16 for qwen3-1.7b's vocabulary of 151,936
-    at micro-batch 4 x seq 4,096 = 16,384 tokens) and the lean loss's backward builds their
-    gradient while they are alive: 9.3 GiB at the start of backward, the step's peak at world 1.
+    head weight ``W`` [V, H], so that the [N, V] logits are never materialised. Unfused, the
+    logits are an activation saved for backward (4.6 GiB in bf16 for qwen3-1.7b's vocabulary of
+    151,936 at micro-batch 4 x seq 4,096 = 16,384 tokens) and the lean loss's backward builds
+    their gradient while they are alive: over 9.2 GiB at the start of backward, the step's peak
+    at world 1.
 
     Forward works through row chunks of ``FUSED_HEAD_CHUNK_BYTES`` of fp32 logits: per chunk
     ``logits = h_c @ W^T``, its fp32 log-sum-exp and target logit (the loss), and at once the
     gradient of the mean loss, formed in fp32 exactly as [Note: lean cross-entropy] does and cast
     to the compute dtype, multiplied into ``grad_h_c = g_c @ W`` and ``grad_W += g_c^T @ h_c``.
     Backward only scales the two by the incoming gradient (a scalar, exactly 1 for a plain
-    ``loss.backward()``, so nothing is rounded twice). Liger's FusedLinearCrossEntropy does the
-    same; the textbook alternative, saving ``h`` and recomputing the logits in backward, costs a
-    fourth [N, H] x [H, V] matmul, needs ``W`` again in backward (under ZeRO-3 a second gather of
-    the largest weight) and does not survive ``torch.compile``: AOTAutograd's common-subexpression
-    elimination merges the recomputed logits with the forward's, and the min-cut partitioner,
-    which never recomputes a matmul, then saves every chunk's logits for backward, all [N, V] of
-    them. Nothing is lost by computing the gradient early: the loss is the last op of forward and
-    its backward the first of backward, so the gradients are held across no other work, and they
-    replace what backward would have saved (``h`` and ``W``) with tensors of the same shapes.
+    ``loss.backward()``, so then nothing is rounded twice). Liger's FusedLinearCrossEntropy does
+    the same. The textbook alternative, saving ``h`` and recomputing the logits in backward,
+    costs a fourth [N, H] x [H, V] matmul, needs ``W`` again in backward (under ZeRO-3 a second
+    gather of the largest weight) and does not survive ``torch.compile``: AOTAutograd's
+    common-subexpression elimination merges the recomputed logits with the forward's, and the
+    min-cut partitioner, which does not recompute matmuls, then saves every chunk's logits for
+    backward, all [N, V] of them. Nothing is lost by computing the gradients early: the loss is
+    the last op of forward and its backward the first of backward, so they are held across no
+    other work, and they replace what backward would have needed (``h`` and ``W``) with tensors
+    of the same shapes and dtypes.
 
-    ``grad_W`` sums in fp32 and is cast to ``W``'s dtype once, in backward. Unfused it is one
-    matmul over all N rows, accumulated in fp32 inside the matmul and rounded to bf16 once; a
-    bf16 running sum would round once per chunk (38 chunks at the numbers above). Each chunk's
-    product still comes out of its matmul in bf16 (CPU matmuls take no fp32 output for bf16
-    inputs), so the fp32 sum is as close to the unfused rounding as portable ops get. It costs an
-    fp32 [V, H] buffer, 1.2 GiB at qwen3-1.7b, twice the bf16 gradient it becomes.
+    ``grad_W`` sums in fp32 and is cast to ``W``'s dtype once, at the end of forward. Unfused it
+    is one matmul over all N rows, accumulated in fp32 inside the matmul and rounded once. Each
+    chunk's product still comes out of its matmul in bf16 (CPU matmuls give no fp32 output for
+    bf16 inputs), so an fp32 sum is as close to that as portable ops get; a bf16 running sum
+    (``addmm`` into the gradient, Liger's default) rounds the whole sum once per chunk, 38 times
+    at the numbers above. Measured against fp64 (16,384 rows in 441-row chunks, [1024, 64]
+    gradient, CPU): relative error 0.17 % unfused, 0.23 % with the fp32 sum, 0.74 % with the
+    bf16 one. The price is an fp32 [V, H] buffer during the head's forward, 1.2 GiB at
+    qwen3-1.7b instead of 0.6.
 
-    Measured (benches/fused_head_memory.py, fake tensors at qwen3-1.7b's head shape, world 1):
-    see the numbers there and in the commit that added it.
+    Projected activation peaks of the head and loss alone at that shape (bf16, AOTAutograd's
+    min-cut partition, zbuf's static liveness, ``h`` and ``W`` included;
+    benches/fused_head_memory.py), unfused -> fused: saved for backward 5.28 -> 0.64 GiB,
+    forward peak 6.28 -> 3.60 GiB, backward peak 11.28 -> 1.22 GiB, largest tensor 4.64 ->
+    1.16 GiB (the fp32 ``grad_W`` sum). Static liveness counts the functional graph's
+    ``grad_W + partial`` as a new 1.2 GiB tensor beside the old one, which eager's ``+=`` (and
+    Inductor, reusing the dead buffer) does not allocate: eagerly the forward holds about 2.9 GiB.
     """
 
     @staticmethod
@@ -446,16 +456,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_h.append(g @ weight)
             if want_grad_w:
                 grad_w += g.t() @ h_c
-        ctx.save_for_backward(torch.cat(grad_h) if want_grad_h else None, grad_w)
-        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(torch.cat(grad_h) if want_grad_h else None,
+                              grad_w.to(weight.dtype) if want_grad_w else None)
         return torch.where(valid, torch.cat(losses), 0.0).sum() / count
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad,
-                None if grad_w is None else (grad_w * grad).to(ctx.weight_dtype),
-                None, None, None, None)
+                None if grad_w is None else grad_w * grad, None, None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
