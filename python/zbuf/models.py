@@ -274,12 +274,6 @@ class Decoder(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if targets is None:
             return F.linear(h, weight)
-        device = h.device.type
-        if torch.is_autocast_enabled(device):
-            # The casts autocast would make for F.linear, outside the fused function so that
-            # autograd carries its gradients back to the parameters' dtype as autocast's do.
-            dtype = torch.get_autocast_dtype(device)
-            h, weight = h.to(dtype), weight.to(dtype)
         return self.loss_fn(h, weight, targets, ignore_index)
 
 
@@ -443,15 +437,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                   if want_grad_w else None)
         losses, grad_h = [], []
         for h_c, t_c, w_c in zip(h.split(rows), safe.split(rows), scale.split(rows)):
-            logits = F.linear(h_c, weight).float()
+            # The compute dtype is the matmul's: h's, or autocast's (DDP's bf16 over fp32
+            # parameters), whose casts of h and W apply here as they would to F.linear.
+            logits = F.linear(h_c, weight)
+            compute_dtype = logits.dtype
+            logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1)
             losses.append(lse - logits.gather(1, t_c[:, None]).squeeze(1))
             if not (want_grad_h or want_grad_w):
                 continue
-            # In place: one fp32 chunk at a time (when h is fp32, logits is the matmul's output).
+            # In place: one fp32 chunk at a time (in fp32, logits is the matmul's output).
             p = logits.sub_(lse[:, None]).exp_()
             p.scatter_add_(1, t_c[:, None], torch.full_like(lse[:, None], -1.0))
-            g = p.mul_(w_c[:, None]).to(h.dtype)
+            g = p.mul_(w_c[:, None]).to(compute_dtype)
             if want_grad_h:
                 grad_h.append(g @ weight)
             if want_grad_w:
