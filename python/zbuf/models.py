@@ -422,6 +422,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     1.16 GiB (the fp32 ``grad_W`` sum). Static liveness counts the functional graph's
     ``grad_W + partial`` as a new 1.2 GiB tensor beside the old one, which eager's ``+=`` (and
     Inductor, reusing the dead buffer) does not allocate: eagerly the forward holds about 2.9 GiB.
+    The whole step as zbuf plans it (``--model-layers 2``: two checkpointed qwen3-1.7b layers,
+    the loss compiled with them, one rank): activation peak forward 6.59 -> 3.34 GiB, backward
+    11.59 -> 3.02 GiB.
     """
 
     @staticmethod
