@@ -1,10 +1,17 @@
 """zbuf.models: presets, parameter counts, numerics against Hugging Face Qwen3, compile, AC."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbuf.models import (PRESETS, Decoder, ModelConfig, apply_activation_checkpointing,
                          build_model, count_params, loss, resolve_config)
+
+FUZZ_EXAMPLES = max(1, int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150")) // 3)
 
 SMALL = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, ffn_hidden_size=96, rope_theta=10_000.0)
@@ -233,3 +240,138 @@ def test_cross_entropy_matches_the_fp32_formula_without_fp32_logits(monkeypatch)
             torch.testing.assert_close(value, ref, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
     assert torch.isnan(zm.cross_entropy(torch.randn(2, 5), torch.full((2,), -100)))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(n=st.integers(1, 24), hidden=st.integers(1, 12), vocab=st.integers(2, 40),
+       rows=st.integers(1, 30), ignored=st.lists(st.booleans(), min_size=24, max_size=24),
+       seed=st.integers(0, 2**16))
+def test_fused_head_matches_linear_then_fp32_cross_entropy(n, hidden, vocab, rows, ignored,
+                                                           seed):
+    """[Note: fused output head]: value and gradients of F.cross_entropy(F.linear(h, W).float())
+    for any shape, row chunking and ignored targets (all ignored: NaN and zero gradients, as
+    F.cross_entropy gives)."""
+    import torch.nn.functional as F
+
+    import zbuf.models as zm
+
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[torch.tensor(ignored[:n])] = -100
+    ref = F.cross_entropy(F.linear(h, weight).float(), targets)
+    ref_grads = torch.autograd.grad(ref, (h, weight))
+    with mock.patch.object(zm, "FUSED_HEAD_CHUNK_BYTES", 4 * vocab * rows):
+        value = zm.linear_cross_entropy(h, weight, targets)
+    grads = torch.autograd.grad(value, (h, weight))
+    assert value.dtype == torch.float32
+    torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_head_scales_by_the_incoming_gradient_and_keeps_bf16_and_no_grad():
+    """Backward scales the gradients formed in forward (a loss divided for accumulation); a bf16
+    head gets bf16 gradients close to the unfused ones; under no_grad nothing is saved."""
+    import torch.nn.functional as F
+
+    from zbuf.models import cross_entropy, linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 8, requires_grad=True)
+    weight = torch.randn(50, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 5))
+    ref = F.cross_entropy(F.linear(h, weight).flatten(0, 1), targets.flatten())
+    ref_grads = torch.autograd.grad(ref / 4, (h, weight))
+    grads = torch.autograd.grad(linear_cross_entropy(h, weight, targets) / 4, (h, weight))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    hb, wb = (t.detach().bfloat16().requires_grad_() for t in (h, weight))
+    unfused = cross_entropy(F.linear(hb, wb), targets)
+    unfused_grads = torch.autograd.grad(unfused, (hb, wb))
+    fused = linear_cross_entropy(hb, wb, targets)
+    fused_grads = torch.autograd.grad(fused, (hb, wb))
+    torch.testing.assert_close(fused, unfused, rtol=1e-6, atol=1e-6)
+    for got, want in zip(fused_grads, unfused_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+    with torch.no_grad():
+        assert not linear_cross_entropy(h, weight, targets).requires_grad
+
+
+def test_fused_head_saves_no_logits():
+    """What forward saves for backward is [tokens, hidden] and [vocab, hidden], never
+    [tokens, vocab]: eager (saved-tensor hooks) and compiled (the forward graph's outputs)."""
+    from zbuf.models import linear_cross_entropy
+
+    torch.manual_seed(0)
+    n, hidden, vocab = 256, 8, 512
+    h = torch.randn(n, hidden, requires_grad=True)
+    weight = torch.randn(vocab, hidden, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = linear_cross_entropy(h, weight, targets)
+    assert saved and max(saved) <= max(n, vocab) * hidden < n * vocab // 16, saved
+    value.backward()
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_outputs = []
+
+    def keep_outputs(gm, example_inputs):
+        out = next(node for node in gm.graph.nodes if node.op == "output")
+        forward_outputs.extend(a.meta["val"].numel() for a in out.args[0] if a is not None)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep_outputs,
+                           bw_compiler=lambda gm, _: make_boxed_func(gm))
+    compiled = torch.compile(linear_cross_entropy, backend=backend, fullgraph=True)
+    compiled(h, weight, targets).backward()
+    assert max(forward_outputs) <= max(n, vocab) * hidden, forward_outputs
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decoder_with_targets_is_the_loss_of_its_logits(tie):
+    """``Decoder(tokens, targets)`` (the fused head) against ``cross_entropy(Decoder(tokens))``:
+    same loss and gradients, eager, under autocast (DDP's bf16) and compiled with zbuf."""
+    from zbuf.models import cross_entropy
+
+    torch.manual_seed(0)
+    model = build_model(SMALL.replace(tie_embeddings=tie))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 9))
+    targets = torch.roll(tokens, -1, dims=1)
+    targets[0, :3] = -100
+
+    def grads(value):
+        model.zero_grad(set_to_none=True)
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref = grads(cross_entropy(model(tokens), targets))
+    for tol, run in ((1e-6, lambda: model(tokens, targets)),
+                     (1e-5, lambda: loss(torch.compile(model, backend="zbuf",
+                                                       options={"inner": "aot_eager"}),
+                                         tokens, targets))):
+        got_loss, got = grads(run())
+        torch.testing.assert_close(got_loss, ref_loss, rtol=tol, atol=tol)
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=tol, atol=tol)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_ref, bf16_grads = grads(cross_entropy(model(tokens), targets))
+        bf16_loss, got = grads(model(tokens, targets))
+    torch.testing.assert_close(bf16_loss, bf16_ref, rtol=1e-5, atol=1e-5)
+    for name in ref:
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], bf16_grads[name], rtol=1e-5, atol=1e-6)
