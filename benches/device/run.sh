@@ -120,7 +120,7 @@ case "${1:-}" in
     # BENCH ARGS go to every run, e.g. --optimizer-in-backward (engine zbuf)
     [ $# -ge 4 ] || { echo "usage: $0 $1 zbuf|fsdp2 adamw|adamw-fused 0.30,0.25 [bench args]" >&2; exit 2; }
     model=(--preset qwen3-1.7b); [ "$1" = floor8b-sim ] && model=(--preset qwen3-8b --simulate-world 2)
-    dir="$OUT/$1"; [ $# -gt 4 ] && dir="$dir$(echo "${@:5}" | tr -cs 'a-z0-9' '_')"
+    dir="$OUT/$1"; [ $# -gt 4 ] && dir="$dir$(echo "${@:5}" | tr -cs 'a-z0-9' '_')"; mkdir -p "$dir"
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
       --out-dir "$dir" --time-limit 575 -- \
       "${model[@]}" --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 "${@:5}" 2>&1 | tail -20 ;;

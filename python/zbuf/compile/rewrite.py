@@ -173,6 +173,11 @@ def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | Non
     for _, i, _ in ready:
         results[i] = None
     output.args = (type(output.args[0])(results),)
+    # Inductor keeps the strides of the outputs the user sees: not of those no longer returned.
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is not None:
+        output.meta["user_visible_output_idxs"] = type(visible)(
+            i for i in visible if results[i] is not None)
     return stepped
 
 
