@@ -12,8 +12,7 @@ the bench engine to the plain setup's, so that the step times say where a differ
     bench+fused      ... with fused AdamW
     bench+eager-loss ... with the loss computed outside the compiled model
     bench+torch.compile ... compiled with torch.compile(backend="zbuf"), no agreed budget
-    bench+plain-model ... with the plain model code (same weights, same graph layout; it
-                     returns logits, so the loss is the lean one on them, not the fused head)
+    bench+plain-model ... with the plain model code (same weights, same graph layout)
     plain            every factor the plain setup's
 
 Every variant starts from the same weights (the plain decoder loads the preset's state dict)
@@ -139,24 +138,20 @@ class PlainDecoder(nn.Module):
 
 # ----------------------------------------------------------------------------- one variant
 def _loss(logits, targets):
-    """The loss as the user writes it (the bench engine's is the preset's fused head and loss,
-    [Note: fused output head] in zbuf/models.py)."""
+    """The loss as the user writes it (the bench engine's is models.cross_entropy)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 class _WithLoss(nn.Module):
-    """The model with the bench engine's loss, compiled with it: the preset's fused head, or the
-    lean cross-entropy on the plain model's logits."""
+    """The model with the bench engine's loss, compiled with it."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, tokens, targets):
-        from zbuf.models import Decoder, cross_entropy
+        from zbuf.models import cross_entropy
 
-        if isinstance(self.model, Decoder):
-            return self.model(tokens, targets)
         return cross_entropy(self.model(tokens), targets)
 
 

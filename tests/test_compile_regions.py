@@ -397,27 +397,3 @@ def test_blocks_checkpointed_only_in_part_are_recomputed_only_where_checkpointed
     body = getattr(fw_graph.owning_module, first.args[0].target)
     results = body.graph.output_node().args[0]
     assert any(r.op != "placeholder" for r in results[1:])  # activations saved, not recomputed
-
-
-@pytest.mark.parametrize("ac", [False, True])
-def test_fused_head_trains_like_the_loss_of_the_logits(monkeypatch, ac):
-    """[Note: fused output head] under zbuf (blocks compiled once, checkpointed or not, the head
-    tied to the embedding, several row chunks): the losses and weights of training through the
-    logits with the lean loss, eagerly and unsharded, to 1e-5."""
-    import zbuf.models as zm
-
-    monkeypatch.setattr(zm, "FUSED_HEAD_CHUNK_BYTES", 4 * 97 * 5)  # 5 rows per chunk
-    init = _decoder(ac)
-    assert init.config.tie_embeddings
-    batches = _batches()
-    ref = copy.deepcopy(init)
-    ref_losses = _train(lambda tokens, targets, ignore_index: zm.cross_entropy(
-        ref(tokens), targets, ignore_index), ref, batches)
-    model = shard(copy.deepcopy(init))
-    cm = zbuf.compile(model, inner="aot_eager", compile_blocks_once=True, fullgraph=True,
-                      budget_bytes=1 << 30)
-    losses = _train(cm, model, batches)
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
-    full, ref_sd = full_state_dict(model), ref.state_dict()
-    worst = max(_rel_err(full[k], ref_sd[k]) for k in ref_sd)
-    assert worst <= 1e-5, worst

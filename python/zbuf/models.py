@@ -12,9 +12,6 @@ Choices that matter to the rest of zbuf:
   (DDP, FSDP2, ``zbuf.shard``) sees the same parameter-only module.
 - A tied output head reuses ``embed_tokens.weight`` through ``F.linear``: there is one parameter,
   one state-dict key and nothing for a wrapper to de-duplicate.
-- Given targets, ``forward`` returns the loss, its output head fused with the cross-entropy
-  so that the [tokens, vocab] logits never exist ([Note: fused output head]); every engine
-  trains through it, and compiled or sharded models cover the head and the loss.
 - Activation checkpointing lives inside ``Block.forward`` (non-reentrant
   ``torch.utils.checkpoint``), so a per-block ``torch.compile`` captures it and the state-dict keys
   do not change (no wrapper module). ``"full"`` recomputes the whole block in backward;
@@ -52,7 +49,6 @@ __all__ = [
     "selective_checkpoint_context",
     "loss",
     "cross_entropy",
-    "linear_cross_entropy",
     "count_params",
 ]
 
@@ -227,10 +223,9 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Qwen3-shaped causal language model: ``forward(tokens [B, T] int64) -> logits [B, T, V]``
-    in the compute dtype; ``forward(tokens, targets [B, T])`` -> the mean fp32 cross-entropy,
-    without the logits ([Note: fused output head]), so that a compiled or sharded model covers the
-    head and the loss.
+    """Qwen3-shaped causal language model: ``forward(tokens [B, T] int64) -> logits [B, T, V]``.
+
+    Logits come out in the compute dtype; ``loss`` upcasts them to fp32.
     """
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None) -> None:
@@ -243,9 +238,6 @@ class Decoder(nn.Module):
         self.lm_head: Optional[_Linear] = (
             None if cfg.tie_embeddings
             else _Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, **kw))
-        self.loss_fn = linear_cross_entropy
-        """The fused head and loss ``forward`` applies with targets: an attribute so that an
-        engine compiling blocks one by one can compile it on its own (fsdp2 in train/engines.py)."""
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter in place (after ``to_empty`` on a meta model).
@@ -257,8 +249,7 @@ class Decoder(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"Decoder expects tokens of shape [batch, seq], got "
                              f"{tuple(tokens.shape)}")
@@ -272,9 +263,7 @@ class Decoder(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if targets is None:
-            return F.linear(h, weight)
-        return self.loss_fn(h, weight, targets, ignore_index)
+        return F.linear(h, weight)
 
 
 def build_model(preset_or_config: Union[str, ModelConfig], *, device=None,
@@ -327,11 +316,6 @@ class _CrossEntropy(torch.autograd.Function):
     ``CROSS_ENTROPY_CHUNK_BYTES``: forward keeps only the bf16 logits and an fp32 log-sum-exp per
     row; backward rebuilds each chunk's softmax from them and writes the gradient in the logits'
     dtype. Same value and gradient as the fp32 formula, to fp32 rounding.
-
-    It still keeps the [tokens, vocab] logits in the compute dtype and builds their gradient:
-    ``Decoder(tokens, targets)``, which every engine trains through, never makes them ([Note:
-    fused output head]). This one is for callers that hold logits (Hugging Face models in the
-    engines, a user's own loss).
     """
 
     @staticmethod
@@ -369,121 +353,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return _CrossEntropy.apply(flat, targets.reshape(-1), ignore_index, rows)
 
 
-FUSED_HEAD_CHUNK_BYTES = 1 << 28
-"""fp32 bytes of one row chunk's logits in ``linear_cross_entropy`` ([Note: fused output head]).
-
-It bounds the head's transient memory beside the gradients: eagerly a chunk's fp32 logits
-(turned into their softmax gradient in place), their compute-dtype copy and the gradient's, 512
-MiB in bf16 at 256 MiB per chunk. Smaller chunks would only shrink the matmuls: at qwen3's
-vocabulary (151,936) a chunk is 441 rows, a [441, hidden] x [hidden, 151936] product, large
-enough to keep a GPU's matmul units busy.
-"""
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """[Note: fused output head]
-    The output head and the loss as one function of the final hidden states ``h`` [N, H] and the
-    head weight ``W`` [V, H], so that the [N, V] logits are never materialised. Unfused, the
-    logits are an activation saved for backward (4.6 GiB in bf16 for qwen3-1.7b's vocabulary of
-    151,936 at micro-batch 4 x seq 4,096 = 16,384 tokens) and the lean loss's backward builds
-    their gradient while they are alive: over 9.2 GiB at the start of backward, the step's peak
-    at world 1.
-
-    Forward works through row chunks of ``FUSED_HEAD_CHUNK_BYTES`` of fp32 logits: per chunk
-    ``logits = h_c @ W^T``, its fp32 log-sum-exp and target logit (the loss), and at once the
-    gradient of the mean loss, formed in fp32 exactly as [Note: lean cross-entropy] does and cast
-    to the compute dtype, multiplied into ``grad_h_c = g_c @ W`` and ``grad_W += g_c^T @ h_c``.
-    Backward only scales the two by the incoming gradient (a scalar, exactly 1 for a plain
-    ``loss.backward()``, so then nothing is rounded twice). Liger's FusedLinearCrossEntropy does
-    the same. The textbook alternative, saving ``h`` and recomputing the logits in backward,
-    costs a fourth [N, H] x [H, V] matmul, needs ``W`` again in backward (under ZeRO-3 a second
-    gather of the largest weight) and does not survive ``torch.compile``: AOTAutograd's
-    common-subexpression elimination merges the recomputed logits with the forward's, and the
-    min-cut partitioner, which does not recompute matmuls, then saves every chunk's logits for
-    backward, all [N, V] of them. Nothing is lost by computing the gradients early: the loss is
-    the last op of forward and its backward the first of backward, so they are held across no
-    other work, and they replace what backward would have needed (``h`` and ``W``) with tensors
-    of the same shapes and dtypes.
-
-    ``grad_W`` sums in fp32 and is cast to ``W``'s dtype once, at the end of forward. Unfused it
-    is one matmul over all N rows, accumulated in fp32 inside the matmul and rounded once. Each
-    chunk's product still comes out of its matmul in bf16 (CPU matmuls give no fp32 output for
-    bf16 inputs), so an fp32 sum is as close to that as portable ops get; a bf16 running sum
-    (``addmm`` into the gradient, Liger's default) rounds the whole sum once per chunk, 38 times
-    at the numbers above. Measured against fp64 (16,384 rows in 441-row chunks, [1024, 64]
-    gradient, CPU): relative error 0.17 % unfused, 0.23 % with the fp32 sum, 0.74 % with the
-    bf16 one. The price is an fp32 [V, H] buffer during the head's forward, 1.2 GiB at
-    qwen3-1.7b instead of 0.6.
-
-    Projected activation peaks of the head and loss alone at that shape (bf16, AOTAutograd's
-    min-cut partition, zbuf's static liveness, ``h`` and ``W`` included;
-    benches/fused_head_memory.py), unfused -> fused: saved for backward 5.28 -> 0.64 GiB,
-    forward peak 6.28 -> 3.60 GiB, backward peak 11.28 -> 1.22 GiB, largest tensor 4.64 ->
-    1.16 GiB (the fp32 ``grad_W`` sum). Static liveness counts the functional graph's
-    ``grad_W + partial`` as a new 1.2 GiB tensor beside the old one, which eager's ``+=`` (and
-    Inductor, reusing the dead buffer) does not allocate: eagerly the forward holds about 2.9 GiB.
-    The whole step as zbuf plans it (``--model-layers 2``: two checkpointed qwen3-1.7b layers,
-    the loss compiled with them, one rank): activation peak forward 6.59 -> 3.34 GiB, backward
-    11.59 -> 3.02 GiB.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, ignore_index: int, rows: int, grad_enabled: bool):
-        # needs_input_grad ignores no_grad: an evaluation loss must not pay for gradients.
-        want_grad_h = grad_enabled and ctx.needs_input_grad[0]
-        want_grad_w = grad_enabled and ctx.needs_input_grad[1]
-        valid = targets != ignore_index
-        safe = torch.where(valid, targets, torch.zeros_like(targets))
-        count = valid.sum()
-        scale = torch.where(valid, 1.0 / count, 0.0)
-        grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                  if want_grad_w else None)
-        losses, grad_h = [], []
-        for h_c, t_c, w_c in zip(h.split(rows), safe.split(rows), scale.split(rows)):
-            # The compute dtype is the matmul's: h's, or autocast's (DDP's bf16 over fp32
-            # parameters), whose casts of h and W apply here as they would to F.linear.
-            logits = F.linear(h_c, weight)
-            compute_dtype = logits.dtype
-            logits = logits.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            losses.append(lse - logits.gather(1, t_c[:, None]).squeeze(1))
-            if not (want_grad_h or want_grad_w):
-                continue
-            # In place: one fp32 chunk at a time (in fp32, logits is the matmul's output).
-            p = logits.sub_(lse[:, None]).exp_()
-            p.scatter_add_(1, t_c[:, None], torch.full_like(lse[:, None], -1.0))
-            g = p.mul_(w_c[:, None]).to(compute_dtype)
-            if want_grad_h:
-                grad_h.append(g @ weight)
-            if want_grad_w:
-                grad_w += g.t() @ h_c
-        ctx.save_for_backward(torch.cat(grad_h) if want_grad_h else None,
-                              grad_w.to(weight.dtype) if want_grad_w else None)
-        return torch.where(valid, torch.cat(losses), 0.0).sum() / count
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        return (None if grad_h is None else grad_h * grad,
-                None if grad_w is None else grad_w * grad, None, None, None, None)
-
-
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100) -> torch.Tensor:
-    """``cross_entropy(F.linear(h, weight), targets, ignore_index)`` without the [..., vocab]
-    logits ([Note: fused output head]): ``h`` [..., hidden] in the compute dtype, ``weight``
-    [vocab, hidden], ``targets`` [...]. Same value and gradients to fp32 rounding."""
-    rows = max(1, FUSED_HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
-    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1),
-                                     ignore_index, rows, torch.is_grad_enabled())
-
-
 def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
          ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 of a ``Decoder`` (compiled or sharded too), its
-    output head fused with the loss ([Note: fused output head]); ``targets`` equal to
-    ``ignore_index`` count not."""
-    return model(tokens, targets, ignore_index=ignore_index)
+    """Mean next-token cross-entropy in fp32; ``targets`` equal to ``ignore_index`` count not."""
+    return cross_entropy(model(tokens), targets, ignore_index)
 
 
 def count_params(model: nn.Module) -> int:

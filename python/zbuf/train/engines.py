@@ -9,13 +9,11 @@ mixed precision and compilation. Mixed precision is always "bf16 compute, fp32 m
 - ``zbuf`` / ``zbuf-eager``: ``zbuf.shard(param_dtype=bf16, reduce_dtype=fp32)``.
 
 [Note: what each engine compiles]
-Every engine computes the loss inside the model's forward, ``model(tokens, targets)``: the
-built-in decoder fuses its output head with the loss and never materialises the logits ([Note:
-fused output head] in models.py); a Hugging Face model's logits go through the lean fp32 loss
-([Note: lean cross-entropy]). ``ddp`` and ``zbuf`` compile the whole model, loss included, as one
-graph. ``fsdp2`` follows torchtitan: every block is compiled on its own (``Module.compile``,
-before ``fully_shard`` so FSDP's hooks stay eager) and the loss function (the model's
-``loss_fn``) separately. ``zbuf-eager`` compiles nothing.
+``ddp`` and ``zbuf`` compile the whole model together with the loss as one graph (the loss
+is computed in fp32 without fp32 logits, [Note: lean cross-entropy] in models.py, so it adds no
+[B, T, vocab] fp32 activations to the compiled graph). ``fsdp2`` follows torchtitan: every block is
+compiled on its own (``Module.compile``, before ``fully_shard`` so FSDP's hooks stay eager) and
+the loss function is compiled separately. ``zbuf-eager`` compiles nothing.
 """
 
 from __future__ import annotations
@@ -56,19 +54,16 @@ class EngineSetup(NamedTuple):
 
 
 class HFDecoder(nn.Module):
-    """A ``transformers`` causal LM behind the ``Decoder`` interface: tokens -> logits, tokens
-    and targets -> the mean fp32 loss (``loss_fn`` on the logits), ``.layers`` the blocks."""
+    """A ``transformers`` causal LM behind the ``Decoder`` interface: tokens -> logits,
+    ``.layers`` the transformer blocks."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
         self.layers = hf_model.model.layers
-        self.loss_fn = models.cross_entropy
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
-        logits = self.hf(input_ids=tokens, use_cache=False).logits
-        return logits if targets is None else self.loss_fn(logits, targets, ignore_index)
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
 
 
 def _hf_model(model_type: str, cfg: models.ModelConfig, device) -> nn.Module:
@@ -125,6 +120,22 @@ def init_module(sub: nn.Module, root: nn.Module) -> None:
         sub.reset_parameters()
 
 
+def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # fp32 loss without fp32 logits ([Note: lean cross-entropy] in models.py), every engine alike.
+    return models.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+
+
+class _WithLoss(nn.Module):
+    """model + loss as one module, so a whole-model compile captures the loss too."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _loss_from_logits(self.model(tokens), targets)
+
+
 def _compute_dtype(cfg: TrainConfig) -> Optional[torch.dtype]:
     return torch.bfloat16 if cfg.dtype == "bf16" else None
 
@@ -163,7 +174,7 @@ def build_engine(engine: Engine, cfg: TrainConfig, device: torch.device,
 def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+    wrapped = DDP(_WithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
                   process_group=group)
     if cfg.simulated:
         wrapped.register_comm_hook(group or dist.group.WORLD, _simulated_allreduce_hook)
@@ -173,7 +184,7 @@ def _ddp(model, cfg, device, dtype, group) -> EngineSetup:
 
     def step_loss(batch: Batch) -> torch.Tensor:
         with autocast:
-            return compiled(batch.tokens, batch.targets, ignore_index=IGNORE_INDEX)
+            return compiled(batch.tokens, batch.targets)
 
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
@@ -204,10 +215,10 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
         with torch.no_grad():
             for sub in model.modules():
                 init_module(sub, model)
-    model.loss_fn = torch.compile(model.loss_fn, backend=cfg.compiler)
+    loss_fn = torch.compile(_loss_from_logits, backend=cfg.compiler)
 
     def step_loss(batch: Batch) -> torch.Tensor:
-        return model(batch.tokens, batch.targets, ignore_index=IGNORE_INDEX)
+        return loss_fn(model(batch.tokens), batch.targets)
 
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
@@ -232,20 +243,21 @@ def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
     step_memory = StepMemory(model, optimizer)
 
     def step_loss(batch: Batch) -> torch.Tensor:
-        return model(batch.tokens, batch.targets, ignore_index=IGNORE_INDEX)
+        return _loss_from_logits(model(batch.tokens), batch.targets)
 
     return EngineSetup(step_loss, model, optimizer, pool, lambda: None, step_memory)
 
 
 def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     pool = _zbuf_shard(model, device, dtype, group)  # its plan sizes the pool
+    whole = _WithLoss(model)
     optimizer = build_optimizer(model, cfg)
     # compile_model, not torch.compile(backend="zbuf"): without --gather-budget it agrees the
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
     once.update(_stand_in_card(model, cfg, device))
-    compiled = zcompiled.compile_model(model, budget_bytes=cfg.gather_budget,
+    compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
                                       optimizer=optimizer,
                                       optimizer_in_backward=cfg.optimizer_in_backward,
@@ -253,10 +265,10 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
                                       **once)
 
     def step_loss(batch: Batch) -> torch.Tensor:
-        return compiled(batch.tokens, batch.targets, ignore_index=IGNORE_INDEX)
+        return compiled(batch.tokens, batch.targets)
 
     def schedule_report() -> Optional[dict]:
-        records = zschedule_report(model) or zschedule_report(None)
+        records = zschedule_report(model) or zschedule_report(whole) or zschedule_report(None)
         return {"graphs": to_jsonable(records)} if records else None
 
     return EngineSetup(step_loss, model, optimizer, pool, schedule_report,

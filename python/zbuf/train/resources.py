@@ -18,11 +18,9 @@ over-counts):
 - the model: every engine builds the full fp32 model on every rank before it shards or wraps it
   (4 bytes per parameter), then keeps fp32 parameters, gradients and two AdamW moments (16 bytes
   per parameter): all of them for ``ddp``, a 1/world share for the sharded engines;
-- activations: 12 bytes per token per vocabulary entry for the logits, what a plain fp32 loss
-  holds (logits, log-softmax, gradient); an upper bound, as the engines' losses hold less (the
-  built-in decoder's fused head no [token, vocabulary] tensor at all, [Note: fused output head]
-  in models.py; a Hugging Face model's lean loss the logits and their gradient), and per layer
-  about ``4 * (10 * hidden + 3 * ffn)`` bytes per token without activation checkpointing.
+- activations: the fp32 logits, their log-softmax and gradient (12 bytes per token per
+  vocabulary entry), and per layer about ``4 * (10 * hidden + 3 * ffn)`` bytes per token
+  without activation checkpointing.
 
 It is an estimate: it catches a rank count that is off by a large factor, not one that is off by
 a few percent.
