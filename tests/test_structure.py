@@ -232,6 +232,8 @@ MUTABLE_GLOBALS = {
     "zbuf.runtime._pool_ids": "pool ids are unique in the process, never reused ([Note: pool ids])",
     "zbuf.runtime._COUNTS": "weak: ops name parameters by int ([Note: counts live with their "
         "model]); parameter id -> its root's counter, an entry dies with that counter",
+    "zbuf.runtime._BACKWARD_STEPS": "weak: ops name parameters by int ([Note: optimizer in "
+        "backward]); parameter id -> the BackwardStep of its compiled model, an entry dies with it",
     "zbuf.compile.report._OWNERS": "parameter id -> the model's records ([Note: records live "
         "with their model]): a cache-hit graph's check names only ids; weak (an entry dies with "
         "its parameter)",
