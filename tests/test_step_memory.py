@@ -636,3 +636,34 @@ def test_the_pool_counts_against_a_users_memory_fraction(monkeypatch):
     assert set_to == [((total // 2) - (8 << 30)) / total]
     fraction["value"] = 1.0
     assert user_capacity_bytes(cuda) is None and budget._total_bytes(cuda) == total
+
+
+@pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")
+def test_a_step_that_cannot_fit_at_any_plan_is_refused_before_it_runs(monkeypatch):
+    """[Note: no step above its measured memory]: when what the measured step left resident
+    (here a ballast in the optimizer's state, as a cache a user keeps) puts the next step above
+    the limit whatever the gathers do, its first forward raises ``PlanExceedsMemoryError``
+    naming the step, instead of re-planning to the floor and running out of memory mid-step
+    (qwen3-1.7b at world 1, one H200, --mem-frac 0.25, up to 845ca7f)."""
+    import zbuf
+    from zbuf.compile import PlanExceedsMemoryError, budget
+    from zbuf.models import loss
+
+    monkeypatch.setattr(budget, "local_free_bytes", lambda device: 64 << 20)  # a small card
+    init, cfg = _tiny(1)
+    model = zbuf.shard(copy.deepcopy(init))
+    opt, _ = _adamw(model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    sm = zbuf.compile.step_memory_of(cm)
+    (tokens, targets), second = _batches(cfg.vocab_size, 1, 2)
+    loss(cm, tokens, targets).backward()
+    opt.step()
+    opt.zero_grad()
+    sm.close_step()
+    p = opt.param_groups[0]["params"][0]
+    opt.state[p]["zbuf_test_ballast"] = torch.zeros(sm.limit_bytes() // 4 + 1)
+    with pytest.raises(PlanExceedsMemoryError, match="measured step 0 needs .* the next step "
+                                                     "would run out of memory"):
+        loss(cm, *second)
+    assert sm.measured is None and not sm.replanner.replanned  # nothing ran, nothing re-planned
+    sm.detach()

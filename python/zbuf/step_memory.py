@@ -288,8 +288,17 @@ class StepMemory:
                 own = self.replanner.activation_peaks(gradients=False)
                 fw += own.get("forward", 0)
                 bw += own.get("backward", 0)
-        limit, fw, bw, opt, excess = self._agree(self.limit_bytes(), fw, bw, opt, excess)
+        # Live tensors only: the allocator's cache and fragmentation are its to recover (the
+        # CPU stand-in's peaks are live bytes already).
+        live_fw, live_bw = ((fw, bw) if self._host_limit is not None else
+                            (row.forward_peak_bytes + growth, row.backward_peak_bytes + growth))
+        live, live_phase = max((live_fw, "forward"), (live_bw, "backward"))
+        limit, fw, bw, opt, excess, live = self._agree(self.limit_bytes(), fw, bw, opt, excess,
+                                                       live)
         usable = self._usable(limit) - excess
+        if self.replanner is not None:  # [Note: no step above its measured memory]
+            self.replanner.refuse_if_no_plan_fits(live, usable, phase=live_phase,
+                                                  step=row.step, growth_bytes=growth)
         budget = stable_budget(usable - max(fw, bw))
         # What activations and gathered weights may share: the peaks less the plans' projected
         # activations (rank-invariant: the same graphs on every rank).
@@ -320,11 +329,12 @@ class StepMemory:
         alive] in shard_state.py)."""
         return _root_of(self.model).group
 
-    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int):
+    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int, live: int):
         """The smallest limit and the largest rest over the sharding group (one all-reduce)."""
-        (limit,), (fw, bw, opt_peak, excess) = agree_extremes(
-            self.group, self.memory.device, smallest=[limit], largest=[fw, bw, opt or 0, excess])
-        return limit, fw, bw, (None if opt is None else opt_peak), excess
+        (limit,), (fw, bw, opt_peak, excess, live) = agree_extremes(
+            self.group, self.memory.device, smallest=[limit],
+            largest=[fw, bw, opt or 0, excess, live])
+        return limit, fw, bw, (None if opt is None else opt_peak), excess, live
 
     # -- telemetry ----------------------------------------------------------------------------
 

@@ -119,6 +119,34 @@ class Replanner:
         no plan goes below)."""
         return all(self.needs(r) <= max(budget_bytes, r.floor_bytes) for r in self.records())
 
+    @staticmethod
+    def refuse_if_no_plan_fits(peak_bytes: int, usable_bytes: int, *, phase: str, step: int,
+                               growth_bytes: int) -> None:
+        """Refuse the next step when torch's own measured peak, before any gathered weight,
+        exceeds what it may use.
+
+        [Note: no step above its measured memory]
+        The measured step may show that the step cannot fit whatever the gathers do: its peak
+        (live tensors, not the allocator's cache) plus what it left resident (the optimizer's
+        state, kept gradients) is above the limit. Up to 845ca7f the re-plan then went to the
+        smallest plan and ran it into an out-of-memory error in the next backward (qwen3-1.7b
+        at world 1, one H200, ``--mem-frac`` 0.25: step 1's backward, 35.7 GiB measured
+        against 34.9 GiB, died with 31.0 GiB allocated and 3.2 GiB fragmented). An error on
+        one rank mid-step can leave the others in a collective; this one is raised on every rank
+        (rank-agreed numbers) at the next step's first forward, before it runs anything."""
+        if peak_bytes <= usable_bytes:
+            return
+        from .budget import PlanExceedsMemoryError
+
+        gib = 2**30
+        raise PlanExceedsMemoryError(
+            f"zbuf: the measured step {step} needs {peak_bytes / gib:.2f} GiB in {phase} without "
+            f"any gathered weight ({growth_bytes / gib:.2f} GiB of it what step {step} left "
+            f"resident: the optimizer's state, kept gradients) but every rank may use "
+            f"{usable_bytes / gib:.2f} GiB; the next step would run out of memory, so it is "
+            f"refused before it runs. Lower the micro-batch or sequence length, checkpoint more "
+            f"of the model, or shard over more ranks")
+
     # -- re-planning --------------------------------------------------------------------------
 
     def below_block_floor(self, budget_bytes: int) -> bool:
