@@ -68,8 +68,11 @@ def _row(path: str) -> dict:
         return dict(row, status="failed", error=(tail or ["no record"])[0][:200])
     if eng.get("status") != "ok":
         lines = (eng.get("error") or "").strip().splitlines()
+        # zbuf's refusal of a plan or step that cannot fit names memory too; it is not an OOM.
+        refused = any("PlanExceedsMemoryError" in ln for ln in lines)
         oom = any("out of memory" in ln.lower() or "OutOfMemory" in ln for ln in lines)
-        return dict(row, status="oom" if oom else "failed", error=(lines or [""])[-1][:200])
+        status = "refused" if refused else "oom" if oom else "failed"
+        return dict(row, status=status, error=(lines or [""])[-1][:200])
     s = eng["summary"]
     steps = eng["steps"]
     sm = s.get("step_memory") or {}
