@@ -135,7 +135,9 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
     """Issue 21: from 2 to 8 identical blocks, the model compiles as many Dynamo graphs, traces,
     partitions and installs as many block bodies, and none of them more than once per distinct
     body; only the outer graphs' calls grow. Up to 0dadfdf's parent torch's schema check re-traced
-    the body at every call ([Note: one schema per region]): 10 body traces at 2 blocks, 40 at 8."""
+    the body at every call ([Note: one schema per region]): 10 body traces at 2 blocks, 40 at 8;
+    3 at any depth up to 845ca7f (the forward body again under the autograd function's identifier,
+    and the backward body, which the schema now reads off its aten graph): 1 now."""
     import torch._higher_order_ops.utils as hop_utils
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -178,6 +180,38 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
             body_schema_traces=len(traced))
     assert work[2] == work[8], work
     assert work[8]["bodies_partitioned"] == 1 and work[8]["bodies_installed"] == 2, work
+    assert work[8]["body_schema_traces"] == 1, work
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_schema_read_off_a_body_is_torchs(monkeypatch, ac):
+    """Where [Note: one schema per region] reads a body's schema off its aten graph instead of
+    letting torch re-trace it, the schema is the one torch's ``gen_schema`` gives: checked at
+    every such call while the decoder compiles (a torch whose ``gen_schema`` changes fails here)."""
+    from zbuf.compile import region_schema
+
+    read_off = region_schema.schema_of_aten_graph
+    pairs = []
+
+    def both(body, identifier, *operands):
+        schema = read_off(body, identifier, *operands)
+        if schema is not None:
+            traced = type(REGION).gen_schema(REGION, body, identifier, *operands)
+            pairs.append((str(schema), str(traced)))
+        return schema
+
+    monkeypatch.setattr(region_schema, "schema_of_aten_graph", both)
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97, hidden_size=64,
+                                         ffn_hidden_size=128, head_dim=16)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, ac)
+    model = shard(init)
+    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
+    _train(cm, model, _batches(1))
+    assert pairs  # the backward body's
+    for ours, torchs in pairs:
+        assert ours == torchs
 
 
 @pytest.mark.parametrize("options,regions", [
