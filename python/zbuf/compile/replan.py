@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .budget import PlanExceedsMemoryError
 from .options import CompileOptions
 from .regions import is_marked_model, unmark_repeated_blocks
 from .report import ScheduleRecord, graph_summary, schedule_report
@@ -136,8 +137,6 @@ class Replanner:
         (rank-agreed numbers) at the next step's first forward, before it runs anything."""
         if peak_bytes <= usable_bytes:
             return
-        from .budget import PlanExceedsMemoryError
-
         gib = 2**30
         raise PlanExceedsMemoryError(
             f"zbuf: the measured step {step} needs {peak_bytes / gib:.2f} GiB in {phase} without "
