@@ -276,6 +276,11 @@ class StepMemory:
         growth = max(0, self.meter.resident_bytes() - row.start_bytes)
         fw = row.forward_reserved_bytes + growth
         bw = row.backward_reserved_bytes + growth
+        # What was measured alive: the allocator's cache and fragmentation are its to recover;
+        # on the CPU stand-in, the tracked state (the plans' activations are projected, not
+        # measured).
+        live, live_phase = max((row.forward_peak_bytes + growth, "forward"),
+                               (row.backward_peak_bytes + growth, "backward"))
         opt = row.optimizer_reserved_bytes
         excess = 0
         act: dict[str, int] = {}
@@ -288,17 +293,12 @@ class StepMemory:
                 own = self.replanner.activation_peaks(gradients=False)
                 fw += own.get("forward", 0)
                 bw += own.get("backward", 0)
-        # Live tensors only: the allocator's cache and fragmentation are its to recover (the
-        # CPU stand-in's peaks are live bytes already).
-        live_fw, live_bw = ((fw, bw) if self._host_limit is not None else
-                            (row.forward_peak_bytes + growth, row.backward_peak_bytes + growth))
-        live, live_phase = max((live_fw, "forward"), (live_bw, "backward"))
         limit, fw, bw, opt, excess, live = self._agree(self.limit_bytes(), fw, bw, opt, excess,
                                                        live)
-        usable = self._usable(limit) - excess
         if self.replanner is not None:  # [Note: no step above its measured memory]
-            self.replanner.refuse_if_no_plan_fits(live, usable, phase=live_phase,
+            self.replanner.refuse_if_no_plan_fits(live, limit - excess, phase=live_phase,
                                                   step=row.step, growth_bytes=growth)
+        usable = self._usable(limit) - excess
         budget = stable_budget(usable - max(fw, bw))
         # What activations and gathered weights may share: the peaks less the plans' projected
         # activations (rank-invariant: the same graphs on every rank).
