@@ -179,6 +179,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
             rows.append(StepRow(elapsed, value, m, phases, mem))
             progress.step(step, value, cfg.micro_batch * cfg.seq_len / elapsed, m.device_bytes)
             faults.fault_point("train.step_done")  # [Note: fault points]
+            faults.raise_swallowed_stop()  # [Note: a stop a finaliser swallowed] in faults.py
             t0 = time.perf_counter()
             with record_function("zbuf.train.checkpoint"):
                 path = checkpoints.after_step(step + 1, setup.model, setup.optimizer)
@@ -187,6 +188,8 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                               "seconds": time.perf_counter() - t0})
     except BaseException as e:
         interrupt = isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_peer_failure(e)
+        if interrupt:
+            faults.stop_delivered()
         progress.end_engine()
         if on_stop is None:
             raise
