@@ -130,6 +130,18 @@ def test_blocks_compile_once_and_train_like_eager(monkeypatch, ac, persist):
         assert rec.peak_live_gathered_bytes <= rec.budget_bytes
 
 
+
+def _train_small_decoder(layers: int, ac) -> None:
+    """One training step of a small sharded decoder, its blocks compiled once."""
+    cfg = resolve_config("tiny").replace(num_layers=layers, vocab_size=97, hidden_size=64,
+                                         ffn_hidden_size=128, head_dim=16)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, ac)
+    model = shard(init)
+    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
+    _train(cm, model, _batches(1))
+
 @pytest.mark.parametrize("ac", [False, True])
 def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
     """Issue 21: from 2 to 8 identical blocks, the model compiles as many Dynamo graphs, traces,
@@ -161,14 +173,7 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
         bodies.clear()
         spans0 = len(compilation_time_metrics.get("invoke_subgraph_proxy_tensor", []))
         graphs0 = counters["stats"]["unique_graphs"]
-        cfg = resolve_config("tiny").replace(num_layers=layers, vocab_size=97, hidden_size=64,
-                                             ffn_hidden_size=128, head_dim=16)
-        torch.manual_seed(0)
-        init = build_model(cfg)
-        apply_activation_checkpointing(init, ac)
-        model = shard(init)
-        cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
-        _train(cm, model, _batches(1))
+        _train_small_decoder(layers, ac)
         calls = [n for g in graphs for n in g.nodes if n.target is REGION]
         assert len(calls) == 2 * layers  # one forward and one backward call per block
         work[layers] = dict(
@@ -201,14 +206,7 @@ def test_schema_read_off_a_body_is_torchs(monkeypatch, ac):
         return schema
 
     monkeypatch.setattr(region_schema, "schema_of_aten_graph", both)
-    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97, hidden_size=64,
-                                         ffn_hidden_size=128, head_dim=16)
-    torch.manual_seed(0)
-    init = build_model(cfg)
-    apply_activation_checkpointing(init, ac)
-    model = shard(init)
-    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
-    _train(cm, model, _batches(1))
+    _train_small_decoder(2, ac)
     assert pairs  # the backward body's
     for ours, torchs in pairs:
         assert ours == torchs

@@ -63,16 +63,13 @@ import torch
 
 from .ops import reduce_scatter_impl
 from .param import ShardSpec
+from .step_phases import in_backward
 
 __all__ = ["MAX_OPEN_GENERATIONS", "ReduceOnce"]
 
 MAX_OPEN_GENERATIONS = 16
 """How many of the latest forwards keep their counts while their backward is pending; an older
 forward's uses, if it is backpropagated after all, are reduce-scattered one by one."""
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _reduce(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -124,7 +121,7 @@ class ReduceOnce:
 
     def new_forward(self) -> None:
         """The root's outermost forward starts: later gathers count in a new generation."""
-        if _in_backward():  # a checkpoint recompute of the root forward
+        if in_backward():  # a checkpoint recompute of the root forward
             return
         with self._lock:
             self._gen += 1
@@ -137,7 +134,7 @@ class ReduceOnce:
         """Count a gather whose backward will contribute; returns its generation, or None if it
         is a checkpoint recompute. Call only when autograd records the gather (grad on, the shard
         requires grad)."""
-        if _in_backward():
+        if in_backward():
             return None
         with self._lock:
             if self._tasks:

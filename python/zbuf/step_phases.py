@@ -83,9 +83,10 @@ def _tensor_bytes(t: Any) -> int:
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread: an optimizer step there is the
+    """Whether autograd is running a backward on this thread. An optimizer step there is the
     optimizer in backward ([Note: optimizer in backward] in optimizer_in_backward.py), part of
-    the backward phase, not a phase of its own."""
+    the backward phase, not a phase of its own; a gather there is a checkpoint's recompute
+    ([Note: reduce once] in reduce_once.py)."""
     return torch._C._current_graph_task_id() != -1
 
 

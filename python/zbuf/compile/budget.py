@@ -33,8 +33,7 @@ import torch.distributed as dist
 import torch.fx
 
 from ..agreement import agree_extremes, stable_free_memory
-from .graph_info import (activation_profile, block_of, gather_nodes, gathered_nbytes,
-                         gradient_shard_bytes, weight_tree)
+from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
 __all__ = ["PlanExceedsMemoryError", "check_plan_fits", "check_optimizer_fits", "agree_free_memory", "graph_budget", "graph_memory", "gradient_reserve", "local_free_bytes",
@@ -122,8 +121,9 @@ def planning_profile(graph: torch.fx.Graph, options: CompileOptions) -> np.ndarr
                               stepped_gradients=options.optimizer_in_backward)
 
 
-def gradient_reserve(graph: torch.fx.Graph, options: CompileOptions, *, backward: bool) -> int:
-    """The gradients alive beside ``graph`` that its profile does not count.
+def gradient_reserve(options: CompileOptions, made_bytes: int, *, backward: bool) -> int:
+    """The gradients alive beside a graph that makes ``made_bytes`` of them
+    (``graph_info.gradient_shard_bytes``) and does not count the rest.
 
     [Note: gradients live in backward]
     A step's gradients do not exist in its forward: ``zero_grad()`` sets them to None (torch's
@@ -139,10 +139,12 @@ def gradient_reserve(graph: torch.fx.Graph, options: CompileOptions, *, backward
     gradients are kept (``zero_grad(set_to_none=False)``, or micro-batches accumulated before one
     ``step()``) shows them as resident growth in the measured step, whose re-plan counts them
     ([Note: whole-step budget] in zbuf/step_memory.py). Against the total memory of a plain
-    ``torch.compile(backend="zbuf")`` nothing is reserved: the profile counts the shards too."""
-    if not backward or options.free_memory_bytes is None:
+    ``torch.compile(backend="zbuf")`` nothing is reserved: the profile counts the shards too.
+    With the optimizer in backward no gradient outlives the graph that makes it ([Note: optimizer
+    in backward] in zbuf/optimizer_in_backward.py)."""
+    if not backward or options.free_memory_bytes is None or options.optimizer_in_backward:
         return 0
-    return max(0, options.gradient_bytes - gradient_shard_bytes(graph))
+    return max(0, options.gradient_bytes - made_bytes)
 
 
 def graph_memory(options: CompileOptions, device: torch.device, reserve_bytes: int = 0) -> int:

@@ -111,16 +111,15 @@ def compile_model(
             # backward graphs only ([Note: gradients live in backward] in budget.py); the rest is
             # measured on step 0.
             gradients = _gradient_bytes(model)
-            reserve, temporaries = 0, 0
+            reserve, temporaries, beside = 0, 0, gradients
             if optimizer is not None:
                 policy = OptimizerPolicy.of(optimizer)
                 reserve, temporaries = policy.step_bytes(optimizer)
-                if optimizer_in_backward:  # a batch at a time, beside a batch of gradients
-                    temporaries = policy.batch_temporary_bytes(optimizer, BATCH_BYTES)
-                    gradients = 0  # none outlives its graph
+                if optimizer_in_backward:  # a batch at a time, no gradient kept beside it
+                    temporaries, beside = policy.batch_temporary_bytes(optimizer, BATCH_BYTES), 0
             free = agree_free_memory(group, reserve_bytes=reserve)
-            # The step's temporaries come after backward, beside its gradients.
-            check_optimizer_fits(max(0, free - gradients), temporaries, type(optimizer).__name__)
+            # The step's temporaries come after backward, beside the gradients it kept.
+            check_optimizer_fits(max(0, free - beside), temporaries, type(optimizer).__name__)
             opts = dataclasses.replace(opts, free_memory_bytes=free, gradient_bytes=gradients)
             host_free = free + reserve
     elif opts.free_memory_bytes is not None:

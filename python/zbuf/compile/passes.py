@@ -241,7 +241,7 @@ class GatherSchedulePass(CustomGraphPass):
             act_profile = budget_mod.planning_profile(graph, opts)
             # [Note: gradients live in backward] in budget.py
             gradients = gradient_shard_bytes(graph)
-            reserve = budget_mod.gradient_reserve(graph, opts, backward=kind == "backward")
+            reserve = budget_mod.gradient_reserve(opts, gradients, backward=kind == "backward")
             token, sched = None, None
             if index.gathers:  # 4
                 peak_act = int(act_profile.max()) if len(act_profile) else 0

@@ -42,6 +42,7 @@ from .graph_info import (
     gather_args,
     gather_nodes,
     gathered_nbytes,
+    gradient_shard_bytes,
     graph_world_size,
     group_and_device,
     weight_tree,
@@ -110,7 +111,7 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
         _, device = group_and_device(joint)
         if activation_peak is None:
             activation_peak = int(budget_mod.planning_profile(joint, opts).max(initial=0))
-        reserve = budget_mod.gradient_reserve(joint, opts, backward=True)
+        reserve = budget_mod.gradient_reserve(opts, gradient_shard_bytes(joint), backward=True)
         budget = budget_mod.graph_budget(opts, device, activation_peak, reserve_bytes=reserve)
         # What one node needs at once is off limits; persistence may use a share of the rest.
         need: dict[torch.fx.Node, int] = {}

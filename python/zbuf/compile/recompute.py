@@ -85,6 +85,7 @@ from . import budget as budget_mod
 from .graph_info import (
     backward_nodes,
     gather_nodes,
+    gradient_shard_bytes,
     group_and_device,
     is_view,
     node_flops,
@@ -391,7 +392,7 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
     else:
         memory = budget_mod.graph_memory(
             options, device or torch.device("cpu"),
-            budget_mod.gradient_reserve(gm.graph, options, backward=True))
+            budget_mod.gradient_reserve(options, gradient_shard_bytes(gm.graph), backward=True))
         requested = max(1, memory - budget_mod.gather_reserve(gm.graph, options))
     specs = level_specs(gm.graph, forward, regions, options)
     base_levels = (0,) * len(regions)

@@ -122,13 +122,13 @@ def thread_reduce_scatters(graph: torch.fx.Graph, token: torch.fx.Node | None) -
 
 
 def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | None,
-                               batch_bytes: int) -> int:
+                               batch_bytes: int) -> None:
     """End every gradient shard the graph returns in ``zbuf::step_in_backward``, in batches of
     about ``batch_bytes`` in the order their reduce-scatters are waited for, and return no
     gradient for it ([Note: optimizer in backward] in zbuf/optimizer_in_backward.py). Call after
-    ``thread_reduce_scatters``. Returns the bytes of gradient shards stepped."""
+    ``thread_reduce_scatters``."""
     if token is None:
-        return 0
+        return
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     waited = {n.args[1]: n for n in nodes if n.target is zbuf.reduce_scatter_wait.default}
@@ -149,7 +149,6 @@ def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | Non
             ready.append((after, i, started.args[2]))
     ready.sort(key=lambda x: pos[x[0]])
     batch: list[tuple[torch.fx.Node, int, int]] = []
-    stepped = 0
 
     def flush() -> None:
         with graph.inserting_after(batch[-1][0]):
@@ -162,9 +161,7 @@ def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | Non
     pending = 0
     for entry in ready:
         batch.append(entry)
-        nbytes = tensor_bytes(results[entry[1]].meta.get("val"))
-        pending += nbytes
-        stepped += nbytes
+        pending += tensor_bytes(results[entry[1]].meta.get("val"))
         if pending >= batch_bytes:
             flush()
             pending = 0
@@ -178,7 +175,6 @@ def step_gradients_in_backward(graph: torch.fx.Graph, token: torch.fx.Node | Non
     if visible is not None:
         output.meta["user_visible_output_idxs"] = type(visible)(
             i for i in visible if results[i] is not None)
-    return stepped
 
 
 def hold_released_buffers(graph: torch.fx.Graph, token: torch.fx.Node | None) -> None:

@@ -284,8 +284,7 @@ def _stand_in_card(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
     shards = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     # The gradients go to the backward graphs ([Note: gradients live in backward]).
-    return {"free_memory_bytes": max(0, cfg.gpu_memory - shards),
-            "gradient_bytes": 0 if cfg.optimizer_in_backward else grads}
+    return {"free_memory_bytes": max(0, cfg.gpu_memory - shards), "gradient_bytes": grads}
 
 
 def to_jsonable(obj):
