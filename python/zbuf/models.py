@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .linear_cross_entropy import linear_cross_entropy
 from .presets import PRESETS, ModelConfig, resolve_config
 
 __all__ = [
@@ -223,7 +224,9 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Qwen3-shaped causal language model: ``forward(tokens [B, T] int64) -> logits [B, T, V]``.
+    """Qwen3-shaped causal language model: ``forward(tokens [B, T] int64) -> logits [B, T, V]``,
+    or with ``targets`` [B, T] the mean fp32 next-token loss, computed without the logits
+    ([Note: the logits are never whole] in zbuf/linear_cross_entropy.py).
 
     Logits come out in the compute dtype; ``loss`` upcasts them to fp32.
     """
@@ -249,7 +252,8 @@ class Decoder(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                ignore_index: int = -100) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"Decoder expects tokens of shape [batch, seq], got "
                              f"{tuple(tokens.shape)}")
@@ -263,6 +267,8 @@ class Decoder(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if targets is not None:
+            return linear_cross_entropy(h, weight, targets, ignore_index)
         return F.linear(h, weight)
 
 

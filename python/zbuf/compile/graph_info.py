@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from .. import runtime
+from .. import linear_cross_entropy, runtime
 from .graph_model import GatherSpec, GraphSummary
 from .options import CompileOptions
 
@@ -377,7 +377,8 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
     its forward (marked ``zbuf_persistent`` by selective persistence: their bytes come off the
     gather budget, see [Note: selective persistence] in persist.py). A multi-output op's tensors
     count from their ``getitem`` nodes on; a region call counts, while it runs, the peak of what
-    its body makes ([Note: region bodies] in region_graphs.py). ``shards=False`` leaves out the
+    its body makes ([Note: region bodies] in region_graphs.py); an opaque operator's workspace
+    counts at its node ([Note: the logits are never whole] in zbuf/linear_cross_entropy.py). ``shards=False`` leaves out the
     shards the gathers read (resident before the step: [Note: the model's state is not an
     activation] in budget.py); the gradient shards the reduce-scatters return always count, from
     the reduce-scatter on ([Note: gradients live in backward] in budget.py), to the graph's end,
@@ -403,6 +404,9 @@ def activation_profile(graph: torch.fx.Graph, *, inputs: bool = True,
             delta[pos[n]] += peak
             delta[pos[n] + 1] -= peak
             continue
+        workspace = linear_cross_entropy.workspace_bytes(n)
+        delta[pos[n]] += workspace
+        delta[pos[n] + 1] -= workspace
         if _outputs_of(n) or (is_view(n) and not unpacks_results(n)):
             continue  # a multi-output op's tensors count at its getitems; a view counts nothing
         if n.op == "placeholder" and not inputs:

@@ -125,6 +125,15 @@ def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return models.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
+def _model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The step's loss, every engine alike: the built-in decoder's own, which never holds the
+    logits ([Note: the logits are never whole] in zbuf/linear_cross_entropy.py); a Hugging Face
+    model's from its logits."""
+    if isinstance(model, HFDecoder):
+        return _loss_from_logits(model(tokens), targets)
+    return model(tokens, targets, IGNORE_INDEX)
+
+
 class _WithLoss(nn.Module):
     """model + loss as one module, so a whole-model compile captures the loss too."""
 
@@ -133,7 +142,7 @@ class _WithLoss(nn.Module):
         self.model = model
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _loss_from_logits(self.model(tokens), targets)
+        return _model_loss(self.model, tokens, targets)
 
 
 def _compute_dtype(cfg: TrainConfig) -> Optional[torch.dtype]:
@@ -215,10 +224,10 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
         with torch.no_grad():
             for sub in model.modules():
                 init_module(sub, model)
-    loss_fn = torch.compile(_loss_from_logits, backend=cfg.compiler)
-
+    # The root's head and loss run eager, as torchtitan runs them: the fused loss is one opaque
+    # operator each way, nothing a compile would fuse.
     def step_loss(batch: Batch) -> torch.Tensor:
-        return loss_fn(model(batch.tokens), batch.targets)
+        return _model_loss(model, batch.tokens, batch.targets)
 
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
@@ -243,7 +252,7 @@ def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
     step_memory = StepMemory(model, optimizer)
 
     def step_loss(batch: Batch) -> torch.Tensor:
-        return _loss_from_logits(model(batch.tokens), batch.targets)
+        return _model_loss(model, batch.tokens, batch.targets)
 
     return EngineSetup(step_loss, model, optimizer, pool, lambda: None, step_memory)
 
