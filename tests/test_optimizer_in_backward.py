@@ -78,7 +78,8 @@ def _compiled_run(base, kind, in_backward, batches, inner="aot_eager"):
     memory = zbuf.compile.step_memory_of(cm)
     rows = list(memory.rows)
     memory.detach()
-    return losses, [p.detach().clone() for p in model.parameters()], model, opt, rows
+    return (losses, [p.detach().clone() for p in model.parameters()], model, opt, rows,
+            memory.measured)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
@@ -127,6 +128,21 @@ def test_no_gradient_outlives_backward_and_the_backward_plans_without_them():
     # The optimizer phase starts after backward, once: the steps inside backward are backward's.
     for a, b in zip(after[4][1:], during[4][1:]):  # step 0 creates the state in backward
         assert b.phases.backward_peak_bytes <= a.phases.backward_peak_bytes - grads
+
+
+def test_the_state_made_in_backward_is_measured_once():
+    """[Note: a state made inside the measured phase]: step 0's backward makes AdamW's state
+    (two fp32 copies of the shards) as it steps; the measurement that sets the budget is step
+    1's, which ran with the state resident throughout, so the state counts once and the
+    measured backward is below stepping after backward's (which holds the gradients too)."""
+    torch.manual_seed(0)
+    base = TiedNet(width=64)
+    batches = _batches(n=3)
+    after = _compiled_run(base, "adamw", False, batches)
+    during = _compiled_run(base, "adamw", True, batches)
+    grads = sum(p.numel() * p.element_size() for p in during[2].parameters())
+    assert after[5].measured_step == 0 and during[5].measured_step == 1
+    assert during[5].backward_peak_bytes <= after[5].backward_peak_bytes - grads // 2
 
 
 def test_bad_combinations_are_refused_with_the_fix():

@@ -182,11 +182,13 @@ class StepMemory:
     """
 
     MEASURED_STEP = 0
-    """The step whose measurement sets the budget (the plan grows at the next forward)."""
+    """The step whose measurement sets the budget (the plan grows at the next forward); with the
+    optimizer in backward, the step after it ([Note: a state made inside the measured phase])."""
     STEADY_STEP = 2
     """The step whose headroom is checked (the plan shrinks at the next forward if it fell below
     the margin): the first after the grown plan's first run (step 1, which compiles it and sizes
-    the pool for it), so its reserved bytes are the steady state's, not step 0's."""
+    the pool for it), so its reserved bytes are the steady state's, not step 0's; counted from
+    ``MEASURED_STEP``."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                  hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
@@ -221,6 +223,16 @@ class StepMemory:
                 host_free_bytes = local_free_bytes(pool.device)
             self._host_limit = int(host_free_bytes) + self.meter.tracked_bytes()
         self.meter.on_close = self._row
+        # [Note: a state made inside the measured phase]
+        # The measurement adds what step 0 left resident (the optimizer's state) to its phases'
+        # peaks, since they ran without it. With the optimizer in backward, step 0's backward
+        # makes that state as it runs: its peak already holds some or all of it, and adding it
+        # again counted AdamW's 12.9 GiB twice (qwen3-1.7b, world 1, one H200, --mem-frac 0.20:
+        # "needs 34.59 GiB" refused a step whose steady state peaked at 26.7 GiB on the whole
+        # device at 0.25). Step 1 runs the same lean plan with the state resident throughout, so
+        # it is the step measured, and nothing is added twice.
+        self.measured_step = self.MEASURED_STEP + int(root.steps_in_backward)
+        self.steady_step = self.measured_step + self.STEADY_STEP - self.MEASURED_STEP
         hooked = hooked if hooked is not None else model
         # Order matters: the meter closes step 0 before the decision reads it.
         self.meter.attach(hooked)
@@ -351,9 +363,9 @@ class StepMemory:
         s = self.memory.pool.stats()
         held = self._pool_after_backward
         held = s.charged_bytes if held is None else held
-        if phases.step == self.MEASURED_STEP:
+        if phases.step == self.measured_step:
             self._measured_row = (phases, held)
-        elif phases.step == self.STEADY_STEP:
+        elif phases.step == self.steady_step:
             self._steady_row = (phases, held)
         self._pool_after_backward = None
         counts = self._event_counts()
