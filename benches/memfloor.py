@@ -72,7 +72,9 @@ def _row(path: str) -> dict:
         refused = any("PlanExceedsMemoryError" in ln for ln in lines)
         oom = any("out of memory" in ln.lower() or "OutOfMemory" in ln for ln in lines)
         status = "refused" if refused else "oom" if oom else "failed"
-        return dict(row, status=status, error=(lines or [""])[-1][:200])
+        # The line that names the error, not torch's "set TORCHDYNAMO_VERBOSE" trailer.
+        named = [ln for ln in lines if "Error" in ln] or lines or [""]
+        return dict(row, status=status, error=named[-1][:200])
     s = eng["summary"]
     steps = eng["steps"]
     sm = s.get("step_memory") or {}
