@@ -145,6 +145,41 @@ def test_the_state_made_in_backward_is_measured_once():
     assert during[5].backward_peak_bytes <= after[5].backward_peak_bytes - grads // 2
 
 
+def test_offloading_the_state_learns_the_batch_order_and_trains_the_same(monkeypatch):
+    """[Note: optimizer state off the device]: the batches come in one order every step, which
+    the offload learns to prefetch by (on a CPU device the state stays in host memory, so the
+    losses and parameters are those of the optimizer in backward without it, bit for bit)."""
+    import zbuf.compile.passes as passes
+    import zbuf.optimizer_offload as offload_mod
+
+    monkeypatch.setattr(passes, "BATCH_BYTES", 16 << 10)  # several batches of this small model
+    seen = []
+    bring = offload_mod.StateOffload.bring
+    monkeypatch.setattr(offload_mod.StateOffload, "bring",
+                        lambda self, key, params: (seen.append(key), bring(self, key, params)))
+    torch.manual_seed(0)
+    base = TiedNet(width=64, blocks=4)
+    batches = _batches(n=3)
+    plain = _compiled_run(base, "adamw", True, batches)
+    torch._dynamo.reset()
+    model = shard(copy.deepcopy(base))
+    opt = _optimizer("adamw", model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, optimizer_in_backward=True,
+                      offload_optimizer=True, fullgraph=True)
+    losses = _train(model, cm, opt, batches, in_backward=True)
+    assert losses == plain[0]
+    for p, q in zip(model.parameters(), plain[1]):
+        assert torch.equal(p.detach(), q)
+    per_step = len(seen) // len(batches)
+    assert per_step >= 3 and seen == seen[:per_step] * len(batches)
+    offload = cm._zbuf_backward_step.offload
+    for i, key in enumerate(seen[:per_step]):
+        assert offload.next_batch(key) == seen[(i + 1) % per_step]
+    zbuf.compile.step_memory_of(cm).detach()
+    with pytest.raises(ValueError, match="offload_optimizer=True.*needs optimizer_in_backward"):
+        zbuf.compile(model, optimizer=opt, offload_optimizer=True, fullgraph=True)
+
+
 def test_bad_combinations_are_refused_with_the_fix():
     torch.manual_seed(0)
     model = shard(TiedNet())

@@ -35,10 +35,13 @@ What changes for the user, so it is opt-in:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from . import runtime
+from .optimizer_offload import StateOffload
 from .shard import roots
 
 __all__ = ["BackwardStep", "BATCH_BYTES"]
@@ -52,7 +55,8 @@ class BackwardStep:
     """Steps ``optimizer`` in backward on the shards of ``model`` ([Note: optimizer in
     backward]); lives as long as the model's compiled wrapper holds it."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 offload: bool = False) -> None:
         found = roots(model)
         if not found:
             raise ValueError("optimizer_in_backward=True steps the shards of a model sharded "
@@ -67,6 +71,10 @@ class BackwardStep:
                     self.params[param_id] = shard
                     self._groups[param_id] = group_of[id(shard)]
             root.steps_in_backward = True
+        self.offload: Optional[StateOffload] = (
+            StateOffload(optimizer, found[0].device) if offload else None)
+        """The optimizer's state kept in host memory between batches ([Note: optimizer state
+        off the device] in optimizer_offload.py), or None."""
         runtime.step_into(self.params, self)
 
     def step(self, grads: list[torch.Tensor], param_ids: list[int]) -> None:
@@ -78,12 +86,16 @@ class BackwardStep:
             group = self._groups[param_id]
             by_group.setdefault(id(group), (group, []))[1].append(p)
         opt = self.optimizer
+        stepped = [p for _group, ps in by_group.values() for p in ps]
+        if self.offload is not None:
+            self.offload.bring(tuple(param_ids), stepped)
         everything = opt.param_groups
         opt.param_groups = [dict(group, params=ps) for group, ps in by_group.values()]
         try:
             opt.step()
         finally:
             opt.param_groups = everything
-            for _group, ps in by_group.values():
-                for p in ps:
-                    p.grad = None
+            for p in stepped:
+                p.grad = None
+        if self.offload is not None:
+            self.offload.put_back(stepped)

@@ -107,6 +107,15 @@ class OptimizerPolicy:
             return 0
         return max(sizes) + (batch_bytes if self.implementation == "foreach" else 0)
 
+    def offloaded_state_bytes(self, optimizer: torch.optim.Optimizer, batch_bytes: int) -> int:
+        """Bytes of state on the device when it lives in host memory between the steps in
+        backward ([Note: optimizer state off the device] in zbuf/optimizer_offload.py): two
+        batches' (the one stepping and the next, prefetched), a batch closed by the parameter
+        that reaches ``batch_bytes``; never more than all of it."""
+        ps = self._params(optimizer)
+        largest = max((p.numel() * p.element_size() for p in ps), default=0)
+        return min(self.state_bytes(ps), 2 * self.state_copies * (batch_bytes + largest))
+
     def step_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         """``(state, temporaries)`` of ``optimizer``'s step over all of its parameters: what a
         plan made before step 0 reserves beside the graphs, and what the step needs on top of

@@ -51,6 +51,7 @@ def compile_model(
     dynamic: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_in_backward: bool = False,
+    offload_optimizer: bool = False,
     **options: Any,
 ) -> torch.nn.Module:
     """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
@@ -81,7 +82,17 @@ def compile_model(
     backward is then an optimizer step (no gradient accumulation, nothing left to clip); the
     loop's ``optimizer.step()`` after backward finds no gradients on the shards and may stay.
     Needs ``optimizer=`` and ``fullgraph=True``.
+
+    ``offload_optimizer=True`` (with ``optimizer_in_backward=True``): the optimizer's
+    parameter-shaped state (AdamW's moments) lives in pinned host memory and comes to the device
+    one batch ahead of its step in backward ([Note: optimizer state off the device] in
+    zbuf/optimizer_offload.py): the device holds two batches' state instead of all of it, for two
+    copies of it over the host link per step.
     """
+    if offload_optimizer and not optimizer_in_backward:
+        raise ValueError("zbuf.compile(..., offload_optimizer=True) needs "
+                         "optimizer_in_backward=True: the state comes to the device for the "
+                         "steps in backward, one batch ahead")
     if optimizer_in_backward and (optimizer is None or not fullgraph):
         missing = "optimizer=" if optimizer is None else "fullgraph=True"
         raise ValueError(f"zbuf.compile(..., optimizer_in_backward=True) needs {missing}: the "
@@ -117,6 +128,8 @@ def compile_model(
                 reserve, temporaries = policy.step_bytes(optimizer)
                 if optimizer_in_backward:  # a batch at a time, no gradient kept beside it
                     temporaries, beside = policy.batch_temporary_bytes(optimizer, BATCH_BYTES), 0
+                if offload_optimizer:
+                    reserve = policy.offloaded_state_bytes(optimizer, BATCH_BYTES)
             free = agree_free_memory(group, reserve_bytes=reserve)
             # The step's temporaries come after backward, beside the gradients it kept.
             check_optimizer_fits(max(0, free - beside), temporaries, type(optimizer).__name__)
@@ -137,7 +150,8 @@ def compile_model(
     if budget_bytes is None:
         replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
     if optimizer_in_backward:
-        compiled.__dict__["_zbuf_backward_step"] = BackwardStep(model, optimizer)
+        compiled.__dict__["_zbuf_backward_step"] = BackwardStep(model, optimizer,
+                                                                offload=offload_optimizer)
     compiled.__dict__["_zbuf_step_memory"] = StepMemory(
         model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
         host_free_bytes=host_free)

@@ -270,6 +270,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
                                       optimizer=optimizer,
                                       optimizer_in_backward=cfg.optimizer_in_backward,
+                                      offload_optimizer=cfg.offload_optimizer,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
                                       **once)
 

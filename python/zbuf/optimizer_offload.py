@@ -1,0 +1,202 @@
+"""The optimizer's state off the device between its uses, for a model that steps in backward.
+
+[Note: optimizer state off the device]
+With the optimizer in backward ([Note: optimizer in backward] in optimizer_in_backward.py) the
+gradients no longer outlive their batch; what is left of a ZeRO-3 step's state on the device is
+the fp32 shards and the optimizer's moments, and the moments are used once per step, for a few
+milliseconds per batch. At qwen3-1.7b, world 1, AdamW, they are 12.8 GiB of the 19.2 GiB that
+kept zbuf's floor at ``--mem-frac`` 0.20, the same as FSDP2's with fused AdamW
+(benches/results/floor17b.md). ZeRO-Offload and DeepCompile's offloading pass keep them in host
+memory instead; so does ``StateOffload``, for the state of an optimizer stepped in backward:
+
+* after a batch's step its parameter-shaped state tensors (AdamW's ``exp_avg`` and
+  ``exp_avg_sq``; SGD's ``momentum_buffer``) are copied into pinned host tensors (one per state
+  tensor, made on the first step, reused after) and the device copies are dropped; scalar state
+  (AdamW's ``step``) stays where the optimizer keeps it;
+* before a batch's step its state is on the device again: copied while the previous batch's
+  backward ran (the batches come in the same order every step; the first step learns it), or,
+  for a batch not prefetched, copied then on the compute stream.
+
+Streams and events: ``copy_stream`` is produced on by ``put_back`` (device to host, after it
+waits for the compute stream's step) and by ``prefetch`` (host to device, ordered after the last
+put-back into the same host tensors by the stream itself); each prefetch records ``ready``, which
+the compute stream waits for in ``bring`` before the optimizer reads the tensors. Device tensors
+crossing streams are marked with ``record_stream`` so the caching allocator does not hand their
+blocks out before the other stream is done with them. Host tensors are read on the host only
+after ``settle`` (``state_dict`` calls it).
+
+What it costs: two copies of the moments over the host link per step, overlapped with backward
+except for the first batch of a step and whatever backward is too short to hide; the device
+holds the state of at most two batches (the one stepping and the next). On a CPU device the
+state is already in host memory: the state stays where it is and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .optimizer_policy import STATE_COPIES
+
+__all__ = ["StateOffload"]
+
+BatchKey = tuple[int, ...]
+
+ARENA_ALIGN = 256
+"""Byte alignment of each host copy in its arena (what CUDA's copies like best)."""
+
+
+def _registered_arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked for as long as the tensor lives."""
+    arena = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"zbuf: could not page-lock {nbytes / 2**30:.2f} GiB of host memory "
+                           f"for the offloaded optimizer state (cudaHostRegister error "
+                           f"{int(err)}); free host memory or drop offload_optimizer")
+    weakref.finalize(arena, cudart.cudaHostUnregister, arena.data_ptr())
+    return arena
+
+
+class StateOffload:
+    """Keeps ``optimizer``'s parameter-shaped state in pinned host memory between the steps in
+    backward that use it ([Note: optimizer state off the device])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.copies = device.type == "cuda"
+        self.copy_stream: Optional[torch.cuda.Stream] = (
+            torch.cuda.Stream(device) if self.copies else None)
+        """Produced on by ``put_back`` and ``prefetch``; consumed by the compute stream through
+        the ``ready`` events ``bring`` waits for, and by the host after ``settle``."""
+        self._homes: dict[tuple[int, str], torch.Tensor] = {}
+        """Pinned host copy of each offloaded state tensor, by (id of its parameter, key): views
+        of the arenas."""
+        self._arenas: list[torch.Tensor] = []
+        self._arena: Optional[torch.Tensor] = None
+        self._used = 0
+        self._next: dict[BatchKey, BatchKey] = {}
+        """The batch that followed each batch the last time (steps repeat their order)."""
+        self._last: Optional[BatchKey] = None
+        self._prefetched: dict[BatchKey, tuple[torch.cuda.Event, dict]] = {}
+        """Batches whose state is on its way: the ``ready`` event and the device tensors."""
+        self._handles = [
+            optimizer.register_state_dict_pre_hook(lambda _opt: self.settle()),
+            optimizer.register_load_state_dict_post_hook(lambda _opt: self._put_all_back()),
+        ]
+
+    @staticmethod
+    def _offloadable(param: nn.Parameter, value) -> bool:
+        return isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0
+
+    # -- around one batch's step ------------------------------------------------------------
+
+    def bring(self, key: BatchKey, params: list[nn.Parameter]) -> None:
+        """Put the state of ``params`` (batch ``key``) on the device before their step."""
+        if self._last is not None:
+            self._next[self._last] = key
+        self._last = key
+        if not self.copies:
+            return
+        state = self.optimizer.state
+        compute = torch.cuda.current_stream(self.device)
+        pending = self._prefetched.pop(key, None)
+        if pending is not None:
+            ready, tensors = pending
+            compute.wait_event(ready)
+            for (p, k), t in tensors.items():
+                t.record_stream(compute)
+                state[p][k] = t
+        # Not prefetched: copied now, after the copy stream's last put-back into the host copies.
+        compute.wait_stream(self.copy_stream)
+        for p in params:
+            for k, v in list(state.get(p, {}).items()):
+                if self._offloadable(p, v) and v.device != self.device:
+                    state[p][k] = v.to(self.device, non_blocking=True)
+
+    def put_back(self, params: list[nn.Parameter], *, prefetch: bool = True) -> None:
+        """After the step of ``params``: their state to its host copies, the device's dropped;
+        then the next batch's state on its way."""
+        if not self.copies:
+            return
+        state = self.optimizer.state
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            for p in params:
+                for k, v in list(state.get(p, {}).items()):
+                    if not self._offloadable(p, v) or v.device != self.device:
+                        continue
+                    home = self._homes.get((id(p), k))
+                    if home is None:
+                        home = self._homes[(id(p), k)] = self._carve(v)
+                    home.copy_(v, non_blocking=True)
+                    v.record_stream(self.copy_stream)
+                    state[p][k] = home
+        following = self._next.get(self._last) if prefetch else None
+        if following is not None and following not in self._prefetched:
+            self.prefetch(following)
+
+    def prefetch(self, key: BatchKey) -> None:
+        """Start copying the state of batch ``key`` to the device on the copy stream."""
+        by_id = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        state = self.optimizer.state
+        tensors = {}
+        with torch.cuda.stream(self.copy_stream):
+            for pid in key:
+                p = by_id.get(pid)
+                for k, v in list(state.get(p, {}).items()) if p is not None else ():
+                    if self._offloadable(p, v) and v.device != self.device:
+                        tensors[(p, k)] = v.to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        self._prefetched[key] = (ready, tensors)
+
+    def _carve(self, like: torch.Tensor) -> torch.Tensor:
+        """A pinned host tensor shaped like ``like``, from the arena: one host allocation for
+        all the state, page-locked with ``cudaHostRegister``. (Pinned tensors of their own come
+        from torch's caching host allocator, which rounds each up to a power of two: up to twice
+        the state's bytes of page-locked memory.)"""
+        nbytes = like.numel() * like.element_size()
+        start = -(-self._used // ARENA_ALIGN) * ARENA_ALIGN
+        if self._arena is None or start + nbytes > self._arena.numel():
+            self._arena = _registered_arena(max(nbytes, self._arena_bytes()))
+            self._arenas.append(self._arena)
+            start = 0
+        self._used = start + nbytes
+        return self._arena[start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def _arena_bytes(self) -> int:
+        """Enough for every parameter's state (its class's copies, [Note: optimizer state
+        bytes]) at once: one registration."""
+        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}.values()
+        copies = STATE_COPIES.get(type(self.optimizer).__name__, 2)
+        return copies * sum(p.numel() * p.element_size() + ARENA_ALIGN for p in params)
+
+    # -- the host's view -----------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait for every copy: the host copies are complete and safe to read."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def _put_all_back(self) -> None:
+        """After ``load_state_dict`` (which puts the state on the parameters' device)."""
+        self._prefetched.clear()
+        for group in self.optimizer.param_groups:
+            self.put_back(list(group["params"]), prefetch=False)
+        self.settle()
+
+    def next_batch(self, key: BatchKey) -> Optional[BatchKey]:
+        """The batch that followed ``key`` last time (what ``put_back`` prefetches after it)."""
+        return self._next.get(key)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
