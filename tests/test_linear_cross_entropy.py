@@ -124,10 +124,10 @@ def test_the_decoder_loss_compiles_as_one_opaque_operator_each_way(backend, monk
                     val.shape[-1] == SMALL.hidden_size), (n, tuple(val.shape))
 
 
-def test_the_activation_profile_counts_the_workspace_at_the_operator():
+def test_the_cost_model_counts_the_operators_workspace_and_flops():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zbuf.compile.graph_info import activation_profile
+    from zbuf.compile.graph_info import activation_profile, node_flops
 
     tokens, width, vocab = 64, 16, 50
     gm = make_fx(lambda h, w, t: torch.ops.zbuf_fused.linear_cross_entropy(h, w, t, -100, 7),
@@ -137,6 +137,7 @@ def test_the_activation_profile_counts_the_workspace_at_the_operator():
     op = next(n for n in nodes if n.target is torch.ops.zbuf_fused.linear_cross_entropy.default)
     workspace = lce.workspace_bytes(op)
     assert workspace == tokens * 7 * (4 + 2 * 4) + 3 * tokens * 4
+    assert node_flops(op) == 2.0 * tokens * width * vocab  # the logits' product
     profile = activation_profile(gm.graph, inputs=False)
     at = nodes.index(op)
     outputs = 4 + tokens * 4  # the total and the log-sum-exp, from their getitems on

@@ -156,7 +156,8 @@ def test_offloading_the_state_learns_the_batch_order_and_trains_the_same(monkeyp
     seen = []
     bring = offload_mod.StateOffload.bring
     monkeypatch.setattr(offload_mod.StateOffload, "bring",
-                        lambda self, key, params: (seen.append(key), bring(self, key, params)))
+                        lambda self, key, params: (seen.append((key, list(params))),
+                                                   bring(self, key, params)))
     torch.manual_seed(0)
     base = TiedNet(width=64, blocks=4)
     batches = _batches(n=3)
@@ -171,10 +172,14 @@ def test_offloading_the_state_learns_the_batch_order_and_trains_the_same(monkeyp
     for p, q in zip(model.parameters(), plain[1]):
         assert torch.equal(p.detach(), q)
     per_step = len(seen) // len(batches)
-    assert per_step >= 3 and seen == seen[:per_step] * len(batches)
+    keys = [key for key, _params in seen]
+    assert per_step >= 3 and keys == keys[:per_step] * len(batches)
     offload = cm._zbuf_backward_step.offload
-    for i, key in enumerate(seen[:per_step]):
-        assert offload.next_batch(key) == seen[(i + 1) % per_step]
+    for i, (key, _params) in enumerate(seen[:per_step]):
+        following = seen[(i + 1) % per_step][1]
+        assert [id(p) for p in offload.prefetched_after(key)] == [id(p) for p in following]
+    assert {id(p) for _key, ps in seen[:per_step] for p in ps} == {
+        id(p) for p in model.parameters()}
     zbuf.compile.step_memory_of(cm).detach()
     with pytest.raises(ValueError, match="offload_optimizer=True.*needs optimizer_in_backward"):
         zbuf.compile(model, optimizer=opt, offload_optimizer=True, fullgraph=True)

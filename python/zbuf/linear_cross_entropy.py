@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["linear_cross_entropy", "LOGITS_SLICE_BYTES", "workspace_bytes"]
+__all__ = ["linear_cross_entropy", "LOGITS_SLICE_BYTES", "workspace_bytes", "matmul_flops"]
 
 LOGITS_SLICE_BYTES = 256 << 20
 """fp32 bytes of one vocabulary slice's logits (all tokens): bounds the operator's workspace."""
@@ -142,6 +142,22 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     total, _ = torch.ops.zbuf_fused.linear_cross_entropy(flat, weight, flat_targets, ignore_index,
                                                    columns)
     return total / (flat_targets != ignore_index).sum()
+
+
+def matmul_flops(node) -> float:
+    """Matmul FLOPs of the operator at FX ``node`` (0 for any other node): the logits' product
+    forward; backward that again, plus ``grad_W``'s and ``grad_h``'s."""
+    fused = (torch.ops.zbuf_fused.linear_cross_entropy.default,
+             torch.ops.zbuf_fused.linear_cross_entropy_backward.default)
+    if node.target not in fused:
+        return 0.0
+    backward = node.target is fused[1]
+    hidden = node.args[1 if backward else 0].meta.get("val")
+    weight = node.args[2 if backward else 1].meta.get("val")
+    if hidden is None or weight is None:
+        return 0.0
+    product = 2.0 * int(hidden.shape[0]) * int(hidden.shape[1]) * int(weight.shape[0])
+    return 3 * product if backward else product
 
 
 def workspace_bytes(node) -> int:

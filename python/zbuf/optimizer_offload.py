@@ -83,6 +83,8 @@ class StateOffload:
         self._next: dict[BatchKey, BatchKey] = {}
         """The batch that followed each batch the last time (steps repeat their order)."""
         self._last: Optional[BatchKey] = None
+        self._params_of: dict[BatchKey, list[nn.Parameter]] = {}
+        """Each batch's parameters (the keys are zbuf's parameter ids, not Python's)."""
         self._prefetched: dict[BatchKey, tuple[torch.cuda.Event, dict]] = {}
         """Batches whose state is on its way: the ``ready`` event and the device tensors."""
         self._handles = [
@@ -101,6 +103,7 @@ class StateOffload:
         if self._last is not None:
             self._next[self._last] = key
         self._last = key
+        self._params_of[key] = params
         if not self.copies:
             return
         state = self.optimizer.state
@@ -144,13 +147,11 @@ class StateOffload:
 
     def prefetch(self, key: BatchKey) -> None:
         """Start copying the state of batch ``key`` to the device on the copy stream."""
-        by_id = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
         state = self.optimizer.state
         tensors = {}
         with torch.cuda.stream(self.copy_stream):
-            for pid in key:
-                p = by_id.get(pid)
-                for k, v in list(state.get(p, {}).items()) if p is not None else ():
+            for p in self._params_of[key]:
+                for k, v in list(state.get(p, {}).items()):
                     if self._offloadable(p, v) and v.device != self.device:
                         tensors[(p, k)] = v.to(self.device, non_blocking=True)
             ready = torch.cuda.Event()
@@ -192,9 +193,11 @@ class StateOffload:
             self.put_back(list(group["params"]), prefetch=False)
         self.settle()
 
-    def next_batch(self, key: BatchKey) -> Optional[BatchKey]:
-        """The batch that followed ``key`` last time (what ``put_back`` prefetches after it)."""
-        return self._next.get(key)
+    def prefetched_after(self, key: BatchKey) -> list[nn.Parameter]:
+        """The parameters whose state ``put_back`` brings ahead after batch ``key``'s step: the
+        batch that followed it last time."""
+        following = self._next.get(key)
+        return [] if following is None else list(self._params_of[following])
 
     def detach(self) -> None:
         for h in self._handles:

@@ -230,6 +230,9 @@ def node_flops(node: torch.fx.Node) -> float:
             a, b = (node.args[0], node.args[1]) if t is aten.bmm.default else (node.args[1], node.args[2])
             (bs, m, k), (_, _, n) = _shape(a), _shape(b)
             return 2.0 * bs * m * k * n
+        fused = linear_cross_entropy.matmul_flops(node)
+        if fused:
+            return fused
         name = getattr(t, "__name__", "")
         if "scaled_dot_product" in name:
             q, k = _shape(node.args[0]), _shape(node.args[1])
