@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -183,6 +185,33 @@ def test_offloading_the_state_learns_the_batch_order_and_trains_the_same(monkeyp
     zbuf.compile.step_memory_of(cm).detach()
     with pytest.raises(ValueError, match="offload_optimizer=True.*needs optimizer_in_backward"):
         zbuf.compile(model, optimizer=opt, offload_optimizer=True, fullgraph=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+       batch=st.integers(1, 8000), kind=st.sampled_from(["adamw", "sgd"]))
+def test_the_offloaded_reserve_covers_any_two_consecutive_batches(sizes, batch, kind):
+    """[Note: optimizer state off the device]: the plan reserves, for state that lives in host
+    memory, what two consecutive batches (the one stepping, the next prefetched) hold on the
+    device, in any order of the gradients; never more than the whole state."""
+    from zbuf.optimizer_policy import OptimizerPolicy
+
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    opt = _optimizer(kind, params)
+    policy = OptimizerPolicy.of(opt)
+    reserve = policy.offloaded_state_bytes(opt, batch)
+    assert reserve <= policy.state_bytes(params)
+    for order in (params, params[::-1], sorted(params, key=lambda p: p.numel())):
+        batches, current = [], []
+        for p in order:  # as step_gradients_in_backward closes them
+            current.append(p)
+            if sum(q.numel() * 4 for q in current) >= batch:
+                batches.append(current)
+                current = []
+        batches += [current] if current else []
+        pairs = zip(batches, batches[1:] + batches[:1]) if len(batches) > 1 else [(batches[0], [])]
+        for a, b in pairs:
+            assert policy.state_bytes(a + b) <= reserve
 
 
 def test_bad_combinations_are_refused_with_the_fix():

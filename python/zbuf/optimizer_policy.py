@@ -110,11 +110,14 @@ class OptimizerPolicy:
     def offloaded_state_bytes(self, optimizer: torch.optim.Optimizer, batch_bytes: int) -> int:
         """Bytes of state on the device when it lives in host memory between the steps in
         backward ([Note: optimizer state off the device] in zbuf/optimizer_offload.py): two
-        batches' (the one stepping and the next, prefetched), a batch closed by the parameter
-        that reaches ``batch_bytes``; never more than all of it."""
+        batches' (the one stepping and the next, prefetched), whatever their order. A batch is
+        closed by the parameter that reaches ``batch_bytes``, so it holds less than
+        ``batch_bytes`` plus that parameter; two batches, less than twice ``batch_bytes`` plus
+        the two largest parameters. Never more than all of it."""
         ps = self._params(optimizer)
-        largest = max((p.numel() * p.element_size() for p in ps), default=0)
-        return min(self.state_bytes(ps), 2 * self.state_copies * (batch_bytes + largest))
+        sizes = sorted((p.numel() * p.element_size() for p in ps), reverse=True)
+        two_batches = 2 * batch_bytes + sum(sizes[:2])
+        return min(self.state_bytes(ps), self.state_copies * two_batches)
 
     def step_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         """``(state, temporaries)`` of ``optimizer``'s step over all of its parameters: what a
