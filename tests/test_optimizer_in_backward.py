@@ -8,15 +8,16 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import zbuf
 import zbuf.compile
 from dist_utils import run_distributed
+from tied_net import TiedNet
 from zbuf.compile import schedule_report
 from zbuf.shard import shard
 
@@ -25,22 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # confte
 WARMUP = 2
 """Linear learning-rate warm-up from 0 ([Note: first Adam step] in test_compile_dist.py); it
 also checks that a scheduler's changes reach the steps made in backward."""
-
-
-class TiedNet(nn.Module):
-    """An embedding tied to the output head (its gradient has two contributions, merged into
-    one reduce-scatter: [Note: merging reduce-scatters]) around a few residual blocks."""
-
-    def __init__(self, vocab: int = 61, width: int = 32, blocks: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return h @ self.embed.weight.t()
 
 
 def _optimizer(kind: str, params):

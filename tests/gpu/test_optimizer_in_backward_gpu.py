@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from tied_net import TiedNet
 
 pytestmark = pytest.mark.cuda
 
@@ -83,22 +83,6 @@ def test_step_in_backward_on_cuda_matches_stepping_after_it():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-class _Net(nn.Module):
-    """Embedding, residual linears and a tied head: kernels that have deterministic versions
-    (the decoder's attention backward does not)."""
-
-    def __init__(self, vocab: int = 97, width: int = 64, blocks: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return h @ self.embed.weight.t()
-
-
 def _net_loss(model, tokens, targets):
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
@@ -115,7 +99,7 @@ def test_offloaded_state_trains_bit_for_bit_and_leaves_the_device(fused, monkeyp
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     torch.manual_seed(0)
-    base = _Net()
+    base = TiedNet(vocab=97, width=64, blocks=4)  # kernels with deterministic versions
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 97, (4, 32), generator=g).cuda(),
                 torch.randint(0, 97, (4, 32), generator=g).cuda()) for _ in range(STEPS)]
