@@ -87,8 +87,9 @@ class BackwardStep:
             by_group.setdefault(id(group), (group, []))[1].append(p)
         opt = self.optimizer
         stepped = [p for _group, ps in by_group.values() for p in ps]
+        key = tuple(param_ids)
         if self.offload is not None:
-            self.offload.bring(tuple(param_ids), stepped)
+            self.offload.bring(key, stepped)
         everything = opt.param_groups
         opt.param_groups = [dict(group, params=ps) for group, ps in by_group.values()]
         try:
@@ -98,4 +99,4 @@ class BackwardStep:
             for p in stepped:
                 p.grad = None
         if self.offload is not None:
-            self.offload.put_back(stepped)
+            self.offload.put_back(key, stepped)

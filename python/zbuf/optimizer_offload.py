@@ -17,13 +17,16 @@ memory instead; so does ``StateOffload``, for the state of an optimizer stepped 
   backward ran (the batches come in the same order every step; the first step learns it), or,
   for a batch not prefetched, copied then on the compute stream.
 
-Streams and events: ``copy_stream`` is produced on by ``put_back`` (device to host, after it
-waits for the compute stream's step) and by ``prefetch`` (host to device, ordered after the last
-put-back into the same host tensors by the stream itself); each prefetch records ``ready``, which
-the compute stream waits for in ``bring`` before the optimizer reads the tensors. Device tensors
-crossing streams are marked with ``record_stream`` so the caching allocator does not hand their
-blocks out before the other stream is done with them. Host tensors are read on the host only
-after ``settle`` (``state_dict`` calls it).
+Streams and events (two copy streams, since the host link carries both directions at once):
+``upload_stream`` is produced on by ``prefetch`` (host to device), which first waits for the
+batch's ``stored`` event; each prefetch records ``ready``, which the compute stream waits for in
+``bring`` before the optimizer reads the tensors. ``download_stream`` is produced on by
+``put_back`` (device to host, after it waits for the compute stream's step), which records the
+batch's ``stored`` event: what a later upload of the same host copies (or ``bring``'s own copy
+of a batch not prefetched) waits for. Device tensors crossing streams are marked with
+``record_stream`` so the caching allocator does not hand their blocks out before the other
+stream is done with them. Host tensors are read on the host only after ``settle``
+(``state_dict`` calls it).
 
 What it costs: two copies of the moments over the host link per step, overlapped with backward
 except for the first batch of a step and whatever backward is too short to hide; the device
@@ -70,10 +73,16 @@ class StateOffload:
         self.optimizer = optimizer
         self.device = device
         self.copies = device.type == "cuda"
-        self.copy_stream: Optional[torch.cuda.Stream] = (
+        self.upload_stream: Optional[torch.cuda.Stream] = (
             torch.cuda.Stream(device) if self.copies else None)
-        """Produced on by ``put_back`` and ``prefetch``; consumed by the compute stream through
-        the ``ready`` events ``bring`` waits for, and by the host after ``settle``."""
+        """Produced on by ``prefetch``; consumed by the compute stream through the ``ready``
+        events ``bring`` waits for."""
+        self.download_stream: Optional[torch.cuda.Stream] = (
+            torch.cuda.Stream(device) if self.copies else None)
+        """Produced on by ``put_back``; consumed by later uploads through ``stored`` events, and
+        by the host after ``settle``."""
+        self._stored: dict[BatchKey, torch.cuda.Event] = {}
+        """Each batch's last download into its host copies."""
         self._homes: dict[tuple[int, str], torch.Tensor] = {}
         """Pinned host copy of each offloaded state tensor, by (id of its parameter, key): views
         of the arenas."""
@@ -115,22 +124,31 @@ class StateOffload:
             for (p, k), t in tensors.items():
                 t.record_stream(compute)
                 state[p][k] = t
-        # Not prefetched: copied now, after the copy stream's last put-back into the host copies.
-        compute.wait_stream(self.copy_stream)
+        stored = self._stored.get(key)
+        if stored is not None:  # not prefetched: copied now, after the last download into them
+            compute.wait_event(stored)
         for p in params:
             for k, v in list(state.get(p, {}).items()):
                 if self._offloadable(p, v) and v.device != self.device:
                     state[p][k] = v.to(self.device, non_blocking=True)
 
-    def put_back(self, params: list[nn.Parameter], *, prefetch: bool = True) -> None:
-        """After the step of ``params``: their state to its host copies, the device's dropped;
-        then the next batch's state on its way."""
+    def put_back(self, key: BatchKey, params: list[nn.Parameter]) -> None:
+        """After the step of ``params`` (batch ``key``): their state to its host copies, the
+        device's dropped; then the next batch's state on its way."""
         if not self.copies:
             return
+        self._download(params)
+        stored = torch.cuda.Event()
+        stored.record(self.download_stream)
+        self._stored[key] = stored
+        following = self._next.get(key)
+        if following is not None and following not in self._prefetched:
+            self.prefetch(following)
+
+    def _download(self, params: list[nn.Parameter]) -> None:
         state = self.optimizer.state
-        compute = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
+        self.download_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.download_stream):
             for p in params:
                 for k, v in list(state.get(p, {}).items()):
                     if not self._offloadable(p, v) or v.device != self.device:
@@ -139,23 +157,23 @@ class StateOffload:
                     if home is None:
                         home = self._homes[(id(p), k)] = self._carve(v)
                     home.copy_(v, non_blocking=True)
-                    v.record_stream(self.copy_stream)
+                    v.record_stream(self.download_stream)
                     state[p][k] = home
-        following = self._next.get(self._last) if prefetch else None
-        if following is not None and following not in self._prefetched:
-            self.prefetch(following)
 
     def prefetch(self, key: BatchKey) -> None:
-        """Start copying the state of batch ``key`` to the device on the copy stream."""
+        """Start copying the state of batch ``key`` to the device on the upload stream."""
         state = self.optimizer.state
         tensors = {}
-        with torch.cuda.stream(self.copy_stream):
+        stored = self._stored.get(key)
+        if stored is not None:
+            self.upload_stream.wait_event(stored)
+        with torch.cuda.stream(self.upload_stream):
             for p in self._params_of[key]:
                 for k, v in list(state.get(p, {}).items()):
                     if self._offloadable(p, v) and v.device != self.device:
                         tensors[(p, k)] = v.to(self.device, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
+            ready.record(self.upload_stream)
         self._prefetched[key] = (ready, tensors)
 
     def _carve(self, like: torch.Tensor) -> torch.Tensor:
@@ -183,15 +201,17 @@ class StateOffload:
 
     def settle(self) -> None:
         """Wait for every copy: the host copies are complete and safe to read."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        if self.copies:
+            self.upload_stream.synchronize()
+            self.download_stream.synchronize()
 
     def _put_all_back(self) -> None:
         """After ``load_state_dict`` (which puts the state on the parameters' device)."""
         self._prefetched.clear()
-        for group in self.optimizer.param_groups:
-            self.put_back(list(group["params"]), prefetch=False)
-        self.settle()
+        if self.copies:
+            for group in self.optimizer.param_groups:
+                self._download(list(group["params"]))
+            self.settle()
 
     def prefetched_after(self, key: BatchKey) -> list[nn.Parameter]:
         """The parameters whose state ``put_back`` brings ahead after batch ``key``'s step: the
