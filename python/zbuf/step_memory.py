@@ -23,7 +23,8 @@ first and spends after:
    step_phases.py). Before its optimizer step the pool gives all its idle blocks back (nothing is
    known yet about what the optimizer needs; ``zbuf.memory.SharedMemory.yield_idle``).
 2. At the first forward of step 1, on every rank (the same program point of every rank), the
-   measurement becomes a budget:
+   measurement becomes a budget (with the optimizer in backward, step 1 is the measured step and
+   this happens at step 2: [Note: a state made inside the measured phase]):
    - ``growth``: what step 0 left resident that was not there when it started (the optimizer's
      state, kept gradients, ...); the forward and backward of step 0 ran without it, later ones
      will not, so it is added to their peaks;
