@@ -48,7 +48,7 @@ def _custom_op_copies() -> dict:
         "gather_buffer": ("token",),
         "all_gather_start": ("token", "gathered"),
         "all_gather_wait": ("token", "gathered"),
-        "all_gather_release": ("token", "t"),
+        "all_gather_release": ("token", "released"),
         "reduce_scatter_start": ("token",),
         "reduce_scatter_wait": ("token", "started"),
     }
@@ -62,11 +62,11 @@ def _sequences(ops: dict, token, shard, group: str, grad, pool_id: int) -> dict:
         b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None, pool_id)
         ops["all_gather_start"](token, [b], [shard], group)
         ops["all_gather_wait"](token, [b])
-        ops["all_gather_release"](token, b, pool_id, [b])
+        ops["all_gather_release"](token, [b], [pool_id], [b])
 
     def buffer_release():
         b = ops["gather_buffer"](token, shard, PARAM_ID, [NUMEL], group, None, pool_id)
-        ops["all_gather_release"](token, b, pool_id, [b])
+        ops["all_gather_release"](token, [b], [pool_id], [b])
 
     def reduce_scatter():
         started = ops["reduce_scatter_start"](token, grad, PARAM_ID, NUMEL, group, None)

@@ -324,7 +324,7 @@ def test_work_in_flight_lives_on_its_token():
     with pytest.raises(RuntimeError, match="no reduce-scatter started on this token"):
         zbuf.reduce_scatter_wait.default(b, started)
     zbuf.all_gather_wait.default(a, [buf])
-    zbuf.all_gather_release.default(a, buf, pool_id, [buf])
+    zbuf.all_gather_release.default(a, [buf], [pool_id], [buf])
     zbuf.reduce_scatter_wait.default(a, started)
     assert collectives.pending(a) == 0
 

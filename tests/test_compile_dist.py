@@ -393,7 +393,7 @@ def _collective_output_case(rank, world):
     during = refs()
     ops.all_gather_wait(token, [g])
     values = g.tolist()
-    ops.all_gather_release(token, g, runtime.DEFAULT_POOL, [])
+    ops.all_gather_release(token, [g], [runtime.DEFAULT_POOL], [])
 
     pg_type = type(dist.group.WORLD)
     coalesced = pg_type.allgather_into_tensor_coalesced
@@ -409,8 +409,7 @@ def _collective_output_case(rank, world):
         ops.all_gather_start(token, bufs, shards, group)
         ops.all_gather_wait(token, bufs)
         together = [b.tolist() for b in bufs]
-        for b in bufs:
-            ops.all_gather_release(token, b, runtime.DEFAULT_POOL, [])
+        ops.all_gather_release(token, bufs, [runtime.DEFAULT_POOL] * len(bufs), [])
     finally:
         pg_type.allgather_into_tensor_coalesced = coalesced
     return {"extra_refs": during - before, "values": values, "together": together}

@@ -16,9 +16,12 @@
 ``zbuf::all_gather_wait(Tensor(a!) token, Tensor(b!)[] gathered) -> ()``
     Waits for the start that filled ``gathered`` (found by the first buffer's storage, on the
     token: [Note: work in flight lives on the token]).
-``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!) t, int pool_id, Tensor[] after) -> ()``
-    ``zbuf::release`` with the token: returns the buffer to its pool right after its last use.
-    ``after``: the outputs of every node that reads ``t`` ([Note: release after the readers]).
+``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!)[] released, int[] pool_ids,
+                           Tensor[] after) -> ()``
+    ``zbuf::release`` with the token, of each buffer in turn: returns ``released[i]`` to pool
+    ``pool_ids[i]`` right after its last use. ``after``: the outputs of every node that reads any
+    of them ([Note: release after the readers]). One op for all the buffers released at one
+    slot ([Note: one release per slot] in rewrite.py).
 ``zbuf::hold_released(Tensor(a!) token, Tensor(b!)[] released) -> ()``
     Does nothing; the graph's last zbuf op takes every buffer the graph released ([Note: the
     pool's memory is not Inductor's]).
@@ -261,15 +264,17 @@ def _all_gather_wait_fake(token, gathered):
     return None
 
 
-@_op("all_gather_release(Tensor(a0!) token, Tensor(a1!) t, SymInt pool_id, Tensor[] after) -> ()")
-def all_gather_release(token: torch.Tensor, t: torch.Tensor, pool_id: int,
-                       after: Sequence[torch.Tensor]) -> None:
+@_op("all_gather_release(Tensor(a0!) token, Tensor(a1!)[] released, SymInt[] pool_ids, "
+     "Tensor[] after) -> ()")
+def all_gather_release(token: torch.Tensor, released: Sequence[torch.Tensor],
+                       pool_ids: Sequence[int], after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
-    runtime.release_buffer(t, pool_id)
+    for t, pool_id in zip(released, pool_ids, strict=True):
+        runtime.release_buffer(t, pool_id)
 
 
 @all_gather_release.register_fake
-def _all_gather_release_fake(token, t, pool_id, after):
+def _all_gather_release_fake(token, released, pool_ids, after):
     return None
 
 

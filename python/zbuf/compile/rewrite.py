@@ -181,7 +181,8 @@ def hold_released_buffers(graph: torch.fx.Graph, token: torch.fx.Node | None) ->
     """End the graph with ``zbuf::hold_released`` over every buffer it releases, so that
     Inductor never reuses a block the pool took back ([Note: the pool's memory is not
     Inductor's] in collectives.py)."""
-    released = [n.args[1] for n in graph.nodes if n.target is zbuf.all_gather_release.default]
+    released = [t for n in graph.nodes if n.target is zbuf.all_gather_release.default
+                for t in n.args[1]]
     if not released:
         return
     with graph.inserting_before(graph.output_node()):
@@ -234,7 +235,17 @@ def _readers(buf: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule) -> torch.fx.Node:
-    """Split every planned gather into start / wait / release at the planned slots."""
+    """Split every planned gather into start / wait / release at the planned slots.
+
+    [Note: one release per slot]
+    The buffers released at one slot are released by one ``zbuf::all_gather_release``, in plan
+    order, after the readers of all of them. The order of the pool's releases and every
+    buffer's last reader are as with one op per buffer; what changes is the number of ops
+    Inductor lowers, each its own fallback kernel (issue 21: on CPU the release was the
+    costliest zbuf op to lower, 4.4 ms, two per parameter per step). With blocks compiled once
+    every weight of a block is released at the slot after its call, so the releases stop
+    growing with the parameters: 11 per block of tiny's shape up to d7ea1b9, 1 now
+    (benches/results/compile_growth_cpu.md)."""
     nodes, gathers = index.nodes, index.gathers
     by_slot: dict[int, list] = {}
     for f in sched.fetches:
@@ -253,20 +264,28 @@ def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule) -> torch.
     for slot in sorted(by_slot):
         events = sorted(by_slot[slot], key=lambda e: rank[e[0]])  # stable: keeps fetch order
         anchor = nodes[slot]
-        for kind, payload in events:
+        releases = [payload for kind, payload in events if kind == "release"]
+        if releases:
+            released, pool_ids, after = [], [], {}
+            for f, m in releases:
+                buf = buffers[(fetch_index[id(f)], f.members.index(m))]
+                readers = _readers(buf)
+                if any(position[r] >= slot for r in readers):
+                    raise AssertionError(
+                        f"zbuf plan releases {buf} at node {slot} before its reader(s) "
+                        f"{[r for r in readers if position[r] >= slot]}; this is a zbuf bug")
+                released.append(buf)
+                pool_ids.append(gather_args(gathers[m.gather]).pool_id)
+                after.update(dict.fromkeys(readers))
             with graph.inserting_before(anchor):
-                if kind == "release":
-                    f, m = payload
-                    buf = buffers[(fetch_index[id(f)], f.members.index(m))]
-                    after = _readers(buf)
-                    if any(position[r] >= slot for r in after):
-                        raise AssertionError(
-                            f"zbuf plan releases {buf} at node {slot} before its reader(s) "
-                            f"{[r for r in after if position[r] >= slot]}; this is a zbuf bug")
-                    pool_id = gather_args(gathers[m.gather]).pool_id
-                    n = graph.call_function(zbuf.all_gather_release.default, (token, buf, pool_id, after))
-                    n.meta["val"] = None
-                elif kind == "start":
+                n = graph.call_function(zbuf.all_gather_release.default,
+                                        (token, released, pool_ids, list(after)))
+            n.meta["val"] = None
+        for kind, payload in events:
+            if kind == "release":
+                continue
+            with graph.inserting_before(anchor):
+                if kind == "start":
                     f = payload
                     gs = [gathers[m.gather] for m in f.members]
                     fi = fetch_index[id(f)]
