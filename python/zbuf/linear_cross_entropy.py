@@ -50,6 +50,12 @@ def _slice_logits(hidden: Tensor, weight: Tensor, start: int, stop: int) -> Tens
     return torch.mm(hidden, weight[start:stop].t()).float()
 
 
+def _in_slice(safe: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Which targets fall in the slice [start, stop), and each one's column there (clamped, so
+    that every row has one to index)."""
+    return (safe >= start) & (safe < stop), (safe - start).clamp(0, stop - start - 1)
+
+
 @torch.library.custom_op("zbuf_fused::linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
              columns: int) -> tuple[Tensor, Tensor]:
@@ -62,8 +68,7 @@ def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
         stop = min(start + columns, weight.shape[0])
         logits = _slice_logits(hidden, weight, start, stop)
         lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
-        inside = (safe >= start) & (safe < stop)
-        at = (safe - start).clamp(0, stop - start - 1)
+        inside, at = _in_slice(safe, start, stop)
         picked += torch.where(inside, logits.gather(1, at[:, None]).squeeze(1), 0.0)
         del logits
     total = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
@@ -89,9 +94,8 @@ def _backward(grad_total: Tensor, hidden: Tensor, weight: Tensor, targets: Tenso
         stop = min(start + columns, weight.shape[0])
         p = _slice_logits(hidden, weight, start, stop)
         p.sub_(lse[:, None]).exp_()
-        inside = valid & (safe >= start) & (safe < stop)
-        at = (safe - start).clamp(0, stop - start - 1)
-        p.scatter_add_(1, at[:, None], -inside.to(p.dtype)[:, None])
+        inside, at = _in_slice(safe, start, stop)
+        p.scatter_add_(1, at[:, None], -(valid & inside).to(p.dtype)[:, None])
         p.mul_(scale[:, None])
         p = p.to(weight.dtype)
         torch.mm(p.t(), hidden, out=grad_weight[start:stop])
@@ -144,18 +148,27 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     return total / (flat_targets != ignore_index).sum()
 
 
+def _operands(node):
+    """(backward?, hidden, weight) fake values of the operator at FX ``node``, or None for any
+    other node."""
+    forward = torch.ops.zbuf_fused.linear_cross_entropy.default
+    backward = torch.ops.zbuf_fused.linear_cross_entropy_backward.default
+    if node.target not in (forward, backward):
+        return None
+    first = 1 if node.target is backward else 0
+    hidden, weight = (node.args[first + i].meta.get("val") for i in (0, 1))
+    if hidden is None or weight is None:
+        return None
+    return node.target is backward, hidden, weight
+
+
 def matmul_flops(node) -> float:
     """Matmul FLOPs of the operator at FX ``node`` (0 for any other node): the logits' product
     forward; backward that again, plus ``grad_W``'s and ``grad_h``'s."""
-    fused = (torch.ops.zbuf_fused.linear_cross_entropy.default,
-             torch.ops.zbuf_fused.linear_cross_entropy_backward.default)
-    if node.target not in fused:
+    found = _operands(node)
+    if found is None:
         return 0.0
-    backward = node.target is fused[1]
-    hidden = node.args[1 if backward else 0].meta.get("val")
-    weight = node.args[2 if backward else 1].meta.get("val")
-    if hidden is None or weight is None:
-        return 0.0
+    backward, hidden, weight = found
     product = 2.0 * int(hidden.shape[0]) * int(hidden.shape[1]) * int(weight.shape[0])
     return 3 * product if backward else product
 
@@ -164,17 +177,14 @@ def workspace_bytes(node) -> int:
     """Bytes the operator at FX ``node`` allocates inside and frees before it returns (0 for any
     other node): a vocabulary slice's fp32 logits and its low-precision copy and product, and, in
     backward, the fp32 ``grad_h`` accumulator and one slice's bf16 product of it."""
-    if node.target not in (torch.ops.zbuf_fused.linear_cross_entropy.default,
-                           torch.ops.zbuf_fused.linear_cross_entropy_backward.default):
+    found = _operands(node)
+    if found is None or not isinstance(node.args[-1], int):
         return 0
-    backward = node.target is torch.ops.zbuf_fused.linear_cross_entropy_backward.default
-    hidden = node.args[1 if backward else 0].meta.get("val")
+    backward, hidden, _weight = found
     columns = node.args[-1]
-    if hidden is None or not isinstance(columns, int):
-        return 0
-    tokens, width = hidden.shape[0], hidden.shape[1]
+    tokens, width = int(hidden.shape[0]), int(hidden.shape[1])
     low = hidden.element_size()
-    per_slice = int(tokens) * columns * (4 + 2 * low)
+    per_slice = tokens * columns * (4 + 2 * low)
     if not backward:
-        return per_slice + 3 * int(tokens) * 4
-    return per_slice + int(tokens) * int(width) * (4 + low)
+        return per_slice + 3 * tokens * 4
+    return per_slice + tokens * width * (4 + low)

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .optimizer_policy import STATE_COPIES
+from .optimizer_policy import OptimizerPolicy
 
 __all__ = ["StateOffload"]
 
@@ -191,11 +191,11 @@ class StateOffload:
         return self._arena[start:start + nbytes].view(like.dtype).view(like.shape)
 
     def _arena_bytes(self) -> int:
-        """Enough for every parameter's state (its class's copies, [Note: optimizer state
-        bytes]) at once: one registration."""
-        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}.values()
-        copies = STATE_COPIES.get(type(self.optimizer).__name__, 2)
-        return copies * sum(p.numel() * p.element_size() + ARENA_ALIGN for p in params)
+        """Enough for every parameter's state at once ([Note: optimizer state bytes]), each copy
+        aligned: one registration."""
+        policy = OptimizerPolicy.of(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return policy.state_bytes(params) + policy.state_copies * len(params) * ARENA_ALIGN
 
     # -- the host's view -----------------------------------------------------------------------
 

@@ -120,17 +120,12 @@ def init_module(sub: nn.Module, root: nn.Module) -> None:
         sub.reset_parameters()
 
 
-def _loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # fp32 loss without fp32 logits ([Note: lean cross-entropy] in models.py), every engine alike.
-    return models.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-
-
 def _model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The step's loss, every engine alike: the built-in decoder's own, which never holds the
     logits ([Note: the logits are never whole] in zbuf/linear_cross_entropy.py); a Hugging Face
     model's from its logits."""
-    if isinstance(model, HFDecoder):
-        return _loss_from_logits(model(tokens), targets)
+    if isinstance(model, HFDecoder):  # fp32 loss without fp32 logits ([Note: lean cross-entropy])
+        return models.cross_entropy(model(tokens), targets, ignore_index=IGNORE_INDEX)
     return model(tokens, targets, IGNORE_INDEX)
 
 
