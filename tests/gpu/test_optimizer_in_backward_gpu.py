@@ -125,3 +125,58 @@ def test_offloaded_state_trains_bit_for_bit_and_leaves_the_device(fused, monkeyp
             assert torch.equal(offloaded["state"][k][name], v), (k, name)
     moments = sum(nbytes for _, _, nbytes in on_device["moments"])
     assert offloaded["allocated"] <= on_device["allocated"] - 0.9 * moments
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_state_keeps_two_batches_on_the_device_while_downloads_lag():
+    """[Note: the state's device blocks stay with the compute stream]: steps issued far faster
+    than the host link moves their state (16 MiB shards, AdamW, one shard a batch) reserve two
+    batches' state, not the queue of downloads, and give AdamW's floats on the device exactly."""
+    from zbuf.optimizer_offload import StateOffload
+
+    torch.manual_seed(0)
+    n, numel = 32, 4 << 20
+    shard_bytes = numel * 4
+    device = torch.device("cuda", torch.cuda.current_device())
+    moved = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(n)]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in moved]
+    opt_moved = torch.optim.AdamW(moved, lr=1e-2)
+    opt_plain = torch.optim.AdamW(plain, lr=1e-2)
+    offload = StateOffload(opt_moved, device)
+    grads = [torch.randn(numel, generator=torch.Generator().manual_seed(i)).to(device)
+             for i in range(4)]
+
+    def step_batches(opt, params, offload=None):
+        everything = opt.param_groups
+        for i, p in enumerate(params):
+            p.grad = grads[i % len(grads)] * (1 + i)
+            if offload is not None:
+                offload.bring((i,), [p])
+            opt.param_groups = [dict(everything[0], params=[p])]
+            try:
+                opt.step()
+            finally:
+                opt.param_groups = everything
+                p.grad = None
+            if offload is not None:
+                offload.put_back((i,), [p])
+
+    for step in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_reserved()
+        step_batches(opt_moved, moved, offload)
+        torch.cuda.synchronize()
+        grown = torch.cuda.max_memory_reserved() - before
+        # The whole state is 2 x 32 shards (1 GiB); a step holds its batch's state and gradient
+        # and foreach temporaries, the batch downloading and the one uploading.
+        assert grown <= 16 * shard_bytes, (step, grown / 2**20)
+        step_batches(opt_plain, plain)
+    offload.settle()
+    for p, q in zip(moved, plain):
+        assert torch.equal(p, q)
+    for p, q in zip(moved, plain):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt_moved.state[p][k].device.type == "cpu"
+            assert torch.equal(opt_moved.state[p][k], opt_plain.state[q][k].cpu())

@@ -27,11 +27,19 @@ up to the first step's wall time exactly:
 A phase is only as exact as torch's span boundaries; a key that is missing (an older or newer
 torch, a path that does not time itself) shows up as time in ``aot`` or ``first_run``, never as
 lost time. FX-graph and AOTAutograd cache hits come from ``torch._dynamo.utils.counters``.
+
+[Note: why a cache was bypassed]
+A bypassed cache (``fxgraph_bypass``, ``aot_bypass``) rules out a warm start, and the counter
+does not say why: torch logs the reason at INFO level only ("Bypassing FX Graph Cache because
+...", "Bypassing autograd cache due to: ..."), below the default level. The clock lowers those
+two loggers to INFO for the step, keeps the bypass lines, and passes on only what the logger's
+own level would have passed, so nothing new is printed; the reasons go into the record.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -75,6 +83,36 @@ _CACHE_COUNTERS = {
     "graphs": ("stats", "unique_graphs"),
 }
 
+_BYPASS_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+"""The modules whose INFO lines say why a cache was bypassed ([Note: why a cache was
+bypassed])."""
+
+
+class _BypassReasons(logging.Filter):
+    """Keeps the bypass lines of one logger while it runs at INFO; lets through only records at
+    or above the level the logger had before."""
+
+    def __init__(self, logger: logging.Logger, reasons: list[str]) -> None:
+        super().__init__()
+        self.logger, self.reasons = logger, reasons
+        self.level = logger.level
+        self.passes = logger.getEffectiveLevel()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and str(record.msg).startswith("Bypassing"):
+            reason = record.getMessage().splitlines()[0][:300]
+            if reason not in self.reasons:
+                self.reasons.append(reason)
+        return record.levelno >= self.passes
+
+    def __enter__(self) -> None:
+        self.logger.addFilter(self)
+        self.logger.setLevel(min(self.passes, logging.INFO))
+
+    def __exit__(self, *exc) -> None:
+        self.logger.setLevel(self.level)
+        self.logger.removeFilter(self)
+
 
 @dataclass
 class CompilePhases:
@@ -94,6 +132,9 @@ class CompilePhases:
     cpu_s: float = 0.0
     """CPU seconds the step used: every thread of the process plus the finished child processes
     (compilers). On a shared machine a steadier measure of the work than wall time."""
+    cache_bypass_reasons: list[str] = field(default_factory=list)
+    """Why torch bypassed a cache during the step, one line per distinct reason ([Note: why a
+    cache was bypassed])."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,12 +190,19 @@ class PhaseClock:
         self._before = {k: len(v) for k, v in compilation_time_metrics.items()}
         self._counts0 = self._read_counters()
         self._cpu0 = self._cpu()
+        self._reasons: list[str] = []
+        self._bypass_filters = [_BypassReasons(logging.getLogger(name), self._reasons)
+                                for name in _BYPASS_LOGGERS]
+        for f in self._bypass_filters:
+            f.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._after = {k: list(v) for k, v in self._metrics.items()}
         self._counts1 = self._read_counters()
         self._cpu1 = self._cpu()
+        for f in reversed(self._bypass_filters):
+            f.__exit__()
 
     @staticmethod
     def _cpu() -> float:
@@ -171,4 +219,5 @@ class PhaseClock:
         phases, passes, work = phases_from(self._before, self._after, first_step_s,
                                            get_compile_threads())
         caches = {k: self._counts1[k] - self._counts0[k] for k in self._counts1}
-        return CompilePhases(first_step_s, phases, passes, work, caches, self._cpu1 - self._cpu0)
+        return CompilePhases(first_step_s, phases, passes, work, caches, self._cpu1 - self._cpu0,
+                             list(self._reasons))

@@ -382,6 +382,10 @@ def phases_markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(
             f"{p.get('caches', {}).get(key + '_hit', 0)}/{p.get('caches', {}).get(key + '_miss', 0)}"
             for p in ph) + " |")
+    if any(p.get("cache_bypass_reasons") for p in ph):
+        lines.append("| cache bypassed because | " + " | ".join(
+            "; ".join(p.get("cache_bypass_reasons", [])).replace("|", "/") or "-" for p in ph)
+            + " |")
     return "\n".join(lines) + "\n"
 
 

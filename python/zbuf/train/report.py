@@ -216,6 +216,9 @@ def phases_table(record: dict[str, Any]) -> Optional[Table]:
     for key, label in (("fxgraph", "FX-graph cache hit/miss"), ("aot", "AOT cache hit/miss")):
         table.add_row(label, *[f"{p.get('caches', {}).get(key + '_hit', 0)} / "
                                f"{p.get('caches', {}).get(key + '_miss', 0)}" for _, p in phased])
+    if any(p.get("cache_bypass_reasons") for _, p in phased):
+        table.add_row("cache bypassed because",
+                      *["\n".join(p.get("cache_bypass_reasons", [])) or "-" for _, p in phased])
     return table
 
 
