@@ -246,6 +246,13 @@ class StateOffload:
             self.settle()
         self._prefetched.clear()
 
+    def held_bytes(self) -> int:
+        """Bytes of device state held by the offload itself now: batches prefetched and not yet
+        stepped, downloads not yet let go (at most two batches')."""
+        tensors = [t for _ready, ts in self._prefetched.values() for t in ts.values()]
+        tensors += [t for _stored, ts in self._leaving for t in ts]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def prefetched_after(self, key: BatchKey) -> list[nn.Parameter]:
         """The parameters whose state ``put_back`` brings ahead after batch ``key``'s step: the
         batch that followed it last time."""

@@ -49,14 +49,26 @@ def _run(base, in_backward: bool, batches, *, offload: bool = False, fused: bool
         sched.step()
     zbuf.compile.step_memory_of(cm).detach()
     if keep is not None:
-        torch.cuda.synchronize()
-        keep["allocated"] = torch.cuda.memory_allocated()
         # Copies and facts only: the next run's memory must not hold this one's tensors.
         keep["state"] = {k: {n: v.cpu().clone() for n, v in st.items()}
                          for k, st in opt.state_dict()["state"].items()}
         keep["moments"] = [(v.device.type, v.is_pinned(), v.numel() * v.element_size())
                            for st in opt.state.values() for k, v in st.items()
                            if k.startswith("exp_avg")]
+        # The optimizer's device footprint: what letting go of its state (and of what the
+        # offload holds for it) frees.
+        backward_step = cm.__dict__.get("_zbuf_backward_step")
+        offload = backward_step.offload if backward_step is not None else None
+        keep["held"] = offload.held_bytes() if offload is not None else 0
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        opt.state.clear()
+        if offload is not None:
+            offload.detach()
+            backward_step.offload = offload = None
+        gc.collect()
+        torch.cuda.synchronize()
+        keep["freed"] = before - torch.cuda.memory_allocated()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -92,7 +104,8 @@ def _net_loss(model, tokens, targets):
 def test_offloaded_state_trains_bit_for_bit_and_leaves_the_device(fused, monkeypatch):
     """[Note: optimizer state off the device]: the moments live in pinned host memory between
     steps, arrive one batch ahead (several batches: a small BATCH_BYTES), and the updates are the
-    same floats as with the state on the device; the device holds no moment after the step."""
+    same floats as with the state on the device; after the step the device holds only what the
+    offload prefetched for the next one."""
     import zbuf.compile.passes as passes
 
     monkeypatch.setattr(passes, "BATCH_BYTES", 16 << 10)
@@ -123,8 +136,15 @@ def test_offloaded_state_trains_bit_for_bit_and_leaves_the_device(fused, monkeyp
     for k, st in on_device["state"].items():
         for name, v in st.items():
             assert torch.equal(offloaded["state"][k][name], v), (k, name)
+    # What stays on the device is what the offload holds for the next step (the first batch,
+    # prefetched), at most two batches' worth ([Note: the state's device blocks stay with the
+    # compute stream]); state_dict let the downloads go.
     moments = sum(nbytes for _, _, nbytes in on_device["moments"])
-    assert offloaded["allocated"] <= on_device["allocated"] - 0.9 * moments
+    assert on_device["freed"] >= moments
+    assert offloaded["held"] < 0.5 * moments
+    # (slack: the allocator rounds each block to 512 bytes; fused AdamW keeps its step counts on
+    # the device)
+    assert offloaded["freed"] <= offloaded["held"] + 32 * 512
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
