@@ -5,6 +5,7 @@ Multi-rank behaviour (parity at 2 and 3 ranks, mismatch detection) is in test_co
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import re
@@ -872,3 +873,42 @@ def test_the_pass_uuid_covers_every_module_the_passes_import(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     assert imported_modules("keypkg.a", "keypkg") == [
         "keypkg.a", "keypkg.b", "keypkg.d", "keypkg.e", "keypkg.sub.c", "keypkg.sub.f"]
+
+
+class _DropoutBlock(Block):
+    def forward(self, x):
+        return x + self.down(F.dropout(F.gelu(self.up(x)), p=0.25, training=True))
+
+
+def test_recomputed_seeded_ops_replay_their_rng_in_a_cacheable_way(monkeypatch):
+    # [Note: cacheable recompute of seeded ops] in compile/backend.py: the partitioner threads
+    # the RNG state of a recomputed random op with the cacheable higher-order ops (on CUDA the
+    # default is graphsafe_run_with_rng_state, which Inductor's FX-graph cache refuses), and the
+    # replay still gives the recompute the forward's random numbers.
+    import torch._functorch.partitioners as partitioners
+
+    seen = []
+    functionalize = partitioners.functionalize_rng_ops
+
+    def spy(*args, **kwargs):
+        seen.append(torch._functorch.config.graphsafe_rng_functionalization)
+        return functionalize(*args, **kwargs)
+
+    monkeypatch.setattr(partitioners, "functionalize_rng_ops", spy)
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    net = Net(n_blocks=2)
+    net.blocks[1] = _DropoutBlock()
+    eager, model = shard(copy.deepcopy(net)), shard(copy.deepcopy(net))
+    cm = torch.compile(model, backend="zbuf", options=dict(inner="aot_eager"), fullgraph=True)
+    tokens, targets = _batches(1)[0]
+    grads = []
+    for m, fn in ((eager, eager), (model, cm)):
+        torch.manual_seed(1)
+        F.cross_entropy(fn(tokens).flatten(0, 1), targets.flatten()).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert seen == [False]
+    assert torch._functorch.config.graphsafe_rng_functionalization  # restored after the compile
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

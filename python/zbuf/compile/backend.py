@@ -12,6 +12,18 @@ schedule pass as forward/backward compilers. ``reorder_for_peak_memory`` is off 
 hoisted gather starts back to their waits, undoing prefetch. Before either, Dynamo's graph is
 only re-tagged: a user's checkpoint around a block compiled once moves into its body ([Note: region
 bodies] step 0 in region_graphs.py), with the tags Dynamo itself gives a checkpoint's nodes.
+
+[Note: cacheable recompute of seeded ops]
+When activation checkpointing recomputes an op tagged ``nondeterministic_seeded`` (on CUDA,
+every flash or cuDNN attention, whatever its dropout), AOTAutograd's partitioner threads the
+RNG state from forward to backward. On CUDA it does so by default with the
+``graphsafe_run_with_rng_state`` higher-order op, made for CUDA-graph capture, which Inductor's
+FX-graph cache refuses: on the H200 every zbuf first step with ``--ac`` bypassed the cache
+("Can't cache HigherOrderOperator: graphsafe_run_with_rng_state"), so no relaunch could start
+warm. zbuf's graphs are never captured as CUDA graphs (their collectives and pool calls run on
+the host), so the backend partitions with ``graphsafe_rng_functionalization`` off: the same
+replay of the RNG state through ``run_and_save_rng_state`` / ``run_with_rng_state``, which the
+cache accepts.
 """
 
 from __future__ import annotations
@@ -50,7 +62,9 @@ def zbuf_backend(
     if opts.inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        with state.schemas.active():  # [Note: one schema per region] in region_schema.py
+        # [Note: one schema per region] in region_schema.py; [Note: cacheable recompute of
+        # seeded ops]
+        with state.schemas.active(), _cacheable_rng_replay():
             return compile_fx(
                 gm,
                 example_inputs,
@@ -69,9 +83,14 @@ def zbuf_backend(
         fx.recompile()
         return make_boxed_func(fx.forward)
 
-    with state.schemas.active():
+    with state.schemas.active(), _cacheable_rng_replay():
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
                             partition_fn=partitioner)(gm, example_inputs)
+
+
+def _cacheable_rng_replay():
+    """[Note: cacheable recompute of seeded ops]"""
+    return torch._functorch.config.patch(graphsafe_rng_functionalization=False)
 
 
 def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:
