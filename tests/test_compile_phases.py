@@ -11,10 +11,13 @@ import torch
 from zbuf.train.compile_phases import PhaseClock
 
 
-def _compile_and_run() -> None:
+def _first_step(**inductor_config):
     torch._dynamo.reset()
     f = torch.compile(lambda x: torch.tanh(x) * 2 + 1, backend="inductor")
-    f(torch.randn(8))
+    with torch._inductor.config.patch(**inductor_config):
+        with PhaseClock() as clock:
+            f(torch.randn(8))
+    return clock.result(1.0)
 
 
 def _uncacheable_pass(graph: torch.fx.Graph) -> None:
@@ -24,30 +27,20 @@ def _uncacheable_pass(graph: torch.fx.Graph) -> None:
 def test_the_reasons_of_both_bypasses_are_recorded_and_nothing_is_printed(tmp_path, monkeypatch,
                                                                           capfd):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    with PhaseClock() as clock:
-        _compile_and_run()
-    got = clock.result(1.0)
+    got = _first_step()
     assert got.caches["fxgraph_miss"] >= 1 and got.cache_bypass_reasons == []
 
     loggers = [logging.getLogger(n) for n in ("torch._inductor.codecache",
                                               "torch._functorch._aot_autograd.autograd_cache")]
     levels = [lg.level for lg in loggers]
-    with torch._inductor.config.patch(post_grad_custom_post_pass=_uncacheable_pass):
-        with PhaseClock() as clock:
-            _compile_and_run()
-    got = clock.result(1.0)
-    assert got.caches["fxgraph_bypass"] >= 1
-    assert any("Unsupported post grad custom pass" in r for r in got.cache_bypass_reasons), \
-        got.cache_bypass_reasons
-    assert got.to_json()["cache_bypass_reasons"] == got.cache_bypass_reasons
-
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        with PhaseClock() as clock:
-            _compile_and_run()
-    got = clock.result(1.0)
-    assert got.caches["aot_bypass"] >= 1
-    assert any("FX graph cache is not enabled" in r for r in got.cache_bypass_reasons), \
-        got.cache_bypass_reasons
+    for config, counter, reason in (
+            (dict(post_grad_custom_post_pass=_uncacheable_pass), "fxgraph_bypass",
+             "Unsupported post grad custom pass"),
+            (dict(fx_graph_cache=False), "aot_bypass", "FX graph cache is not enabled")):
+        got = _first_step(**config)
+        assert got.caches[counter] >= 1
+        assert any(reason in r for r in got.cache_bypass_reasons), got.cache_bypass_reasons
+        assert got.to_json()["cache_bypass_reasons"] == got.cache_bypass_reasons
 
     assert "Bypassing" not in capfd.readouterr().err  # INFO lines kept, not shown
     assert [lg.level for lg in loggers] == levels  # the loggers as they were
