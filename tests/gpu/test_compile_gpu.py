@@ -160,3 +160,34 @@ def test_zbuf_inductor_on_cuda():
         assert all(r[key]["losses"] == results[0][key]["losses"] for r in results)
         assert all(r[key]["records"] == results[0][key]["records"] for r in results)
     print(results[0])
+
+
+def _checkpointed_first_step(rank, world):
+    from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
+    from zbuf.shard import shard
+    from zbuf.train.compile_phases import PhaseClock
+
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=128)
+    model = apply_activation_checkpointing(build_model(cfg).to(dev))
+    model = shard(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cm = torch.compile(model, backend="zbuf", fullgraph=True, options={"persist": False})
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = (torch.randint(0, 128, (2, 64), generator=g).to(dev) for _ in range(2))
+    with PhaseClock() as clock:
+        loss(cm, tokens, targets).backward()
+        torch.cuda.synchronize()
+    got = clock.result(0.0)
+    return {"caches": got.caches, "reasons": got.cache_bypass_reasons}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpointed_attention_on_cuda_is_cacheable(tmp_path):
+    """[Note: cacheable recompute of seeded ops]: bf16 attention recomputed under activation
+    checkpointing on CUDA (a seeded op) leaves the step's graphs cacheable, so a relaunch can
+    start warm."""
+    got = run_distributed(_checkpointed_first_step, 1, backend="nccl", timeout=600,
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})[0]
+    assert got["caches"]["fxgraph_bypass"] == 0 and got["reasons"] == [], got
+    assert got["caches"]["fxgraph_miss"] >= 2, got
