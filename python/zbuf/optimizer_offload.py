@@ -40,8 +40,9 @@ behind a queue of downloads. So the device holds the state of at most two batche
 steps, its own; after its step, its download and the next batch's upload.
 
 What it costs: two copies of the moments over the host link per step, overlapped with backward
-except for the first batch of a step and whatever backward is too short to hide; the device
-holds the state of at most two batches (the one stepping and the next). On a CPU device the
+except for the first batch of a step and whatever backward is too short to hide (qwen3-1.7b, one
+H200, AdamW: 748 ms a step against 545 ms with the state on the device); the device holds the
+state of at most two batches (the Note below). On a CPU device the
 state is already in host memory: the state stays where it is and nothing is copied.
 """
 
