@@ -35,14 +35,15 @@ the next ``bring``, after the compute stream waits for their ``stored`` event: t
 straight back to the compute stream and the next step's temporaries reuse them. With
 ``record_stream`` instead, the caching allocator frees a block only once it sees the other
 stream's work done, and the host runs ahead of the device: on the H200 at qwen3-1.7b the device
-reserved 27.5 GiB for 12.7 GiB allocated, and step 0 ran out of memory at ``--mem-frac`` 0.15
+reserved 27.5 GiB for 11.8 GiB allocated, and step 0 ran out of memory at ``--mem-frac`` 0.15
 behind a queue of downloads. So the device holds the state of at most two batches: while a batch
 steps, its own; after its step, its download and the next batch's upload.
 
 What it costs: two copies of the moments over the host link per step, overlapped with backward
 except for the first batch of a step and whatever backward is too short to hide (qwen3-1.7b, one
 H200, AdamW: 748 ms a step against 545 ms with the state on the device); the device holds the
-state of at most two batches (the Note below). On a CPU device the
+state of at most two batches ([Note: the state's device blocks stay with the compute stream]).
+On a CPU device the
 state is already in host memory: the state stays where it is and nothing is copied.
 """
 
@@ -142,10 +143,15 @@ class StateOffload:
         stored = self._stored.get(key)
         if stored is not None:  # not prefetched: copied now, after the last download into them
             compute.wait_event(stored)
-        for p in params:
-            for k, v in list(state.get(p, {}).items()):
-                if self._offloadable(p, v) and v.device != self.device:
-                    state[p][k] = v.to(self.device, non_blocking=True)
+        for p, k, v in self._on_host(params):
+            state[p][k] = v.to(self.device, non_blocking=True)
+
+    def _on_host(self, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, str, torch.Tensor]]:
+        """``(parameter, key, host copy)`` of each offloaded state tensor of ``params`` that is
+        in host memory now."""
+        state = self.optimizer.state
+        return [(p, k, v) for p in params for k, v in list(state.get(p, {}).items())
+                if self._offloadable(p, v) and v.device != self.device]
 
     def _let_go(self, compute: torch.cuda.Stream) -> None:
         """Drop the device copies of the batches downloaded so far, once ``compute`` has waited
@@ -188,10 +194,8 @@ class StateOffload:
 
     def prefetch(self, key: BatchKey) -> None:
         """Start copying the state of batch ``key`` to the device on the upload stream."""
-        state = self.optimizer.state
         compute = torch.cuda.current_stream(self.device)
-        sources = [(p, k, v) for p in self._params_of[key] for k, v in list(state.get(p, {}).items())
-                   if self._offloadable(p, v) and v.device != self.device]
+        sources = self._on_host(self._params_of[key])
         # Allocated on the compute stream ([Note: the state's device blocks stay with the
         # compute stream]); the upload writes them once the compute stream is past this point.
         tensors = {(p, k): torch.empty_like(v, device=self.device) for p, k, v in sources}

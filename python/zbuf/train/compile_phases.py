@@ -38,6 +38,7 @@ own level would have passed, so nothing new is printed; the reasons go into the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import resource
@@ -105,13 +106,15 @@ class _BypassReasons(logging.Filter):
                 self.reasons.append(reason)
         return record.levelno >= self.passes
 
-    def __enter__(self) -> None:
+    @contextlib.contextmanager
+    def active(self):
         self.logger.addFilter(self)
         self.logger.setLevel(min(self.passes, logging.INFO))
-
-    def __exit__(self, *exc) -> None:
-        self.logger.setLevel(self.level)
-        self.logger.removeFilter(self)
+        try:
+            yield
+        finally:
+            self.logger.setLevel(self.level)
+            self.logger.removeFilter(self)
 
 
 @dataclass
@@ -191,18 +194,17 @@ class PhaseClock:
         self._counts0 = self._read_counters()
         self._cpu0 = self._cpu()
         self._reasons: list[str] = []
-        self._bypass_filters = [_BypassReasons(logging.getLogger(name), self._reasons)
-                                for name in _BYPASS_LOGGERS]
-        for f in self._bypass_filters:
-            f.__enter__()
+        self._logging = contextlib.ExitStack()
+        for name in _BYPASS_LOGGERS:
+            self._logging.enter_context(
+                _BypassReasons(logging.getLogger(name), self._reasons).active())
         return self
 
     def __exit__(self, *exc) -> None:
         self._after = {k: list(v) for k, v in self._metrics.items()}
         self._counts1 = self._read_counters()
         self._cpu1 = self._cpu()
-        for f in reversed(self._bypass_filters):
-            f.__exit__()
+        self._logging.close()
 
     @staticmethod
     def _cpu() -> float:
