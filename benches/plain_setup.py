@@ -244,41 +244,65 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict
     retries = []
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
-    for step in range(cfg.steps):
-        batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
-                           vocab, device)
-        t0 = time.perf_counter()
-        loss = step_loss(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    try:
+        for step in range(cfg.steps):
+            batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank,
+                               cfg.seq_len, vocab, device)
+            t0 = time.perf_counter()
+            loss = step_loss(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            if device.type == "cuda":
+                retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        # A variant that runs out of memory (or whose plan zbuf refuses) is a result, not the end
+        # of the run: the others still run, and the record says at which step and why.
+        out = {"variant": variant, "status": _failure(e), "failed_step": len(times),
+               "error": str(e).splitlines()[0][:400], "losses": losses,
+               "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)
+               if device.type == "cuda" else 0}
+        del step_loss, opt, model, pool, card
+        gc.collect()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if device.type == "cuda":
-            retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return out
     measured = times[cfg.warmup:]
     peak = reserved = 0
     if device.type == "cuda":
         reserved = torch.cuda.max_memory_reserved(device)
         peak = reserved + pool.stats().high_water_bytes
-    out = {"variant": variant, "step_ms_median": 1e3 * statistics.median(measured),
+    out = {"variant": variant, "status": "ok", "step_ms_median": 1e3 * statistics.median(measured),
            "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
            "first_step_s": times[0], "peak_device_bytes": peak, "peak_reserved_bytes": reserved,
            "alloc_retries_warmup": retries[cfg.warmup - 1] if retries and cfg.warmup else 0,
            "alloc_retries_measured": (retries[-1] - (retries[cfg.warmup - 1] if cfg.warmup else 0))
-           if retries else 0, "losses": losses, "planned": _planned(model)}
+           if retries else 0,
+           # The measure: retries once the measured step has re-planned (steps 0-2).
+           "alloc_retries_after_step2": retries[-1] - retries[2] if len(retries) > 3 else 0,
+           "losses": losses, "planned": _planned(model)}
     del step_loss, opt, model, pool, card
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
 
 
+def _failure(e: BaseException) -> str:
+    from zbuf.compile.budget import PlanExceedsMemoryError
+
+    return "refused" if isinstance(e, PlanExceedsMemoryError) else "oom"
+
+
 # ----------------------------------------------------------------------------- main
 def markdown(result: dict) -> str:
     a = result["args"]
-    base = next(r for r in result["variants"] if r["variant"] == "bench")
+    base = next((r for r in result["variants"] if r["variant"] == "bench"
+                 and r.get("status", "ok") == "ok"), None)
     lines = [f"## Plain setup vs zbuf bench's engine: {a['preset']}"
              + (f", {a['layers']} layers" if a.get("layers") else "")
              + f", micro-batch {a['micro_batch']} x seq {a['seq_len']}, {result['world']} rank(s)"
@@ -290,18 +314,24 @@ def markdown(result: dict) -> str:
              "", f"torch {result['torch']}; {a['warmup']} warm-up + {a['steps'] - a['warmup']} "
                  f"measured steps. Ratios against `bench`.", "",
              "| variant | step median (ms) | min-max | vs bench | peak memory | peak reserved | "
-             "retries warm-up/measured | first step (s) | final loss | budget fw/bw | "
-             "kept weights | modelled exposed fw/bw (ms) |",
+             "retries warm-up/measured/after step 2 | first step (s) | final loss | "
+             "budget fw/bw | kept weights | modelled exposed fw/bw (ms) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     gib = float(1 << 30)
     for r in result["variants"]:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['variant']} | **{r['status']} in step {r['failed_step']}**: "
+                         f"{r['error']} | | | | {r['peak_reserved_bytes'] / gib:.2f} GiB |"
+                         " | | | | | |")
+            continue
         p = r["planned"]
+        ratio = f"{r['step_ms_median'] / base['step_ms_median']:.3f}x" if base else "-"
         lines.append(
             f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
-            f"{r['step_ms_max']:.1f} | {r['step_ms_median'] / base['step_ms_median']:.3f}x | "
+            f"{r['step_ms_max']:.1f} | {ratio} | "
             f"{r['peak_device_bytes'] / gib:.2f} GiB | {r.get('peak_reserved_bytes', 0) / gib:.2f} "
-            f"GiB | {r.get('alloc_retries_warmup', 0)}/{r.get('alloc_retries_measured', 0)} | "
-            f"{r['first_step_s']:.1f} | "
+            f"GiB | {r.get('alloc_retries_warmup', 0)}/{r.get('alloc_retries_measured', 0)}/"
+            f"{r.get('alloc_retries_after_step2', '-')} | {r['first_step_s']:.1f} | "
             f"{r['losses'][-1]:.4f} | {p.get('forward_budget_bytes', 0) / gib:.1f}/"
             f"{p.get('backward_budget_bytes', 0) / gib:.1f} GiB | "
             f"{p.get('persistent_bytes', 0) / gib:.2f} GiB | "
@@ -362,28 +392,31 @@ def main() -> None:
                       progress=False).resolve(cuda=cuda, world=world, bench=True)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
     results = []
+    result = {"args": {**vars(args), "preset": cfg.preset, "micro_batch": cfg.micro_batch,
+                       "seq_len": cfg.seq_len, "ac": cfg.ac},
+              "world": world, "simulated": args.simulate_world is not None,
+              "gpu_memory_bytes": card,
+              "device": torch.cuda.get_device_name(device) if cuda else "CPU",
+              "torch": torch.__version__, "variants": results}
     for v in variants:
         results.append(run_variant(v, cfg, device, dtype, rank, world))
-        if rank == 0:
-            r = results[-1]
+        if rank != 0:
+            continue
+        r = results[-1]
+        if r["status"] == "ok":
             print(f"{v:22s} {r['step_ms_median']:9.1f} ms  first {r['first_step_s']:6.1f} s  "
-                  f"peak {r['peak_device_bytes'] / (1 << 30):6.2f} GiB  loss {r['losses'][-1]:.4f}",
-                  flush=True)
-    if rank == 0:
-        result = {"args": {**vars(args), "preset": cfg.preset, "micro_batch": cfg.micro_batch,
-                           "seq_len": cfg.seq_len, "ac": cfg.ac},
-                  "world": world, "simulated": args.simulate_world is not None,
-                  "gpu_memory_bytes": card,
-                  "device": torch.cuda.get_device_name(device) if cuda else "CPU",
-                  "torch": torch.__version__, "variants": results}
-        text = markdown(result) if any(r["variant"] == "bench" for r in results) else ""
-        print(text)
-        if args.out:
+                  f"peak {r['peak_device_bytes'] / (1 << 30):6.2f} GiB  retries after step 2 "
+                  f"{r['alloc_retries_after_step2']}  loss {r['losses'][-1]:.4f}", flush=True)
+        else:
+            print(f"{v:22s} {r['status']} in step {r['failed_step']}: {r['error']}", flush=True)
+        if args.out:  # after every variant, so that a run stopped by a time limit keeps the rest
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "plain_setup.json"), "w") as f:
                 json.dump(result, f, indent=1)
             with open(os.path.join(args.out, "plain_setup.md"), "w") as f:
-                f.write(text)
+                f.write(markdown(result))
+    if rank == 0:
+        print(markdown(result))
     dist.destroy_process_group()
 
 
