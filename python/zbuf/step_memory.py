@@ -61,6 +61,15 @@ first and spends after:
    bytes, not step 0's, which lacked the optimizer's fragmentation) the same measurement and
    agreement run once more, and the model is re-planned, once, if its plans no longer fit: the
    headroom fell below the margin (``limit / SAFETY_DIVISOR``).
+   [Note: fragmentation grows with the room]
+   The measured peaks are the allocator's reserved bytes, so step 0's fragmentation is in them;
+   but what the re-plan puts into the room (``auto``'s kept activations above all) fragments
+   the allocator too, in proportion. Up to d73f6d3 the room was handed over whole: qwen3-14b as
+   rank 0 of 8 on an 80 GiB card, ``--ac auto``, step 0 peaked at 34.5 GiB allocated, the
+   re-plan kept 44.9 GiB of activations in a room of 54.0 GiB, and step 1's backward died with
+   67.0 GiB allocated and 6.3 GiB reserved but unallocated (one H200, simulated ranks). So the room is
+   divided by one plus step 0's fragmentation: its reserved-but-unallocated bytes per byte it
+   allocated beyond its start, in its worse phase, rank-agreed (``fragmentation_ppm``).
 4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
    optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
    without one the optimizer runs inside "backward" and its peak is part of the budget).
@@ -97,8 +106,28 @@ from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
 if TYPE_CHECKING:
     from .compile.replan import Replanner
 
-__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget",
+__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "fragmentation_ppm",
            "SAFETY_DIVISOR"]
+
+PPM = 1_000_000
+
+MAX_FRAGMENTATION_PPM = PPM
+"""Above one reserved-unallocated byte per allocated byte the measurement says more about the
+allocator's cache of freed blocks than about fragmentation; the room is never cut below half."""
+
+
+def fragmentation_ppm(row: StepPhases) -> int:
+    """The allocator's fragmentation in the measured step, parts per million of what the step
+    allocated beyond its start ([Note: fragmentation grows with the room]): the worse of the
+    forward and the backward. 0 on the CPU stand-in, which reserves exactly what it allocates."""
+    worst = 0
+    for alloc, reserved in ((row.forward_peak_bytes, row.forward_reserved_bytes),
+                            (row.backward_peak_bytes, row.backward_reserved_bytes)):
+        grown = alloc - row.start_bytes
+        if grown > 0 and reserved > alloc:
+            worst = max(worst, (reserved - alloc) * PPM // grown)
+    return min(worst, MAX_FRAGMENTATION_PPM)
+
 
 SAFETY_DIVISOR = 64
 """``limit / SAFETY_DIVISOR`` of the measured limit stays unplanned: allocations that differ from
@@ -121,8 +150,9 @@ class MeasuredBudget(NamedTuple):
     """The gather budget every graph is planned within (quantised)."""
     room_bytes: int
     """What activations and gathered weights may share (quantised): the limit less the margin,
-    the pool's excess and the peaks without the plans' projected activations. A re-plan with
-    ``recompute="auto"`` plans its activations and gathers within it."""
+    the pool's excess and the peaks without the plans' projected activations, divided by one
+    plus ``fragmentation``. A re-plan with ``recompute="auto"`` plans its activations and
+    gathers within it."""
     planned_budget_bytes: Optional[int]
     """The smallest budget of the plans step 0 ran (None: nothing compiled, or an explicit
     ``budget_bytes``)."""
@@ -130,6 +160,10 @@ class MeasuredBudget(NamedTuple):
     """Whether the model was compiled again under ``budget_bytes``."""
     measured_step: int
     """The step the numbers come from."""
+    fragmentation: float
+    """The allocator's reserved-but-unallocated bytes per byte the step allocated beyond its start,
+    in the measured step's worse phase (largest over the ranks; [Note: fragmentation grows with
+    the room])."""
 
 
 class StepMemoryRow(NamedTuple):
@@ -306,17 +340,19 @@ class StepMemory:
                 own = self.replanner.activation_peaks(gradients=False)
                 fw += own.get("forward", 0)
                 bw += own.get("backward", 0)
-        limit, fw, bw, opt, excess, live = self._agree(self.limit_bytes(), fw, bw, opt, excess,
-                                                       live)
+        frag = fragmentation_ppm(row)
+        limit, fw, bw, opt, excess, live, frag = self._agree(self.limit_bytes(), fw, bw, opt,
+                                                             excess, live, frag)
         if self.replanner is not None:  # [Note: no step above its measured memory]
             self.replanner.refuse_if_no_plan_fits(live, limit - excess, phase=live_phase,
                                                   step=row.step, growth_bytes=growth)
         usable = self._usable(limit) - excess
         budget = stable_budget(usable - max(fw, bw))
         # What activations and gathered weights may share: the peaks less the plans' projected
-        # activations (rank-invariant: the same graphs on every rank).
-        room = stable_budget(usable - max(fw - act.get("forward", 0),
-                                            bw - act.get("backward", 0)))
+        # activations (rank-invariant: the same graphs on every rank), less the allocator's
+        # fragmentation of what is planned into it ([Note: fragmentation grows with the room]).
+        free = usable - max(fw - act.get("forward", 0), bw - act.get("backward", 0))
+        room = stable_budget(free * PPM // (PPM + frag))
         planned = replanned = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
@@ -329,7 +365,7 @@ class StepMemory:
             # The new plans' first runs size the pool, as the first plans' did.
             self.memory.pool.set_budget(0)
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
-                              bool(replanned), row.step)
+                              bool(replanned), row.step, frag / PPM)
 
     def _world_size(self) -> int:
         g = self.group
@@ -342,12 +378,13 @@ class StepMemory:
         alive] in shard_state.py)."""
         return _root_of(self.model).group
 
-    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int, live: int):
+    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int, live: int,
+               frag: int):
         """The smallest limit and the largest rest over the sharding group (one all-reduce)."""
-        (limit,), (fw, bw, opt_peak, excess, live) = agree_extremes(
+        (limit,), (fw, bw, opt_peak, excess, live, frag) = agree_extremes(
             self.group, self.memory.device, smallest=[limit],
-            largest=[fw, bw, opt or 0, excess, live])
-        return limit, fw, bw, (None if opt is None else opt_peak), excess, live
+            largest=[fw, bw, opt or 0, excess, live, frag])
+        return limit, fw, bw, (None if opt is None else opt_peak), excess, live, frag
 
     # -- telemetry ----------------------------------------------------------------------------
 
