@@ -42,8 +42,8 @@
 #   bash benches/device/run.sh seed14 ENGINE[:MODE]  # the reference configuration: qwen3-14b as
 #                                           rank 0 of 8 on an 80 GiB card, mb 4, seq 4096, AC,
 #                                           10 + 20 steps; ENGINE: zbuf, zbuf:auto, fsdp2 (measured
-#                                           at d32c336: zbuf 5.1 min, fsdp2 2.4 min, zbuf:auto
-#                                           6.2 min to its OOM; a fresh machine adds ~2 min)
+#                                           at d22971a on a warm machine: zbuf 3.8 min, zbuf:auto
+#                                           7.8 min, fsdp2 2.3 min; a fresh machine adds ~2 min)
 #                                           then: zbuf bench --merge $OUT/seed14_*.json --out
 #                                           benches/results/seed14.json; python3
 #                                           benches/reference_table.py benches/results/seed14.json
@@ -55,7 +55,8 @@
 #                                           found; commit the JSONs under benches/results/
 #   bash benches/device/run.sh plain14 [VARIANTS] [AC]  # benches/plain_setup.py as rank 0 of 8,
 #                                           qwen3-14b, 80 GiB card: the plain user setup vs the
-#                                           bench engine, AC full (default) or auto
+#                                           bench engine, AC full (default) or auto; one variant
+#                                           per call (bench+eager-loss full: 3.6 min at d22971a)
 # BENCH_TIMEOUT=S bounds one bench/plain14 run (default 580 s) when a call chains two
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 # Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
