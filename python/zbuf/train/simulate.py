@@ -17,9 +17,10 @@ collective completes at once and moves nothing, everything else is real. So unde
   so the first step's gradient shards hold whatever their fresh memory held: non-finite values
   on CPU (observed with the tiny preset: every step-0 gradient has some), zeros as a rule on the
   GPU. The optimizer turns them into NaN shards; a gathered buffer holds this rank's own chunk
-  (copied in before the collective) and otherwise whatever its memory held. So on CPU the loss
-  is finite at step 0 and NaN from step 1 on; on the GPU it came out as ln(vocab) for zbuf and
-  FSDP2 alike. The run goes on regardless: the training loop and zbuf have no path that
+  (copied in before the collective) and otherwise whatever its memory held. So the losses
+  depend on what the memory last held: qwen3-14b as rank 0 of 8 on the H200 ended at 12.96 for
+  FSDP2 and at 20.2 (d32c336) or NaN (d22971a) for ``zbuf bench``; the tiny preset on CPU at
+  world 4 stays finite. The run goes on regardless: the training loop and zbuf have no path that
   depends on a value being finite, and on CPU denormals are flushed to zero in a simulated run
   (``torch.set_flush_denormal``) so that garbage bit patterns cannot slow the arithmetic down.
   Losses are recorded, labelled as not meaningful;
