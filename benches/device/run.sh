@@ -57,6 +57,7 @@
 #                                           qwen3-14b, 80 GiB card: the plain user setup vs the
 #                                           bench engine, AC full (default) or auto; one variant
 #                                           per call (bench+eager-loss full: 3.6 min at d22971a)
+#   bash benches/device/run.sh plain8b [VARIANTS] [AC]  # the same, qwen3-8b as rank 0 of 2, whole card
 # BENCH_TIMEOUT=S bounds one bench/plain14 run (default 580 s) when a call chains two
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 # Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
@@ -174,16 +175,18 @@ case "${1:-}" in
       --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
       --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
-  plain14)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an 80 GiB card
-    # (issue 19's first table; issue 20's API paths: plain = torch.compile(backend="zbuf"),
-    # bench+eager-loss = zbuf.compile(model, optimizer=opt), each with the fp32 loss outside; AC
-    # full or auto); one 14B variant takes about 5 minutes
+  plain14|plain8b)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an
+    # 80 GiB card (issue 19's first table; issue 20's API paths: plain = torch.compile(backend=
+    # "zbuf"), bench+eager-loss = zbuf.compile(model, optimizer=opt), each with the fp32 loss
+    # outside; AC full or auto); plain8b: qwen3-8b as rank 0 of 2 on the whole card (issue 20's
+    # no-cap run). One variant per call.
     ac=${3:-full}
-    timeout "${BENCH_TIMEOUT:-580}" python3 benches/plain_setup.py --preset qwen3-14b \
-      --simulate-world 8 --gpu-memory 80GiB --micro-batch 4 --seq-len 4096 --ac "$ac" --steps 30 \
-      --warmup 10 --variants "${2:-bench,plain}" --out "$OUT/plain14_$ac" 2>&1 \
-      | grep -v "Warning\|warn" | tee "$OUT/plain14_$ac.log" | tail -20 ;;
+    model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB)
+    [ "$1" = plain8b ] && model=(--preset qwen3-8b --simulate-world 2)
+    timeout "${BENCH_TIMEOUT:-580}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
+      --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
+      --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14 [VARIANTS] [AC]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
     exit 2 ;;
 esac
