@@ -136,12 +136,54 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert eng["status"] == "failed" and said in eng["error"]
 
 
-def test_a_step_that_runs_out_of_memory_keeps_where_it_failed_in_the_record(tmp_path):
+class _Started:
+    """A ``zbuf`` command running in the background, its output going to files in ``where``."""
+
+    def __init__(self, args, where, name, env=None):
+        self.args, self.out, self.err = args, where / f"{name}.out", where / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(ZBUF + args, stdout=out, stderr=err, text=True,
+                                         env=dict(ENV, **(env or {})))
+
+    def result(self, timeout=400) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return subprocess.CompletedProcess(self.args, code, self.out.read_text(),
+                                           self.err.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """The two one-rank runs of the tests below, started together: each is one worker process
+    (and a launcher waiting on it), so CI's two cores take both in about the time of one (13-14 s
+    each, one after the other).
+
+    Returns ``{name: (completed process, record path)}``."""
+    where = tmp_path_factory.mktemp("one_rank")
+    started = {
+        "oom": _Started(["train", "--nproc", "1", "--steps", "3", "--out", str(where / "oom.json")],
+                        where, "oom", env={"ZBUF_FAULT": "train.backward",
+                                           "ZBUF_FAULT_SIGNAL": "OOM"}),
+        "floor": _Started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
+                           "--out", str(where / "floor.json")], where, "floor"),
+    }
+    try:
+        return {name: (s.result(), where / f"{name}.json") for name, s in started.items()}
+    finally:
+        for s in started.values():
+            if s.proc.poll() is None:
+                s.proc.kill()
+                s.proc.wait()
+
+
+def test_a_step_that_runs_out_of_memory_keeps_where_it_failed_in_the_record(one_rank_runs):
     # [Note: interrupted runs] in zbuf/train/loop.py: the record of a failed step says which step
     # and phase failed, with the plans in force and the steps done, not just the error.
-    out = tmp_path / "run.json"
-    res = _run(["train", "--nproc", "1", "--steps", "3", "--out", str(out)],
-               env={"ZBUF_FAULT": "train.backward", "ZBUF_FAULT_SIGNAL": "OOM"})
+    res, out = one_rank_runs["oom"]
     assert res.returncode == 1, _why(res, out)
     assert "OutOfMemoryError: injected at fault point train.backward" in res.stderr, res.stderr
     eng = json.loads(out.read_text())["engines"][0]
@@ -249,12 +291,10 @@ def _check_plot_layout(record, out_dir):
     assert any("off scale" in t.get_text() for t in step.get_legend().get_texts())
 
 
-def test_two_steps_with_a_budget_below_the_floor(tmp_path):
+def test_two_steps_with_a_budget_below_the_floor(one_rank_runs):
     # --steps 2 failed on the default --warmup 3; --gather-budget 1 was raised to the schedule's
     # floor without a word. One rank keeps it short.
-    out = tmp_path / "run.json"
-    res = _run(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1", "--out",
-                str(out)])
+    res, out = one_rank_runs["floor"]
     assert res.returncode == 0, _why(res, out)
     note = "--gather-budget 1 B is below the schedule's floor"
     lines = res.stdout.splitlines()
