@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from started import Started
 
 # The installed console script, as a user runs it (python -m zbuf.cli from a bare checkout).
 ZBUF = [shutil.which("zbuf")] if shutil.which("zbuf") else [sys.executable, "-m", "zbuf.cli"]
@@ -136,24 +137,9 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     assert eng["status"] == "failed" and said in eng["error"]
 
 
-class _Started:
-    """A ``zbuf`` command running in the background, its output going to files in ``where``."""
-
-    def __init__(self, args, where, name, env=None):
-        self.args, self.out, self.err = args, where / f"{name}.out", where / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(ZBUF + args, stdout=out, stderr=err, text=True,
-                                         env=dict(ENV, **(env or {})))
-
-    def result(self, timeout=400) -> subprocess.CompletedProcess:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        return subprocess.CompletedProcess(self.args, code, self.out.read_text(),
-                                           self.err.read_text())
+def _started(args, where, name, env=None) -> Started:
+    """A ``zbuf`` command of this file's, started in the background (tests/started.py)."""
+    return Started(ZBUF + args, where, name, dict(ENV, **(env or {})))
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +151,14 @@ def one_rank_runs(tmp_path_factory):
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("one_rank")
     started = {
-        "oom": _Started(["train", "--nproc", "1", "--steps", "3", "--out", str(where / "oom.json")],
+        "oom": _started(["train", "--nproc", "1", "--steps", "3", "--out", str(where / "oom.json")],
                         where, "oom", env={"ZBUF_FAULT": "train.backward",
                                            "ZBUF_FAULT_SIGNAL": "OOM"}),
-        "floor": _Started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
+        "floor": _started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
                            "--out", str(where / "floor.json")], where, "floor"),
     }
     try:
-        return {name: (s.result(), where / f"{name}.json") for name, s in started.items()}
+        return {name: (s.result(timeout=400), where / f"{name}.json") for name, s in started.items()}
     finally:
         for s in started.values():
             if s.proc.poll() is None:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from dist_utils import run_distributed
+from started import Started
 from zbuf.cli import main
 from zbuf.train.config import ConfigError, Engine, TrainConfig
 
@@ -23,24 +24,9 @@ def _cli(argv, timeout=600):
                           text=True, timeout=timeout, env=_ENV)
 
 
-class _Started:
-    """A ``zbuf`` command running in the background, its output going to files in ``where``."""
-
-    def __init__(self, argv, where, name):
-        self.argv, self.out, self.err = argv, where / f"{name}.out", where / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "zbuf.cli", *argv], stdout=out,
-                                         stderr=err, text=True, env=_ENV)
-
-    def result(self, timeout=600) -> subprocess.CompletedProcess:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        return subprocess.CompletedProcess(self.argv, code, self.out.read_text(),
-                                           self.err.read_text())
+def _started(argv, where, name) -> Started:
+    """``zbuf ARGV`` started in the background (tests/started.py)."""
+    return Started([sys.executable, "-m", "zbuf.cli", *argv], where, name, _ENV)
 
 
 @pytest.fixture
@@ -150,16 +136,16 @@ def simulated_runs(tmp_path_factory):
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("simulated")
     common = ["--simulate-world", "4", "--micro-batch", "2", "--seq-len", "32", "--no-progress"]
-    train = _Started(["train", *common, "--steps", "2", "--gpu-memory", "64MiB", "--out",
+    train = _started(["train", *common, "--steps", "2", "--gpu-memory", "64MiB", "--out",
                       str(where / "sim.json")], where, "train")
-    bench = _Started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "2", "--out",
+    bench = _started(["bench", *common, "--engines", "zbuf,fsdp2,ddp", "--steps", "2", "--out",
                       str(where / "bench.json")], where, "bench")
     try:
-        runs = {"train": (train.result(), where / "sim.json")}
-        report = _Started(["report", str(where / "sim.json"), "-o", str(where / "plots")], where,
+        runs = {"train": (train.result(timeout=600), where / "sim.json")}
+        report = _started(["report", str(where / "sim.json"), "-o", str(where / "plots")], where,
                           "report")
         runs["report"] = (report.result(timeout=300), where / "plots")
-        runs["bench"] = (bench.result(), where / "bench.json")
+        runs["bench"] = (bench.result(timeout=600), where / "bench.json")
     finally:
         for started in (train, bench):
             if started.proc.poll() is None:
