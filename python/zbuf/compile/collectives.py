@@ -129,6 +129,7 @@ __all__ = [
     "reduce_scatter_start",
     "reduce_scatter_wait",
     "check_schedule",
+    "with_keep_sets",
     "pending",
 ]
 
@@ -396,6 +397,17 @@ def _reduce_scatter_wait_fake(token, started):
     return None
 
 
+def with_keep_sets(like: torch.Tensor, pool_ids: Sequence[int], fingerprint: str,
+                   description: str) -> tuple[str, str]:
+    """A graph's fingerprint and description with the keep-sets of the pools it gathers from
+    folded in: the gathers a kept weight skips are part of its collective order ([Note: weights
+    kept at run time] in zbuf/kept_weights.py)."""
+    for pool in {id(p): p for p in (runtime.pool_of(i, like) for i in pool_ids)}.values():
+        if pool.kept:
+            fingerprint, description = pool.kept.fingerprint(fingerprint, description)
+    return fingerprint, description
+
+
 def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[int],
                 counts: Sequence[int]) -> None:
     """[Note: pool sizing] for every pool a graph gathers from (two ids may name one pool)."""
@@ -431,9 +443,7 @@ def check_schedule(
 ) -> None:
     with runtime.label("zbuf::check_schedule"):
         if fingerprint:  # every run: [Note: collective order check]
-            for pool in {id(p): p for p in (runtime.pool_of(i, token) for i in pool_ids)}.values():
-                if pool.kept:  # the gathers it skips ([Note: weights kept at run time])
-                    fingerprint, collectives = pool.kept.fingerprint(fingerprint, collectives)
+            fingerprint, collectives = with_keep_sets(token, pool_ids, fingerprint, collectives)
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
         owner = report.records_of(param_id)
