@@ -41,8 +41,8 @@ order they run) and the rank-agreed measured budget. Candidates are the weights 
 graph and a backward graph both gather (forward fills the buffer that backward then skips). The
 cap is ``min(persist_fraction * budget, budget - need)``, where ``need`` is the most gathered
 bytes any current graph holds at once by its compiled plan (prefetch stays as compiled: kept
-bytes are charged as live through every graph, on top of its plan). The order is this note's
-above: latency-bound gathers first, then in the order backward needs them, then smaller first,
+bytes are charged as live through every graph, on top of its plan). The order is [Note:
+selective persistence]'s: latency-bound gathers first, then in the order backward needs them, then smaller first,
 then by parameter id (a total order: the same set on every rank, whatever order the candidates
 come in); each candidate that still fits is kept, one that does not is skipped and later
 smaller ones may still fit. Same rules as in the graph: nothing at world 1 unless
@@ -71,7 +71,7 @@ from .graph_info import (
 )
 from .options import CompileOptions
 
-__all__ = ["Persisted", "KeepCandidate", "choose_kept", "tag_for_regather"]
+__all__ = ["Persisted", "KeepCandidate", "keep_order", "choose_kept", "tag_for_regather"]
 
 
 class KeepCandidate(NamedTuple):
