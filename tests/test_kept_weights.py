@@ -218,10 +218,41 @@ def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eage
             "blocks_once": zbuf.compile.regions.is_marked_model(model)}
 
 
+def _auto_case(rank, world):
+    """recompute="auto": growing its kept activations compiles the model again (graph
+    structure), and the new plan's keep-set is chosen at the steady step, from its records,
+    compiling nothing more; parity holds throughout."""
+    import zbuf
+    from zbuf.models import apply_activation_checkpointing
+
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init, cfg = _tiny()
+    apply_activation_checkpointing(init)
+    steps = 5
+    batches = sm_tests._batches(cfg.vocab_size, world, steps)
+    ref_losses, ref_states = sm_tests._reference(init, batches, steps_to_keep={steps - 1})
+    model = zbuf.shard(copy.deepcopy(init))
+    sm_tests._shrink_free_memory(int(20 * sm_tests._shard_bytes(model)))
+    opt, sched = sm_tests._adamw(model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
+    sm = zbuf.compile.step_memory_of(cm)
+    losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
+                                                keep={steps - 1})
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    assert sm_tests._worst(states[steps - 1], ref_states[steps - 1]) <= RTOL
+    pool = model.__dict__["_zbuf_root"].pool
+    return {"replanned": [r.replanned for r in rows], "measured": sm.measured._asdict(),
+            "steady": sm.steady._asdict(), "kept": sorted(pool.kept.nbytes.items()),
+            "records": [(r.kind, r.persistent_bytes) for r in zbuf.schedule_report(model)]}
+
+
 def _worker(rank, world, with_inductor):
     out = {"ops": _ops_case(rank, world), "mismatch": _mismatch_case(rank, world),
            "blocks_once": _grow_without_compile_case(rank, world, None),
-           "whole": _grow_without_compile_case(rank, world, False)}
+           "whole": _grow_without_compile_case(rank, world, False),
+           "auto": _auto_case(rank, world)}
     if with_inductor:  # Inductor's generated code around the held buffers (5-6 min on CI's CPU)
         out["inductor"] = _grow_without_compile_case(rank, world, None, inner="inductor")
     return out
@@ -284,3 +315,17 @@ def test_growing_the_keep_set_compiles_nothing_and_keeps_parity(two_ranks, struc
         assert g[0] - g[1] == m["kept_weights"] and g[1] == g[2], g
         assert o["held_after"] == 0  # every held buffer went back in backward
     assert out[0]["measured"] == out[1]["measured"] and out[0]["kept"] == out[1]["kept"]
+
+
+def test_auto_recompiles_for_activations_then_keeps_weights_without_compiling(two_ranks):
+    out = [r["auto"] for r in two_ranks]
+    for o in out:
+        # Step 1: compiled again (auto's kept activations are graph structure); step 3 (after
+        # the steady step 2): the new plan's keep-set, nothing compiled.
+        assert o["replanned"] == [False, True, False, True, False], o
+        assert o["measured"]["recompiled"] and o["measured"]["kept_bytes"] == 0, o["measured"]
+        assert not o["steady"]["recompiled"] and o["steady"]["kept_bytes"] > 0, o["steady"]
+        assert o["steady"]["kept_bytes"] == sum(n for _, n in o["kept"])
+        # Two plans compiled in all, neither keeping weights in its graphs.
+        assert o["records"] == [("forward", 0), ("backward", 0)] * 2, o["records"]
+    assert out[0]["steady"] == out[1]["steady"] and out[0]["kept"] == out[1]["kept"]
