@@ -17,7 +17,8 @@ in backward, and the keep-set is data, held by the pool the weights are gathered
   (``take``), and the start of its collective skips it (no collective: the buffer is already
   filled); the backward releases it after its readers, as any buffer;
 * a forward gather always gathers: a buffer still held from an earlier forward whose backward
-  never ran (an evaluation forward, a dropped loss) goes back to the pool and the weight is
+  never ran (a loss dropped before its backward; an inference graph, compiled under
+  ``no_grad``, neither holds nor takes) goes back to the pool and the weight is
   gathered afresh, so a held buffer is never older than the forward that made it.
 
 Every rank must skip the same collectives: the keep-set is chosen by a pure function of
@@ -42,8 +43,9 @@ import torch
 __all__ = ["KeptWeights", "HOLDS", "TAKES", "NEITHER"]
 
 NEITHER = 0
-"""``gather_buffer``'s role in a graph that neither keeps nor reuses (an inference graph, a
-graph compiled with persistence in its structure, a direct call)."""
+"""``gather_buffer``'s role where nothing is kept or reused: an inference graph, a direct call.
+(Graphs whose compile kept weights in the structure get the roles too; their pools' keep-sets
+stay empty: only the re-planner of ``zbuf.compile`` sets one.)"""
 HOLDS = 1
 """In a training forward graph: a kept weight's buffer is held at its release."""
 TAKES = 2
