@@ -469,17 +469,22 @@ def test_step_0_keeps_nothing_then_grows_once_on_every_rank_with_parity(two_rank
         assert o["steady"] is not None and not o["steady"]["replanned"]
         budget = o["measured"]["budget_bytes"]
         assert o["budgets"][1:] == [budget] * 4 and o["budgets"][0] != budget
+        # Growing compiled nothing (up to 86bc491 it compiled the model again, a second forward
+        # and backward record): the grown plan is step 0's graphs with gathered weights kept
+        # for backward at run time ([Note: bounded re-plan] in compile/replan.py).
         kinds = [r[0] for r in o["records"]]
-        assert kinds == ["forward", "backward", "forward", "backward"], o["records"]
-        first, again = o["records"][:2], o["records"][2:]
-        # Step 0's plan keeps no gathered weight for backward, and gathers within a few
-        # blocks' weights, far below the measured room.
+        assert kinds == ["forward", "backward"], o["records"]
+        assert not o["measured"]["recompiled"]
+        # Step 0's plan keeps no gathered weight for backward in its graphs, and gathers
+        # within a few blocks' weights, far below the measured room.
+        first = o["records"]
         assert first[0][2] == 0 and first[1][2] == 0
         assert first[0][1] < budget
-        # The grown plan spends the measured room: within the budget (raised to its floor),
-        # keeping gathered weights for backward.
-        assert again[0][1] == max(budget, again[0][4])
-        assert again[0][2] > 0
+        # The grown plan spends the measured room: weights kept for backward within the
+        # persistence share of the budget, beside what the compiled plans gather.
+        kept = o["measured"]["kept_bytes"]
+        assert 0 < kept <= budget // 2 and o["measured"]["kept_weights"] > 0
+        assert kept + max(r[1] for r in first) <= budget
     # Every rank measured, agreed and re-planned the same.
     assert out[0]["measured"] == out[1]["measured"]
     assert out[0]["records"] == out[1]["records"]
@@ -489,13 +494,21 @@ def test_plan_shrinks_once_when_steady_headroom_falls_below_the_margin(two_ranks
     out = [r["shrink"] for r in two_ranks]
     for o in out:
         # Grown at step 1; step 2 holds more (the ballast), so its headroom is short: the plan
-        # shrinks at step 3, once; parity with the reference held through both.
+        # shrinks at step 3, once (its keep-set); parity with the reference held through both.
         assert o["replanned"] == [False, True, False, True, False], o
         assert o["steady"]["replanned"] and o["steady"]["measured_step"] == 2
         assert o["steady"]["budget_bytes"] < o["measured"]["budget_bytes"]
-        grown, shrunk = o["records"][2:4], o["records"][4:6]
-        assert [r[0] for r in shrunk] == ["forward", "backward"]
-        assert shrunk[0][2] < grown[0][2]  # fewer gathered weights kept for backward
+        # The growth compiled nothing (weights kept for backward at run time; up to 86bc491 it
+        # compiled the model again). The steady budget is below what step 0's compiled plans
+        # gather even with nothing kept (below a block's weights), so the shrink compiles the
+        # model again, whole, within it ([Note: bounded re-plan] in compile/replan.py).
+        assert not o["measured"]["recompiled"] and o["measured"]["kept_bytes"] > 0
+        assert o["steady"]["recompiled"]
+        first, shrunk = o["records"][:2], o["records"][2:]
+        assert [r[0] for r in shrunk] == ["forward", "backward"], o["records"]
+        steady = o["steady"]["budget_bytes"]
+        assert all(r[1] == max(steady, r[4]) < f[1] for r, f in zip(shrunk, first))
+        assert o["steady"]["kept_bytes"] < o["measured"]["kept_bytes"]  # fewer weights kept
     assert out[0]["steady"] == out[1]["steady"] and out[0]["records"] == out[1]["records"]
 
 

@@ -35,6 +35,7 @@ from torch.profiler import record_function
 
 from . import _core
 from .errors import InvalidDeviceError, InvalidRequestError
+from .kept_weights import KeptWeights
 
 __all__ = ["GatherBufferPool", "PoolStats", "default_pool"]
 
@@ -143,7 +144,8 @@ class GatherBufferPool:
     #     release contract]. `stream`: the last stream that used it (default: the current
     #     stream). Raises ForeignBufferError / DoubleReleaseError (UnverifiableReleaseError for
     #     `acquire_dlpack` buffers, see the note), leaving the pool unchanged.
-    __slots__ = ("_core", "device", "acquire", "release", "_budget_observer", "__weakref__")
+    __slots__ = ("_core", "device", "acquire", "release", "_budget_observer", "kept",
+                 "__weakref__")
     acquire: Callable[..., torch.Tensor]
     release: Callable[..., None]
 
@@ -165,6 +167,9 @@ class GatherBufferPool:
         self.acquire = self._core.acquire  # [Note: hot-path methods]
         self.release = self._core.release
         self._budget_observer: Callable[[int], object] | None = None
+        self.kept = KeptWeights()
+        """The gathered weights forward keeps for backward, and the buffers it holds for them
+        ([Note: weights kept at run time] in kept_weights.py)."""
         if kind == "cuda":
             self._core.set_reclaim_hook(_release_torch_cache)
 

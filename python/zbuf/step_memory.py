@@ -44,23 +44,27 @@ first and spends after:
      former.
    One budget serves every graph: the pool keeps the blocks of the forward's plan while backward
    runs and vice versa, so each phase's peak meets the pool's whole size.
-3. The plan grows into the measured room, once: if the measured step's plan held something
-   back (persistence at world > 1, ``auto``'s kept activations, prefetch the cost model says
-   left communication exposed), or does not fit the budget (its peak live gathered bytes, plus
-   the weights kept for backward, exceed it), the model is re-planned: compiled again under a new
-   backend instance (compile/replan.py), which recompiles exactly the model's frames, once, and
-   leaves every other compiled function alone (no ``torch._dynamo.reset()``). With the user's
-   checkpointing as written (``recompute="checkpointed"`` or ``"none"``) the activations are
-   what they are and the new plans get ``budget_bytes`` = the budget; with
+3. The plan grows into the measured room, once ([Note: bounded re-plan] in
+   compile/replan.py). With the user's checkpointing as written (``recompute="checkpointed"``
+   or ``"none"``) and plans that fit the budget, growth is data, not a compile: the pools keep
+   gathered weights from forward for backward within the budget ([Note: the run-time
+   keep-set] in compile/persist.py), prefetch stays as compiled at step 0, and nothing is
+   compiled (up to 86bc491 this recompiled the whole model: 50.4 s of qwen3-14b's re-plan,
+   benches/results/compile_time_14b.md). The model is compiled again, under a new backend
+   instance that recompiles exactly the model's frames, once, and leaves every other compiled
+   function alone (no ``torch._dynamo.reset()``), only when its structure must change: with
    ``recompute="auto"`` the activations are zbuf's to choose too, so the new plans get the
    measured ``room`` as their free memory (``free_memory_bytes``), which budgeted recompute
    splits between activations and gathers as at compile time ([Note: budgeted recompute] in
-   compile/recompute.py). The pool's budget starts again at 0 for the new plans to size. If
-   the plan fits and held nothing back, nothing is recompiled. This happens once.
+   compile/recompute.py); a plan that does not fit the budget even with nothing kept gets
+   ``budget_bytes`` = the budget (compiled whole if its blocks compiled once hold more). After
+   a compile the pool's budget starts again at 0 for the new plans to size, and their keep-set
+   is chosen at the steady step. If nothing would change, nothing does. This happens once.
    After ``STEADY_STEP`` (the first step after the new plan's first run: steady-state reserved
    bytes, not step 0's, which lacked the optimizer's fragmentation) the same measurement and
-   agreement run once more, and the model is re-planned, once, if its plans no longer fit: the
-   headroom fell below the margin (``limit / SAFETY_DIVISOR``).
+   agreement run once more, and the plan settles, once: compiled again if its plans no longer
+   fit even with nothing kept, else the keep-set shrinks if the headroom fell below the margin
+   (``limit / SAFETY_DIVISOR``), or is chosen if step 1 compiled the plan.
    [Note: fragmentation grows with the room]
    The measured peaks are the allocator's reserved bytes, so step 0's fragmentation is in them;
    but what the re-plan puts into the room (``auto``'s kept activations above all) fragments
@@ -157,13 +161,22 @@ class MeasuredBudget(NamedTuple):
     """The smallest budget of the plans step 0 ran (None: nothing compiled, or an explicit
     ``budget_bytes``)."""
     replanned: bool
-    """Whether the model was compiled again under ``budget_bytes``."""
+    """Whether the plan changed here: compiled again, or a new keep-set ([Note: bounded
+    re-plan] in compile/replan.py)."""
     measured_step: int
     """The step the numbers come from."""
     fragmentation: float
     """The allocator's reserved-but-unallocated bytes per byte the step allocated beyond its start,
     in the measured step's worse phase (largest over the ranks; [Note: fragmentation grows with
     the room])."""
+    recompiled: bool = False
+    """Whether the re-plan compiled the model again; False when it changed only which weights
+    forward keeps for backward, or did nothing ([Note: bounded re-plan])."""
+    kept_bytes: int = 0
+    """Gathered bytes forward keeps for backward after this decision ([Note: weights kept at run
+    time] in zbuf/kept_weights.py)."""
+    kept_weights: int = 0
+    """How many weights forward keeps for backward after this decision."""
 
 
 class StepMemoryRow(NamedTuple):
@@ -353,19 +366,22 @@ class StepMemory:
         # fragmentation of what is planned into it ([Note: fragmentation grows with the room]).
         free = usable - max(fw - act.get("forward", 0), bw - act.get("backward", 0))
         room = stable_budget(free * PPM // (PPM + frag))
-        planned = replanned = None
+        planned = replan = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
-            if grow:
-                replanned = self.replanner.grow(budget, room, self._world_size())
-            else:
-                replanned = self.replanner.shrink_if_needed(budget, room)
-        if replanned:
+            decide = self.replanner.grow if grow else self.replanner.settle
+            replan = decide(budget, room, self._world_size())
+        if replan is not None:
             self._replan_steps.add(self.meter.closed)  # the step now opening
-            # The new plans' first runs size the pool, as the first plans' did.
-            self.memory.pool.set_budget(0)
+            if replan.recompiled:
+                # The new plans' first runs size the pool, as the first plans' did; a new
+                # keep-set moved the pool's budget itself (zbuf/kept_weights.py).
+                self.memory.pool.set_budget(0)
+        kept = self.replanner.kept if self.replanner is not None else ()
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
-                              bool(replanned), row.step, frag / PPM)
+                              replan is not None, row.step, frag / PPM,
+                              recompiled=bool(replan and replan.recompiled),
+                              kept_bytes=sum(c.nbytes for c in kept), kept_weights=len(kept))
 
     def _world_size(self) -> int:
         g = self.group

@@ -1,15 +1,19 @@
 """The ops the compile pass puts in graphs: gather buffer, start, wait, release, reduce, check.
 
 ``zbuf::gather_buffer(Tensor(a!) token, Tensor shard, int param_id, SymInt[] shape, str group_name,
-                      ScalarType? param_dtype, int pool_id) -> Tensor``
+                      ScalarType? param_dtype, int pool_id, int keep_role=0) -> Tensor``
     Fresh memory from pool ``pool_id`` ([Note: pool ids] in runtime.py) for ``param_id``'s gather, laid out exactly as ``zbuf::all_gather`` lays it
     out ([Note: shard layout] in param.py): the full tensor, a view of the padded flat block.
-    Contents undefined until the wait of the start that fills it.
+    Contents undefined until the wait of the start that fills it. ``keep_role`` (zbuf/kept_weights.py):
+    in a training forward (``HOLDS``) the buffer of a weight in the pool's keep-set is held at
+    its release; in a backward (``TAKES``) a held buffer is returned, already filled (its start
+    skips it) ([Note: weights kept at run time]).
 ``zbuf::all_gather_start(Tensor(a!) token, Tensor(b!)[] gathered, Tensor[] shards,
                          str group_name) -> ()``
     Issues ONE collective that fills every buffer in ``gathered`` from the matching ``shards``
     (cast to the buffers' dtype, in place: [Note: in-place gathers] in runtime.py), and returns
-    without waiting.
+    without waiting. Buffers that ``gather_buffer`` returned filled (held from forward) are
+    left out; when none is left, no collective is issued.
     Coalescing needs no copy-out: ``ProcessGroup.allgather_into_tensor_coalesced`` writes each
     parameter's padded block directly (one NCCL group; on gloo one gather per block instead,
     [Note: no coalesced gathers on gloo] in runtime.py).
@@ -19,7 +23,8 @@
 ``zbuf::all_gather_release(Tensor(a!) token, Tensor(b!)[] released, int[] pool_ids,
                            Tensor[] after) -> ()``
     ``zbuf::release`` with the token, of each buffer in turn: returns ``released[i]`` to pool
-    ``pool_ids[i]`` right after its last use. ``after``: the outputs of every node that reads any
+    ``pool_ids[i]`` right after its last use (or holds it for backward: a kept weight that
+    a forward ``gather_buffer`` noted). ``after``: the outputs of every node that reads any
     of them ([Note: release after the readers]). One op for all the buffers released at one
     slot ([Note: one release per slot] in rewrite.py).
 ``zbuf::hold_released(Tensor(a!) token, Tensor(b!)[] released) -> ()``
@@ -54,7 +59,9 @@ pool.py).
                        str record) -> ()``
     Every run of a compiled graph: checks that every rank runs a graph with the same
     ``fingerprint`` (its input shapes and collective order, described by ``collectives``;
-    fingerprint.py, [Note: collective order check]); an empty ``fingerprint`` skips that.
+    fingerprint.py, [Note: collective order check]), with the keep-sets of its pools folded in
+    (the gathers a kept weight skips: [Note: weights kept at run time] in zbuf/kept_weights.py);
+    an empty ``fingerprint`` skips that.
     First run only: grows each pool the graph gathers from so that pool ``pool_ids[i]`` can
     keep ``buffer_counts[i]`` blocks of ``buffer_sizes[i]`` bytes ([Note: pool sizing] in
     schedule.py): after warm-up no gather allocates; registers the graph's schedule ``record``
@@ -107,6 +114,7 @@ from typing import Optional
 import torch
 
 from .. import runtime
+from ..kept_weights import NEITHER, TAKES
 from ..param import unpad_full
 from . import report
 from .fingerprint import check_across_ranks
@@ -121,6 +129,7 @@ __all__ = [
     "reduce_scatter_start",
     "reduce_scatter_wait",
     "check_schedule",
+    "with_keep_sets",
     "pending",
 ]
 
@@ -182,7 +191,7 @@ def _op(schema: str):
 
 @_op(
     "gather_buffer(Tensor(a0!) token, Tensor shard, SymInt param_id, SymInt[] shape, "
-    "str group_name, ScalarType? param_dtype, SymInt pool_id) -> Tensor"
+    "str group_name, ScalarType? param_dtype, SymInt pool_id, int keep_role=0) -> Tensor"
 )
 def gather_buffer(
     token: torch.Tensor,
@@ -192,7 +201,33 @@ def gather_buffer(
     group_name: str,
     param_dtype: Optional[torch.dtype],
     pool_id: int,
+    keep_role: int = NEITHER,
 ) -> torch.Tensor:
+    pool = runtime.pool_of(pool_id, shard)
+    kept = pool.kept if keep_role else None
+    if kept:  # [Note: weights kept at run time] in zbuf/kept_weights.py
+        if keep_role == TAKES:
+            held = kept.take(param_id)
+            if held is not None:
+                _mark_filled(token, held)
+                return held
+        else:
+            out = _fresh_buffer(shard, param_id, shape, group_name, param_dtype, pool)
+            kept.note_forward_gather(pool, param_id, out)
+            return out
+    return _fresh_buffer(shard, param_id, shape, group_name, param_dtype, pool)
+
+
+def _mark_filled(token: torch.Tensor, buf: torch.Tensor) -> None:
+    """``buf`` holds its weight already: the start that would fill it skips it."""
+    key = buf.untyped_storage().data_ptr()
+    try:  # [Note: work in flight lives on the token]
+        token._zbuf_filled.add(key)
+    except AttributeError:
+        token._zbuf_filled = {key}
+
+
+def _fresh_buffer(shard, param_id, shape, group_name, param_dtype, pool) -> torch.Tensor:
     world = runtime.process_group(group_name).size()
     dtype = param_dtype if param_dtype is not None else shard.dtype
     padded = world * shard.numel()
@@ -201,7 +236,7 @@ def gather_buffer(
             f"zbuf::gather_buffer: shape {list(shape)} has more elements than {world} shards of "
             f"{shard.numel()} (param_id {param_id})"
         )
-    buf = runtime.pool_of(pool_id, shard).acquire((padded,), dtype)
+    buf = pool.acquire((padded,), dtype)
     # Counted here, not at the start that fills it: the start names no parameter id ([Note:
     # counts live with their model] in runtime.py), and every buffer's gather starts in its graph.
     runtime.count_gather(param_id, buf.numel() * buf.element_size())
@@ -209,7 +244,8 @@ def gather_buffer(
 
 
 @gather_buffer.register_fake
-def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype, pool_id):
+def _gather_buffer_fake(token, shard, param_id, shape, group_name, param_dtype, pool_id,
+                        keep_role=NEITHER):
     return shard.new_empty(shape, dtype=param_dtype if param_dtype is not None else shard.dtype)
 
 
@@ -229,11 +265,21 @@ def all_gather_start(
                 f"zbuf::all_gather_start: {len(gathered)} buffers for {len(shards)} shards"
             )
         pg = runtime.process_group(group_name)
-        # The padded flat blocks (see ``unpad_full``), through aliases that the collective's
-        # work object cannot keep alive ([Note: collective output lifetime] in runtime.py).
-        blocks = [runtime.borrowed(g, pg.size() * s.numel()) for g, s in zip(gathered, shards)]
-        work = runtime.gather_into(blocks, shards, pg, async_op=True)  # [Note: in-place gathers]
         key = gathered[0].untyped_storage().data_ptr()
+        filled = token.__dict__.get("_zbuf_filled")
+        if filled:  # buffers held from forward ([Note: weights kept at run time])
+            todo = [(g, s) for g, s in zip(gathered, shards)
+                    if g.untyped_storage().data_ptr() not in filled]
+            filled.difference_update(g.untyped_storage().data_ptr() for g in gathered)
+        else:
+            todo = list(zip(gathered, shards))
+        work = None
+        if todo:
+            # The padded flat blocks (see ``unpad_full``), through aliases that the collective's
+            # work object cannot keep alive ([Note: collective output lifetime] in runtime.py).
+            blocks = [runtime.borrowed(g, pg.size() * s.numel()) for g, s in todo]
+            # [Note: in-place gathers]
+            work = runtime.gather_into(blocks, [s for _, s in todo], pg, async_op=True)
         try:  # [Note: work in flight lives on the token]
             token._zbuf_gathers_in_flight[key] = work
         except AttributeError:
@@ -270,6 +316,9 @@ def all_gather_release(token: torch.Tensor, released: Sequence[torch.Tensor],
                        pool_ids: Sequence[int], after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
     for t, pool_id in zip(released, pool_ids, strict=True):
+        kept = runtime.pool_of(pool_id, t).kept
+        if kept and kept.hold_if_kept(t):  # [Note: weights kept at run time]
+            continue
         runtime.release_buffer(t, pool_id)
 
 
@@ -348,6 +397,17 @@ def _reduce_scatter_wait_fake(token, started):
     return None
 
 
+def with_keep_sets(like: torch.Tensor, pool_ids: Sequence[int], fingerprint: str,
+                   description: str) -> tuple[str, str]:
+    """A graph's fingerprint and description with the keep-sets of the pools it gathers from
+    folded in: the gathers a kept weight skips are part of its collective order ([Note: weights
+    kept at run time] in zbuf/kept_weights.py)."""
+    for pool in {id(p): p for p in (runtime.pool_of(i, like) for i in pool_ids)}.values():
+        if pool.kept:
+            fingerprint, description = pool.kept.fingerprint(fingerprint, description)
+    return fingerprint, description
+
+
 def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[int],
                 counts: Sequence[int]) -> None:
     """[Note: pool sizing] for every pool a graph gathers from (two ids may name one pool)."""
@@ -356,6 +416,8 @@ def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[in
         pool = runtime.pool_of(pool_id, token)
         capacity = getattr(pool, "capacity_for", lambda n: n)
         _, before = need.get(id(pool), (pool, 0))
+        if not before:  # the blocks it holds for kept weights ([Note: weights kept at run time])
+            before = pool.kept.capacity_bytes(pool)
         need[id(pool)] = (pool, before + capacity(size) * count)
     for pool, nbytes in need.values():
         current = pool.stats().budget_bytes
@@ -381,6 +443,7 @@ def check_schedule(
 ) -> None:
     with runtime.label("zbuf::check_schedule"):
         if fingerprint:  # every run: [Note: collective order check]
+            fingerprint, collectives = with_keep_sets(token, pool_ids, fingerprint, collectives)
             check_across_ranks(group_name, fingerprint, collectives)
         key = (group_name, fingerprint, record)
         owner = report.records_of(param_id)

@@ -182,6 +182,15 @@ def _first_difference(descriptions: list[str], me: int) -> str:
                 "every batch from the first step, e.g. torch._dynamo.mark_dynamic(tokens, 1, "
                 "max=longest), so that one graph serves every length."
             )
+        if ref.get("kept", []) != graph.get("kept", []):
+            return (
+                f"ranks keep different gathered weights for backward: rank {me} keeps parameters "
+                f"{ref.get('kept', [])}, rank {other} keeps {graph.get('kept', [])}, so their "
+                "backward graphs would skip different gathers. The keep-set must be chosen from "
+                "rank-agreed inputs at the same point of every rank ([Note: weights kept at run "
+                "time] in zbuf/kept_weights.py); this is a zbuf bug unless a rank changed it by "
+                "hand."
+            )
         ref_c, order = ref["collectives"], graph["collectives"]
         i, a, b = _first_mismatch(ref_c, order, "<end of graph>")
         return (

@@ -54,7 +54,10 @@ class CompileOptions:
     (ranked by communication time saved per byte) instead of re-gathering them in backward
     ([Note: selective persistence] in persist.py). ``None`` (default): where it saves something,
     so never at world 1, where a gather moves nothing over a link. ``True``: within the budget
-    whatever the world size. ``False``: never."""
+    whatever the world size. ``False``: never. The plans ``zbuf.compile`` measures and re-plans
+    keep them at run time instead of in the graph ([Note: weights kept at run time] in
+    zbuf/kept_weights.py): the re-planner applies this option to the keep-set, and compiles its
+    graphs with ``persist=False``."""
 
     persist_fraction: float = 0.5
     """Share of the budget that selective persistence may use; the rest stays for prefetch."""

@@ -34,6 +34,7 @@ from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch.profiler import record_function
 
+from ..kept_weights import HOLDS, NEITHER, TAKES
 from ..optimizer_in_backward import BATCH_BYTES
 from . import budget as budget_mod
 from . import recompute, report
@@ -144,6 +145,9 @@ class PlanState:
         """What the partition kept for backward and what backward recomputes (recompute.py)."""
         self.schemas = SchemaMemo()
         """The region calls' schemas while this graph is traced ([Note: one schema per region])."""
+        self.partitioned = False
+        """The partitioner split this graph into forward and backward (a training graph; an
+        inference graph has no backward to keep weights for)."""
 
     def uuid(self) -> str:
         return f"{_source_hash()}:{self.options.digest()}:{torch.__version__}"
@@ -174,6 +178,7 @@ class ZbufPartitioner(CustomPartitionerFn):
             with record_function("zbuf::tag_for_regather"), dynamo_timed("zbuf.tag_for_regather"):
                 return tag_for_regather(joint, opts, activation_peak)
 
+        self.state.partitioned = True
         forward_region_inputs(gm.graph)  # [Note: region bodies]
         keep_block_boundaries(gm.graph)
         with record_function("zbuf::partition"):
@@ -258,7 +263,10 @@ class GatherSchedulePass(CustomGraphPass):
                     gathered_peak=sched.peak_live_bytes + kept, reserve_bytes=reserve)
         with dynamo_timed("zbuf.rewrite"):
             if sched is not None:
-                token = rewrite(graph, index, sched)  # 5
+                # [Note: weights kept at run time] in zbuf/kept_weights.py
+                role = (TAKES if kind == "backward"
+                        else HOLDS if self.state.partitioned else NEITHER)
+                token = rewrite(graph, index, sched, role)  # 5
             token = thread_reduce_scatters(graph, token)  # 6
             if opts.optimizer_in_backward and kind == "backward":
                 step_gradients_in_backward(graph, token, BATCH_BYTES)

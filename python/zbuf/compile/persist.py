@@ -1,9 +1,14 @@
-"""Selective persistence: which gathered weights forward keeps for backward, as recompute tags.
+"""Selective persistence: which gathered weights forward keeps for backward.
 
-The partitioner pass (``passes.ZbufPartitioner``) runs ``tag_for_regather`` on the joint graph
-before ``min_cut_rematerialization_partition``: every gather and its view/cast users are tagged
-``MUST_RECOMPUTE`` (backward re-gathers instead of saving full weights), except the gathers kept
-here (``MUST_SAVE``).
+Two ways to keep them, one order (``choose_kept``):
+* at run time, the plans of ``zbuf.compile`` ([Note: weights kept at run time] in
+  zbuf/kept_weights.py): the graphs always re-gather in backward, and after the measured step
+  the re-planner picks the keep-set from the measured room ([Note: the run-time keep-set]);
+* in the graph, for plans compiled with a fixed budget (``torch.compile(m, backend="zbuf")``,
+  ``zbuf.compile(..., budget_bytes=...)``): the partitioner pass (``passes.ZbufPartitioner``)
+  runs ``tag_for_regather`` on the joint graph before ``min_cut_rematerialization_partition``:
+  every gather and its view/cast users are tagged ``MUST_RECOMPUTE`` (backward re-gathers
+  instead of saving full weights), except the gathers kept here (``MUST_SAVE``).
 
 [Note: selective persistence]
 A gathered weight that backward reads (``grad_input = grad_out @ W``) is either re-gathered in
@@ -26,10 +31,27 @@ gathers with a backward consumer in the joint graph, or a consumer that activati
 checkpointing tags for recompute (backward re-runs it, so it needs the weight again). A gather
 that backward re-runs only because the partitioner itself chose to recompute a cheap consumer
 (an embedding lookup, say) is not known before partitioning and is re-gathered.
+
+[Note: the run-time keep-set]
+After the measured step ([Note: measure first, then spend] in zbuf/step_memory.py) the
+re-planner (replan.py) chooses the weights forward keeps for backward with ``choose_kept``, a
+pure function of what every rank has alike: the schedule records of the current graphs (each
+weight's gathered bytes, and the position at which the backward graphs first read it, in the
+order they run) and the rank-agreed measured budget. Candidates are the weights that a forward
+graph and a backward graph both gather (forward fills the buffer that backward then skips). The
+cap is ``min(persist_fraction * budget, budget - need)``, where ``need`` is the most gathered
+bytes any current graph holds at once by its compiled plan (prefetch stays as compiled: kept
+bytes are charged as live through every graph, on top of its plan). The order is [Note:
+selective persistence]'s: latency-bound gathers first, then in the order backward needs them, then smaller first,
+then by parameter id (a total order: the same set on every rank, whatever order the candidates
+come in); each candidate that still fits is kept, one that does not is skipped and later
+smaller ones may still fit. Same rules as in the graph: nothing at world 1 unless
+``persist=True``, nothing with ``persist=False``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -49,7 +71,40 @@ from .graph_info import (
 )
 from .options import CompileOptions
 
-__all__ = ["Persisted", "tag_for_regather"]
+__all__ = ["Persisted", "KeepCandidate", "keep_order", "choose_kept", "tag_for_regather"]
+
+
+class KeepCandidate(NamedTuple):
+    """A gathered weight that forward could keep for backward."""
+
+    key: int
+    """Rank-invariant identity, the last tie-break (a parameter id; a node position in the
+    joint graph)."""
+    nbytes: int
+    """Gathered (padded) bytes it would keep live."""
+    need: int
+    """Where backward first needs it, in execution order (smaller: earlier)."""
+    pool_id: int = -1
+    """The pool its buffer comes from."""
+
+
+def keep_order(c: KeepCandidate, latency_bound_bytes: float) -> tuple:
+    """[Note: selective persistence]'s order: latency-bound first, then by backward need."""
+    return (c.nbytes >= latency_bound_bytes, c.need, c.nbytes, c.key)
+
+
+def choose_kept(candidates: Iterable[KeepCandidate], cap_bytes: int,
+                latency_bound_bytes: float) -> tuple[KeepCandidate, ...]:
+    """The candidates kept within ``cap_bytes``, in ``keep_order`` ([Note: the run-time
+    keep-set]): each that still fits. Pure and deterministic: equal inputs in any order give
+    the same tuple."""
+    kept: list[KeepCandidate] = []
+    total = 0
+    for c in sorted(candidates, key=lambda c: keep_order(c, latency_bound_bytes)):
+        if total + c.nbytes <= cap_bytes:
+            kept.append(c)
+            total += c.nbytes
+    return tuple(kept)
 
 
 
@@ -134,15 +189,13 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
         first_need = {g: min((need_at(u) for v in [g, *trees[g]] for u in v.users
                               if u not in trees[g]), default=len(order)) for g in candidates}
         latency_bound = opts.collective_latency_seconds * opts.link_bytes_per_second
-        candidates.sort(key=lambda g: (gathered_nbytes(g) >= latency_bound, first_need[g],
-                                       gathered_nbytes(g), order[g]))
-        for g in candidates:
-            nbytes = gathered_nbytes(g)
-            if kept_bytes + nbytes > cap:
-                continue
-            persist.add(g)
-            kept_bytes += nbytes
-            buffers.append((gather_args(g).pool_id, nbytes))
+        by_position = {order[g]: g for g in candidates}
+        for c in choose_kept((KeepCandidate(order[g], gathered_nbytes(g), first_need[g],
+                                            gather_args(g).pool_id) for g in candidates),
+                             cap, latency_bound):
+            persist.add(by_position[c.key])
+            kept_bytes += c.nbytes
+            buffers.append((c.pool_id, c.nbytes))
     for g in gathers:
         g.meta["recompute"] = CheckpointPolicy.MUST_SAVE if g in persist else CheckpointPolicy.MUST_RECOMPUTE
         # The backward graph's placeholder of a kept weight shares this meta dict: there it is

@@ -1,31 +1,49 @@
 """Re-planning a zbuf-compiled model under the budget the whole step measured: grown once
-after the measured step, shrunk at most once after a steady one.
+after the measured step, settled at most once after a steady one.
 
 [Note: bounded re-plan]
 ``zbuf.step_memory`` measures the first step, whose plan spent nothing it could not know
 ([Note: measure first, then spend] in zbuf/step_memory.py), and grows the plans into the
-measured room once (``grow``); a steady step later, it shrinks them once if they no longer fit
-(``shrink_if_needed``). So a model is compiled at most three times. The plans live in compiled
-code, so a new plan needs a new compile of the model's frames, and nothing else:
+measured room once (``grow``); a steady step later, it settles them once (``settle``): shrinks
+them if they no longer fit, or picks the weights kept for backward of a plan that ``grow``
+compiled. A plan has two parts, and a re-plan changes the cheaper one when it can:
 
-* the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
-  callable. Re-planning compiles the same module again with ``torch.compile(...,
-  backend="zbuf", options=<budget_bytes=the measured budget>)``: a new backend instance, so
-  Dynamo's backend-match guard fails for the old cache entries of these frames and they are
-  traced and planned again (one recompile per frame and re-plan, well inside Dynamo's recompile
-  limit); every
-  other compiled function in the process keeps its code (no ``torch._dynamo.reset()``).
-* the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
-  ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to the
-  new compiled callable, so the step that decides is the first step of the new plan;
-* the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted recompute),
-  quantised by the caller, so it enters the passes' cache uuid and a relaunch of the same
-  configuration finds the same compiled graphs in Inductor's cache;
-* a model whose blocks are compiled once ([Note: compile repeated blocks once] in regions.py)
-  holds one block's weights at least; when the budget is below that, the re-plan compiles the
-  model whole (its blocks unmarked), whose floor is one node's weights;
-* the old plans' schedule records stay (``schedule_report`` lists every graph compiled); the
-  re-planner knows which ones are current.
+* data: which gathered weights forward keeps for backward (the pools' keep-sets, [Note:
+  weights kept at run time] in zbuf/kept_weights.py, chosen by [Note: the run-time keep-set] in
+  persist.py). Changing it compiles nothing: the compiled graphs always re-gather in backward,
+  and a kept weight's gather finds its buffer held from forward. This is what growth into the
+  measured room normally is with the user's checkpointing as written (``recompute=
+  "checkpointed"`` or ``"none"``): the weights kept for backward, prefetch as compiled at step 0
+  (about one block ahead, which the cost model says hides the communication at qwen3-14b's
+  size: benches/results/compile_time_14b.md). Shrinking the keep-set is data too.
+* structure: the gather budget the graphs were planned within, and ``recompute="auto"``'s kept
+  activations. The model is compiled again when the keep-set cannot help: ``auto`` has regions
+  to keep (its activations are graph structure), a plan does not fit the measured budget even
+  with nothing kept, or only the blocks compiled once keep it above the budget. So a model is
+  compiled at most three times. The plans live in compiled code, so a new plan needs a new
+  compile of the model's frames, and nothing else:
+
+  - the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
+    callable. Re-planning compiles the same module again with ``torch.compile(...,
+    backend="zbuf", options=<budget_bytes=the measured budget>)``: a new backend instance, so
+    Dynamo's backend-match guard fails for the old cache entries of these frames and they are
+    traced and planned again (one recompile per frame and re-plan, well inside Dynamo's
+    recompile limit); every other compiled function in the process keeps its code (no
+    ``torch._dynamo.reset()``).
+  - the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
+    ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to
+    the new compiled callable, so the step that decides is the first step of the new plan;
+  - the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted
+    recompute), quantised by the caller, so it enters the passes' cache uuid and a relaunch of
+    the same configuration finds the same compiled graphs in Inductor's cache;
+  - a model whose blocks are compiled once ([Note: compile repeated blocks once] in
+    regions.py) holds one block's weights at least; when the budget is below that, the re-plan
+    compiles the model whole (its blocks unmarked), whose floor is one node's weights;
+  - the new graphs are compiled with ``persist=False``: they re-gather in backward too, and
+    their keep-set is chosen at the steady step, the first decision point at which their
+    schedule records (the keep-set's input) exist;
+  - the old plans' schedule records stay (``schedule_report`` lists every graph compiled); the
+    re-planner knows which ones are current.
 """
 
 from __future__ import annotations
@@ -33,22 +51,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from .. import runtime
 from .budget import PlanExceedsMemoryError
 from .options import CompileOptions
+from .persist import KeepCandidate, choose_kept
 from .regions import is_marked_model, unmark_repeated_blocks
-from .report import ScheduleRecord, graph_summary, schedule_report
-from .schedule import exposed_seconds, plan_schedule
+from .report import ScheduleRecord, schedule_report
 
-__all__ = ["PlannedForward", "Replanner", "GROW_MIN_GAIN"]
+__all__ = ["PlannedForward", "Replanner", "Replan"]
 
-GROW_MIN_GAIN = 0.01
-"""Least share of the current graphs' modelled compute time that more prefetch must take off
-their modelled exposure to be worth a recompile: below it the grown plan would differ from the
-measured one by less than a step's noise, and the recompile costs seconds."""
+
+class Replan(NamedTuple):
+    """What a re-plan changed."""
+
+    recompiled: bool
+    """The model was compiled again (its structure changed); False: only the keep-set."""
+    kept_bytes: int
+    """Gathered bytes forward keeps for backward from now on."""
+    kept_weights: int
+    """How many weights forward keeps for backward from now on."""
 
 
 class PlannedForward:
@@ -75,12 +100,21 @@ class Replanner:
         self.dynamic = dynamic
         self.forward = PlannedForward(compiled.forward)
         compiled.forward = self.forward
+        self.persist = options.persist
+        """The user's persistence option: the keep-set follows it ([Note: the run-time
+        keep-set] in persist.py); the graphs compiled again never persist themselves."""
         self.replanned = False
+        """Re-planned at least once (compiled again, or a new keep-set)."""
+        self.recompiled = False
         """Compiled again at least once."""
         self.grown = False
-        """Re-planned after the measured step."""
-        self.shrunk = False
-        """Re-planned after a steady step whose headroom fell below the margin."""
+        """The measured step was decided on (``grow``)."""
+        self.settled = False
+        """The steady step was decided on (``settle``)."""
+        self.kept: tuple[KeepCandidate, ...] = ()
+        """The weights forward keeps for backward ([Note: weights kept at run time] in
+        zbuf/kept_weights.py), in the order they were chosen."""
+        self._kept_pools: set[int] = set()  # pool ids whose keep-set this re-planner set
         self._first_graph = 0  # graph_id of the first record of the current plan
 
     # -- the current plan ---------------------------------------------------------------------
@@ -104,21 +138,32 @@ class Replanner:
             out[r.kind] = max(out.get(r.kind, 0), peak)
         return out
 
+    @property
+    def kept_bytes(self) -> int:
+        """Gathered bytes forward keeps for backward under the current keep-set."""
+        return sum(c.nbytes for c in self.kept)
+
     @staticmethod
-    def needs(r: ScheduleRecord) -> int:
-        """Gathered bytes graph ``r`` holds at its peak: its live gathered bytes, plus, in a
-        backward graph, the weights kept from forward (they are not in its profile)."""
+    def plan_needs(r: ScheduleRecord) -> int:
+        """Gathered bytes graph ``r``'s compiled plan holds at its peak: its live gathered bytes,
+        plus, in a backward graph, the weights its compile kept from forward (they are not in
+        its profile)."""
         return r.peak_live_gathered_bytes + (r.persistent_bytes if r.kind == "backward" else 0)
+
+    def needs(self, r: ScheduleRecord) -> int:
+        """Gathered bytes graph ``r`` holds at its peak: its plan's, plus the weights held for
+        backward (charged to every graph as live throughout: [Note: the run-time keep-set])."""
+        return self.plan_needs(r) + self.kept_bytes
 
     def largest_need(self) -> int:
         """The most gathered bytes any current graph holds at once (0: nothing compiled)."""
         return max((self.needs(r) for r in self.records()), default=0)
 
-    def fits(self, budget_bytes: int) -> bool:
-        """Whether no current graph would gain from a plan under ``budget_bytes``: each needs
-        at most that, or already no more than its floor (the bytes one node needs at once, which
-        no plan goes below)."""
-        return all(self.needs(r) <= max(budget_bytes, r.floor_bytes) for r in self.records())
+    def plans_fit(self, budget_bytes: int) -> bool:
+        """Whether no current graph would gain from a plan compiled under ``budget_bytes``: each
+        plan needs at most that, or already no more than its floor (the bytes one node needs at
+        once, which no plan goes below). The keep-set is not counted: it can always shrink."""
+        return all(self.plan_needs(r) <= max(budget_bytes, r.floor_bytes) for r in self.records())
 
     @staticmethod
     def refuse_if_no_plan_fits(peak_bytes: int, usable_bytes: int, *, phase: str, step: int,
@@ -150,75 +195,113 @@ class Replanner:
     # -- re-planning --------------------------------------------------------------------------
 
     def below_block_floor(self, budget_bytes: int) -> bool:
-        """Whether a current graph holds more than ``budget_bytes`` only because its blocks are
-        compiled once, each a unit of gathered weights ([Note: compile repeated blocks once]
-        in regions.py): compiled whole, its floor is one node's weights."""
+        """Whether a current graph's plan holds more than ``budget_bytes`` only because its
+        blocks are compiled once, each a unit of gathered weights ([Note: compile repeated
+        blocks once] in regions.py): compiled whole, its floor is one node's weights."""
         return is_marked_model(self.model) and any(
-            self.needs(r) > budget_bytes for r in self.records())
+            self.plan_needs(r) > budget_bytes for r in self.records())
 
-    def prefetch_gain_seconds(self, budget_bytes: int) -> float:
-        """Modelled exposure ([Note: modelled exposure] in schedule.py) that the current graphs
-        would lose if re-planned within ``budget_bytes``: each graph's planner input is planned
-        again under the new budget, as the re-plan would. ``inf`` when a graph that leaves
-        communication exposed was served from Inductor's cache (its planner input is unknown)."""
-        gain = 0.0
-        for r in self.records():
-            if not r.gathers or r.modelled_exposed_seconds <= 0:
-                continue
-            summary = graph_summary(r)
-            if summary is None:
-                return math.inf
-            kept = r.persistent_bytes if r.kind == "backward" else 0
-            grown = plan_schedule(summary, max(1, budget_bytes - kept), self.options)
-            gain += r.modelled_exposed_seconds - exposed_seconds(summary, grown, self.options)
-        return gain
+    def keeps_activations(self) -> bool:
+        """Whether ``recompute="auto"`` has regions whose activations a grown plan could keep:
+        graph structure, so growing them compiles the model again."""
+        return any(r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
+                   for r in self.records())
 
-    def can_grow(self, world_size: int, budget_bytes: int) -> bool:
-        """Whether the current plan, the measured step's ([Note: measure first, then spend] in
-        zbuf/step_memory.py), held something back that ``budget_bytes`` would buy: persistence
-        (at world > 1, or asked for), ``recompute="auto"``'s kept activations, or prefetch that
-        takes at least ``GROW_MIN_GAIN`` of the modelled compute time off the modelled exposure.
-        A grown plan that would equal the measured one is not compiled."""
-        o = self.options
-        if not o.measuring:
-            return False
-        if o.persist is True or (o.persist is None and world_size > 1):
-            return True
+    def must_recompile(self, budget_bytes: int) -> bool:
+        """Whether the plan's structure must change for ``budget_bytes`` ([Note: bounded
+        re-plan]): its plans do not fit it even with nothing kept, or only their blocks
+        compiled once keep them above it."""
+        return not self.plans_fit(budget_bytes) or self.below_block_floor(budget_bytes)
+
+    def keep_candidates(self) -> list[KeepCandidate]:
+        """The weights a current forward graph and a current backward graph both gather, each
+        with where backward first needs it: positions in the backward graphs in the order they
+        were recorded (the order they first ran), the earlier graphs' lengths added."""
         records = self.records()
-        if any(r.recompute is not None and r.recompute.mode == "auto" and r.recompute.regions > 0
-               for r in records):
-            return True
-        compute = sum(r.modelled_compute_seconds for r in records)
-        return o.prefetch and self.prefetch_gain_seconds(budget_bytes) > GROW_MIN_GAIN * compute
+        forward = {w[0] for r in records if r.kind == "forward" for w in r.gathered_weights}
+        found: dict[int, KeepCandidate] = {}
+        offset = 0
+        for r in records:
+            if r.kind != "backward":
+                continue
+            for param_id, pool_id, nbytes, first_read in r.gathered_weights:
+                if param_id in forward and param_id not in found:
+                    found[param_id] = KeepCandidate(param_id, nbytes, offset + first_read, pool_id)
+            offset += r.num_nodes
+        return list(found.values())
 
-    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> bool:
-        """After the measured step: compile again within the measured ``budget_bytes`` of
-        gathered weights (``room_bytes`` for ``recompute="auto"``) if the measured step's plan
-        held something back or does not fit it. Once. Returns whether it re-planned. Every rank
-        must get the same answer: call it with rank-agreed numbers, at the same point of every
-        rank's program."""
-        if self.replanned or not (self.can_grow(world_size, budget_bytes) or not self.fits(budget_bytes)
-                                  or self.below_block_floor(budget_bytes)):
-            return False
-        self.replan(budget_bytes, room_bytes)
+    def choose_kept(self, budget_bytes: int, world_size: int) -> tuple[KeepCandidate, ...]:
+        """The keep-set for ``budget_bytes`` ([Note: the run-time keep-set] in persist.py)."""
+        o = self.options
+        if self.persist is False or (self.persist is None and world_size == 1):
+            return ()
+        need = max((self.plan_needs(r) for r in self.records()), default=0)
+        cap = min(int(o.persist_fraction * budget_bytes), budget_bytes - need)
+        return choose_kept(self.keep_candidates(), cap,
+                           o.collective_latency_seconds * o.link_bytes_per_second)
+
+    def set_kept(self, kept: tuple[KeepCandidate, ...]) -> None:
+        """Make ``kept`` the keep-set of the model's pools (every rank, same program point)."""
+        like = next(iter(self.model.parameters()))
+        by_pool: dict[int, dict[int, int]] = {p: {} for p in self._kept_pools}
+        for c in kept:
+            by_pool.setdefault(c.pool_id, {})[c.key] = c.nbytes
+        for pool_id, weights in sorted(by_pool.items()):
+            pool = runtime.pool_of(pool_id, like)
+            pool.kept.set(pool, weights)
+        self._kept_pools = {p for p, w in by_pool.items() if w}
+        self.kept = kept
+
+    def _outcome(self, recompiled: bool) -> Replan:
+        self.replanned = True
+        return Replan(recompiled, self.kept_bytes, len(self.kept))
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """After the measured step: spend the measured ``budget_bytes`` of gathered weights
+        (``room_bytes`` for ``recompute="auto"``). Keeps weights for backward without compiling
+        when the plan's structure may stay; compiles again when it must change ([Note: bounded
+        re-plan]). Once. Returns what changed (None: nothing). Every rank must get the same
+        answer: call it with rank-agreed numbers, at the same point of every rank's program."""
+        if self.grown or not self.options.measuring:
+            return None
         self.grown = True
-        return True
+        if self.keeps_activations() or self.must_recompile(budget_bytes):
+            self.recompile(budget_bytes, room_bytes)
+            return self._outcome(recompiled=True)
+        kept = self.choose_kept(budget_bytes, world_size)
+        if kept == self.kept:
+            return None
+        self.set_kept(kept)
+        return self._outcome(recompiled=False)
 
-    def shrink_if_needed(self, budget_bytes: int, room_bytes: int) -> bool:
-        """At a steady step: compile again, once, if a current plan does not fit the budget
-        measured there. Returns whether it re-planned; rank-agreed inputs, as ``grow``."""
-        if self.shrunk or (self.fits(budget_bytes) and not self.below_block_floor(budget_bytes)):
-            return False
-        self.replan(budget_bytes, room_bytes)
-        self.shrunk = True
-        return True
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """At a steady step, once: compile again if a current plan does not fit the budget
+        measured there even with nothing kept; else choose the keep-set again if the current one
+        does not fit it, or if ``grow`` compiled the plan (its keep-set is chosen now, from its
+        records). Returns what changed (None: nothing); rank-agreed inputs, as ``grow``."""
+        if self.settled:
+            return None
+        self.settled = True
+        if self.must_recompile(budget_bytes):
+            self.recompile(budget_bytes, room_bytes)
+            return self._outcome(recompiled=True)
+        over = self.largest_need() > budget_bytes
+        if not (over or (self.recompiled and not self.kept)):
+            return None
+        kept = self.choose_kept(budget_bytes, world_size)
+        if kept == self.kept:
+            return None
+        self.set_kept(kept)
+        return self._outcome(recompiled=False)
 
-    def replan(self, budget_bytes: int, room_bytes: int) -> None:
+    def recompile(self, budget_bytes: int, room_bytes: int) -> None:
         """[Note: whole-step budget] step 3 in zbuf/step_memory.py: with ``recompute="auto"``
         (and no explicit activation budget) the measured room becomes the plans' free memory, so
         that budgeted recompute chooses the split of activations and gathers again; otherwise
-        the gathers get ``budget_bytes``."""
-        self.options = dataclasses.replace(self.options, measuring=False)
+        the gathers get ``budget_bytes``. The new graphs re-gather every weight in backward;
+        nothing is kept until ``settle`` chooses from their records."""
+        self.set_kept(())
+        self.options = dataclasses.replace(self.options, measuring=False, persist=False)
         if self.below_block_floor(budget_bytes):
             # The re-plan compiles the model whole, where gathers can be released inside a block.
             unmark_repeated_blocks(self.model)
@@ -235,4 +318,4 @@ class Replanner:
         # The wrapper's Dynamo context follows its plan (torch reads it for pickling and AOT).
         self.compiled.dynamo_ctx = fresh.dynamo_ctx
         self.forward.fn = fresh.forward
-        self.replanned = True
+        self.recompiled = True

@@ -110,6 +110,11 @@ class ScheduleRecord:
     """Bytes of the gradient shards this graph makes, counted in its activation profile from
     their reduce-scatters on ([Note: gradients live in backward] in budget.py); 0 in a forward
     graph."""
+    gathered_weights: tuple[tuple[int, int, int, int], ...] = ()
+    """(param id, pool id, gathered bytes, position of the first reader) of each weight the
+    graph gathers, once per weight, in the order the graph first reads them: in a backward
+    graph, the order backward needs them, which the run-time keep-set is chosen in ([Note:
+    weights kept at run time] in zbuf/kept_weights.py)."""
     recompute: RecomputeStats | None = None
     """What the forward/backward pair of this graph kept for backward and what backward
     recomputes, in bytes and FLOPs, and the recompute mode's decisions (the same in both graphs'
@@ -125,6 +130,7 @@ class ScheduleRecord:
         d["op_order"] = tuple(d["op_order"])
         for name in ("live_gathered_profile", "activation_profile"):
             d[name] = tuple(d.get(name, ()))
+        d["gathered_weights"] = tuple(tuple(w) for w in d.get("gathered_weights", ()))
         if d.get("recompute") is not None:
             d["recompute"] = RecomputeStats(**d["recompute"])
         return cls(**d)
@@ -173,8 +179,19 @@ def schedule_record(graph: torch.fx.Graph, *, kind: GraphKind, index: GraphIndex
         modelled_compute_seconds=float(sum(index.summary.compute_seconds)),
         modelled_exposed_seconds=exposed_seconds(index.summary, sched, options) if sched else 0.0,
         gradient_bytes=gradient_bytes,
+        gathered_weights=_gathered_weights(index),
         recompute=recompute,
     )
+
+
+def _gathered_weights(index: GraphIndex) -> tuple[tuple[int, int, int, int], ...]:
+    """``ScheduleRecord.gathered_weights`` of a summarized graph."""
+    first: dict[int, tuple[int, int, int, int]] = {}
+    for spec in sorted(index.summary.gathers, key=lambda g: (g.uses[0], int(g.key))):
+        param_id = int(spec.key)
+        if param_id not in first:
+            first[param_id] = (param_id, spec.pool, spec.nbytes, spec.uses[0])
+    return tuple(first.values())
 
 
 PROFILE_POINTS = 2000

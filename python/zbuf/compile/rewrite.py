@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.fx
 
+from ..kept_weights import NEITHER
 from . import collectives  # noqa: F401  (registers torch.ops.zbuf.all_gather_start & co.)
 from .graph_info import (GraphIndex, gather_args, group_and_device, is_view, tensor_bytes,
                          unpacks_results)
@@ -234,8 +235,14 @@ def _readers(buf: torch.fx.Node) -> list[torch.fx.Node]:
     return readers
 
 
-def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule) -> torch.fx.Node:
+def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule,
+            keep_role: int = NEITHER) -> torch.fx.Node:
     """Split every planned gather into start / wait / release at the planned slots.
+
+    ``keep_role``: what the graph's gathers do with the weights its pools keep for backward
+    (``HOLDS`` in a training forward, ``TAKES`` in a backward: [Note: weights kept at run time]
+    in zbuf/kept_weights.py). Every buffer of a graph gets the same role: the first gather of a
+    weight in a backward is the one that finds the held buffer, the later ones find none.
 
     [Note: one release per slot]
     The buffers released at one slot are released by one ``zbuf::all_gather_release``, in plan
@@ -294,7 +301,7 @@ def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule) -> torch.
                         buf = graph.call_function(
                             zbuf.gather_buffer.default,
                             (token, a.shard, a.param_id, list(a.shape), a.group_name, a.param_dtype,
-                             a.pool_id),
+                             a.pool_id, keep_role),
                         )
                         buf.meta["val"] = g.meta["val"]
                         buffers[(fi, i)] = buf

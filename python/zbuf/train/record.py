@@ -131,6 +131,10 @@ def _step_memory_summary(report: Optional[dict[str, Any]],
         "planned_budget_bytes": m.get("planned_budget_bytes"),
         "measured_budget_bytes": m.get("budget_bytes"),
         "replanned": bool(m.get("replanned")),
+        # A re-plan that changed only the weights kept for backward compiled nothing
+        # ([Note: bounded re-plan] in zbuf/compile/replan.py).
+        "recompiled": bool(m.get("recompiled")),
+        "kept_bytes": m.get("kept_bytes"),
         "replan_steps": _replan_steps(steps),
         "limit_bytes": m.get("limit_bytes"),
         "pool_yields": sum(1 for s in steps for v in s.get("pool_yielded_bytes") or [] if v),

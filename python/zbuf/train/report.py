@@ -435,6 +435,27 @@ def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     return paths + [p for p in extra if p]
 
 
+def _latest_decision(sm: dict[str, Any]) -> dict[str, Any]:
+    """The later of the step memory's decisions that changed the plan (steady over measured)."""
+    steady = sm.get("steady") or {}
+    return steady if steady.get("replanned") else (sm.get("measured") or {})
+
+
+def _recompiled_text(sm: dict[str, Any]) -> str:
+    """Which re-plans compiled the model again ([Note: bounded re-plan] in compile/replan.py)."""
+    decisions = [d for d in (sm.get("measured"), sm.get("steady")) if d and d.get("replanned")]
+    if not decisions:
+        return "-"
+    return " / ".join("yes" if d.get("recompiled") else "no (keep-set only)" for d in decisions)
+
+
+def _kept_text(e: dict[str, Any]) -> str:
+    d = _latest_decision(e.get("step_memory") or {})
+    if "kept_bytes" not in d:
+        return "-"
+    return f"{d.get('kept_weights', 0)} ({format_bytes(d['kept_bytes'])})"
+
+
 def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
     """The whole step's memory per engine: measured phase peaks, budgets, pool and allocator."""
     engines = _with_phases(record)
@@ -478,6 +499,8 @@ def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
             ("gather budget, measured", measured("budget_bytes")),
             ("re-planned", lambda e: ",".join(str(s["step"]) for s in e["steps"]
                                               if any(s.get("replanned") or [])) or "no"),
+            ("re-plan compiled", lambda e: _recompiled_text(e.get("step_memory") or {})),
+            ("weights kept for backward (run time)", _kept_text),
             ("pool held, last step", peak("pool_held_bytes", slice(-1, None))),
             ("pool idle, last step", peak("pool_idle_bytes", slice(-1, None))),
             ("steps the pool lent to the optimizer",
