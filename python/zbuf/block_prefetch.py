@@ -1,0 +1,195 @@
+"""The cross-block schedule of block frames: each block's weights gathered before it runs, the
+next block's gathered one block ahead, released after the block, re-gathered for its backward
+with the block before it prefetched then.
+
+[Note: two blocks live]
+Under block frames (compile/block_frames.py, [Note: one Dynamo frame per block]) no graph holds
+the whole step, so the schedule the planner derives from the graph elsewhere is fixed here, the
+one FSDP2 runs:
+
+- Forward, block i of a stack (``BlockPrefetch.run``): its gather was launched when block i-1
+  ran (or is launched now, for the first block or when the blocks run out of order); block
+  i+1's gather is launched now, asynchronously, before block i computes; block i's weights are
+  waited, handed to its frame, and released when the frame returns (the last view dies: the
+  frame's autograd saves no gathered weight, see below).
+- Backward: autograd saves the gathered weights that the frame's backward needs; the frame's
+  saved-tensor hooks (``SavedBlock.pack``) store a recipe (parameter index, view geometry) in
+  their place, as [Note: eager re-gather] does for one weight. When the frame's backward unpacks
+  them (all at once, when it starts: AOTAutograd's backward reads every saved tensor first),
+  ``SavedBlock.unpack`` gathers the whole block again and launches the gather of the block that
+  ran before it in forward (the next one backward reaches). Under a checkpoint inside the block
+  the recompute reads the same re-gathered weights.
+
+So at most two blocks' gathered weights are live at any time, forward and backward: the block
+computing and the one in flight. Blocks of one stack have one structure, so two blocks are
+``2 * max(BlockWeights.gathered_nbytes)``, what ``FramePlan`` (compile/block_frames.py) checks
+against the rank-agreed memory before the first step, and without room for it the plan turns
+prefetch off (one block live). Parameters outside the stacks (embedding, final norm, head) are
+gathered one at a time by parameter access, as eager zbuf does, never while a block's weights are
+live in forward.
+
+Rank consistency: the launches depend only on the order the blocks are called in and the order
+backward reaches them, which the program fixes (the same model and inputs' shapes on every
+rank): every rank issues the same gathers in the same order. A gather launched for a block that
+does not come next (a block skipped, or called out of stack order) is waited and dropped at the
+next block's call, and that block gathers on demand: the order still depends on the program only.
+
+A block called inside a backward (an eager checkpoint around the block, recomputing it) gathers
+on demand with no prefetch and no hooks of its own: the checkpoint's hooks own what it saves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from .block_gather import BlockWeights, FrameGather, InFlightGather, launch_block_gather
+from .step_phases import in_backward
+
+__all__ = ["BlockPrefetch", "SavedBlock", "FrameSlot"]
+
+
+class FrameSlot(NamedTuple):
+    """Where a block sits in its stack: what ``BlockPrefetch.run`` needs of it."""
+
+    weights: BlockWeights
+    next: Optional[BlockWeights]
+    """The weights of the block after it in its stack (None for the last): prefetched while it
+    runs."""
+    previous: Optional[BlockWeights]
+    """The weights of the block before it (None for the first): prefetched when its backward
+    starts."""
+
+
+class _SavedWeight(NamedTuple):
+    """What a frame's autograd saves in place of a gathered weight (or a view of one)."""
+
+    block: "SavedBlock"
+    index: int
+    """Which of the block's parameters (``BlockWeights`` order)."""
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    """Storage offset relative to the buffer's own."""
+
+
+class SavedBlock:
+    """One block call's gathered weights as its frame's autograd saved them ([Note: two blocks
+    live]): re-gathered when the frame's backward unpacks them, with the block called before it
+    prefetched then."""
+
+    __slots__ = ("weights", "previous", "prefetch", "_buffer_index", "_packed", "_unpacks_left",
+                 "_regather")
+
+    def __init__(self, weights: BlockWeights, forward_gather: InFlightGather,
+                 previous: Optional["SavedBlock"], prefetch: bool) -> None:
+        self.weights = weights
+        self.previous = previous
+        """The block called just before this one in the same forward (its stack predecessor),
+        or None: its re-gather is launched when this block's backward starts (producer: the
+        forward; consumer: ``unpack``, which drops it)."""
+        self.prefetch = prefetch
+        self._buffer_index = {b.untyped_storage().data_ptr(): (i, b.storage_offset(), b.dtype)
+                              for i, b in enumerate(forward_gather.buffers)}
+        """Storage of each forward buffer -> (parameter index, its offset, dtype); ints only, so
+        the forward's buffers are not kept alive (producer: ``__init__``; consumer: ``pack``)."""
+        self._packed = 0
+        """Weights (and views of them) saved by the frame (producer: ``pack``)."""
+        self._unpacks_left = 0
+        """Of those, not yet unpacked by the current backward (consumer: ``unpack``)."""
+        self._regather: Optional[InFlightGather] = None
+        """The backward's gather of this block: launched by the first ``unpack`` of it, or
+        prefetched by the ``unpack`` of the block after it; dropped once every saved weight
+        was unpacked, so the views handed to backward are its only holders."""
+
+    def pack(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        found = self._buffer_index.get(t.untyped_storage().data_ptr())
+        if found is None or found[2] != t.dtype:
+            return t
+        index, base_offset, _ = found
+        self._packed += 1
+        self._unpacks_left += 1
+        return _SavedWeight(self, index, t.size(), t.stride(), t.storage_offset() - base_offset)
+
+    def _launch(self) -> None:
+        if self._regather is None:
+            self._regather = launch_block_gather(self.weights)
+
+    def buffer_for_backward(self, index: int) -> torch.Tensor:
+        """The re-gathered padded buffer of parameter ``index`` (launches this block's gather if
+        it was not prefetched, and prefetches the previous block's)."""
+        self._launch()
+        gather = self._regather
+        previous = self.previous
+        if self.prefetch and previous is not None and previous._unpacks_left:
+            previous._launch()
+        gather.wait()
+        buffer = gather.buffers[index]
+        self._unpacks_left -= 1
+        if self._unpacks_left <= 0:
+            # Every saved weight is unpacked; a second backward (retain_graph) gathers again.
+            self._unpacks_left = self._packed
+            self._regather = None
+            self.previous = None
+        return buffer
+
+    @staticmethod
+    def unpack(saved: Any) -> Any:
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        buffer = saved.block.buffer_for_backward(saved.index)
+        return buffer.as_strided(saved.size, saved.stride, buffer.storage_offset() + saved.offset)
+
+
+class BlockPrefetch:
+    """The gathers of one model's block frames ([Note: two blocks live]); ``run`` calls a block's
+    frame with its weights."""
+
+    def __init__(self, reducer, *, prefetch: bool) -> None:
+        self.reducer = reducer
+        """The root's ``ReduceOnce`` ([Note: reduce once]): every frame's gradients go through it."""
+        self.prefetch = prefetch
+        """Launch the next block's gathers (forward) and the previous block's (backward) one block
+        ahead; False: one block's weights live at a time (``FramePlan``)."""
+        self._ahead: Optional[InFlightGather] = None
+        """The gather launched one block ahead (producer: ``run`` of the block before; consumer:
+        ``run`` of the next block, which uses it if it is the block it was launched for and
+        drops it otherwise)."""
+        self._last_saved: Optional[SavedBlock] = None
+        """The latest block call's saved weights (producer and consumer: ``run``, which links the
+        next block's to it when that block is its stack successor)."""
+
+    def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
+            kwargs: dict) -> Any:
+        """Gather ``block``'s weights (prefetched if launched one block ahead), launch the next
+        block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
+        instead of the weights."""
+        weights = slot.weights
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.weights is not weights:
+            ahead.wait()  # launched for a block that did not come next: finish it, drop it
+            ahead = None
+        gather = ahead if ahead is not None else launch_block_gather(weights)
+        backward = in_backward()
+        if self.prefetch and slot.next is not None and not backward:
+            self._ahead = launch_block_gather(slot.next)
+        recorded = torch.is_grad_enabled()
+        reducer = self.reducer
+        generations = tuple(
+            reducer.count_use(spec) if recorded and shard.requires_grad else None
+            for shard, spec in zip(weights.shards, weights.specs))
+        full = FrameGather.apply(gather, reducer, generations, *weights.shards)
+        if not recorded or backward:
+            return frame(block, full, args, kwargs)
+        previous = self._last_saved
+        if previous is None or previous.weights is not slot.previous:
+            previous = None
+        saved = SavedBlock(weights, gather, previous, self.prefetch)
+        self._last_saved = saved
+        del gather, ahead
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBlock.unpack):
+            return frame(block, full, args, kwargs)
