@@ -32,7 +32,8 @@ Rank consistency: the launches depend only on the order the blocks are called in
 backward reaches them, which the program fixes (the same model and inputs' shapes on every
 rank): every rank issues the same gathers in the same order. A gather launched for a block that
 does not come next (a block skipped, or called out of stack order) is waited and dropped at the
-next block's call, and that block gathers on demand: the order still depends on the program only.
+next block's call, and that block gathers on demand, or at the end of the model's forward
+(``finish_forward``): the order still depends on the program only.
 
 A block called inside a backward (an eager checkpoint around the block, recomputing it) gathers
 on demand with no prefetch and no hooks of its own: the checkpoint's hooks own what it saves.
@@ -162,6 +163,14 @@ class BlockPrefetch:
         self._last_saved: Optional[SavedBlock] = None
         """The latest block call's saved weights (producer and consumer: ``run``, which links the
         next block's to it when that block is its stack successor)."""
+
+    def finish_forward(self) -> None:
+        """The model's forward ended: a gather still launched ahead (the last block called was
+        not its stack's last) is finished and dropped, so nothing is held past the forward."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
+        self._last_saved = None
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
             kwargs: dict) -> Any:

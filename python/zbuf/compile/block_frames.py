@@ -73,7 +73,7 @@ from .budget import PlanExceedsMemoryError, graph_memory
 from .options import CompileOptions
 from .regions import is_marked_model, repeated_blocks
 
-__all__ = ["BlockFrames", "FramePlan", "install_block_frames", "block_frames_of",
+__all__ = ["BlockFrames", "FramePlan", "install_block_frames", "block_frames_of", "frame_slot_of",
            "NoRepeatedBlocksError"]
 
 _FRAMES_KEY = "_zbuf_block_frames"
@@ -155,6 +155,14 @@ class FramePlan(NamedTuple):
         """The most gathered bytes live at once under this plan."""
         return max((2 if self.prefetch else 1) * self.block_bytes, self.outer_bytes)
 
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's budget: the blocks' live bytes with the outer parameters' buffers cached
+        beside them. The pool serves a request from the smallest idle block that fits, so on
+        the first step a block's small weight can take the embedding's idle buffer; with that
+        buffer counted, no gather of a step allocates outside the pool."""
+        return (2 if self.prefetch else 1) * self.block_bytes + self.outer_bytes
+
 
 def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpec],
                 options: CompileOptions, pool) -> FramePlan:
@@ -166,14 +174,15 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
         memory = options.budget_bytes
     else:
         memory = graph_memory(options, pool.device, options.gradient_bytes)
-    need = max(block, outer_bytes)
+    need = block + outer_bytes
     if need > memory:
         raise PlanExceedsMemoryError(
-            f"zbuf: structure='blocks' needs {need / 2**20:.1f} MiB of gathered weights at once "
-            f"(one block's or the parameters outside the blocks) but every rank agreed on "
+            f"zbuf: structure='blocks' needs {need / 2**20:.1f} MiB of gathered weights "
+            f"(one block's and the parameters outside the blocks) but every rank agreed on "
             f"{memory / 2**20:.1f} MiB; shard over more ranks, or use structure='graph', whose "
             f"planner can release each weight inside a block")
-    return FramePlan(block, outer_bytes, memory, options.prefetch and 2 * block <= memory)
+    return FramePlan(block, outer_bytes, memory,
+                     options.prefetch and 2 * block + outer_bytes <= memory)
 
 
 class BlockFrames:
@@ -252,11 +261,21 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
                              stack_weights[i - 1] if i > 0 else None)
             block.__dict__[_SLOT_KEY] = (slot, frames)
             block.__class__ = _frame_class(type(block))
-    root.pool.set_budget(plan.live_bytes)
+    root.pool.set_budget(plan.pool_bytes)
     model.__dict__[_FRAMES_KEY] = frames
+    # Nothing gathered ahead outlives the forward ([Note: two blocks live]).
+    model.register_forward_hook(lambda _m, _a, _o: frames.prefetch.finish_forward(),
+                                always_call=True)
     return frames
 
 
 def block_frames_of(model: nn.Module) -> Optional[BlockFrames]:
     """The ``BlockFrames`` that ``zbuf.compile(model, structure="blocks")`` installed, or None."""
     return model.__dict__.get(_FRAMES_KEY)
+
+
+def frame_slot_of(block: nn.Module) -> Optional[FrameSlot]:
+    """Where ``block`` sits among the frames (its weights, its neighbours'), or None when it does
+    not run as a block frame."""
+    found = block.__dict__.get(_SLOT_KEY)
+    return found[0] if found is not None else None
