@@ -256,3 +256,70 @@ def test_blocks_called_out_of_order_still_match():
     assert pool.stats().checked_out == 2  # block 2's weight and bias
     block_frames_of(model).prefetch.finish_forward()
     assert pool.stats().checked_out == 0
+
+
+def test_step_memory_measures_the_step():
+    """``zbuf.compile(..., optimizer=opt)`` attaches the whole step's measured memory, which
+    keeps measuring under block frames (no re-planner: the frames' plan is not a graph)."""
+    from zbuf.compile import step_memory_of
+
+    model = shard(_decoder(2, True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", fullgraph=True, optimizer=opt)
+    memory = step_memory_of(cm)
+    assert memory is not None and memory.replanner is None
+    for tokens in _batches(3):
+        loss(cm, tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert len(memory.rows) >= 2 and memory.measured is not None
+    assert root_of(model).pool.stats().budget_bytes == block_frames_of(model).plan.pool_bytes
+
+
+def test_train_config_takes_the_structure():
+    from zbuf.train.config import ConfigError, TrainConfig
+
+    cfg = TrainConfig(compile_structure="blocks").resolve(cuda=False, world=2, bench=False)
+    assert cfg.compile_structure == "blocks"
+    with pytest.raises(ConfigError, match="--compile-structure blocks does not take --ac auto"):
+        TrainConfig(compile_structure="blocks", ac="auto").resolve(cuda=False, world=2,
+                                                                   bench=False)
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_hugging_face_layers_run_as_frames(ac):
+    """Hugging Face checkpoints in the layer's ``__call__``: the frame runs ``__call__``, so the
+    checkpoint is inside it. One frame graph for the stack, losses as the reference's."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    init = transformers.Qwen3ForCausalLM(cfg)
+    if ac:
+        init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batches = _batches(2)
+
+    def run(fn, model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for tokens in batches:
+            lo = fn(input_ids=tokens, labels=tokens).loss
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(lo.item())
+        return out
+
+    ref = copy.deepcopy(init)
+    ref_losses = run(ref, ref)
+    model = shard(copy.deepcopy(init))
+    counters.clear()
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks")
+    losses = run(cm, model)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    assert block_frames_of(model).graphs_compiled == 1
+    assert counters["stats"]["unique_graphs"] == 1
