@@ -307,7 +307,9 @@ def test_hugging_face_layers_run_as_frames(ac):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out = []
         for tokens in batches:
-            lo = fn(input_ids=tokens, labels=tokens).loss
+            # Training keeps no KV cache: a cache is per-layer state that the layer reads (its
+            # entry's ``is_initialized``), so with one each block would be a frame of its own.
+            lo = fn(input_ids=tokens, labels=tokens, use_cache=False).loss
             lo.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

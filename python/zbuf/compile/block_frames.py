@@ -31,6 +31,12 @@ The rest of the model (embedding, final norm, head, loss) runs eager, each param
 access as eager zbuf does ([Note: eager re-gather]); at 14B the loss is one opaque chunked
 operator and the rest are three small ops, what torchtitan also leaves to eager.
 
+Blocks share the frame only while they pass its guards: a per-layer value that the block's
+code reads (a layer index it branches on, a Hugging Face KV cache, which each layer updates at
+its own index) makes each block a frame of its own, as it would under FSDP2's per-block compile
+(training runs with ``use_cache=False``; the engines' Hugging Face decoder passes it). After
+Dynamo's recompile limit (8 per code object) further variants run eager.
+
 Each ``BlockFrames`` compiles its own copy of ``_frame_body``'s code object: Dynamo keeps its
 cache and its recompile budget on the code object, so two models (or a bench's engines) in one
 process neither share guards nor spend each other's recompiles.
