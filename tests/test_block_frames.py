@@ -66,12 +66,14 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, recompute
     graphs: one each. No gather is in the frame's graph (the weights are its inputs)."""
     from torch._dynamo.utils import counters
 
-    joints = []
+    joints, backward_mms = [], []
     partition = block_frames.FramePartitioner.__call__
 
     def seen(self, gm, joint_inputs, **kwargs):
         joints.append(gm)
-        return partition(self, gm, joint_inputs, **kwargs)
+        fw, bw = partition(self, gm, joint_inputs, **kwargs)
+        backward_mms.append(sum(n.target is torch.ops.aten.mm.default for n in bw.graph.nodes))
+        return fw, bw
 
     monkeypatch.setattr(block_frames.FramePartitioner, "__call__", seen)
     work = {}
@@ -93,6 +95,10 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, recompute
     assert work[2] == work[8], work
     assert work[8]["frames"] == 1 and work[8]["backend_graphs"] == 1, work
     assert work[8]["recompiles"] == 0, work
+    # The blocks are checkpointed: "none" keeps the projections' outputs (the backward's matmuls
+    # are the 14 gradient ones), "checkpointed" recomputes those the backward reads (20 here).
+    assert (backward_mms[-1] > 14) if recompute == "checkpointed" else (backward_mms[-1] == 14), \
+        backward_mms
 
 
 @pytest.mark.parametrize("ac,recompute", [(False, "checkpointed"), (True, "checkpointed"),
