@@ -3,7 +3,8 @@
 copy on its slice of the global batch and, in the same process, the unsharded reference on the
 whole batch; losses, first-step gradients and final parameters agree to 1e-5 relative (fp32)
 under ``recompute="none"`` and ``"checkpointed"``, with two accumulated micro-batches per step.
-Every rank compiles one frame graph, and the ranks issue the same gathers.
+Every rank compiles one frame graph, and the ranks issue the same gathers; blocks called in a
+rank-dependent order stop both ranks with ``ScheduleMismatchError`` ([Note: block order check]).
 
 AdamW behind a linear warm-up from lr 0, as test_compile_dist.py does ([Note: first Adam step]
 there).
@@ -111,7 +112,42 @@ def _cases(rank, world):
     return out
 
 
+class _RankOrdered(torch.nn.Module):
+    """Three identical blocks, called in an order that depends on the rank (a bug the order
+    check must catch: the gathers have equal shapes, nothing else would notice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        order = (0, 1, 2) if dist.get_rank() == 0 else (0, 2, 1)
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x.sum()
+
+
+def _order_mismatch_case(rank, world):
+    import zbuf.compile
+    from zbuf.compile import ScheduleMismatchError
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(_RankOrdered())
+    zbuf.compile(model, inner="aot_eager", structure="blocks")
+    try:
+        model(torch.randn(4, 8))
+    except ScheduleMismatchError as e:
+        return str(e)
+    return None
+
+
+def _world2(rank, world):
+    return _cases(rank, world), _order_mismatch_case(rank, world)
+
+
 def _check(results, world):
+    print(world, results[0])  # the errors, for the record (pytest -s)
     for what, r in results[0].items():
         assert r["graphs"] == 1 and r["frames"] == 1, (what, r)
         # Every rank issued the same collectives.
@@ -121,7 +157,13 @@ def _check(results, world):
 
 
 def test_two_ranks():
-    _check(run_distributed(_cases, 2, timeout=600), 2)
+    results = run_distributed(_world2, 2, timeout=600)
+    _check([r[0] for r in results], 2)
+    # [Note: block order check]: both ranks stop at the first call that differs.
+    for rank, (_, error) in enumerate(results):
+        assert error is not None, rank
+        assert "collective #1 is the block of blocks.1.weight" in error or \
+            "collective #1 is the block of blocks.2.weight" in error, error
 
 
 def test_three_ranks():

@@ -35,12 +35,25 @@ does not come next (a block skipped, or called out of stack order) is waited and
 next block's call, and that block gathers on demand, or at the end of the model's forward
 (``finish_forward``): the order still depends on the program only.
 
+[Note: block order check]
+The launches are a function of the sequence of block calls (and of ``prefetch``, rank-agreed),
+so that sequence is what ranks must agree on; rank-dependent control flow that calls blocks in
+another order would pair one rank's gathers of a block with another rank's of a different block
+of the same shapes, silently mixing weights. During the model's first forward, before each block
+call launches anything, the ranks compare the calls so far (``compile/fingerprint.py``'s check:
+one 8-byte all-gather per block call, and the descriptions only on a mismatch), and a mismatch
+raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Later forwards
+are not checked (a check per block call would stop the host at every block on NCCL); the
+whole-graph structure checks every run of its graphs instead. Off with
+``check_fingerprint=False``.
+
 A block called inside a backward (an eager checkpoint around the block, recomputing it) gathers
 on demand with no prefetch and no hooks of its own: the checkpoint's hooks own what it saves.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -150,7 +163,7 @@ class BlockPrefetch:
     """The gathers of one model's block frames ([Note: two blocks live]); ``run`` calls a block's
     frame with its weights."""
 
-    def __init__(self, reducer, *, prefetch: bool) -> None:
+    def __init__(self, reducer, *, prefetch: bool, check_order: bool = False) -> None:
         self.reducer = reducer
         """The root's ``ReduceOnce`` ([Note: reduce once]): every frame's gradients go through it."""
         self.prefetch = prefetch
@@ -163,6 +176,10 @@ class BlockPrefetch:
         self._last_saved: Optional[SavedBlock] = None
         """The latest block call's saved weights (producer and consumer: ``run``, which links the
         next block's to it when that block is its stack successor)."""
+        self._checked_calls: Optional[list[str]] = [] if check_order else None
+        """The first forward's block calls so far, checked across ranks before each ([Note:
+        block order check]); None once that forward ended, or with the check off (producer:
+        ``run``; consumer: ``finish_forward``, which ends the check)."""
 
     def finish_forward(self) -> None:
         """The model's forward ended: a gather still launched ahead (the last block called was
@@ -171,6 +188,15 @@ class BlockPrefetch:
         if ahead is not None:
             ahead.wait()
         self._last_saved = None
+        self._checked_calls = None
+
+    def _check_call(self, weights: BlockWeights) -> None:
+        """[Note: block order check]"""
+        from .compile.fingerprint import check_across_ranks, fingerprint_of
+
+        self._checked_calls.append(f"the block of {weights.specs[0].fqn}")
+        description = json.dumps({"inputs": [], "collectives": self._checked_calls})
+        check_across_ranks(weights.specs[0].group_name, fingerprint_of(description), description)
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
             kwargs: dict) -> Any:
@@ -178,12 +204,14 @@ class BlockPrefetch:
         block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
         instead of the weights."""
         weights = slot.weights
+        backward = in_backward()
+        if self._checked_calls is not None and not backward:
+            self._check_call(weights)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.weights is not weights:
             ahead.wait()  # launched for a block that did not come next: finish it, drop it
             ahead = None
         gather = ahead if ahead is not None else launch_block_gather(weights)
-        backward = in_backward()
         if self.prefetch and slot.next is not None and not backward:
             self._ahead = launch_block_gather(slot.next)
         recorded = torch.is_grad_enabled()

@@ -54,8 +54,9 @@ What the whole-graph plan gives and this structure does not (yet):
 - no selective persistence (every weight is re-gathered for backward), no budgeted recompute;
 - reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
   they do not overlap the next block's backward compute on a GPU;
-- no collective-order fingerprint: the order is the program's (block order, then backward's
-  reverse), the same on every rank by construction;
+- the order of block calls is checked across ranks in the first forward only ([Note: block
+  order check] in zbuf/block_prefetch.py), not on every run; the gathers outside the blocks are
+  eager zbuf's, unchecked as there;
 - the blocks' gathers are not coalesced into one collective on NCCL beyond what
   ``gather_into`` does for a block (one call per block);
 - nothing outside the blocks is compiled.
@@ -196,10 +197,10 @@ class BlockFrames:
     per block])."""
 
     def __init__(self, options: CompileOptions, plan: FramePlan, reducer, *,
-                 fullgraph: bool, dynamic: Optional[bool]) -> None:
+                 fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
         self.options = options
         self.plan = plan
-        self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch)
+        self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch, check_order=check_order)
         self.graphs_compiled = 0
         """Graphs Dynamo handed this model's frame backend (one per distinct block frame)."""
         body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
@@ -259,7 +260,11 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
     in_blocks = {id(p) for stack in weights for w in stack for p in w.shards}
     outer = [spec for pid, spec in root.specs.items() if id(root.shards[pid]) not in in_blocks]
     plan = plan_frames([w for stack in weights for w in stack], outer, options, root.pool)
-    frames = BlockFrames(options, plan, root.reduce_once, fullgraph=fullgraph, dynamic=dynamic)
+    # The order check ends with the model's first forward: a container with no forward of its
+    # own (its blocks called by the user's code) would never end it.
+    check_order = options.check_fingerprint and type(model).forward is not nn.Module.forward
+    frames = BlockFrames(options, plan, root.reduce_once, fullgraph=fullgraph, dynamic=dynamic,
+                         check_order=check_order)
     for stack, stack_weights in zip(stacks, weights):
         for i, block in enumerate(stack):
             slot = FrameSlot(stack_weights[i],
