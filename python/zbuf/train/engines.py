@@ -13,7 +13,9 @@ mixed precision and compilation. Mixed precision is always "bf16 compute, fp32 m
 is computed in fp32 without fp32 logits, [Note: lean cross-entropy] in models.py, so it adds no
 [B, T, vocab] fp32 activations to the compiled graph). ``fsdp2`` follows torchtitan: every block is
 compiled on its own (``Module.compile``, before ``fully_shard`` so FSDP's hooks stay eager) and
-the loss function is compiled separately. ``zbuf-eager`` compiles nothing.
+the loss function is compiled separately. ``zbuf-eager`` compiles nothing. ``zbuf`` with
+``--compile-structure blocks`` compiles as FSDP2 does, one frame per block shared by identical
+blocks, the rest eager ([Note: one Dynamo frame per block] in zbuf/compile/block_frames.py).
 """
 
 from __future__ import annotations
