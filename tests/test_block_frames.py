@@ -331,3 +331,53 @@ def test_hugging_face_layers_run_as_frames(ac):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     assert block_frames_of(model).graphs_compiled == 1
     assert counters["stats"]["unique_graphs"] == 1
+
+
+class _TiedFrozenBlock(nn.Module):
+    """A block with a weight used twice (one parameter under two names) and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.b(torch.relu(self.a(x)))) + self.frozen(x)
+
+
+def test_tied_and_frozen_weights_inside_blocks():
+    """A tied weight is gathered once per block call and reduce-scattered once; a frozen one is
+    gathered and never reduced. Gradients as the reference's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.ModuleList(_TiedFrozenBlock() for _ in range(3)))
+    model = shard(copy.deepcopy(ref))
+
+    class Run(nn.Module):
+        def __init__(self, stack):
+            super().__init__()
+            self.stack = stack
+
+        def forward(self, x):
+            for block in self.stack[0]:
+                x = block(x)
+            return x.square().mean()
+
+    runner = Run(model)
+    _frames(runner)
+    x = torch.randn(5, 8)
+    before = op_counts(model).copy()
+    runner(x).backward()
+    Run(ref)(x).backward()
+    counts = op_counts(model)
+    per_block = 3  # the tied weight once, the frozen weight and bias
+    assert counts["all_gather"] - before["all_gather"] == 2 * 3 * per_block
+    assert counts["reduce_scatter"] - before["reduce_scatter"] == 3  # the tied weight, once each
+    shards = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(shards[name].grad[: p.numel()].view(p.shape), p.grad)
+        else:
+            assert shards[name].grad is None

@@ -142,8 +142,34 @@ def _order_mismatch_case(rank, world):
     return None
 
 
+def _mixed_precision_case(rank, world):
+    """bf16 gathers of fp32 shards (the cast before the collective, into this rank's slot of the
+    block's buffers): block frames train as eager zbuf with the same precision does."""
+    import zbuf.compile
+    from zbuf.models import build_model, resolve_config
+    from zbuf.shard import shard
+    from zbuf.state_dict import full_state_dict
+
+    cfg = resolve_config("tiny").replace(num_layers=3, vocab_size=97, hidden_size=64,
+                                         ffn_hidden_size=128, head_dim=16)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 97, (2 * MICRO * world, 8), generator=g),
+                torch.randint(0, 97, (2 * MICRO * world, 8), generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    eager = shard(copy.deepcopy(init), **mp)
+    eager_losses, _ = _train(eager, batches, rank, world, sharded=True)
+    model = shard(copy.deepcopy(init), **mp)
+    zbuf.compile(model, inner="aot_eager", structure="blocks", fullgraph=True)
+    losses, _ = _train(model, batches, rank, world, sharded=True)
+    full, want = full_state_dict(model), full_state_dict(eager)
+    return losses, eager_losses, max(_rel_err(full[k], v) for k, v in want.items())
+
+
 def _world2(rank, world):
-    return _cases(rank, world), _order_mismatch_case(rank, world)
+    return (_cases(rank, world), _order_mismatch_case(rank, world),
+            _mixed_precision_case(rank, world))
 
 
 def _check(results, world):
@@ -159,8 +185,12 @@ def _check(results, world):
 def test_two_ranks():
     results = run_distributed(_world2, 2, timeout=600)
     _check([r[0] for r in results], 2)
+    for losses, eager_losses, param_err in (r[2] for r in results):
+        print("bf16", losses, eager_losses, param_err)
+        torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+        assert param_err <= 1e-6, param_err
     # [Note: block order check]: both ranks stop at the first call that differs.
-    for rank, (_, error) in enumerate(results):
+    for rank, (_, error, _) in enumerate(results):
         assert error is not None, rank
         assert "collective #1 is the block of blocks.1.weight" in error or \
             "collective #1 is the block of blocks.2.weight" in error, error

@@ -20,6 +20,9 @@ one FSDP2 runs:
   ran before it in forward (the next one backward reaches). Under a checkpoint inside the block
   the recompute reads the same re-gathered weights.
 
+A block's re-gather is the whole block's (one launch), also a weight its backward does not read
+(a bias): the gather of a block is one unit forward and backward.
+
 So at most two blocks' gathered weights are live at any time, forward and backward: the block
 computing and the one in flight. Blocks of one stack have one structure, so two blocks are
 ``2 * max(BlockWeights.gathered_nbytes)``, what ``FramePlan`` (compile/block_frames.py) checks
