@@ -381,3 +381,18 @@ def test_tied_and_frozen_weights_inside_blocks():
             torch.testing.assert_close(shards[name].grad[: p.numel()].view(p.shape), p.grad)
         else:
             assert shards[name].grad is None
+
+
+def test_each_model_compiles_its_own_frame():
+    """Dynamo's cache lives on the code object; each model's frames run their own copy of it, so
+    a second model (here with another recompute mode) neither reuses the first's graph nor
+    spends its recompiles."""
+    models = []
+    for recompute in ("checkpointed", "none"):
+        model = shard(_decoder(2, True))
+        _frames(model, recompute=recompute)
+        _train(model, model, _batches(1))
+        models.append(model)
+    assert [block_frames_of(m).graphs_compiled for m in models] == [1, 1]
+    first, second = (block_frames_of(m).frame for m in models)
+    assert first is not second
