@@ -177,6 +177,9 @@ def test_at_most_two_blocks_live(recompute):
         assert stats.budget_bytes == plan.pool_bytes
         assert stats.outside_allocations == 0 and stats.high_water_total_bytes <= plan.pool_bytes
         assert stats.checked_out == 0
+        # After the first step every gather finds its block cached: the pool sized for the plan.
+        _train(model, model, _batches(1))
+        assert pool.stats().misses == stats.misses
     # The gathers outside the blocks (embedding, norm, head and their re-gathers) do not grow.
     assert len(set(outside.values())) == 1 and outside[2, True] > 0, outside
     block = block_frames.frame_slot_of(model.layers[0]).weights.gathered_nbytes
