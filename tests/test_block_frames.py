@@ -399,3 +399,21 @@ def test_each_model_compiles_its_own_frame():
     assert [block_frames_of(m).graphs_compiled for m in models] == [1, 1]
     first, second = (block_frames_of(m).frame for m in models)
     assert first is not second
+
+
+def test_two_forwards_then_one_backward():
+    """Two micro-batches' forwards, then one backward of their summed losses: each forward's
+    saved blocks re-gather on their own, every gradient as the reference's."""
+    init = _decoder(3, True)
+    ref = copy.deepcopy(init)
+    model = shard(copy.deepcopy(init))
+    _frames(model)
+    first, second = _batches(2)
+    for m in (model, ref):
+        total = loss(m, first[:, :-1], first[:, 1:]) + loss(m, second[:, :-1], second[:, 1:])
+        total.backward()
+    shards = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(shards[name].grad[: p.numel()].view(p.shape), p.grad,
+                                   rtol=1e-5, atol=1e-7)
+    assert root_of(model).pool.stats().checked_out == 0
