@@ -8,7 +8,7 @@ acquires one pool buffer per parameter and issues the collectives asynchronously
 (``runtime.gather_into`` with ``async_op=True``: on NCCL the collective stream, on gloo its
 worker threads), so the gathers of the next block can be in flight while this one computes.
 ``InFlightGather.wait`` is the one synchronisation point; the full tensors are unpadded views of
-the pool buffers ([Note: collective output lifetime] in runtime.py: the collectives write through
+the pool buffers (``full_weights``) ([Note: collective output lifetime] in runtime.py: the collectives write through
 non-owning aliases, so a buffer returns to its pool when the last view of it dies, never on the
 backend's thread).
 
@@ -77,12 +77,14 @@ class InFlightGather:
         """The collectives (producer: ``launch_block_gather``; consumer: ``wait``, which drops
         it); None once waited, or when nothing was in flight (one rank)."""
 
-    def wait(self) -> tuple[torch.Tensor, ...]:
-        """Wait for the collectives (on CUDA: the current stream waits) and return the full
-        weights, unpadded views of the buffers."""
+    def wait(self) -> None:
+        """Wait for the collectives (on CUDA: the current stream waits); once."""
         if self._work is not None:
             work, self._work = self._work, None
             work.wait()
+
+    def full_weights(self) -> tuple[torch.Tensor, ...]:
+        """The full weights, unpadded views of the buffers (after ``wait``)."""
         return tuple(unpad_full(b, s.shape) for b, s in zip(self.buffers, self.weights.specs))
 
 
@@ -118,7 +120,8 @@ class FrameGather(torch.autograd.Function):
         ctx.specs, ctx.reducer, ctx.generations, ctx.shards = (gather.weights.specs, reducer,
                                                                generations, shards)
         ctx.set_materialize_grads(False)  # a weight the block did not use gets no gradient
-        return gather.wait()
+        gather.wait()
+        return gather.full_weights()
 
     @staticmethod
     def backward(ctx, *grads):
