@@ -20,8 +20,8 @@ one FSDP2 runs:
   ran before it in forward (the next one backward reaches). Under a checkpoint inside the block
   the recompute reads the same re-gathered weights.
 
-A block's re-gather is the whole block's (one launch), also a weight its backward does not read
-(a bias): the gather of a block is one unit forward and backward.
+A block's re-gather is one launch of the weights its frame saved (all of them for a transformer
+block; a bias, which no gradient reads, is left out), in parameter order.
 
 So at most two blocks' gathered weights are live at any time, forward and backward: the block
 computing and the one in flight. Blocks of one stack have one structure, so two blocks are
@@ -98,7 +98,7 @@ class SavedBlock:
     prefetched then."""
 
     __slots__ = ("weights", "previous", "prefetch", "_buffer_index", "_packed", "_unpacks_left",
-                 "_regather")
+                 "_regather", "_saved", "_position")
 
     def __init__(self, weights: BlockWeights, forward_gather: InFlightGather,
                  previous: Optional["SavedBlock"], prefetch: bool) -> None:
@@ -120,6 +120,11 @@ class SavedBlock:
         """The backward's gather of this block: launched by the first ``unpack`` of it, or
         prefetched by the ``unpack`` of the block after it; dropped once every saved weight
         was unpacked, so the views handed to backward are its only holders."""
+        self._saved: set[int] = set()
+        """Indices of the parameters the frame saved (producer: ``pack``, in forward; consumer:
+        ``_launch``, in backward, which re-gathers those only)."""
+        self._position: dict[int, int] = {}
+        """Parameter index -> its buffer in the re-gather (producer: ``_launch``)."""
 
     def pack(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
@@ -128,13 +133,24 @@ class SavedBlock:
         if found is None or found[2] != t.dtype:
             return t
         index, base_offset, _ = found
+        self._saved.add(index)
         self._packed += 1
         self._unpacks_left += 1
         return _SavedWeight(self, index, t.size(), t.stride(), t.storage_offset() - base_offset)
 
     def _launch(self) -> None:
-        if self._regather is None:
-            self._regather = launch_block_gather(self.weights)
+        """Re-gather the parameters the frame saved (all of a block's, unless its backward reads
+        fewer: a bias is not saved), in parameter order: the program's, so every rank's."""
+        if self._regather is not None:
+            return
+        saved = sorted(self._saved)
+        weights = self.weights
+        if len(saved) < len(weights.specs):
+            specs = tuple(weights.specs[i] for i in saved)
+            weights = BlockWeights(tuple(weights.shards[i] for i in saved), specs,
+                                   sum(s.gathered_nbytes for s in specs))
+        self._position = {index: k for k, index in enumerate(saved)}
+        self._regather = launch_block_gather(weights)
 
     def buffer_for_backward(self, index: int) -> torch.Tensor:
         """The re-gathered padded buffer of parameter ``index`` (launches this block's gather if
@@ -145,7 +161,7 @@ class SavedBlock:
         if self.prefetch and previous is not None and previous._unpacks_left:
             previous._launch()
         gather.wait()
-        buffer = gather.buffers[index]
+        buffer = gather.buffers[self._position[index]]
         self._unpacks_left -= 1
         if self._unpacks_left <= 0:
             # Every saved weight is unpacked; a second backward (retain_graph) gathers again.
