@@ -62,8 +62,9 @@ What the whole-graph plan gives and this structure does not (yet):
 - the order of block calls is checked across ranks in the first forward only ([Note: block
   order check] in zbuf/block_prefetch.py), not on every run; the gathers outside the blocks are
   eager zbuf's, unchecked as there;
-- the blocks' gathers are not coalesced into one collective on NCCL beyond what
-  ``gather_into`` does for a block (one call per block);
+- gathers are grouped by block only: a block's are one coalesced collective on NCCL (one per
+  parameter on gloo, [Note: no coalesced gathers on gloo] in runtime.py), never split or merged
+  across blocks by size as the planner's coalescing does;
 - nothing outside the blocks is compiled.
 """
 
