@@ -11,7 +11,11 @@ aot_eager``), one training step
 
 - ``zbuf-once``: ``zbuf.compile`` with its default ``compile_blocks_once=True``;
 - ``zbuf-whole``: ``zbuf.compile(..., compile_blocks_once=False)``;
+- ``zbuf-blocks``: ``zbuf.compile(..., structure="blocks")``: one Dynamo frame per block, shared
+  by identical blocks, the gathers in zbuf's runtime ([Note: one Dynamo frame per block]);
 - ``fsdp2``: torchtitan's structure: each block ``Module.compile``-d, then ``fully_shard``.
+
+After the first step, ``STEADY_STEPS`` more steps are timed (``steady_step_s``: their median).
 
 Besides the phases, the counts of torch's compile spans (how many times each stage ran: Dynamo
 frames, AOT dispatcher creations, partitions, Inductor lowerings) and the outer graphs' node
@@ -28,6 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+STEADY_STEPS = 5
+"""Steps timed after the first (the median is the row's step time)."""
 
 _COUNTED = ("_compile.compile_inner", "create_aot_dispatcher_function", "aot_trace_joint_graph",
             "min_cut_rematerialization_partition", "compile_fx_inner", "GraphLowering.run",
@@ -81,6 +88,12 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
         fully_shard(model, mesh=mesh)
         step = lambda: loss(model, tokens, targets)  # noqa: E731
         params = model.parameters()
+    elif engine == "zbuf-blocks":
+        sharded = zbuf.shard(model)
+        cm = zbuf.compile(sharded, inner=inner, fullgraph=True, structure="blocks",
+                          budget_bytes=1 << 30)
+        step = lambda: loss(cm, tokens, targets)  # noqa: E731
+        params = sharded.parameters()
     else:
         sharded = zbuf.shard(model)
         cm = zbuf.compile(sharded, inner=inner, fullgraph=True,
@@ -97,15 +110,28 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
         opt.zero_grad()
     wall = time.perf_counter() - t0
     res = clock.result(wall)
+    steady = []
+    for _ in range(STEADY_STEPS):
+        t1 = time.perf_counter()
+        lo2 = step()
+        lo2.backward()
+        opt.step()
+        opt.zero_grad()
+        steady.append(time.perf_counter() - t1)
     spans = {k: len(compilation_time_metrics.get(k, [])) - before[k] for k in _COUNTED}
     span_s = {k: round(sum(compilation_time_metrics.get(k, [])[before[k]:]), 3) for k in _COUNTED}
     out = {"engine": engine + ("-nomemo" if nomemo else ""), "layers": layers, "ac": ac,
            "inner": inner, "first_step_s": round(wall, 3),
+           "steady_step_s": round(sorted(steady)[len(steady) // 2], 4),
            "phases": {k: round(v, 3) for k, v in res.phases.items()},
            "zbuf_passes": {k: round(v, 3) for k, v in res.zbuf_passes.items()},
            "kernel_compile_work_s": round(res.kernel_compile_work_s, 3), "cpu_s": round(res.cpu_s, 3),
            "caches": res.caches, "body_materialisations": materialised[0], "spans": spans, "span_s": span_s, "loss": lo.item()}
-    if engine != "fsdp2":
+    if engine == "zbuf-blocks":
+        from zbuf.compile.block_frames import block_frames_of
+
+        out["frame_graphs"] = block_frames_of(sharded).graphs_compiled
+    elif engine != "fsdp2":
         from zbuf.compile import schedule_report
 
         out["outer_graph_gathers"] = [r.gathers for r in schedule_report(sharded) or []]
@@ -116,11 +142,11 @@ def markdown(rows: list[dict]) -> str:
     """One table row per launch: phases (wall s), CPU s, and how many times each stage ran."""
     head = ("| engine | layers | launch | first step | CPU s | dynamo | aot | zbuf | inductor "
             "| kernels | first run | Dynamo frames | body schema traces | lowerings "
-            "| FX hit/miss | AOT hit/miss |")
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 13]
+            "| FX hit/miss | AOT hit/miss | step (ms) |")
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 14]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r['layers']} | {r['launch']} | failed |" + " |" * 12)
+            lines.append(f"| {r['engine']} | {r['layers']} | {r['launch']} | failed |" + " |" * 13)
             continue
         ph, sp, c = r["phases"], r["spans"], r["caches"]
         lines.append(
@@ -129,7 +155,7 @@ def markdown(rows: list[dict]) -> str:
                 "dynamo", "aot", "zbuf", "inductor", "kernel_compile", "first_run"))
             + f" | {sp['_compile.compile_inner']} | {r['body_materialisations']} "
             f"| {sp['GraphLowering.run']} | {c['fxgraph_hit']}/{c['fxgraph_miss']} "
-            f"| {c['aot_hit']}/{c['aot_miss']} |")
+            f"| {c['aot_hit']}/{c['aot_miss']} | {1e3 * r.get('steady_step_s', float('nan')):.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gathered_by_caller", "caller_gathered"]
+__all__ = ["gathered_by_caller", "caller_gathered", "gathered_for_shards", "shard_gathered_by_caller",
+           "GATHERED_FOR_SHARDS"]
 
 # Process-wide on purpose: only Dynamo's tracing of a region body pushes and pops it (so it is
 # empty whenever nothing is being traced), and the traced parameter property of any module must
@@ -43,4 +44,32 @@ def caller_gathered(param_id: int) -> Optional[torch.Tensor]:
     """The weight the enclosing region's caller gathered for ``param_id``; None outside one."""
     if _GATHERED_BY_CALLER:
         return _GATHERED_BY_CALLER[-1].get(param_id)
+    return None
+
+
+# Process-wide for the same reason as ``_GATHERED_BY_CALLER``: pushed and popped only inside a
+# traced block frame, so empty whenever nothing is being traced; public so that the parameter
+# property tests it inline (its hot path, eager included).
+GATHERED_FOR_SHARDS: list[dict[torch.Tensor, torch.Tensor]] = []
+
+
+class gathered_for_shards:
+    """``with gathered_for_shards(shards, tensors):`` parameter access inside returns
+    ``tensors[i]`` for the parameter whose shard is ``shards[i]`` (see [Note: weights gathered by
+    the caller]); for code traced by ``torch.compile`` only."""
+
+    def __init__(self, shards, tensors) -> None:
+        self.mapping = dict(zip(shards, tensors))
+
+    def __enter__(self) -> None:
+        GATHERED_FOR_SHARDS.append(self.mapping)
+
+    def __exit__(self, *exc) -> None:
+        GATHERED_FOR_SHARDS.pop()
+
+
+def shard_gathered_by_caller(shard: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight the enclosing block frame's caller gathered for ``shard``; None outside one."""
+    if GATHERED_FOR_SHARDS:
+        return GATHERED_FOR_SHARDS[-1].get(shard)
     return None

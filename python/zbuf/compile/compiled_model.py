@@ -18,6 +18,7 @@ from ..shard import roots
 from ..step_memory import StepMemory
 from .budget import agree_free_memory, check_optimizer_fits
 from .options import CompileOptions
+from .block_frames import install_block_frames
 from .regions import mark_repeated_blocks
 from .replan import Replanner
 
@@ -64,6 +65,11 @@ def compile_model(
     ``recompute="auto"``), the model's repeated blocks are marked to compile once, in place
     ([Note: compile repeated blocks once] in regions.py).
 
+    ``structure="blocks"``: Dynamo traces one frame per repeated block, shared by identical
+    blocks, and zbuf's runtime gathers, prefetches and re-gathers the blocks' weights; the model
+    is returned itself, its blocks swapped in place ([Note: one Dynamo frame per block] in
+    block_frames.py). Takes ``recompute="checkpointed"`` or ``"none"``.
+
     Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
     ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
     model's sharding group ([Note: rank-agreed budget] in budget.py).
@@ -102,6 +108,9 @@ def compile_model(
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
                           recompute=recompute, optimizer_in_backward=optimizer_in_backward,
                           **options)
+    if opts.structure == "blocks" and _shard_group(model) is None:
+        raise ValueError("zbuf.compile(..., structure='blocks') needs a model sharded with "
+                         "zbuf.shard (its runtime gathers the blocks' shards); shard it first")
     if opts.blocks_once:
         mark_repeated_blocks(model)  # [Note: compile repeated blocks once] in regions.py
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -137,6 +146,13 @@ def compile_model(
             host_free = free + reserve
     elif opts.free_memory_bytes is not None:
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
+    if opts.structure == "blocks":
+        # [Note: one Dynamo frame per block] in block_frames.py: the model itself, its blocks
+        # run as compiled frames; no re-planner (the frames' plan is data, not graph structure).
+        install_block_frames(model, opts, fullgraph=fullgraph, dynamic=dynamic)
+        model.__dict__["_zbuf_step_memory"] = StepMemory(model, optimizer, hooked=model,
+                                                         host_free_bytes=host_free)
+        return model
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )

@@ -13,11 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-__all__ = ["CompileOptions", "RECOMPUTE_MODES"]
+__all__ = ["CompileOptions", "RECOMPUTE_MODES", "STRUCTURES"]
 
 Inner = Literal["inductor", "aot_eager"]
 Recompute = Literal["checkpointed", "auto", "none"]
 RECOMPUTE_MODES = ("checkpointed", "auto", "none")
+Structure = Literal["graph", "blocks"]
+STRUCTURES = ("graph", "blocks")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,17 @@ class CompileOptions:
     compiled once hides its own). A plain ``torch.compile(m, backend="zbuf")`` needs
     ``zbuf.compile.mark_repeated_blocks(m)`` called first."""
 
+    structure: Structure = "graph"
+    """What Dynamo traces as one frame. ``"graph"``: the whole model, which the planner sees
+    whole (budget per weight, prefetch, persistence, budgeted recompute, the collective-order
+    fingerprint); its repeated blocks compiled once inside it per ``compile_blocks_once``, but
+    every block call still traced by Dynamo. ``"blocks"``: one frame per repeated block, shared
+    by identical blocks (compiled once whatever their number, as FSDP2 and torchtitan compile a
+    block), the cross-block schedule carried by zbuf's runtime (one block ahead, released after
+    the block, re-gathered for backward) and the rest of the model eager ([Note: one Dynamo
+    frame per block] in block_frames.py). ``"blocks"`` takes ``recompute="checkpointed"`` or
+    ``"none"``."""
+
     recompute: Recompute = "checkpointed"
     """What backward recomputes of the model's checkpointed regions ([Note: recompute modes] in
     recompute.py): ``"checkpointed"`` as the user checkpointed them; ``"auto"`` zbuf keeps each
@@ -133,6 +146,19 @@ class CompileOptions:
              "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
              "the checkpointed regions of the whole graph, which a block compiled once hides; "
              "leave compile_blocks_once unset (or False) for recompute='auto'")
+        need(self.structure in STRUCTURES,
+             f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))}")
+        if self.structure == "blocks":
+            need(self.recompute != "auto",
+                 "structure='blocks' does not take recompute='auto' (auto plans over the whole "
+                 "graph's checkpointed regions): use structure='graph' for recompute='auto', or "
+                 "recompute='checkpointed' or 'none' with structure='blocks'")
+            need(self.compile_blocks_once is not True,
+                 "structure='blocks' compiles each block as its own frame; "
+                 "compile_blocks_once=True is structure='graph''s way: leave it unset")
+            need(not self.optimizer_in_backward,
+                 "structure='blocks' does not take optimizer_in_backward=True (its gradients are "
+                 "reduced by the eager runtime, not a backward graph): use structure='graph'")
         need(self.recompute in RECOMPUTE_MODES,
              f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
         if self.activation_budget_bytes is not None:
@@ -198,6 +224,8 @@ class CompileOptions:
     @property
     def blocks_once(self) -> bool:
         """Whether ``zbuf.compile`` marks repeated blocks (``compile_blocks_once`` resolved)."""
+        if self.structure == "blocks":
+            return False
         if self.compile_blocks_once is None:
             return self.recompute != "auto"
         return self.compile_blocks_once

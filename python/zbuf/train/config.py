@@ -208,6 +208,14 @@ class TrainConfig:
              "(default: on)", argparse={"action": "BooleanOptionalAction"}, commands=WITH_FIT)
     """zbuf engine: compile each block of a repeated stack once
     (``zbuf.CompileOptions.compile_blocks_once``); None: that option's default."""
+    compile_structure: str = option(
+        "graph", help="zbuf engine: what Dynamo traces as one frame: the whole model (graph) or "
+                      "each repeated block, shared by identical blocks, with the cross-block "
+                      "schedule in zbuf's runtime (blocks; takes --ac off/full/selective) "
+                      "(default graph)",
+        choices=("graph", "blocks"), commands=WITH_FIT)
+    """zbuf engine: ``zbuf.CompileOptions.structure`` ([Note: one Dynamo frame per block] in
+    zbuf/compile/block_frames.py)."""
     optimizer: str = option(
         "adamw", help="adamw (torch's default: foreach on GPU), adamw-fused or sgd (momentum "
                       "0.9); the same for every engine (default adamw)", group="training",
@@ -472,6 +480,16 @@ class TrainConfig:
             raise ConfigError("--compile-blocks-once does not combine with --ac auto (auto plans "
                               "over the checkpointed blocks of the whole graph, and a block body "
                               "compiled once gets one plan for all): drop one of them")
+        if c.compile_structure == "blocks":
+            if any(e is Engine.ZBUF and m == "auto" for e, m in runs):
+                raise ConfigError("--compile-structure blocks does not take --ac auto (auto plans "
+                                  "over the whole graph's checkpointed blocks): use --ac full or "
+                                  "--ac selective with blocks, or --compile-structure graph")
+            if c.compile_blocks_once or c.optimizer_in_backward:
+                flag = ("--compile-blocks-once" if c.compile_blocks_once
+                        else "--optimizer-in-backward")
+                raise ConfigError(f"--compile-structure blocks does not combine with {flag} "
+                                  f"(a whole-graph option): drop one of them")
         if len(set(runs)) != len(runs):
             twice = sorted({f"{e.value}:{m}" for e, m in runs if runs.count((e, m)) > 1})
             raise ConfigError(f"engine {', '.join(twice)} listed twice; list each engine once "

@@ -13,7 +13,9 @@ mixed precision and compilation. Mixed precision is always "bf16 compute, fp32 m
 is computed in fp32 without fp32 logits, [Note: lean cross-entropy] in models.py, so it adds no
 [B, T, vocab] fp32 activations to the compiled graph). ``fsdp2`` follows torchtitan: every block is
 compiled on its own (``Module.compile``, before ``fully_shard`` so FSDP's hooks stay eager) and
-the loss function is compiled separately. ``zbuf-eager`` compiles nothing.
+the loss function is compiled separately. ``zbuf-eager`` compiles nothing. ``zbuf`` with
+``--compile-structure blocks`` compiles as FSDP2 does, one frame per block shared by identical
+blocks, the rest eager ([Note: one Dynamo frame per block] in zbuf/compile/block_frames.py).
 """
 
 from __future__ import annotations
@@ -260,6 +262,8 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
+    if cfg.compile_structure != "graph":  # [Note: one Dynamo frame per block]
+        once["structure"] = cfg.compile_structure
     once.update(_stand_in_card(model, cfg, device))
     compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,

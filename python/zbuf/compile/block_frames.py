@@ -1,0 +1,298 @@
+"""``zbuf.compile(model, structure="blocks")``: one Dynamo frame per repeated block, shared by
+identical blocks, with the cross-block schedule carried by zbuf's runtime.
+
+[Note: one Dynamo frame per block]
+Compiled as one graph (``structure="graph"``, the default), a model of N identical blocks is
+traced by Dynamo as one frame: with blocks compiled once ([Note: compile repeated blocks once] in
+regions.py) AOTAutograd and Inductor do a block's work once, but Dynamo still traces every block
+call, and the outer graphs hold about eleven gathers, releases and reduce-scatters per block, so
+the first step's compile grows with N (qwen3-14b, 40 blocks: Dynamo 12.9 s against FSDP2's 0.3,
+benches/results/compile_time_14b.md), and a warm relaunch, whose caches skip AOT and Inductor,
+keeps Dynamo's share. FSDP2 and torchtitan compile each block's ``forward`` on its own: Dynamo's
+cache lives on the code object, identical blocks pass the same guards, and the frame is traced,
+differentiated and lowered once whatever N is.
+
+``structure="blocks"`` does the same for a zbuf model. Every block of a repeated stack
+(``regions.repeated_blocks``) gets a per-class subclass whose ``__call__`` runs the block through
+one compiled function, ``BlockFrames.frame`` (``torch.compile`` of ``_frame_body``):
+
+1. zbuf's runtime gathers the block's weights from the pool, the next block's launched one block
+   ahead, and re-gathers them for backward ([Note: two blocks live] in zbuf/block_prefetch.py;
+   [Note: block gathers] in zbuf/block_gather.py);
+2. the frame receives the full weights as inputs and parameter access inside it reads them,
+   keyed by shard parameter ([Note: weights gathered by the caller] in zbuf/region_inputs.py), so
+   no parameter id is a constant of the frame's graph and Dynamo guards on none: the second block
+   passes the first block's guards (same class, same attribute values, tensors of the same
+   shapes), and N blocks compile one graph;
+3. the frame's backward returns the weights' gradients, which the runtime reduce-scatters once
+   per parameter per step ([Note: reduce once] in zbuf/reduce_once.py).
+
+The rest of the model (embedding, final norm, head, loss) runs eager, each parameter gathered on
+access as eager zbuf does ([Note: eager re-gather]); at 14B the loss is one opaque chunked
+operator and the rest are three small ops, what torchtitan also leaves to eager.
+
+Blocks share the frame only while they pass its guards: a per-layer value that the block's
+code reads (a layer index it branches on, a Hugging Face KV cache, which each layer updates at
+its own index) makes each block a frame of its own, as it would under FSDP2's per-block compile
+(training runs with ``use_cache=False``; the engines' Hugging Face decoder passes it). After
+Dynamo's recompile limit (8 per code object) further variants run eager.
+
+Each ``BlockFrames`` compiles its own copy of ``_frame_body``'s code object: Dynamo keeps its
+cache and its recompile budget on the code object, so two models (or a bench's engines) in one
+process neither share guards nor spend each other's recompiles.
+
+Recompute modes: ``"checkpointed"`` runs the model's own checkpointing as written (the
+built-in decoder's and Hugging Face's ``checkpoint`` are inside the block's ``__call__``, so inside
+the frame, where AOTAutograd recomputes them); ``"none"`` keeps every region's activations (the
+frame's partitioner drops the checkpoint tags, as ``recompute.apply_levels``' "keep" does).
+``"auto"`` plans over the checkpointed regions of the whole graph and is refused here.
+
+Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
+the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
+4.5 / 5.0 / 4.9; the whole graph with blocks compiled once 8.6 / 13.8 / 21.0), one Dynamo frame
+at every depth, and the same step time as the whole graph.
+
+What the whole-graph plan gives and this structure does not (yet):
+- the gather schedule is fixed (one block ahead, released after the block), not planned
+  per weight within a budget; ``FramePlan`` checks it against the rank-agreed memory instead
+  (and turns prefetch off when two blocks do not fit);
+- no selective persistence (every weight is re-gathered for backward), no budgeted recompute;
+- reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
+  they do not overlap the next block's backward compute on a GPU;
+- the order of block calls is checked across ranks in the first forward only ([Note: block
+  order check] in zbuf/block_prefetch.py), not on every run; the gathers outside the blocks are
+  eager zbuf's, unchecked as there;
+- gathers are grouped by block only: a block's are one coalesced collective on NCCL (one per
+  parameter on gloo, [Note: no coalesced gathers on gloo] in runtime.py), never split or merged
+  across blocks by size as the planner's coalescing does;
+- nothing outside the blocks is compiled.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from ..block_gather import BlockWeights
+from ..block_prefetch import BlockPrefetch, FrameSlot
+from ..param import ShardSpec
+from ..region_inputs import gathered_for_shards
+from ..shard import roots
+from .budget import PlanExceedsMemoryError, graph_memory
+from .options import CompileOptions
+from .regions import is_marked_model, repeated_blocks
+
+__all__ = ["BlockFrames", "FramePlan", "install_block_frames", "block_frames_of", "frame_slot_of",
+           "NoRepeatedBlocksError"]
+
+_FRAMES_KEY = "_zbuf_block_frames"
+"""On the model ``install_block_frames`` was given: its ``BlockFrames``."""
+_SLOT_KEY = "_zbuf_frame_slot"
+"""On each block: ``(FrameSlot, BlockFrames)``."""
+
+
+class NoRepeatedBlocksError(ValueError):
+    """``structure="blocks"`` on a model with no repeated stack of sharded blocks."""
+
+
+def _frame_body(block: nn.Module, weights: tuple, args: tuple, kwargs: dict) -> Any:
+    """What every block frame runs, traced by Dynamo: the block's own ``__call__`` (hooks, its
+    checkpointing, ``forward``) with parameter access reading ``weights`` (``BlockWeights``
+    order: ``named_parameters``, each shard once)."""
+    shards = tuple(p for _, p in block.named_parameters())
+    with gathered_for_shards(shards, weights):
+        return type(block)._zbuf_frame_base.__call__(block, *args, **kwargs)
+
+
+def _frame_call(self, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        # The caller is compiled itself (the model compiled whole around its frames): trace the
+        # block as it was, parameter access gathering.
+        return type(self)._zbuf_frame_base.__call__(self, *args, **kwargs)
+    slot, frames = self.__dict__[_SLOT_KEY]
+    return frames.prefetch.run(slot, frames.frame, self, args, kwargs)
+
+
+def _frame_class(cls: type) -> type:
+    """The frame class of block class ``cls``: one per class, kept on it (as regions.py's)."""
+    sub = cls.__dict__.get("_zbuf_frame_class")
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__call__": _frame_call, "_zbuf_frame_base": cls,
+                                          "__module__": cls.__module__, "__doc__": cls.__doc__})
+        type.__setattr__(cls, "_zbuf_frame_class", sub)
+    return sub
+
+
+class FramePartitioner(CustomPartitionerFn):
+    """The frames' partitioner: the min-cut partitioner, with the checkpoint tags dropped under
+    ``recompute="none"`` (every region keeps its activations)."""
+
+    def __init__(self, recompute: str) -> None:
+        self.recompute = recompute
+
+    def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        if self.recompute == "none":
+            for n in gm.graph.nodes:
+                if "ac_graph_id" in n.meta:
+                    n.meta.pop("recompute", None)
+        kwargs.setdefault("compiler", "inductor")
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> str:
+        return f"zbuf-frame-partitioner:v1:{self.recompute}"
+
+
+class FramePlan(NamedTuple):
+    """The gathered bytes block frames hold at once, checked against the rank-agreed memory
+    ([Note: two blocks live] in zbuf/block_prefetch.py)."""
+
+    block_bytes: int
+    """Pool bytes of the largest block's weights (block capacities of its buffers)."""
+    outer_bytes: int
+    """Pool bytes of every parameter outside the stacks, gathered one at a time on access: their
+    sum bounds what is live outside the blocks."""
+    memory_bytes: int
+    """What the gathers may hold: ``budget_bytes``, else the agreed free memory less the
+    gradients and the margin (``budget.graph_memory``)."""
+    prefetch: bool
+    """One block ahead (two blocks live): asked for and fits ``memory_bytes``."""
+
+    @property
+    def live_bytes(self) -> int:
+        """The most gathered bytes live at once under this plan."""
+        return max((2 if self.prefetch else 1) * self.block_bytes, self.outer_bytes)
+
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's budget: the blocks' live bytes with the outer parameters' buffers cached
+        beside them. The pool serves a request from the smallest idle block that fits, so on
+        the first step a block's small weight can take the embedding's idle buffer; with that
+        buffer counted, no gather of a step allocates outside the pool."""
+        return (2 if self.prefetch else 1) * self.block_bytes + self.outer_bytes
+
+
+def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpec],
+                options: CompileOptions, pool) -> FramePlan:
+    """The frames' plan; ``PlanExceedsMemoryError`` when one block's weights do not fit.
+    Every input is rank-invariant (shapes, options, the agreed memory): every rank plans alike."""
+    block = max(sum(pool.capacity_for(s.gathered_nbytes) for s in w.specs) for w in stacks_weights)
+    outer_bytes = sum(pool.capacity_for(s.gathered_nbytes) for s in outer)
+    if options.budget_bytes is not None:
+        memory = options.budget_bytes
+    else:
+        memory = graph_memory(options, pool.device, options.gradient_bytes)
+    need = block + outer_bytes
+    if need > memory:
+        raise PlanExceedsMemoryError(
+            f"zbuf: structure='blocks' needs {need / 2**20:.1f} MiB of gathered weights "
+            f"(one block's and the parameters outside the blocks) but every rank agreed on "
+            f"{memory / 2**20:.1f} MiB; shard over more ranks, or use structure='graph', whose "
+            f"planner can release each weight inside a block")
+    return FramePlan(block, outer_bytes, memory,
+                     options.prefetch and 2 * block + outer_bytes <= memory)
+
+
+class BlockFrames:
+    """The compiled frame and the runtime schedule of one model's blocks ([Note: one Dynamo frame
+    per block])."""
+
+    def __init__(self, options: CompileOptions, plan: FramePlan, reducer, *,
+                 fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
+        self.options = options
+        self.plan = plan
+        self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch, check_order=check_order)
+        self.graphs_compiled = 0
+        """Graphs Dynamo handed this model's frame backend (one per distinct block frame)."""
+        body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
+                                  "_frame_body")  # its own Dynamo cache: see the Note
+        self.frame = torch.compile(body, backend=self._backend, fullgraph=fullgraph,
+                                   dynamic=dynamic)
+        """``frame(block, weights, args, kwargs)``: the compiled body, shared by every block."""
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list):
+        self.graphs_compiled += 1
+        partitioner = FramePartitioner(self.options.recompute)
+        from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
+
+        if self.options.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {} if self.options.recompute == "checkpointed" else {
+                "custom_partitioner_fn": partitioner}
+            with _cacheable_rng_replay():
+                return compile_fx(gm, example_inputs, config_patches=patches)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def run_as_is(fx: torch.fx.GraphModule, _inputs):
+            return make_boxed_func(fx.forward)
+
+        with _cacheable_rng_replay():
+            return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                                partition_fn=partitioner,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph: bool = False,
+                         dynamic: Optional[bool] = None) -> BlockFrames:
+    """Run every block of ``model``'s repeated stacks as one shared compiled frame, in place
+    ([Note: one Dynamo frame per block]); the model's own forward stays eager. Sets the pool's
+    budget to the plan's live bytes. Every rank must call it alike."""
+    found = roots(model)
+    if not found:
+        raise ValueError("zbuf.compile(structure='blocks') needs a model sharded with zbuf.shard "
+                         "(the frames' runtime gathers its shards); call zbuf.shard(model) first")
+    root = found[0]
+    if _FRAMES_KEY in model.__dict__:
+        return model.__dict__[_FRAMES_KEY]
+    if is_marked_model(model):
+        raise ValueError("zbuf.compile(structure='blocks'): the model's blocks are marked to "
+                         "compile once inside the whole graph (mark_repeated_blocks); a model takes "
+                         "one structure: unmark them (regions.unmark_repeated_blocks) first")
+    stacks = repeated_blocks(model)
+    if not stacks:
+        raise NoRepeatedBlocksError(
+            f"zbuf.compile(structure='blocks') found no repeated blocks in "
+            f"{type(model).__name__} (an nn.ModuleList of two or more sharded modules of one "
+            f"class); use structure='graph' for this model")
+    specs_by_shard = {id(root.shards[pid]): spec for pid, spec in root.specs.items()}
+    weights = [[BlockWeights.of(b, specs_by_shard) for b in stack] for stack in stacks]
+    in_blocks = {id(p) for stack in weights for w in stack for p in w.shards}
+    outer = [spec for pid, spec in root.specs.items() if id(root.shards[pid]) not in in_blocks]
+    plan = plan_frames([w for stack in weights for w in stack], outer, options, root.pool)
+    # The order check ends with the model's first forward: a container with no forward of its
+    # own (its blocks called by the user's code) would never end it.
+    check_order = options.check_fingerprint and type(model).forward is not nn.Module.forward
+    frames = BlockFrames(options, plan, root.reduce_once, fullgraph=fullgraph, dynamic=dynamic,
+                         check_order=check_order)
+    for stack, stack_weights in zip(stacks, weights):
+        for i, block in enumerate(stack):
+            slot = FrameSlot(stack_weights[i],
+                             stack_weights[i + 1] if i + 1 < len(stack) else None,
+                             stack_weights[i - 1] if i > 0 else None)
+            block.__dict__[_SLOT_KEY] = (slot, frames)
+            block.__class__ = _frame_class(type(block))
+    root.pool.set_budget(plan.pool_bytes)
+    model.__dict__[_FRAMES_KEY] = frames
+    # Nothing gathered ahead outlives the forward ([Note: two blocks live]).
+    model.register_forward_hook(lambda _m, _a, _o: frames.prefetch.finish_forward(),
+                                always_call=True)
+    return frames
+
+
+def block_frames_of(model: nn.Module) -> Optional[BlockFrames]:
+    """The ``BlockFrames`` that ``zbuf.compile(model, structure="blocks")`` installed, or None."""
+    return model.__dict__.get(_FRAMES_KEY)
+
+
+def frame_slot_of(block: nn.Module) -> Optional[FrameSlot]:
+    """Where ``block`` sits among the frames (its weights, its neighbours'), or None when it does
+    not run as a block frame."""
+    found = block.__dict__.get(_SLOT_KEY)
+    return found[0] if found is not None else None
