@@ -24,65 +24,53 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 # [Note: two pytest workers]
-# ``.ci/run`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): many tests
+# ``.ci/run`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): many tests
 # leave a core idle for much of their time (a launcher waiting on its ranks, one rank of a
-# simulated world, a single-process Inductor compile), and the other worker fills it. Two rules
-# keep that sound:
-# - A test module's own module-scoped fixture (a shared launch: ``two_ranks``, ``simulated_runs``,
-#   ``one_rank_runs``, ``pairs``, ...) would run once per worker that gets one of its tests; the
-#   tests that use it are one xdist group, so they run on one worker after one launch. The
-#   conftest's module fixtures (``one_rank_group``) are cheap and run per worker as they come.
-# - Work is handed out in collection order, one test (or group) at a time, so the slowest go
-#   first (``_FIRST``, longest first): a long test started last would leave the other worker
-#   idle at the end. The order changes nothing else; outside xdist it is the usual one.
-# Nothing in the suite needs a machine to itself: ports come from the OS (port 0), temporary and
-# record directories from ``tmp_path``, Inductor's cache is safe to share between processes, and
-# memory is measured per process (RSS, the pool's accounting), never as the machine's free memory.
+# simulated world, a single-process Inductor compile), and the other worker fills it.
+# - Whole files, not single tests, go to a worker: a module runs in its usual order in one
+#   process, so a module-scoped fixture (a shared launch: ``two_ranks``, ``simulated_runs``,
+#   ``one_rank_runs``, ``pairs``) runs once, as it does without xdist. (``--dist loadgroup`` with
+#   ``xdist_group`` marks would split files, but pytest-xdist 3.8 groups nothing under pytest
+#   9.2: it renames ``item._nodeid``, which pytest 9.2 no longer reads; the fixtures above then
+#   ran twice.)
+# - Files are handed out in collection order, one at a time as a worker frees up, so the
+#   slowest go first (``_FIRST``; ``--no-loadscope-reorder`` keeps xdist from ordering them by
+#   their number of tests): a long file started last would leave the other worker idle at the
+#   end. Outside xdist the order is the usual one.
+# Nothing in the suite needs the machine to itself: ports come from the OS (port 0), temporary
+# and record directories from ``tmp_path``, Inductor's cache is safe to share between processes,
+# and memory is measured per process (RSS, the pool's accounting), never as the machine's free
+# memory.
 _FIRST = (
-    "test_compile_dist.py::test_three_ranks",
-    "test_step_memory.py",  # two_ranks
-    "test_compile.py::test_inductor_never_reads_a_released_buffer",
-    "test_cli_train.py::test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact",
-    "test_soak.py::test_soak_tiny_two_ranks_flat",
-    "test_warm_start.py::test_second_launch_is_served_from_the_caches",
-    "test_compile_dist.py::test_inductor_with_collectives_deferred_to_their_waits",
-    "test_simulate.py",  # simulated_runs
-    "test_shard_parity.py::test_parity_eager_and_compiled",
-    "test_cli_train.py::test_train_default_engine_then_report",
-    "test_compile_dist.py::test_two_ranks",
-    "test_exit.py::test_multi_rank_jobs_exit_cleanly",
-    "test_faults.py",  # pairs
+    "test_cli_train.py",
+    "test_compile_dist.py",
+    "test_step_memory.py",
+    "test_shard_parity.py",
+    "test_simulate.py",
+    "test_compile.py",
+    "test_exit.py",
+    "test_warm_start.py",
+    "test_recompute.py",
+    "test_compile_regions.py",
+    "test_faults.py",
+    "test_soak.py",
+    "test_varlen.py",
+    "test_checkpoint.py",
+    "test_linear_cross_entropy.py",
+    "test_shard_hf.py",
 )
-"""Node ids (or their start) of the slowest tests, slowest first ([Note: two pytest workers])."""
-
-
-def _module_fixture_group(item) -> str | None:
-    """The xdist group of a test that uses a module-scoped fixture of its own module: the
-    module's name ([Note: two pytest workers])."""
-    info = getattr(item, "_fixtureinfo", None)
-    module = getattr(item, "module", None)
-    if info is None or module is None:
-        return None
-    for name in item.fixturenames:
-        for fdef in info.name2fixturedefs.get(name, ()):
-            if fdef.scope == "module" and getattr(fdef.func, "__module__", None) == module.__name__:
-                return module.__name__
-    return None
+"""The slowest test files, slowest first (about 40-300 s each on CI's two cores; [Note: two
+pytest workers])."""
 
 
 def _first_rank(item) -> int:
-    nodeid = item.nodeid.split("/")[-1]
-    return next((i for i, head in enumerate(_FIRST) if nodeid.startswith(head)), len(_FIRST))
+    name = item.nodeid.split("::")[0].split("/")[-1]
+    return _FIRST.index(name) if name in _FIRST else len(_FIRST)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # an xdist worker
-        for item in items:
-            group = _module_fixture_group(item)
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
-        items.sort(key=_first_rank)  # stable: collection order within a rank
+        items.sort(key=_first_rank)  # stable: each file keeps its order
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
