@@ -249,6 +249,11 @@ def _auto_case(rank, world):
 
 
 def _worker(rank, world, with_inductor):
+    from zbuf import runtime
+
+    # Workers fork from a server that imported zbuf long before this test (tests/dist_utils.py),
+    # so ZBUF_POISON_RELEASES in the environment now would be read by nobody: set the flag.
+    runtime.POISON_RELEASES = True
     out = {"ops": _ops_case(rank, world), "mismatch": _mismatch_case(rank, world),
            "blocks_once": _grow_without_compile_case(rank, world, None),
            "whole": _grow_without_compile_case(rank, world, False),
@@ -263,15 +268,7 @@ WITH_INDUCTOR = os.environ.get("ZBUF_TEST_INDUCTOR", "0") == "1"
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    old = os.environ.get("ZBUF_POISON_RELEASES")
-    os.environ["ZBUF_POISON_RELEASES"] = "1"  # read by the workers' zbuf.runtime at import
-    try:
-        return run_distributed(_worker, 2, WITH_INDUCTOR, timeout=1200 if WITH_INDUCTOR else 600)
-    finally:
-        if old is None:
-            os.environ.pop("ZBUF_POISON_RELEASES")
-        else:
-            os.environ["ZBUF_POISON_RELEASES"] = old
+    return run_distributed(_worker, 2, WITH_INDUCTOR, timeout=1200 if WITH_INDUCTOR else 600)
 
 
 def test_a_kept_weights_backward_gather_issues_no_collective_and_its_buffer_stays_held(two_ranks):

@@ -222,6 +222,8 @@ MUTABLE_GLOBALS = {
         "sharded names) for every model, holding no model's state",
     "zbuf.region_inputs._GATHERED_BY_CALLER": "a trace-time stack: only Dynamo's tracing of a "
         "region body pushes and pops it, so it is empty whenever nothing is traced",
+    "zbuf.region_inputs.GATHERED_FOR_SHARDS": "a trace-time stack: only Dynamo's tracing of a "
+        "block frame pushes and pops it, so it is empty whenever nothing is traced",
     "zbuf.shard._param_ids": "parameter ids name parameters in op arguments and must be unique "
         "across every model of the process",
     "zbuf.pool._default_pools": "the public zbuf.default_pool(device): one per device per "
