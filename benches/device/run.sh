@@ -39,11 +39,12 @@
 #   then: zbuf bench --merge $OUT/8bac_*.json --out benches/results/train_step_qwen3-8b_ac.json
 # Issue 19 (one GPU stands for N: --simulate-world, [Note: simulated ranks]), all on ONE H200
 # (nvidia-h200), one engine per call:
-#   bash benches/device/run.sh seed14 ENGINE[:MODE]  # the reference configuration: qwen3-14b as
+#   bash benches/device/run.sh seed14 ENGINE[:MODE] [ARGS]  # the reference configuration: qwen3-14b as
 #                                           rank 0 of 8 on an 80 GiB card, mb 4, seq 4096, AC,
 #                                           10 + 20 steps; ENGINE: zbuf, zbuf:auto, fsdp2 (measured
 #                                           at d22971a on a warm machine: zbuf 3.8 min, zbuf:auto
-#                                           7.8 min, fsdp2 2.3 min; a fresh machine adds ~2 min)
+#                                           7.8 min, fsdp2 2.3 min; a fresh machine adds ~2 min);
+#                                           ARGS go to zbuf bench (e.g. --compile-structure blocks)
 #                                           then: zbuf bench --merge $OUT/seed14_*.json --out
 #                                           benches/results/seed14.json; python3
 #                                           benches/reference_table.py benches/results/seed14.json
@@ -166,8 +167,8 @@ case "${1:-}" in
     specs=(zbuf:auto fsdp2:full ddp:full); [ "$1" = 17b-ac-more ] && specs=(zbuf:full fsdp2:selective)
     for e in "${specs[@]}"; do bench 17bac "$e" --preset qwen3-1.7b --steps 25; done ;;
   seed14)  # ONE H200: issue 19's reference configuration, one engine per call
-    bench seed14 "${2:?give one of zbuf zbuf:auto fsdp2}" --preset qwen3-14b --simulate-world 8 \
-      --gpu-memory 80GiB ;;
+    bench "seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}" "${2:?give one of zbuf zbuf:auto fsdp2}" \
+      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}" ;;
   8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
     bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
