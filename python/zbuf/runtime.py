@@ -61,6 +61,7 @@ __all__ = [
     "DEFAULT_POOL",
     "pool_id_of",
     "pool_of",
+    "release_to",
     "known_pools",
     "process_group",
     "label",
@@ -377,13 +378,18 @@ def reduce_scatter_finish(launch: ReduceScatterLaunch) -> torch.Tensor:
 
 
 def release_buffer(t: torch.Tensor, pool_id: int) -> None:
-    """Hand a gathered buffer back to its pool now (the body of ``zbuf::release`` and of the graph's
-    ``zbuf::all_gather_release``)."""
+    """Hand a gathered buffer back to its pool now (the body of ``zbuf::release``)."""
+    release_to(pool_of(pool_id, t), t, pool_id)
+
+
+def release_to(pool, t: torch.Tensor, pool_id: int) -> None:
+    """``release_buffer`` with its pool already looked up (``pool_of(pool_id, t)``): the graph's
+    ``zbuf::all_gather_release`` reads the pool's keep-set first and looks it up once."""
     with label("zbuf::release"):
         if POISON_RELEASES and t.is_floating_point():
             t.fill_(float("nan"))
         try:
-            pool_of(pool_id, t).release(t)
+            pool.release(t)
         except (ForeignBufferError, DoubleReleaseError):
             raise ValueError(
                 f"zbuf::release: this tensor is not a live buffer of the pool it names (pool id "

@@ -316,10 +316,11 @@ def all_gather_release(token: torch.Tensor, released: Sequence[torch.Tensor],
                        pool_ids: Sequence[int], after: Sequence[torch.Tensor]) -> None:
     # `after` is only read by the compiler: [Note: release after the readers].
     for t, pool_id in zip(released, pool_ids, strict=True):
-        kept = runtime.pool_of(pool_id, t).kept
+        pool = runtime.pool_of(pool_id, t)
+        kept = pool.kept
         if kept and kept.hold_if_kept(t):  # [Note: weights kept at run time]
             continue
-        runtime.release_buffer(t, pool_id)
+        runtime.release_to(pool, t, pool_id)
 
 
 @all_gather_release.register_fake
