@@ -8,6 +8,11 @@ the body, which reads them here instead of gathering: while the region is traced
 the stack maps param_id -> the body's input for that parameter. It is pushed and popped only
 by code that Dynamo traces (the region body), so at run time, eager or compiled, it is empty
 and parameter access gathers as always.
+
+A block frame ([Note: one Dynamo frame per block] in compile/block_frames.py) receives its
+gathered weights the same way, on a second stack keyed by the shard itself: its frame is traced
+once for every block, so it must not read a parameter id (a guarded constant) before finding its
+weight. Two stacks, one per key, so neither lookup pays for the other's.
 """
 
 from __future__ import annotations
@@ -24,20 +29,41 @@ __all__ = ["gathered_by_caller", "caller_gathered", "gathered_for_shards", "shar
 # see it without an object to reach it through.
 _GATHERED_BY_CALLER: list[dict[int, torch.Tensor]] = []
 
+# Process-wide for the same reason: pushed and popped only inside a traced block frame, so empty
+# whenever nothing is being traced; public so that the parameter property tests it inline (its
+# hot path, eager included). Keyed by shard, not param_id: reading a spec's param_id inside the
+# frame would make it a guarded constant of the frame.
+GATHERED_FOR_SHARDS: list[dict[torch.Tensor, torch.Tensor]] = []
 
-class gathered_by_caller:
-    """``with gathered_by_caller(ids, tensors):`` parameter access inside returns
-    ``tensors[i]`` for parameter id ``ids[i]`` instead of gathering (see [Note: weights gathered
-    by the caller]); for code traced by ``torch.compile`` only."""
 
-    def __init__(self, param_ids, tensors) -> None:
-        self.mapping = dict(zip(param_ids, tensors))
+class _Pushed:
+    """``with _Pushed(stack, keys, tensors):`` the mapping ``keys[i] -> tensors[i]`` is the top
+    of ``stack`` inside; traced by Dynamo, so it is a plain class, not a generator."""
+
+    def __init__(self, stack: list, keys, tensors) -> None:
+        self.stack = stack
+        self.mapping = dict(zip(keys, tensors))
 
     def __enter__(self) -> None:
-        _GATHERED_BY_CALLER.append(self.mapping)
+        self.stack.append(self.mapping)
 
     def __exit__(self, *exc) -> None:
-        _GATHERED_BY_CALLER.pop()
+        self.stack.pop()
+
+
+def gathered_by_caller(param_ids, tensors) -> _Pushed:
+    """``with gathered_by_caller(ids, tensors):`` parameter access inside returns
+    ``tensors[i]`` for parameter id ``ids[i]`` instead of gathering (a region body compiled once,
+    see [Note: weights gathered by the caller]); for code traced by ``torch.compile`` only."""
+    return _Pushed(_GATHERED_BY_CALLER, param_ids, tensors)
+
+
+def gathered_for_shards(shards, tensors) -> _Pushed:
+    """``with gathered_for_shards(shards, tensors):`` parameter access inside returns
+    ``tensors[i]`` for the parameter whose shard is ``shards[i]`` (a block frame, [Note: one
+    Dynamo frame per block] in compile/block_frames.py); for code traced by ``torch.compile``
+    only."""
+    return _Pushed(GATHERED_FOR_SHARDS, shards, tensors)
 
 
 def caller_gathered(param_id: int) -> Optional[torch.Tensor]:
@@ -45,27 +71,6 @@ def caller_gathered(param_id: int) -> Optional[torch.Tensor]:
     if _GATHERED_BY_CALLER:
         return _GATHERED_BY_CALLER[-1].get(param_id)
     return None
-
-
-# Process-wide for the same reason as ``_GATHERED_BY_CALLER``: pushed and popped only inside a
-# traced block frame, so empty whenever nothing is being traced; public so that the parameter
-# property tests it inline (its hot path, eager included).
-GATHERED_FOR_SHARDS: list[dict[torch.Tensor, torch.Tensor]] = []
-
-
-class gathered_for_shards:
-    """``with gathered_for_shards(shards, tensors):`` parameter access inside returns
-    ``tensors[i]`` for the parameter whose shard is ``shards[i]`` (see [Note: weights gathered by
-    the caller]); for code traced by ``torch.compile`` only."""
-
-    def __init__(self, shards, tensors) -> None:
-        self.mapping = dict(zip(shards, tensors))
-
-    def __enter__(self) -> None:
-        GATHERED_FOR_SHARDS.append(self.mapping)
-
-    def __exit__(self, *exc) -> None:
-        GATHERED_FOR_SHARDS.pop()
 
 
 def shard_gathered_by_caller(shard: torch.Tensor) -> Optional[torch.Tensor]:
