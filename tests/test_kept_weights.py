@@ -177,6 +177,26 @@ def _tiny():
     return build_model(cfg), cfg
 
 
+def _training_setup(world, steps, prepare=None):
+    """A fresh Dynamo, the tiny model (``prepare``d, e.g. checkpointed), its batches and its
+    unsharded fp32 reference (last step's state kept), the sharded copy on a free memory of 20
+    shards' bytes, and its AdamW: what each training case starts from."""
+    import zbuf
+
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init, cfg = _tiny()
+    if prepare is not None:
+        prepare(init)
+    batches = sm_tests._batches(cfg.vocab_size, world, steps)
+    ref_losses, ref_states = sm_tests._reference(init, batches, steps_to_keep={steps - 1})
+    model = zbuf.shard(copy.deepcopy(init))
+    sm_tests._shrink_free_memory(int(20 * sm_tests._shard_bytes(model)))
+    opt, sched = sm_tests._adamw(model.parameters())
+    return batches, ref_losses, ref_states, model, opt, sched
+
+
 def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eager"):
     """After the measured step the re-plan keeps weights for backward and compiles nothing
     (no Dynamo frame, no AOT graph, no schedule record); the steps after it match an unsharded
@@ -186,15 +206,9 @@ def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eage
 
     import test_step_memory as sm_tests
 
-    torch._dynamo.reset()
     counters.clear()
-    init, cfg = _tiny()
     steps = 4
-    batches = sm_tests._batches(cfg.vocab_size, world, steps)
-    ref_losses, ref_states = sm_tests._reference(init, batches, steps_to_keep={steps - 1})
-    model = zbuf.shard(copy.deepcopy(init))
-    sm_tests._shrink_free_memory(int(20 * sm_tests._shard_bytes(model)))
-    opt, sched = sm_tests._adamw(model.parameters())
+    batches, ref_losses, ref_states, model, opt, sched = _training_setup(world, steps)
     cm = zbuf.compile(model, inner=inner, optimizer=opt, compile_blocks_once=compile_blocks_once)
     sm = zbuf.compile.step_memory_of(cm)
     compiles, gathers = [], []
@@ -227,15 +241,9 @@ def _auto_case(rank, world):
 
     import test_step_memory as sm_tests
 
-    torch._dynamo.reset()
-    init, cfg = _tiny()
-    apply_activation_checkpointing(init)
     steps = 5
-    batches = sm_tests._batches(cfg.vocab_size, world, steps)
-    ref_losses, ref_states = sm_tests._reference(init, batches, steps_to_keep={steps - 1})
-    model = zbuf.shard(copy.deepcopy(init))
-    sm_tests._shrink_free_memory(int(20 * sm_tests._shard_bytes(model)))
-    opt, sched = sm_tests._adamw(model.parameters())
+    batches, ref_losses, ref_states, model, opt, sched = _training_setup(
+        world, steps, prepare=apply_activation_checkpointing)
     cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
     sm = zbuf.compile.step_memory_of(cm)
     losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
