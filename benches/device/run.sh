@@ -16,6 +16,9 @@
 #   bash benches/device/run.sh floor17b ENGINE OPTIMIZER FRACS  # ONE H200, issue 20's floors:
 #                                           qwen3-1.7b 1 rank (floor8b-sim: qwen3-8b as rank 0
 #                                           of 2), from 0.45 (0.70) down by 0.05, two per call
+#   bash benches/device/run.sh floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS [ZBUF ARGS]  # ONE H200:
+#                                           floor8b-sim's zbuf and FSDP2 series side by side (caps
+#                                           summing <= 0.95; step times not comparable)
 #   bash benches/device/run.sh memfloor-8b ENGINE OPTIMIZER FRACS  # nvidia-h200-x2, issue 12's
 #                                           table: qwen3-8b, one engine, adamw|adamw-fused, about
 #                                           two fractions per call (e.g. 0.60,0.55), stopping at
@@ -129,6 +132,20 @@ case "${1:-}" in
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
       --out-dir "$dir" --time-limit 575 -- \
       "${model[@]}" --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4 "${@:5}" 2>&1 | tail -20 ;;
+  floor8b-pair)  # ONE H200: floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS [ZBUF ARGS]: the zbuf
+    # and FSDP2 floor8b-sim series side by side on the one card, to halve the device time. Each
+    # process is capped by its own --mem-frac; keep each pair's sum <= 0.95 so neither can meet
+    # the other's memory (the caps, not the card, bound them). Floors and retries are each
+    # process's own; step times are NOT comparable (two processes share the SMs).
+    [ $# -ge 4 ] || { echo "usage: $0 $1 adamw|adamw-fused 0.30,0.25 0.65,0.60 [zbuf args]" >&2; exit 2; }
+    model=(--preset qwen3-8b --simulate-world 2 --micro-batch 4 --seq-len 4096 --ac --steps 12 --warmup 4)
+    dir="$OUT/floor8b-pair_$2"; mkdir -p "$dir/zbuf" "$dir/fsdp2"
+    timeout 590 python3 benches/memfloor.py --engines fsdp2 --optimizer "$2" --fracs "$4" \
+      --out-dir "$dir/fsdp2" --time-limit 575 -- "${model[@]}" > "$dir/fsdp2.log" 2>&1 &
+    timeout 590 python3 benches/memfloor.py --engines zbuf --optimizer "$2" --fracs "$3" \
+      --out-dir "$dir/zbuf" --time-limit 575 -- "${model[@]}" "${@:5}" > "$dir/zbuf.log" 2>&1
+    wait
+    tail -12 "$dir/fsdp2.log" "$dir/zbuf.log" ;;
   memfloor-8b)  # nvidia-h200-x2: memfloor-8b ENGINE OPTIMIZER FRAC[,FRAC...]
     [ $# -eq 4 ] || { echo "usage: $0 memfloor-8b zbuf|fsdp2 adamw|adamw-fused 0.60,0.55" >&2; exit 2; }
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
@@ -188,6 +205,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
     exit 2 ;;
 esac
