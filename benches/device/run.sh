@@ -145,7 +145,7 @@ case "${1:-}" in
     timeout 590 python3 benches/memfloor.py --engines zbuf --optimizer "$2" --fracs "$3" \
       --out-dir "$dir/zbuf" --time-limit 575 -- "${model[@]}" "${@:5}" > "$dir/zbuf.log" 2>&1
     wait
-    tail -12 "$dir/fsdp2.log" "$dir/zbuf.log" ;;
+    tail -n 12 "$dir/fsdp2.log" "$dir/zbuf.log" ;;
   memfloor-8b)  # nvidia-h200-x2: memfloor-8b ENGINE OPTIMIZER FRAC[,FRAC...]
     [ $# -eq 4 ] || { echo "usage: $0 memfloor-8b zbuf|fsdp2 adamw|adamw-fused 0.60,0.55" >&2; exit 2; }
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
