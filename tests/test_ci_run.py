@@ -43,7 +43,7 @@ def test_ci_run_installs_and_tests_in_its_own_venv(tmp_path):
         "venv-python -m pip install --quiet --upgrade pip",
         "venv-python -m pip install --quiet -c ci/constraints.txt .[test]",
         "cargo test --locked --release",
-        "venv-python -m pytest -q -ra --durations=20",
+        "venv-python -m pytest -q -ra --durations=20 -n 2 --dist loadfile --no-loadscope-reorder",
     ], calls
     # The caller's PYTHONPATH does not reach the suite (it would test another zbuf).
     assert all("PYTHONPATH=unset" in c for c in calls if not c.startswith("host-")), calls

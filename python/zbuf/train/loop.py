@@ -28,7 +28,9 @@ A Ctrl-C reaches every rank at once, and a peer that stops first fails this rank
 before its own ``KeyboardInterrupt`` arrives (which may then land while the result is written):
 a peer failure is handled alike, and the write is retried once if the rank's own interrupt cuts
 it short. Seen without this: 2 of 4 ``test_interrupt_leaves_no_orphans_and_a_record[ctrl-c]``
-runs recorded no step.
+runs recorded no step. If this rank's own interrupt never arrived as an exception (a finaliser
+swallowed it), the peer failure is still that interrupt: [Note: a stop a peer's failure
+overtook] in faults.py.
 
 A step that fails on this rank (an out-of-memory error, above all) is kept the same way, with
 status ``"failed"`` and ``failed_at``: the step and phase it failed in, the step-memory
@@ -187,14 +189,15 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 saves.append({"step": step + 1, "path": str(path),
                               "seconds": time.perf_counter() - t0})
     except BaseException as e:
-        interrupt = isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_peer_failure(e)
-        if interrupt:
-            faults.stop_delivered()
-        progress.end_engine()
-        if on_stop is None:
-            raise
-
         def stopped() -> None:
+            interrupt = isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_peer_failure(e)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                # Delivered. A stop noted beside a peer's failure stays noted: it is what ended
+                # the steps ([Note: a stop a peer's failure overtook] in faults.py).
+                faults.stop_delivered()
+            progress.end_engine()
+            if on_stop is None:
+                return
             result = _combine(engine, cfg, [rows], world, start)
             result.update(label=label, ac=cfg.ac, status="interrupted" if interrupt else "failed",
                           setup_seconds=setup_seconds, resume_seconds=resume_seconds,
@@ -216,7 +219,9 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
 
         try:
             stopped()
-        except KeyboardInterrupt:  # this rank's own Ctrl-C, after a peer's failed the collective
+        except (KeyboardInterrupt, SystemExit):
+            # This rank's own stop, landing while it handles a peer's failure (or the launcher's
+            # SIGTERM after a Ctrl-C): once more, then ``e`` goes on.
             stopped()
         raise
     progress.end_engine()

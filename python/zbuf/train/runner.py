@@ -310,12 +310,18 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
                 print_error(command, f"{type(e).__name__}: {e}")
             return 2
         except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
-            if rank != 0 or e.code not in (130, 143) or not os.path.exists(stopped):
+            if rank != 0 or e.code not in (130, 143):
                 raise
+            how = "SIGINT" if e.code == 130 else "SIGTERM"
+            if not os.path.exists(stopped):  # stopped before a step finished: say so
+                print_error(command, f"interrupted ({how}) before a step finished; no record "
+                                     f"written to {cfg.out}")
+                _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
+                                                          "zbuf.cli")
+                return e.code
             with open(stopped) as f:
                 partial = json.load(f)
-            print_error(command, f"interrupted ({'SIGINT' if e.code == 130 else 'SIGTERM'}); "
-                                 f"the record holds the steps done")
+            print_error(command, f"interrupted ({how}); the record holds the steps done")
             _finish(command, cfg, partial["environment"], partial["engines"],
                     partial["peak_flops"], console)
             # torchrun's own options are not known here: the user puts theirs back
