@@ -45,7 +45,10 @@ another order would pair one rank's gathers of a block with another rank's of a 
 of the same shapes, silently mixing weights. During the model's first forward, before each block
 call launches anything, the ranks compare the calls so far (``compile/fingerprint.py``'s check:
 one 8-byte all-gather per block call, and the descriptions only on a mismatch), and a mismatch
-raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Later forwards
+raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Under
+``recompute="auto"`` each call also names the recompute level of its frame, and the first
+forward after a re-plan that changed the levels is checked too (``check_next_forward``): a block
+at another level saves other weights, so its re-gather is another collective. Other forwards
 are not checked (a check per block call would stop the host at every block on NCCL); the
 whole-graph structure checks every run of its graphs instead. Off with
 ``check_fingerprint=False``.
@@ -195,10 +198,19 @@ class BlockPrefetch:
         self._last_saved: Optional[SavedBlock] = None
         """The latest block call's saved weights (producer and consumer: ``run``, which links the
         next block's to it when that block is its stack successor)."""
+        self.check_order = check_order
         self._checked_calls: Optional[list[str]] = [] if check_order else None
         """The first forward's block calls so far, checked across ranks before each ([Note:
         block order check]); None once that forward ended, or with the check off (producer:
-        ``run``; consumer: ``finish_forward``, which ends the check)."""
+        ``run``, and ``check_next_forward``, which starts it again; consumer: ``finish_forward``,
+        which ends the check)."""
+
+    def check_next_forward(self) -> None:
+        """Check the next forward's block calls across ranks too (after a re-plan gave blocks
+        other frames: [Note: block levels] in compile/block_replan.py); nothing with the check
+        off."""
+        if self.check_order:
+            self._checked_calls = []
 
     def finish_forward(self) -> None:
         """The model's forward ended: a gather still launched ahead (the last block called was
@@ -209,23 +221,25 @@ class BlockPrefetch:
         self._last_saved = None
         self._checked_calls = None
 
-    def _check_call(self, weights: BlockWeights) -> None:
+    def _check_call(self, weights: BlockWeights, label: str) -> None:
         """[Note: block order check]"""
         from .compile.fingerprint import check_across_ranks, fingerprint_of
 
-        self._checked_calls.append(f"the block of {weights.specs[0].fqn}")
+        at = f" at level {label}" if label else ""
+        self._checked_calls.append(f"the block of {weights.specs[0].fqn}{at}")
         description = json.dumps({"inputs": [], "collectives": self._checked_calls})
         check_across_ranks(weights.specs[0].group_name, fingerprint_of(description), description)
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
-            kwargs: dict) -> Any:
+            kwargs: dict, *, label: str = "") -> Any:
         """Gather ``block``'s weights (prefetched if launched one block ahead), launch the next
         block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
-        instead of the weights."""
+        instead of the weights. ``label``: what else of the call the ranks check (its frame's
+        recompute level)."""
         weights = slot.weights
         backward = in_backward()
         if self._checked_calls is not None and not backward:
-            self._check_call(weights)
+            self._check_call(weights, label)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.weights is not weights:
             ahead.wait()  # launched for a block that did not come next: finish it, drop it

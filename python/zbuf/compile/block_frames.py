@@ -45,7 +45,9 @@ Recompute modes: ``"checkpointed"`` runs the model's own checkpointing as writte
 built-in decoder's and Hugging Face's ``checkpoint`` are inside the block's ``__call__``, so inside
 the frame, where AOTAutograd recomputes them); ``"none"`` keeps every region's activations (the
 frame's partitioner drops the checkpoint tags, as ``recompute.apply_levels``' "keep" does).
-``"auto"`` plans over the checkpointed regions of the whole graph and is refused here.
+``"auto"`` gives each block call a level ("recompute", "selective" or "keep") in the room the
+measured step leaves, each level in use one more copy of the frame ([Note: block levels] in
+block_replan.py).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
@@ -56,7 +58,9 @@ What the whole-graph plan gives and this structure does not (yet):
 - the gather schedule is fixed (one block ahead, released after the block), not planned
   per weight within a budget; ``FramePlan`` checks it against the rank-agreed memory instead
   (and turns prefetch off when two blocks do not fit);
-- no selective persistence (every weight is re-gathered for backward), no budgeted recompute;
+- no selective persistence (every weight is re-gathered for backward); budgeted recompute
+  per block, not per region of the whole graph, on the levels' estimates (not measured
+  partitions);
 - reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
   they do not overlap the next block's backward compute on a GPU;
 - the order of block calls is checked across ranks in the first forward only ([Note: block
@@ -70,8 +74,10 @@ What the whole-graph plan gives and this structure does not (yet):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import types
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -84,10 +90,13 @@ from ..region_inputs import gathered_for_shards
 from ..shard import roots
 from .budget import PlanExceedsMemoryError, graph_memory
 from .options import CompileOptions
+from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
+                        measure_partition)
+from .recompute_plan import RegionLevel
 from .regions import is_marked_model, repeated_blocks
 
-__all__ = ["BlockFrames", "FramePlan", "install_block_frames", "block_frames_of", "frame_slot_of",
-           "NoRepeatedBlocksError"]
+__all__ = ["BlockFrames", "FramePlan", "LevelEstimate", "install_block_frames", "block_frames_of",
+           "frame_slot_of", "NoRepeatedBlocksError"]
 
 _FRAMES_KEY = "_zbuf_block_frames"
 """On the model ``install_block_frames`` was given: its ``BlockFrames``."""
@@ -114,7 +123,7 @@ def _frame_call(self, *args, **kwargs):
         # block as it was, parameter access gathering.
         return type(self)._zbuf_frame_base.__call__(self, *args, **kwargs)
     slot, frames = self.__dict__[_SLOT_KEY]
-    return frames.prefetch.run(slot, frames.frame, self, args, kwargs)
+    return frames.run(slot, self, args, kwargs)
 
 
 def _frame_class(cls: type) -> type:
@@ -127,25 +136,66 @@ def _frame_class(cls: type) -> type:
     return sub
 
 
+class LevelEstimate(NamedTuple):
+    """A block's recompute levels read off its frame's joint graph ([Note: block levels] in
+    block_replan.py)."""
+
+    levels: tuple[RegionLevel, ...]
+    """``recompute.LEVELS`` order: the block as one region (``recompute.level_specs``)."""
+    saved_bytes: int
+    """Activation bytes the level-0 frame saves for backward per block call
+    (``RecomputeStats.kept_bytes`` of its partition)."""
+
+
+def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
+    """Every checkpointed region of a block's joint graph as one region: a block takes one
+    level, whatever its checkpointing is made of."""
+    regions = find_regions(graph, forward)
+    if not regions:
+        return None
+    return Region("block", regions[0].position, tuple(n for r in regions for n in r.names))
+
+
 class FramePartitioner(CustomPartitionerFn):
     """The frames' partitioner: the min-cut partitioner, with the checkpoint tags dropped under
-    ``recompute="none"`` (every region keeps its activations)."""
+    ``recompute="none"`` (every region keeps its activations), or, under ``recompute="auto"``,
+    the block retagged for its ``level`` (``recompute.apply_levels``); the level-0 frame also
+    estimates the block's levels and hands them to ``estimated``."""
 
-    def __init__(self, recompute: str) -> None:
+    def __init__(self, recompute: str, level: int = 0,
+                 estimated: Optional[Callable[[LevelEstimate], None]] = None,
+                 options: Optional[CompileOptions] = None) -> None:
         self.recompute = recompute
+        self.level = level
+        self.estimated = estimated
+        self.options = options
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        kwargs.setdefault("compiler", "inductor")
         if self.recompute == "none":
             for n in gm.graph.nodes:
                 if "ac_graph_id" in n.meta:
                     n.meta.pop("recompute", None)
-        kwargs.setdefault("compiler", "inductor")
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if self.recompute != "auto":
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
+        region = _block_region(gm.graph, forward)
+        specs = None
+        if region is not None:
+            if self.estimated is not None:
+                specs = level_specs(gm.graph, forward, [region], self.options)
+            apply_levels(gm.graph, [region], (self.level,))
+        names = {n.name for n in forward if n.op == "call_function"}
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if specs is not None:
+            stats = measure_partition("auto", names, fw, bw, self.options)
+            self.estimated(LevelEstimate(specs[0].levels, stats.kept_bytes))
+        return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v1:{self.recompute}"
+        return f"zbuf-frame-partitioner:v2:{self.recompute}:{self.level}"
 
 
 class FramePlan(NamedTuple):
@@ -199,33 +249,91 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
 
 
 class BlockFrames:
-    """The compiled frame and the runtime schedule of one model's blocks ([Note: one Dynamo frame
-    per block])."""
+    """The compiled frames and the runtime schedule of one model's blocks ([Note: one Dynamo
+    frame per block]): one frame per recompute level in use ([Note: block levels] in
+    block_replan.py), level 0 alone until a re-plan gives blocks another."""
 
     def __init__(self, options: CompileOptions, plan: FramePlan, reducer, *,
                  fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
         self.options = options
         self.plan = plan
+        self.fullgraph = fullgraph
+        self.dynamic = dynamic
         self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch, check_order=check_order)
         self.graphs_compiled = 0
-        """Graphs Dynamo handed this model's frame backend (one per distinct block frame)."""
-        body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
-                                  "_frame_body")  # its own Dynamo cache: see the Note
-        self.frame = torch.compile(body, backend=self._backend, fullgraph=fullgraph,
-                                   dynamic=dynamic)
-        """``frame(block, weights, args, kwargs)``: the compiled body, shared by every block."""
+        """Graphs Dynamo handed this model's frame backends (one per distinct block frame and
+        level)."""
+        self.estimate: Optional[LevelEstimate] = None
+        """``recompute="auto"``: the block's levels (producer: the level-0 frame's partitioner,
+        the largest over its compiles; consumer: the re-planner, after the measured step)."""
+        self.positions: dict[int, int] = {}
+        """id(block) -> the order of its first call (producer: ``run``; consumer: the
+        re-planner, whose plan gives later blocks their levels first)."""
+        self.levels: dict[int, int] = {}
+        """id(block) -> its level when not 0 (producer: the re-planner; consumer: ``run``)."""
+        self._frames: dict[int, Callable] = {}
+        """Level -> its compiled frame, each compiled on first use (producer and consumer:
+        ``frame_of``)."""
+        self.frame = self.frame_of(0)
+        """``frame(block, weights, args, kwargs)``: the compiled body of level 0 (the
+        ``recompute`` mode's own), shared by every block at that level."""
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list):
+    def frame_of(self, level: int) -> Callable:
+        """The compiled body of ``level``: its own copy of ``_frame_body``'s code object, so its
+        own Dynamo cache (see the Note), compiled by its first block call."""
+        frame = self._frames.get(level)
+        if frame is None:
+            body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
+                                      "_frame_body")
+            frame = torch.compile(body, backend=functools.partial(self._backend, level),
+                                  fullgraph=self.fullgraph, dynamic=self.dynamic)
+            self._frames[level] = frame
+        return frame
+
+    def has_frame(self, level: int) -> bool:
+        """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
+        return level in self._frames
+
+    def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
+        self.positions.setdefault(id(block), len(self.positions))
+        level = self.levels.get(id(block), 0)
+        # The level enters the block order check only where it can differ ([Note: block levels]).
+        label = LEVELS[level] if self.options.recompute == "auto" else ""
+        return self.prefetch.run(slot, self.frame_of(level), block, args, kwargs, label=label)
+
+    def _estimated(self, estimate: LevelEstimate) -> None:
+        """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
+        (one per input shape): every call of a block is planned as its hungriest."""
+        if self.estimate is not None:
+            old = self.estimate
+            estimate = LevelEstimate(
+                tuple(RegionLevel(a.name, max(a.extra_bytes, b.extra_bytes),
+                                  max(a.recompute_seconds, b.recompute_seconds),
+                                  max(a.recompute_flops, b.recompute_flops))
+                      for a, b in zip(old.levels, estimate.levels)),
+                max(old.saved_bytes, estimate.saved_bytes))
+        self.estimate = estimate
+
+    def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
-        partitioner = FramePartitioner(self.options.recompute)
+        recompute = self.options.recompute
+        estimates = recompute == "auto" and level == 0
+        partitioner = FramePartitioner(recompute, level,
+                                       self._estimated if estimates else None, self.options)
         from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
 
+        # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
+        from torch._functorch import config as functorch_config
+
+        no_cache = (functorch_config.patch(enable_autograd_cache=False) if estimates
+                    else contextlib.nullcontext())
         if self.options.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {} if self.options.recompute == "checkpointed" else {
+            patches = {} if recompute == "checkpointed" else {
                 "custom_partitioner_fn": partitioner}
-            with _cacheable_rng_replay():
+            with _cacheable_rng_replay(), no_cache:
                 return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
@@ -233,7 +341,7 @@ class BlockFrames:
         def run_as_is(fx: torch.fx.GraphModule, _inputs):
             return make_boxed_func(fx.forward)
 
-        with _cacheable_rng_replay():
+        with _cacheable_rng_replay(), no_cache:
             return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
                                 partition_fn=partitioner,
                                 keep_inference_input_mutations=True)(gm, example_inputs)

@@ -1,0 +1,175 @@
+"""Budgeted recompute under block frames (``zbuf.compile(model, structure="blocks",
+recompute="auto")``): each block call gets a recompute level in the measured room, and each level
+in use is one compiled frame.
+
+[Note: block levels]
+Under block frames no graph holds the step ([Note: one Dynamo frame per block] in
+block_frames.py), so ``recompute="auto"`` cannot plan over the whole graph's regions as
+recompute.py does ([Note: budgeted recompute]). It plans over the block calls instead, with the
+same levels and the same planner:
+
+1. Step 0 runs the user's checkpointing as written ([Note: measure first, then spend] in
+   zbuf/step_memory.py): the frame compiles at level 0, "recompute", which is exactly what
+   ``"checkpointed"`` compiles. Its partitioner, which sees the block's joint graph, estimates the
+   block's levels there (``recompute.level_specs`` on every checkpointed region of the block
+   taken as one region: "recompute", "selective" with its matmul and attention outputs kept,
+   "keep"), and what the level-0 partition saves per call. Every block of the stack runs that
+   frame, so every block has those levels; a frame compiled again for other input shapes keeps
+   the larger of each estimate.
+2. After the measured step the re-planner's ``grow`` gets the measured room (what gathered
+   weights and activations beyond step 0's may share: step 0's activations, at level 0, are in
+   the measured peaks). Less the frames' pool (``FramePlan.pool_bytes``, the gathered weights),
+   it is the room for kept activations, and ``plan_block_levels`` plans it over one
+   ``RegionSpec`` per block, in the order the blocks were first called: ``plan_recompute``
+   with ``base_bytes=0`` (the extra bytes of a level are what it keeps beyond level 0, all of it
+   live together at the start of backward). Identical specs tie, and ties go to later blocks
+   (the first that backward reaches): the last blocks are kept first, then made selective.
+3. Each level in use is one frame, its own copy of the frame's code object
+   (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
+   (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
+   "selective" saves the matmul and attention outputs). So at most three frames are ever
+   compiled whatever the depth, and a re-plan compiles at most two block frames, never the
+   model; a plan that keeps every block at level 0 compiles nothing.
+4. At the steady step ``settle`` checks the room again, once: if the kept activations no longer
+   fit beside the pool, it plans the smaller room (fewer blocks kept).
+
+On CUDA the measured peaks include what the kept activations occupy; the CPU stand-in cannot see
+activations, so ``activation_peaks`` reports the plan's kept bytes as its projection, as the
+whole-graph plans project theirs.
+
+Rank agreement: the plan is a function of the room (rank-agreed by StepMemory), the estimate
+(read off a graph of the same shapes on every rank, summed in graph order: [Note: budgeted
+recompute]) and the order of the block calls (the program's, checked across ranks in the first
+forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
+estimate itself (a rank whose frame came out of a cache without partitioning; the level-0 frame
+compiles with AOTAutograd's cache off for this reason). A rank at another level would save other
+weights and re-gather another set of them, so the first forward after a re-plan is checked across
+ranks as the first forward is, each call naming its level: a difference stops every rank with
+``ScheduleMismatchError`` instead of mixing weights.
+
+What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
+(the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
+side of memory); ``activation_budget_bytes`` and an explicit ``budget_bytes`` (no measured step)
+are refused (options.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .block_frames import BlockFrames
+from .recompute import RecomputeStats
+from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
+from .replan import Replan, Replanner
+
+__all__ = ["BlockReplanner", "plan_block_levels"]
+
+
+def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
+                      room_bytes: int) -> RecomputePlan:
+    """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
+    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels], 2)."""
+    specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
+    return plan_recompute(specs, 0, max(1, room_bytes))
+
+
+class BlockReplanner:
+    """The re-planner of a model under block frames with ``recompute="auto"``: what
+    ``zbuf.step_memory.StepMemory`` asks of ``replan.Replanner``, for the blocks' levels ([Note:
+    block levels])."""
+
+    refuse_if_no_plan_fits = staticmethod(Replanner.refuse_if_no_plan_fits)
+
+    def __init__(self, frames: BlockFrames) -> None:
+        self.frames = frames
+        self.options = frames.options
+        self.grown = False
+        self.settled = False
+        self.kept: tuple = ()
+        """Gathered weights kept for backward: none (the blocks re-gather for backward)."""
+        self.plan: Optional[RecomputePlan] = None
+        """The levels in force, by first-call order (None: every block at level 0)."""
+        self.room_bytes = 0
+        """The room for kept activations the plan in force was made in."""
+
+    # -- what StepMemory reads ----------------------------------------------------------------
+
+    def largest_need(self) -> int:
+        """The pool bytes the frames hold at most (the pool's budget)."""
+        return self.frames.plan.pool_bytes
+
+    def planned_budget(self) -> int:
+        """What the frames' gathers may hold (``FramePlan.memory_bytes``)."""
+        return self.frames.plan.memory_bytes
+
+    @property
+    def kept_activation_bytes(self) -> int:
+        """Activation bytes the plan in force keeps beyond level 0 (every block's)."""
+        return 0 if self.plan is None else self.plan.kept_bytes
+
+    def activation_peaks(self, *, gradients: bool = True) -> dict[str, int]:
+        """The plan's projected activations beyond step 0's ([Note: block levels])."""
+        kept = self.kept_activation_bytes
+        return {"forward": kept, "backward": kept} if kept else {}
+
+    def recompute_stats(self) -> Optional[RecomputeStats]:
+        """The levels in force, as the whole graph's schedule records report theirs (None: no
+        checkpointed region in the blocks)."""
+        estimate = self.frames.estimate
+        if estimate is None:
+            return None
+        blocks = len(self.frames.positions)
+        chosen = self.plan.levels if self.plan is not None else (0,) * blocks
+        return RecomputeStats(
+            mode="auto", regions=blocks, regions_recomputed=chosen.count(0),
+            regions_selective=chosen.count(1), regions_kept=chosen.count(2),
+            activation_budget_bytes=self.room_bytes,
+            requested_activation_budget_bytes=self.room_bytes,
+            kept_bytes=blocks * estimate.saved_bytes + self.kept_activation_bytes,
+            recomputed_flops=sum(estimate.levels[lv].recompute_flops for lv in chosen),
+            partitions=len(set(chosen)))
+
+    # -- re-planning --------------------------------------------------------------------------
+
+    def _plan(self, room_bytes: int) -> Optional[RecomputePlan]:
+        estimate = self.frames.estimate
+        if estimate is None or not self.frames.positions:
+            return None
+        room = max(0, room_bytes - self.largest_need())
+        self.room_bytes = room
+        return plan_block_levels(estimate.levels, len(self.frames.positions), room)
+
+    def _apply(self, plan: RecomputePlan) -> Replan:
+        frames = self.frames
+        by_position = sorted(frames.positions, key=frames.positions.__getitem__)
+        new = {} if plan is None else {b: lv for b, lv in zip(by_position, plan.levels) if lv}
+        compiles = any(not frames.has_frame(lv) for lv in set(new.values()))
+        frames.levels = new
+        frames.prefetch.check_next_forward()
+        self.plan = plan if new else None
+        return Replan(compiles, 0, 0)
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """After the measured step, once: plan the blocks' levels in ``room_bytes`` ([Note:
+        block levels], 2). None when every block stays at level 0 (nothing compiled)."""
+        if self.grown or not self.options.measuring:
+            return None
+        self.grown = True
+        plan = self._plan(room_bytes)
+        if plan is None or not any(plan.levels):
+            return None
+        return self._apply(plan)
+
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """At the steady step, once: keep fewer activations if those kept no longer fit the
+        room measured there ([Note: block levels], 4)."""
+        if self.settled:
+            return None
+        self.settled = True
+        if self.plan is None or self.kept_activation_bytes <= room_bytes - self.largest_need():
+            return None
+        plan = self._plan(room_bytes)
+        if plan.levels == self.plan.levels:
+            return None
+        return self._apply(plan)
+
