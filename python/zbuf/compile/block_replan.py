@@ -55,6 +55,7 @@ are refused (options.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .block_frames import BlockFrames
@@ -70,7 +71,11 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels], 2)."""
     specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
-    return plan_recompute(specs, 0, max(1, room_bytes))
+    plan = plan_recompute(specs, 0, max(1, room_bytes))
+    # The blocks are alike, so any order of the chosen levels keeps as many bytes and recomputes
+    # as long: ascending, later blocks keep at least as much as earlier ones (backward reaches
+    # them first, at the step's peak), whatever order the planner's fill took them in.
+    return dataclasses.replace(plan, levels=tuple(sorted(plan.levels)))
 
 
 class BlockReplanner:
