@@ -78,7 +78,7 @@ def clamp_room(memory, grow_blocks, settle_blocks=None):
     grow, settle = replanner.grow, replanner.settle
 
     def room(extra):
-        return frames.plan.pool_bytes + extra(frames.estimate.levels, len(frames.positions))
+        return frames.plan.pool_bytes + extra(frames.estimate.levels, len(frames.called))
 
     replanner.grow = lambda b, r, w: grow(b, room(grow_blocks), w)
     if settle_blocks is not None:

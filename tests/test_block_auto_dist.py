@@ -6,6 +6,8 @@ compile/block_replan.py). One launch per world size:
   smaller room settled into at step 3 (the first block recomputed again, the rest selective);
   losses and parameters match the unsharded fp32 reference at 1e-5 before and after both, and
   every rank plans the same levels and issues the same collectives;
+* blocks kept for backward ([Note: blocks kept for backward] in zbuf/block_prefetch.py): grown
+  into, settled out of, one block's gathers fewer per step while kept, parity throughout;
 * a rank whose blocks run at other levels than its peers' stops every rank with
   ``ScheduleMismatchError`` at the first forward after the re-plan ([Note: block order check]).
 """
@@ -61,6 +63,51 @@ def _parity_case(rank, world):
             "collectives": dict(op_counts(model))}
 
 
+def _weights_case(rank, world):
+    """Room for every block's activations and one and a half blocks' weights: the last block keeps
+    its forward gather for backward (one block's gathers fewer per step), the pool's budget grows
+    by it; the steady step's room holds the activations only, so the settle keeps no weights and
+    the levels stay. Parity throughout."""
+    import zbuf.compile
+    from zbuf.compile.block_frames import block_frames_of
+    from zbuf.shard import op_counts, root_of
+
+    import test_block_auto as unit
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init = unit.decoder(3)
+    data = sm_tests._batches(97, world, STEPS)
+    ref_losses, ref_states = sm_tests._reference(init, data, steps_to_keep={STEPS - 1})
+    model = zbuf.shard(copy.deepcopy(init))
+    opt, sched = sm_tests._adamw(model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt, persist_fraction=1.0)
+    memory = zbuf.compile.step_memory_of(cm)
+    frames = block_frames_of(model)
+    pool = root_of(model).pool
+    block = frames.plan.block_bytes
+    unit.clamp_room(memory, lambda lv, n: n * lv[2].extra_bytes + 3 * block // 2,
+                    lambda lv, n: n * lv[2].extra_bytes)
+    seen = []
+
+    def before(i):
+        seen.append((op_counts(model)["all_gather"], len(frames.kept), pool.stats().budget_bytes))
+
+    losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world, memory,
+                                                keep={STEPS - 1}, before=before)
+    before(STEPS)
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    assert sm_tests._worst(states[STEPS - 1], ref_states[STEPS - 1]) <= RTOL
+    assert pool.stats().checked_out == 0
+    return {"gathers": [b[0] - a[0] for a, b in zip(seen, seen[1:])],
+            "kept_blocks": [k for _, k, _ in seen], "budgets": [b for _, _, b in seen],
+            "levels": _levels(frames, model), "pool_bytes": frames.plan.pool_bytes,
+            "block_bytes": block, "measured": memory.measured._asdict(),
+            "steady": memory.steady._asdict(),
+            "block_params": len(frames.called[id(model.layers[2])].weights.specs)}
+
+
 def _mismatch_case(rank, world):
     import zbuf.compile
     from zbuf.compile import ScheduleMismatchError
@@ -89,7 +136,8 @@ def _mismatch_case(rank, world):
 
 
 def _worker(rank, world):
-    return {"parity": _parity_case(rank, world), "mismatch": _mismatch_case(rank, world)}
+    return {"parity": _parity_case(rank, world), "weights": _weights_case(rank, world),
+            "mismatch": _mismatch_case(rank, world)}
 
 
 def _check(results):
@@ -111,6 +159,22 @@ def _check(results):
     for o in out[1:]:
         for key in ("levels", "measured", "steady", "collectives"):
             assert o[key] == out[0][key], (key, o[key], out[0][key])
+    weights = [r["weights"] for r in results]
+    for w in weights:
+        # (Before each step.) Kept from step 1 (the growth) until step 3 (the settle); levels
+        # as grown throughout.
+        assert w["kept_blocks"] == [0, 0, 1, 1, 0, 0, 0], w
+        assert w["levels"] == [2, 2, 2], w
+        assert w["budgets"][2] == w["pool_bytes"] + w["block_bytes"], w
+        assert w["budgets"][4] == w["pool_bytes"], w
+        # A kept block's backward gathers nothing: one block's gathers fewer in steps 1 and 2.
+        g = w["gathers"]
+        assert g[1] == g[2] == g[0] - w["block_params"] and g[3] == g[4] == g[0], g
+        m, s = w["measured"], w["steady"]
+        assert m["kept_weights"] == w["block_params"] and m["kept_bytes"] > 0, m
+        assert s["replanned"] and s["kept_weights"] == 0 and not s["recompiled"], s
+    for w in weights[1:]:
+        assert w == weights[0]
     for rank, r in enumerate(results):
         error = r["mismatch"]
         assert error is not None, rank

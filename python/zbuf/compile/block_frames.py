@@ -58,9 +58,10 @@ What the whole-graph plan gives and this structure does not (yet):
 - the gather schedule is fixed (one block ahead, released after the block), not planned
   per weight within a budget; ``FramePlan`` checks it against the rank-agreed memory instead
   (and turns prefetch off when two blocks do not fit);
-- no selective persistence (every weight is re-gathered for backward); budgeted recompute
-  per block, not per region of the whole graph, on the levels' estimates (not measured
-  partitions);
+- weights are kept for backward a whole block at a time (the last blocks, [Note: blocks kept
+  for backward] in zbuf/block_prefetch.py), not per weight ranked by communication saved per
+  byte; budgeted recompute per block, not per region of the whole graph, on the levels'
+  estimates (not measured partitions);
 - reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
   they do not overlap the next block's backward compute on a GPU;
 - the order of block calls is checked across ranks in the first forward only ([Note: block
@@ -253,10 +254,13 @@ class BlockFrames:
     frame per block]): one frame per recompute level in use ([Note: block levels] in
     block_replan.py), level 0 alone until a re-plan gives blocks another."""
 
-    def __init__(self, options: CompileOptions, plan: FramePlan, reducer, *,
+    def __init__(self, options: CompileOptions, plan: FramePlan, reducer, pool, *,
                  fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
         self.options = options
         self.plan = plan
+        self.pool = pool
+        """The blocks' gather-buffer pool (its budget: ``plan.pool_bytes`` and the weights kept
+        for backward)."""
         self.fullgraph = fullgraph
         self.dynamic = dynamic
         self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch, check_order=check_order)
@@ -266,11 +270,15 @@ class BlockFrames:
         self.estimate: Optional[LevelEstimate] = None
         """``recompute="auto"``: the block's levels (producer: the level-0 frame's partitioner,
         the largest over its compiles; consumer: the re-planner, after the measured step)."""
-        self.positions: dict[int, int] = {}
-        """id(block) -> the order of its first call (producer: ``run``; consumer: the
-        re-planner, whose plan gives later blocks their levels first)."""
+        self.called: dict[int, FrameSlot] = {}
+        """id(block) -> its slot, in the order of the blocks' first calls (producer: ``run``;
+        consumer: the re-planner, whose plan favours later blocks)."""
         self.levels: dict[int, int] = {}
         """id(block) -> its level when not 0 (producer: the re-planner; consumer: ``run``)."""
+        self.kept: frozenset[int] = frozenset()
+        """id(block) of the blocks whose forward gather is kept for backward ([Note: blocks
+        kept for backward] in zbuf/block_prefetch.py; producer: the re-planner; consumer:
+        ``run``)."""
         self._frames: dict[int, Callable] = {}
         """Level -> its compiled frame, each compiled on first use (producer and consumer:
         ``frame_of``)."""
@@ -296,11 +304,14 @@ class BlockFrames:
 
     def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
-        self.positions.setdefault(id(block), len(self.positions))
+        self.called.setdefault(id(block), slot)
         level = self.levels.get(id(block), 0)
-        # The level enters the block order check only where it can differ ([Note: block levels]).
-        label = LEVELS[level] if self.options.recompute == "auto" else ""
-        return self.prefetch.run(slot, self.frame_of(level), block, args, kwargs, label=label)
+        hold = id(block) in self.kept
+        # What a re-plan may make differ enters the block order check ([Note: block levels]).
+        label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
+                           else []) + (["its weights kept for backward"] if hold else []))
+        return self.prefetch.run(slot, self.frame_of(level), block, args, kwargs, label=label,
+                                 hold=hold)
 
     def _estimated(self, estimate: LevelEstimate) -> None:
         """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
@@ -377,8 +388,8 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
     # The order check ends with the model's first forward: a container with no forward of its
     # own (its blocks called by the user's code) would never end it.
     check_order = options.check_fingerprint and type(model).forward is not nn.Module.forward
-    frames = BlockFrames(options, plan, root.reduce_once, fullgraph=fullgraph, dynamic=dynamic,
-                         check_order=check_order)
+    frames = BlockFrames(options, plan, root.reduce_once, root.pool, fullgraph=fullgraph,
+                         dynamic=dynamic, check_order=check_order)
     for stack, stack_weights in zip(stacks, weights):
         for i, block in enumerate(stack):
             slot = FrameSlot(stack_weights[i],

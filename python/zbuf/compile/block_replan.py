@@ -5,8 +5,9 @@ in use is one compiled frame.
 [Note: block levels]
 Under block frames no graph holds the step ([Note: one Dynamo frame per block] in
 block_frames.py), so ``recompute="auto"`` cannot plan over the whole graph's regions as
-recompute.py does ([Note: budgeted recompute]). It plans over the block calls instead, with the
-same levels and the same planner:
+recompute.py does ([Note: budgeted recompute]), nor keep gathered weights per weight as
+persist.py does. It plans over the block calls instead, with the same levels and the same
+planner, and keeps weights a block at a time:
 
 1. Step 0 runs the user's checkpointing as written ([Note: measure first, then spend] in
    zbuf/step_memory.py): the frame compiles at level 0, "recompute", which is exactly what
@@ -30,8 +31,17 @@ same levels and the same planner:
    "selective" saves the matmul and attention outputs). So at most three frames are ever
    compiled whatever the depth, and a re-plan compiles at most two block frames, never the
    model; a plan that keeps every block at level 0 compiles nothing.
-4. At the steady step ``settle`` checks the room again, once: if the kept activations no longer
-   fit beside the pool, it plans the smaller room (fewer blocks kept).
+4. At the steady step ``settle`` checks the room again, once: if what the grown plan keeps no
+   longer fits beside the pool, it keeps fewer blocks' weights, and if the activations alone do
+   not fit, plans the levels again in the smaller room (fewer blocks kept) and keeps no weights.
+5. What the levels leave of the room (capped by ``persist_fraction`` of it, as the whole
+   graph's keep-set is) keeps gathered weights for backward, a whole block at a time: the last
+   blocks forward calls keep their forward gather ([Note: blocks kept for backward] in
+   zbuf/block_prefetch.py), and the pool's budget grows by their bytes. Activations come first:
+   a kept activation saves recompute, a kept weight only a collective. One rank gathers nothing,
+   so it keeps no weights (``persist=None``'s rule); ``persist=False`` keeps none. This is data,
+   not a compile, and every structure mode takes it (``"checkpointed"`` and ``"none"`` have no
+   levels to plan, only blocks to keep).
 
 On CUDA the measured peaks include what the kept activations occupy; the CPU stand-in cannot see
 activations, so ``activation_peaks`` reports the plan's kept bytes as its projection, as the
@@ -43,8 +53,9 @@ recompute]) and the order of the block calls (the program's, checked across rank
 forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
 estimate itself (a rank whose frame came out of a cache without partitioning; the level-0 frame
 compiles with AOTAutograd's cache off for this reason). A rank at another level would save other
-weights and re-gather another set of them, so the first forward after a re-plan is checked across
-ranks as the first forward is, each call naming its level: a difference stops every rank with
+weights and re-gather another set of them (and a kept block re-gathers none), so the first
+forward after a re-plan is checked across ranks as the first forward is, each call naming its
+level and whether its weights are kept: a difference stops every rank with
 ``ScheduleMismatchError`` instead of mixing weights.
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
@@ -61,9 +72,10 @@ from typing import Optional
 from .block_frames import BlockFrames
 from .recompute import RecomputeStats
 from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
+from .persist import KeepCandidate
 from .replan import Replan, Replanner
 
-__all__ = ["BlockReplanner", "plan_block_levels"]
+__all__ = ["BlockReplanner", "plan_block_levels", "blocks_to_keep"]
 
 
 def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
@@ -78,10 +90,18 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
     return dataclasses.replace(plan, levels=tuple(sorted(plan.levels)))
 
 
+def blocks_to_keep(blocks: int, block_bytes: int, room_bytes: int) -> int:
+    """How many of ``blocks`` blocks (``block_bytes`` of gathered weights each) keep their
+    weights for backward within ``room_bytes`` ([Note: block levels], 5)."""
+    if block_bytes <= 0 or room_bytes <= 0:
+        return 0
+    return min(blocks, room_bytes // block_bytes)
+
+
 class BlockReplanner:
-    """The re-planner of a model under block frames with ``recompute="auto"``: what
-    ``zbuf.step_memory.StepMemory`` asks of ``replan.Replanner``, for the blocks' levels ([Note:
-    block levels])."""
+    """The re-planner of a model under block frames: what ``zbuf.step_memory.StepMemory`` asks of
+    ``replan.Replanner``, for the blocks' recompute levels and the blocks whose weights are kept
+    for backward ([Note: block levels])."""
 
     refuse_if_no_plan_fits = staticmethod(Replanner.refuse_if_no_plan_fits)
 
@@ -90,8 +110,9 @@ class BlockReplanner:
         self.options = frames.options
         self.grown = False
         self.settled = False
-        self.kept: tuple = ()
-        """Gathered weights kept for backward: none (the blocks re-gather for backward)."""
+        self.kept: tuple[KeepCandidate, ...] = ()
+        """The weights of the blocks kept for backward, for the step's record (``StepMemory``
+        reports their bytes and number)."""
         self.plan: Optional[RecomputePlan] = None
         """The levels in force, by first-call order (None: every block at level 0)."""
         self.room_bytes = 0
@@ -99,9 +120,15 @@ class BlockReplanner:
 
     # -- what StepMemory reads ----------------------------------------------------------------
 
+    @property
+    def kept_bytes(self) -> int:
+        """Pool bytes the blocks kept for backward hold."""
+        return sum(c.nbytes for c in self.kept)
+
     def largest_need(self) -> int:
-        """The pool bytes the frames hold at most (the pool's budget)."""
-        return self.frames.plan.pool_bytes
+        """The pool bytes the frames hold at most: two blocks, the parameters outside, and the
+        blocks kept for backward."""
+        return self.frames.plan.pool_bytes + self.kept_bytes
 
     def planned_budget(self) -> int:
         """What the frames' gathers may hold (``FramePlan.memory_bytes``)."""
@@ -123,7 +150,7 @@ class BlockReplanner:
         estimate = self.frames.estimate
         if estimate is None:
             return None
-        blocks = len(self.frames.positions)
+        blocks = len(self.frames.called)
         chosen = self.plan.levels if self.plan is not None else (0,) * blocks
         return RecomputeStats(
             mode="auto", regions=blocks, regions_recomputed=chosen.count(0),
@@ -136,45 +163,74 @@ class BlockReplanner:
 
     # -- re-planning --------------------------------------------------------------------------
 
-    def _plan(self, room_bytes: int) -> Optional[RecomputePlan]:
+    def _levels(self, room_bytes: int) -> Optional[RecomputePlan]:
+        """The levels in ``room_bytes`` (what the activations beyond level 0 may keep)."""
         estimate = self.frames.estimate
-        if estimate is None or not self.frames.positions:
+        self.room_bytes = max(0, room_bytes)
+        if estimate is None or not self.frames.called:
             return None
-        room = max(0, room_bytes - self.largest_need())
-        self.room_bytes = room
-        return plan_block_levels(estimate.levels, len(self.frames.positions), room)
+        return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes)
 
-    def _apply(self, plan: RecomputePlan) -> Replan:
+    def _blocks_kept(self, room_bytes: int, weights_room: int, world_size: int) -> int:
+        """How many blocks keep their weights: none on one rank (nothing to gather) or with
+        persistence off, else within ``weights_room`` and the persistence share of the room,
+        as ``Replanner.choose_kept`` caps the whole graph's keep-set."""
+        persist = self.options.persist
+        if persist is False or (persist is None and world_size == 1):
+            return 0
+        cap = min(int(self.options.persist_fraction * room_bytes), weights_room)
+        return blocks_to_keep(len(self.frames.called), self.frames.plan.block_bytes, cap)
+
+    def _apply(self, plan: Optional[RecomputePlan], kept_blocks: int) -> Optional[Replan]:
+        """Make ``plan``'s levels and the last ``kept_blocks`` blocks' weights the frames' (the
+        next forward's calls checked across ranks); None when nothing changes."""
         frames = self.frames
-        by_position = sorted(frames.positions, key=frames.positions.__getitem__)
-        new = {} if plan is None else {b: lv for b, lv in zip(by_position, plan.levels) if lv}
-        compiles = any(not frames.has_frame(lv) for lv in set(new.values()))
-        frames.levels = new
+        order = list(frames.called)
+        levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
+        kept = frozenset(order[len(order) - kept_blocks:]) if kept_blocks else frozenset()
+        if levels == frames.levels and kept == frames.kept:
+            return None
+        compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
+        frames.levels, frames.kept = levels, kept
+        self.plan = plan if levels else None
+        self.kept = tuple(
+            KeepCandidate(spec.param_id, frames.pool.capacity_for(spec.gathered_nbytes),
+                          len(order) - i, spec.pool_id)
+            for i, b in enumerate(order) if b in kept for spec in frames.called[b].weights.specs)
+        # The kept blocks' buffers are held beside the two blocks live ([Note: blocks kept for
+        # backward] in zbuf/block_prefetch.py).
+        frames.pool.set_budget(frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
         frames.prefetch.check_next_forward()
-        self.plan = plan if new else None
-        return Replan(compiles, 0, 0)
+        return Replan(compiles, self.kept_bytes, len(self.kept))
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
-        """After the measured step, once: plan the blocks' levels in ``room_bytes`` ([Note:
-        block levels], 2). None when every block stays at level 0 (nothing compiled)."""
+        """After the measured step, once: the blocks' levels in ``room_bytes`` less the pool,
+        then the blocks kept for backward in what is left ([Note: block levels], 2 and 5).
+        None when nothing changes (nothing compiled)."""
         if self.grown or not self.options.measuring:
             return None
         self.grown = True
-        plan = self._plan(room_bytes)
-        if plan is None or not any(plan.levels):
-            return None
-        return self._apply(plan)
+        room = room_bytes - self.frames.plan.pool_bytes
+        plan = self._levels(room)
+        spent = 0 if plan is None else plan.kept_bytes
+        if plan is not None and not any(plan.levels):
+            plan = None
+        return self._apply(plan, self._blocks_kept(room_bytes, room - spent, world_size))
 
     def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
-        """At the steady step, once: keep fewer activations if those kept no longer fit the
-        room measured there ([Note: block levels], 4)."""
+        """At the steady step, once: if what is kept no longer fits the room measured there,
+        keep fewer blocks' weights, and if the activations alone do not fit, plan them again in
+        it and keep no weights ([Note: block levels], 4)."""
         if self.settled:
             return None
         self.settled = True
-        if self.plan is None or self.kept_activation_bytes <= room_bytes - self.largest_need():
+        room = room_bytes - self.frames.plan.pool_bytes
+        activations = self.kept_activation_bytes
+        if activations + self.kept_bytes <= room:
             return None
-        plan = self._plan(room_bytes)
-        if plan.levels == self.plan.levels:
-            return None
-        return self._apply(plan)
-
+        if activations <= room:
+            kept = blocks_to_keep(len(self.frames.kept), self.frames.plan.block_bytes,
+                                  room - activations)
+            return self._apply(self.plan, kept)
+        plan = self._levels(room)
+        return self._apply(plan if plan is not None and any(plan.levels) else None, 0)

@@ -150,10 +150,10 @@ def compile_model(
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
     if opts.structure == "blocks":
         # [Note: one Dynamo frame per block] in block_frames.py: the model itself, its blocks
-        # run as compiled frames; re-planned only for recompute="auto"'s levels ([Note: block
-        # levels] in block_replan.py), the rest of the frames' plan being fixed.
+        # run as compiled frames; the measured room re-plans recompute="auto"'s levels and the
+        # blocks kept for backward ([Note: block levels] in block_replan.py).
         frames = install_block_frames(model, opts, fullgraph=fullgraph, dynamic=dynamic)
-        block_replanner = BlockReplanner(frames) if opts.recompute == "auto" else None
+        block_replanner = BlockReplanner(frames) if budget_bytes is None else None
         model.__dict__["_zbuf_step_memory"] = StepMemory(model, optimizer, hooked=model,
                                                          replanner=block_replanner,
                                                          host_free_bytes=host_free)
