@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import zbuf.compile
 from zbuf.compile.block_frames import block_frames_of
-from zbuf.compile.block_replan import plan_block_levels
+from zbuf.compile.block_replan import blocks_to_keep, plan_block_levels
 from zbuf.compile.recompute_plan import RegionLevel
 from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 from zbuf.shard import root_of, shard
@@ -54,6 +54,16 @@ def test_block_plan_fits_the_room_keeps_later_blocks_first_and_grows_with_it(lv,
         assert not any(plan.levels)  # nothing that saves time fits: every block recomputes
     larger = plan_block_levels(lv, blocks, room + more)
     assert larger.saved_seconds >= plan.saved_seconds - 1e-12
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 1 << 12), st.integers(-(1 << 10), 1 << 16))
+def test_blocks_kept_for_backward_fit_the_room_and_fill_it(blocks, block_bytes, room):
+    kept = blocks_to_keep(blocks, block_bytes, room)
+    assert 0 <= kept <= blocks
+    assert kept * block_bytes <= max(room, 0)
+    if block_bytes > 0 and kept < blocks:
+        assert (kept + 1) * block_bytes > room  # one more would not fit
 
 
 def decoder(layers: int):

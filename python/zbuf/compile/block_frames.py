@@ -161,14 +161,17 @@ class FramePartitioner(CustomPartitionerFn):
     """The frames' partitioner: the min-cut partitioner, with the checkpoint tags dropped under
     ``recompute="none"`` (every region keeps its activations), or, under ``recompute="auto"``,
     the block retagged for its ``level`` (``recompute.apply_levels``); the level-0 frame also
-    estimates the block's levels and hands them to ``estimated``."""
+    estimates the block's levels into ``estimates``. Plain data only: Inductor deep-copies its
+    config, this included, to key its cache."""
 
     def __init__(self, recompute: str, level: int = 0,
-                 estimated: Optional[Callable[[LevelEstimate], None]] = None,
+                 estimates: Optional[list[LevelEstimate]] = None,
                  options: Optional[CompileOptions] = None) -> None:
         self.recompute = recompute
         self.level = level
-        self.estimated = estimated
+        self.estimates = estimates
+        """Where the estimate goes (producer: ``__call__``; consumer: the backend that made
+        this partitioner, once its compile returns)."""
         self.options = options
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
@@ -185,14 +188,14 @@ class FramePartitioner(CustomPartitionerFn):
         region = _block_region(gm.graph, forward)
         specs = None
         if region is not None:
-            if self.estimated is not None:
+            if self.estimates is not None:
                 specs = level_specs(gm.graph, forward, [region], self.options)
             apply_levels(gm.graph, [region], (self.level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
             stats = measure_partition("auto", names, fw, bw, self.options)
-            self.estimated(LevelEstimate(specs[0].levels, stats.kept_bytes))
+            self.estimates.append(LevelEstimate(specs[0].levels, stats.kept_bytes))
         return fw, bw
 
     def uuid(self) -> str:
@@ -330,8 +333,9 @@ class BlockFrames:
         self.graphs_compiled += 1
         recompute = self.options.recompute
         estimates = recompute == "auto" and level == 0
-        partitioner = FramePartitioner(recompute, level,
-                                       self._estimated if estimates else None, self.options)
+        found: list[LevelEstimate] = []
+        partitioner = FramePartitioner(recompute, level, found if estimates else None,
+                                       self.options)
         from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
 
         # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
@@ -345,17 +349,21 @@ class BlockFrames:
             patches = {} if recompute == "checkpointed" else {
                 "custom_partitioner_fn": partitioner}
             with _cacheable_rng_replay(), no_cache:
-                return compile_fx(gm, example_inputs, config_patches=patches)
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_func
 
-        def run_as_is(fx: torch.fx.GraphModule, _inputs):
-            return make_boxed_func(fx.forward)
+            def run_as_is(fx: torch.fx.GraphModule, _inputs):
+                return make_boxed_func(fx.forward)
 
-        with _cacheable_rng_replay(), no_cache:
-            return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                                partition_fn=partitioner,
-                                keep_inference_input_mutations=True)(gm, example_inputs)
+            with _cacheable_rng_replay(), no_cache:
+                compiled = aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                                        partition_fn=partitioner,
+                                        keep_inference_input_mutations=True)(gm, example_inputs)
+        for estimate in found:  # AOTAutograd partitions while the backend compiles
+            self._estimated(estimate)
+        return compiled
 
 
 def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph: bool = False,
