@@ -203,6 +203,11 @@ def test_the_measured_room_plans_the_levels_without_a_clamp():
     assert kept == 3 * block_frames_of(model).estimate.levels[2].extra_bytes
     assert steady.backward_peak_bytes >= m.backward_peak_bytes + kept - (1 << 16)
     assert not steady.replanned
+    # What the run record summarises (zbuf/train/record.py): the levels, as the whole graph's
+    # schedule reports its regions.
+    levels = memory.report()["measured"]["recompute"]
+    assert (levels["regions"], levels["regions_kept"], levels["mode"]) == (3, 3, "auto")
+    assert levels["forward_flops"] > 0 and levels["recomputed_flops"] == 0
 
 
 def test_train_takes_blocks_with_ac_auto():

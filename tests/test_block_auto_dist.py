@@ -92,7 +92,8 @@ def _weights_case(rank, world):
     seen = []
 
     def before(i):
-        seen.append((op_counts(model)["all_gather"], len(frames.kept), pool.stats().budget_bytes))
+        seen.append((op_counts(model)["all_gather"], len(frames.kept), pool.stats().budget_bytes,
+                     pool.stats().outside_allocations))
 
     losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world, memory,
                                                 keep={STEPS - 1}, before=before)
@@ -100,8 +101,12 @@ def _weights_case(rank, world):
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     assert sm_tests._worst(states[STEPS - 1], ref_states[STEPS - 1]) <= RTOL
     assert pool.stats().checked_out == 0
+    # The kept block's buffers are within the pool's grown budget: after step 0 (whose
+    # allocations meet the idle blocks of the case before, in this process's pool), nothing is
+    # allocated outside it.
+    assert seen[1][3] == seen[-1][3], seen
     return {"gathers": [b[0] - a[0] for a, b in zip(seen, seen[1:])],
-            "kept_blocks": [k for _, k, _ in seen], "budgets": [b for _, _, b in seen],
+            "kept_blocks": [s[1] for s in seen], "budgets": [s[2] for s in seen],
             "levels": _levels(frames, model), "pool_bytes": frames.plan.pool_bytes,
             "block_bytes": block, "measured": memory.measured._asdict(),
             "steady": memory.steady._asdict(),

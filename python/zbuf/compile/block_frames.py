@@ -146,6 +146,8 @@ class LevelEstimate(NamedTuple):
     saved_bytes: int
     """Activation bytes the level-0 frame saves for backward per block call
     (``RecomputeStats.kept_bytes`` of its partition)."""
+    forward_flops: float
+    """Matmul and attention FLOPs of the block's forward (its partition's)."""
 
 
 def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
@@ -195,7 +197,8 @@ class FramePartitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
             stats = measure_partition("auto", names, fw, bw, self.options)
-            self.estimates.append(LevelEstimate(specs[0].levels, stats.kept_bytes))
+            self.estimates.append(LevelEstimate(specs[0].levels, stats.kept_bytes,
+                                                stats.forward_flops))
         return fw, bw
 
     def uuid(self) -> str:
@@ -326,7 +329,8 @@ class BlockFrames:
                                   max(a.recompute_seconds, b.recompute_seconds),
                                   max(a.recompute_flops, b.recompute_flops))
                       for a, b in zip(old.levels, estimate.levels)),
-                max(old.saved_bytes, estimate.saved_bytes))
+                max(old.saved_bytes, estimate.saved_bytes),
+                max(old.forward_flops, estimate.forward_flops))
         self.estimate = estimate
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):

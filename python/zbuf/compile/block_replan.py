@@ -158,6 +158,7 @@ class BlockReplanner:
             activation_budget_bytes=self.room_bytes,
             requested_activation_budget_bytes=self.room_bytes,
             kept_bytes=blocks * estimate.saved_bytes + self.kept_activation_bytes,
+            forward_flops=blocks * estimate.forward_flops,
             recomputed_flops=sum(estimate.levels[lv].recompute_flops for lv in chosen),
             partitions=len(set(chosen)))
 
