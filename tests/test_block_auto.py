@@ -216,3 +216,44 @@ def test_train_takes_blocks_with_ac_auto():
     cfg = TrainConfig(compile_structure="blocks", ac="auto").resolve(cuda=False, world=2,
                                                                      bench=False)
     assert (cfg.compile_structure, cfg.ac) == ("blocks", "auto")
+
+
+def test_hugging_face_layers_take_levels():
+    """Hugging Face checkpoints inside the layer's ``__call__``: the level-0 frame finds the
+    region and estimates it, the roomy re-plan keeps every layer (one more frame), and the
+    losses stay the reference's."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    init = transformers.Qwen3ForCausalLM(cfg)
+    init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = batches(3)
+
+    def run(fn, model, memory=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for tokens in data:
+            lo = fn(input_ids=tokens, labels=tokens, use_cache=False).loss
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if memory is not None:
+                memory.close_step()
+            out.append(lo.item())
+        return out
+
+    ref = copy.deepcopy(init)
+    ref_losses = run(ref, ref)
+    model = shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      free_memory_bytes=1 << 30)
+    memory = zbuf.compile.step_memory_of(cm)
+    losses = run(cm, model, memory)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    frames = block_frames_of(model)
+    assert frames.estimate is not None and frames.estimate.levels[2].extra_bytes > 0
+    assert memory.measured.recompute["regions_kept"] == 3 and frames.graphs_compiled == 2
