@@ -70,9 +70,9 @@ import dataclasses
 from typing import Optional
 
 from .block_frames import BlockFrames
+from .persist import KeepCandidate
 from .recompute import RecomputeStats
 from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
-from .persist import KeepCandidate
 from .replan import Replan, Replanner
 
 __all__ = ["BlockReplanner", "plan_block_levels", "blocks_to_keep"]
