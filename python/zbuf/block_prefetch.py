@@ -46,9 +46,11 @@ of the same shapes, silently mixing weights. During the model's first forward, b
 call launches anything, the ranks compare the calls so far (``compile/fingerprint.py``'s check:
 one 8-byte all-gather per block call, and the descriptions only on a mismatch), and a mismatch
 raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Under
-``recompute="auto"`` each call also names the recompute level of its frame, and the first
-forward after a re-plan that changed the levels is checked too (``check_next_forward``): a block
-at another level saves other weights, so its re-gather is another collective. Other forwards
+``recompute="auto"`` each call also names the recompute level of its frame, and a block whose
+weights are kept for backward says so; the first forward after each re-plan decision is checked
+too (``check_next_forward``, [Note: block levels] in compile/block_replan.py): a block at
+another level saves other weights, and a kept one re-gathers none, so their backward gathers
+differ. Other forwards
 are not checked (a check per block call would stop the host at every block on NCCL); the
 whole-graph structure checks every run of its graphs instead. Off with
 ``check_fingerprint=False``.
@@ -225,9 +227,8 @@ class BlockPrefetch:
         which ends the check)."""
 
     def check_next_forward(self) -> None:
-        """Check the next forward's block calls across ranks too (after a re-plan gave blocks
-        other frames: [Note: block levels] in compile/block_replan.py); nothing with the check
-        off."""
+        """Check the next forward's block calls across ranks too (after a re-plan decision:
+        [Note: block levels] in compile/block_replan.py); nothing with the check off."""
         if self.check_order:
             self._checked_calls = []
 

@@ -54,9 +54,10 @@ forward: [Note: block order check] in zbuf/block_prefetch.py). What could still 
 estimate itself (a rank whose frame came out of a cache without partitioning; the level-0 frame
 compiles with AOTAutograd's cache off for this reason). A rank at another level would save other
 weights and re-gather another set of them (and a kept block re-gathers none), so the first
-forward after a re-plan is checked across ranks as the first forward is, each call naming its
-level and whether its weights are kept: a difference stops every rank with
-``ScheduleMismatchError`` instead of mixing weights.
+forward after each decision (``grow`` and ``settle``, whether or not it changed anything: a rank
+that changed nothing must take part in the check of one that did) is checked across ranks as
+the first forward is, each call naming its level and whether its weights are kept: a difference
+stops every rank with ``ScheduleMismatchError`` instead of mixing weights.
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
@@ -183,8 +184,8 @@ class BlockReplanner:
         return blocks_to_keep(len(self.frames.called), self.frames.plan.block_bytes, cap)
 
     def _apply(self, plan: Optional[RecomputePlan], kept_blocks: int) -> Optional[Replan]:
-        """Make ``plan``'s levels and the last ``kept_blocks`` blocks' weights the frames' (the
-        next forward's calls checked across ranks); None when nothing changes."""
+        """Make ``plan``'s levels and the last ``kept_blocks`` blocks' weights the frames';
+        None when nothing changes."""
         frames = self.frames
         order = list(frames.called)
         levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
@@ -201,7 +202,6 @@ class BlockReplanner:
         # The kept blocks' buffers are held beside the two blocks live ([Note: blocks kept for
         # backward] in zbuf/block_prefetch.py).
         frames.pool.set_budget(frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
-        frames.prefetch.check_next_forward()
         return Replan(compiles, self.kept_bytes, len(self.kept))
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
@@ -211,6 +211,7 @@ class BlockReplanner:
         if self.grown or not self.options.measuring:
             return None
         self.grown = True
+        self.frames.prefetch.check_next_forward()  # changed or not: see the Note
         room = room_bytes - self.frames.plan.pool_bytes
         plan = self._levels(room)
         spent = 0 if plan is None else plan.kept_bytes
@@ -225,6 +226,7 @@ class BlockReplanner:
         if self.settled:
             return None
         self.settled = True
+        self.frames.prefetch.check_next_forward()
         room = room_bytes - self.frames.plan.pool_bytes
         activations = self.kept_activation_bytes
         if activations + self.kept_bytes <= room:
