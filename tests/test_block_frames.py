@@ -226,8 +226,11 @@ def test_bad_inputs_get_one_clear_error():
     with pytest.raises(NoRepeatedBlocksError, match="found no repeated blocks in Sequential.*"
                                                     "use structure='graph'"):
         _frames(shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))))
-    with pytest.raises(ValueError, match="does not take recompute='auto'.*use structure='graph'"):
-        _frames(shard(_decoder(2, True)), recompute="auto")
+    with pytest.raises(ValueError, match="recompute='auto' plans the blocks' levels in the room "
+                                         "the first step measures.*leave budget_bytes unset"):
+        _frames(shard(_decoder(2, True)), recompute="auto", budget_bytes=1 << 30)
+    with pytest.raises(ValueError, match="does not take activation_budget_bytes.*leave it unset"):
+        _frames(shard(_decoder(2, True)), recompute="auto", activation_budget_bytes=1 << 20)
     with pytest.raises(ValueError, match="structure='blocks'.*compile_blocks_once=True"):
         _frames(shard(_decoder(2, True)), compile_blocks_once=True)
     with pytest.raises(ValueError, match="structure='bogus' must be one of 'graph', 'blocks'"):
@@ -269,19 +272,22 @@ def test_blocks_called_out_of_order_still_match():
 
 def test_step_memory_measures_the_step():
     """``zbuf.compile(..., optimizer=opt)`` attaches the whole step's measured memory, which
-    keeps measuring under block frames (no re-planner: the frames' plan is not a graph)."""
+    keeps measuring under block frames. With the user's checkpointing and one rank its
+    re-planner changes nothing: no levels to plan, no weights worth keeping (nothing is
+    gathered from other ranks)."""
     from zbuf.compile import step_memory_of
 
     model = shard(_decoder(2, True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cm = zbuf.compile(model, inner="aot_eager", structure="blocks", fullgraph=True, optimizer=opt)
     memory = step_memory_of(cm)
-    assert memory is not None and memory.replanner is None
+    assert memory is not None and memory.replanner is not None
     for tokens in _batches(3):
         loss(cm, tokens[:, :-1], tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert len(memory.rows) >= 2 and memory.measured is not None
+    assert not memory.measured.replanned and memory.measured.recompute is None
     assert root_of(model).pool.stats().budget_bytes == block_frames_of(model).plan.pool_bytes
 
 
@@ -290,9 +296,13 @@ def test_train_config_takes_the_structure():
 
     cfg = TrainConfig(compile_structure="blocks").resolve(cuda=False, world=2, bench=False)
     assert cfg.compile_structure == "blocks"
-    with pytest.raises(ConfigError, match="--compile-structure blocks does not take --ac auto"):
-        TrainConfig(compile_structure="blocks", ac="auto").resolve(cuda=False, world=2,
-                                                                   bench=False)
+    auto = TrainConfig(compile_structure="blocks", ac="auto").resolve(cuda=False, world=2,
+                                                                      bench=False)
+    assert auto.ac == "auto"
+    with pytest.raises(ConfigError, match="--compile-structure blocks with --ac auto .* "
+                                          "drop --gather-budget"):
+        TrainConfig(compile_structure="blocks", ac="auto", gather_budget=1 << 30).resolve(
+            cuda=False, world=2, bench=False)
 
 
 @pytest.mark.parametrize("ac", [False, True])

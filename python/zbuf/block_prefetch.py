@@ -45,10 +45,26 @@ another order would pair one rank's gathers of a block with another rank's of a 
 of the same shapes, silently mixing weights. During the model's first forward, before each block
 call launches anything, the ranks compare the calls so far (``compile/fingerprint.py``'s check:
 one 8-byte all-gather per block call, and the descriptions only on a mismatch), and a mismatch
-raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Later forwards
+raises ``ScheduleMismatchError`` on every rank naming the first call that differs. Under
+``recompute="auto"`` each call also names the recompute level of its frame, and a block whose
+weights are kept for backward says so; the first forward after each re-plan decision is checked
+too (``check_next_forward``, [Note: block levels] in compile/block_replan.py): a block at
+another level saves other weights, and a kept one re-gathers none, so their backward gathers
+differ. Other forwards
 are not checked (a check per block call would stop the host at every block on NCCL); the
 whole-graph structure checks every run of its graphs instead. Off with
 ``check_fingerprint=False``.
+
+[Note: blocks kept for backward]
+With room to spare after the measured step (compile/block_replan.py), the last blocks that
+forward calls, the first that backward reaches, keep their forward gather for backward, as
+FSDP2's ``reshard_after_forward=False`` does per block: their ``SavedBlock`` holds the forward's
+``InFlightGather`` and hands it to the backward's unpacks, which issue no collective. Each kept
+block holds its weights from its forward to its backward on top of the two blocks live, which
+the pool's budget grows by. A forward whose backward never comes (the graph dropped) drops the
+buffers with the graph. Several forwards before one backward (accumulated micro-batches) hold
+one copy per forward; what the budget does not cover the pool serves outside it (counted as
+misses), never failing.
 
 A block called inside a backward (an eager checkpoint around the block, recomputing it) gathers
 on demand with no prefetch and no hooks of its own: the checkpoint's hooks own what it saves.
@@ -98,10 +114,10 @@ class SavedBlock:
     prefetched then."""
 
     __slots__ = ("weights", "previous", "prefetch", "_buffer_index", "_packed", "_unpacks_left",
-                 "_regather", "_saved", "_position")
+                 "_regather", "_saved", "_position", "_held")
 
     def __init__(self, weights: BlockWeights, forward_gather: InFlightGather,
-                 previous: Optional["SavedBlock"], prefetch: bool) -> None:
+                 previous: Optional["SavedBlock"], prefetch: bool, *, hold: bool = False) -> None:
         self.weights = weights
         self.previous = previous
         """The block called just before this one in the same forward (its stack predecessor),
@@ -125,6 +141,10 @@ class SavedBlock:
         ``_launch``, in backward, which re-gathers those only)."""
         self._position: dict[int, int] = {}
         """Parameter index -> its buffer in the re-gather (producer: ``_launch``)."""
+        self._held: Optional[InFlightGather] = forward_gather if hold else None
+        """The forward's gather, kept for backward ([Note: blocks kept for backward]): its
+        buffers stay out of the pool (producer: ``__init__``; consumer: ``_launch``, which makes
+        it the backward's gather, no collective issued)."""
 
     def pack(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
@@ -142,6 +162,10 @@ class SavedBlock:
         """Re-gather the parameters the frame saved (all of a block's, unless its backward reads
         fewer: a bias is not saved), in parameter order: the program's, so every rank's."""
         if self._regather is not None:
+            return
+        if self._held is not None:
+            self._regather, self._held = self._held, None
+            self._position = {index: index for index in range(len(self.weights.specs))}
             return
         saved = sorted(self._saved)
         weights = self.weights
@@ -195,10 +219,18 @@ class BlockPrefetch:
         self._last_saved: Optional[SavedBlock] = None
         """The latest block call's saved weights (producer and consumer: ``run``, which links the
         next block's to it when that block is its stack successor)."""
+        self.check_order = check_order
         self._checked_calls: Optional[list[str]] = [] if check_order else None
         """The first forward's block calls so far, checked across ranks before each ([Note:
         block order check]); None once that forward ended, or with the check off (producer:
-        ``run``; consumer: ``finish_forward``, which ends the check)."""
+        ``run``, and ``check_next_forward``, which starts it again; consumer: ``finish_forward``,
+        which ends the check)."""
+
+    def check_next_forward(self) -> None:
+        """Check the next forward's block calls across ranks too (after a re-plan decision:
+        [Note: block levels] in compile/block_replan.py); nothing with the check off."""
+        if self.check_order:
+            self._checked_calls = []
 
     def finish_forward(self) -> None:
         """The model's forward ended: a gather still launched ahead (the last block called was
@@ -209,23 +241,26 @@ class BlockPrefetch:
         self._last_saved = None
         self._checked_calls = None
 
-    def _check_call(self, weights: BlockWeights) -> None:
+    def _check_call(self, weights: BlockWeights, label: str) -> None:
         """[Note: block order check]"""
         from .compile.fingerprint import check_across_ranks, fingerprint_of
 
-        self._checked_calls.append(f"the block of {weights.specs[0].fqn}")
+        self._checked_calls.append(" ".join(filter(None, (f"the block of {weights.specs[0].fqn}",
+                                                          label))))
         description = json.dumps({"inputs": [], "collectives": self._checked_calls})
         check_across_ranks(weights.specs[0].group_name, fingerprint_of(description), description)
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
-            kwargs: dict) -> Any:
+            kwargs: dict, *, label: str = "", hold: bool = False) -> Any:
         """Gather ``block``'s weights (prefetched if launched one block ahead), launch the next
         block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
-        instead of the weights."""
+        instead of the weights. ``label``: what else of the call the ranks check (its frame's
+        recompute level, its weights kept). ``hold``: keep the forward's gather for the block's
+        backward instead of gathering again ([Note: blocks kept for backward])."""
         weights = slot.weights
         backward = in_backward()
         if self._checked_calls is not None and not backward:
-            self._check_call(weights)
+            self._check_call(weights, label)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.weights is not weights:
             ahead.wait()  # launched for a block that did not come next: finish it, drop it
@@ -244,7 +279,7 @@ class BlockPrefetch:
         previous = self._last_saved
         if previous is None or previous.weights is not slot.previous:
             previous = None
-        saved = SavedBlock(weights, gather, previous, self.prefetch)
+        saved = SavedBlock(weights, gather, previous, self.prefetch, hold=hold)
         self._last_saved = saved
         del gather, ahead
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBlock.unpack):

@@ -177,6 +177,10 @@ class MeasuredBudget(NamedTuple):
     time] in zbuf/kept_weights.py)."""
     kept_weights: int = 0
     """How many weights forward keeps for backward after this decision."""
+    recompute: Optional[dict[str, Any]] = None
+    """Block frames' ``recompute="auto"``: the blocks' levels in force after this decision
+    (``RecomputeStats`` as a dict: [Note: block levels] in compile/block_replan.py); None
+    elsewhere (the whole graph's are in its schedule records)."""
 
 
 class StepMemoryRow(NamedTuple):
@@ -245,6 +249,7 @@ class StepMemory:
         pool = root.pool
         if plan_sizes_pool:
             pool.set_budget(0)
+        self.plan_sizes_pool = plan_sizes_pool
         self.model = model
         self.optimizer = optimizer
         self.memory = SharedMemory(pool)
@@ -373,15 +378,18 @@ class StepMemory:
             replan = decide(budget, room, self._world_size())
         if replan is not None:
             self._replan_steps.add(self.meter.closed)  # the step now opening
-            if replan.recompiled:
+            if replan.recompiled and self.plan_sizes_pool:
                 # The new plans' first runs size the pool, as the first plans' did; a new
-                # keep-set moved the pool's budget itself (zbuf/kept_weights.py).
+                # keep-set moved the pool's budget itself (zbuf/kept_weights.py). Block frames
+                # size it from their plan, which no re-plan changes.
                 self.memory.pool.set_budget(0)
         kept = self.replanner.kept if self.replanner is not None else ()
+        stats = self.replanner.recompute_stats() if self.replanner is not None else None
         return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
                               replan is not None, row.step, frag / PPM,
                               recompiled=bool(replan and replan.recompiled),
-                              kept_bytes=sum(c.nbytes for c in kept), kept_weights=len(kept))
+                              kept_bytes=sum(c.nbytes for c in kept), kept_weights=len(kept),
+                              recompute=None if stats is None else stats.to_dict())
 
     def _world_size(self) -> int:
         g = self.group

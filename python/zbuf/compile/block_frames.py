@@ -45,7 +45,9 @@ Recompute modes: ``"checkpointed"`` runs the model's own checkpointing as writte
 built-in decoder's and Hugging Face's ``checkpoint`` are inside the block's ``__call__``, so inside
 the frame, where AOTAutograd recomputes them); ``"none"`` keeps every region's activations (the
 frame's partitioner drops the checkpoint tags, as ``recompute.apply_levels``' "keep" does).
-``"auto"`` plans over the checkpointed regions of the whole graph and is refused here.
+``"auto"`` gives each block call a level ("recompute", "selective" or "keep") in the room the
+measured step leaves, each level in use one more copy of the frame ([Note: block levels] in
+block_replan.py).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
@@ -56,7 +58,10 @@ What the whole-graph plan gives and this structure does not (yet):
 - the gather schedule is fixed (one block ahead, released after the block), not planned
   per weight within a budget; ``FramePlan`` checks it against the rank-agreed memory instead
   (and turns prefetch off when two blocks do not fit);
-- no selective persistence (every weight is re-gathered for backward), no budgeted recompute;
+- weights are kept for backward a whole block at a time (the last blocks, [Note: blocks kept
+  for backward] in zbuf/block_prefetch.py), not per weight ranked by communication saved per
+  byte; budgeted recompute per block, not per region of the whole graph, on the levels'
+  estimates (not measured partitions);
 - reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
   they do not overlap the next block's backward compute on a GPU;
 - the order of block calls is checked across ranks in the first forward only ([Note: block
@@ -70,8 +75,10 @@ What the whole-graph plan gives and this structure does not (yet):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import types
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -84,10 +91,13 @@ from ..region_inputs import gathered_for_shards
 from ..shard import roots
 from .budget import PlanExceedsMemoryError, graph_memory
 from .options import CompileOptions
+from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
+                        measure_partition)
+from .recompute_plan import RegionLevel
 from .regions import is_marked_model, repeated_blocks
 
-__all__ = ["BlockFrames", "FramePlan", "install_block_frames", "block_frames_of", "frame_slot_of",
-           "NoRepeatedBlocksError"]
+__all__ = ["BlockFrames", "FramePlan", "LevelEstimate", "install_block_frames", "block_frames_of",
+           "frame_slot_of", "NoRepeatedBlocksError"]
 
 _FRAMES_KEY = "_zbuf_block_frames"
 """On the model ``install_block_frames`` was given: its ``BlockFrames``."""
@@ -114,7 +124,7 @@ def _frame_call(self, *args, **kwargs):
         # block as it was, parameter access gathering.
         return type(self)._zbuf_frame_base.__call__(self, *args, **kwargs)
     slot, frames = self.__dict__[_SLOT_KEY]
-    return frames.prefetch.run(slot, frames.frame, self, args, kwargs)
+    return frames.run(slot, self, args, kwargs)
 
 
 def _frame_class(cls: type) -> type:
@@ -127,25 +137,72 @@ def _frame_class(cls: type) -> type:
     return sub
 
 
+class LevelEstimate(NamedTuple):
+    """A block's recompute levels read off its frame's joint graph ([Note: block levels] in
+    block_replan.py)."""
+
+    levels: tuple[RegionLevel, ...]
+    """``recompute.LEVELS`` order: the block as one region (``recompute.level_specs``)."""
+    saved_bytes: int
+    """Activation bytes the level-0 frame saves for backward per block call
+    (``RecomputeStats.kept_bytes`` of its partition)."""
+    forward_flops: float
+    """Matmul and attention FLOPs of the block's forward (its partition's)."""
+
+
+def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
+    """Every checkpointed region of a block's joint graph as one region: a block takes one
+    level, whatever its checkpointing is made of."""
+    regions = find_regions(graph, forward)
+    if not regions:
+        return None
+    return Region("block", regions[0].position, tuple(n for r in regions for n in r.names))
+
+
 class FramePartitioner(CustomPartitionerFn):
     """The frames' partitioner: the min-cut partitioner, with the checkpoint tags dropped under
-    ``recompute="none"`` (every region keeps its activations)."""
+    ``recompute="none"`` (every region keeps its activations), or, under ``recompute="auto"``,
+    the block retagged for its ``level`` (``recompute.apply_levels``); the level-0 frame also
+    estimates the block's levels into ``estimates``. Plain data only: Inductor deep-copies its
+    config, this included, to key its cache."""
 
-    def __init__(self, recompute: str) -> None:
+    def __init__(self, recompute: str, level: int = 0,
+                 estimates: Optional[list[LevelEstimate]] = None,
+                 options: Optional[CompileOptions] = None) -> None:
         self.recompute = recompute
+        self.level = level
+        self.estimates = estimates
+        """Where the estimate goes (producer: ``__call__``; consumer: the backend that made
+        this partitioner, once its compile returns)."""
+        self.options = options
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        kwargs.setdefault("compiler", "inductor")
         if self.recompute == "none":
             for n in gm.graph.nodes:
                 if "ac_graph_id" in n.meta:
                     n.meta.pop("recompute", None)
-        kwargs.setdefault("compiler", "inductor")
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if self.recompute != "auto":
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
+        region = _block_region(gm.graph, forward)
+        specs = None
+        if region is not None:
+            if self.estimates is not None:
+                specs = level_specs(gm.graph, forward, [region], self.options)
+            apply_levels(gm.graph, [region], (self.level,))
+        names = {n.name for n in forward if n.op == "call_function"}
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if specs is not None:
+            stats = measure_partition("auto", names, fw, bw, self.options)
+            self.estimates.append(LevelEstimate(specs[0].levels, stats.kept_bytes,
+                                                stats.forward_flops))
+        return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v1:{self.recompute}"
+        return f"zbuf-frame-partitioner:v2:{self.recompute}:{self.level}"
 
 
 class FramePlan(NamedTuple):
@@ -199,44 +256,118 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
 
 
 class BlockFrames:
-    """The compiled frame and the runtime schedule of one model's blocks ([Note: one Dynamo frame
-    per block])."""
+    """The compiled frames and the runtime schedule of one model's blocks ([Note: one Dynamo
+    frame per block]): one frame per recompute level in use ([Note: block levels] in
+    block_replan.py), level 0 alone until a re-plan gives blocks another."""
 
-    def __init__(self, options: CompileOptions, plan: FramePlan, reducer, *,
+    def __init__(self, options: CompileOptions, plan: FramePlan, reducer, pool, *,
                  fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
         self.options = options
         self.plan = plan
+        self.pool = pool
+        """The blocks' gather-buffer pool (its budget: ``plan.pool_bytes`` and the weights kept
+        for backward)."""
+        self.fullgraph = fullgraph
+        self.dynamic = dynamic
         self.prefetch = BlockPrefetch(reducer, prefetch=plan.prefetch, check_order=check_order)
         self.graphs_compiled = 0
-        """Graphs Dynamo handed this model's frame backend (one per distinct block frame)."""
-        body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
-                                  "_frame_body")  # its own Dynamo cache: see the Note
-        self.frame = torch.compile(body, backend=self._backend, fullgraph=fullgraph,
-                                   dynamic=dynamic)
-        """``frame(block, weights, args, kwargs)``: the compiled body, shared by every block."""
+        """Graphs Dynamo handed this model's frame backends (one per distinct block frame and
+        level)."""
+        self.estimate: Optional[LevelEstimate] = None
+        """``recompute="auto"``: the block's levels (producer: the level-0 frame's partitioner,
+        the largest over its compiles; consumer: the re-planner, after the measured step)."""
+        self.called: dict[int, FrameSlot] = {}
+        """id(block) -> its slot, in the order of the blocks' first calls (producer: ``run``;
+        consumer: the re-planner, whose plan favours later blocks)."""
+        self.levels: dict[int, int] = {}
+        """id(block) -> its level when not 0 (producer: the re-planner; consumer: ``run``)."""
+        self.kept: frozenset[int] = frozenset()
+        """id(block) of the blocks whose forward gather is kept for backward ([Note: blocks
+        kept for backward] in zbuf/block_prefetch.py; producer: the re-planner; consumer:
+        ``run``)."""
+        self._frames: dict[int, Callable] = {}
+        """Level -> its compiled frame, each compiled on first use (producer and consumer:
+        ``frame_of``)."""
+        self.frame = self.frame_of(0)
+        """``frame(block, weights, args, kwargs)``: the compiled body of level 0 (the
+        ``recompute`` mode's own), shared by every block at that level."""
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list):
+    def frame_of(self, level: int) -> Callable:
+        """The compiled body of ``level``: its own copy of ``_frame_body``'s code object, so its
+        own Dynamo cache (see the Note), compiled by its first block call."""
+        frame = self._frames.get(level)
+        if frame is None:
+            body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
+                                      "_frame_body")
+            frame = torch.compile(body, backend=functools.partial(self._backend, level),
+                                  fullgraph=self.fullgraph, dynamic=self.dynamic)
+            self._frames[level] = frame
+        return frame
+
+    def has_frame(self, level: int) -> bool:
+        """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
+        return level in self._frames
+
+    def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
+        self.called.setdefault(id(block), slot)
+        level = self.levels.get(id(block), 0)
+        hold = id(block) in self.kept
+        # What a re-plan may make differ enters the block order check ([Note: block levels]).
+        label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
+                           else []) + (["its weights kept for backward"] if hold else []))
+        return self.prefetch.run(slot, self.frame_of(level), block, args, kwargs, label=label,
+                                 hold=hold)
+
+    def _estimated(self, estimate: LevelEstimate) -> None:
+        """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
+        (one per input shape): every call of a block is planned as its hungriest."""
+        if self.estimate is not None:
+            old = self.estimate
+            estimate = LevelEstimate(
+                tuple(RegionLevel(a.name, max(a.extra_bytes, b.extra_bytes),
+                                  max(a.recompute_seconds, b.recompute_seconds),
+                                  max(a.recompute_flops, b.recompute_flops))
+                      for a, b in zip(old.levels, estimate.levels)),
+                max(old.saved_bytes, estimate.saved_bytes),
+                max(old.forward_flops, estimate.forward_flops))
+        self.estimate = estimate
+
+    def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
-        partitioner = FramePartitioner(self.options.recompute)
+        recompute = self.options.recompute
+        estimates = recompute == "auto" and level == 0
+        found: list[LevelEstimate] = []
+        partitioner = FramePartitioner(recompute, level, found if estimates else None,
+                                       self.options)
         from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
 
+        # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
+        from torch._functorch import config as functorch_config
+
+        no_cache = (functorch_config.patch(enable_autograd_cache=False) if estimates
+                    else contextlib.nullcontext())
         if self.options.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {} if self.options.recompute == "checkpointed" else {
+            patches = {} if recompute == "checkpointed" else {
                 "custom_partitioner_fn": partitioner}
-            with _cacheable_rng_replay():
-                return compile_fx(gm, example_inputs, config_patches=patches)
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
+            with _cacheable_rng_replay(), no_cache:
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_func
 
-        def run_as_is(fx: torch.fx.GraphModule, _inputs):
-            return make_boxed_func(fx.forward)
+            def run_as_is(fx: torch.fx.GraphModule, _inputs):
+                return make_boxed_func(fx.forward)
 
-        with _cacheable_rng_replay():
-            return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                                partition_fn=partitioner,
-                                keep_inference_input_mutations=True)(gm, example_inputs)
+            with _cacheable_rng_replay(), no_cache:
+                compiled = aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                                        partition_fn=partitioner,
+                                        keep_inference_input_mutations=True)(gm, example_inputs)
+        for estimate in found:  # AOTAutograd partitions while the backend compiles
+            self._estimated(estimate)
+        return compiled
 
 
 def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph: bool = False,
@@ -269,8 +400,8 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
     # The order check ends with the model's first forward: a container with no forward of its
     # own (its blocks called by the user's code) would never end it.
     check_order = options.check_fingerprint and type(model).forward is not nn.Module.forward
-    frames = BlockFrames(options, plan, root.reduce_once, fullgraph=fullgraph, dynamic=dynamic,
-                         check_order=check_order)
+    frames = BlockFrames(options, plan, root.reduce_once, root.pool, fullgraph=fullgraph,
+                         dynamic=dynamic, check_order=check_order)
     for stack, stack_weights in zip(stacks, weights):
         for i, block in enumerate(stack):
             slot = FrameSlot(stack_weights[i],

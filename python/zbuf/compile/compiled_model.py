@@ -19,6 +19,7 @@ from ..step_memory import StepMemory
 from .budget import agree_free_memory, check_optimizer_fits
 from .options import CompileOptions
 from .block_frames import install_block_frames
+from .block_replan import BlockReplanner
 from .regions import mark_repeated_blocks
 from .replan import Replanner
 
@@ -68,7 +69,8 @@ def compile_model(
     ``structure="blocks"``: Dynamo traces one frame per repeated block, shared by identical
     blocks, and zbuf's runtime gathers, prefetches and re-gathers the blocks' weights; the model
     is returned itself, its blocks swapped in place ([Note: one Dynamo frame per block] in
-    block_frames.py). Takes ``recompute="checkpointed"`` or ``"none"``.
+    block_frames.py). ``recompute="auto"`` there gives each block call a recompute level in the
+    room the first step measures ([Note: block levels] in block_replan.py).
 
     Every rank must call this at the same point: without an explicit ``budget_bytes`` (or
     ``free_memory_bytes``) it agrees on the rank-minimum free memory with one all-reduce over the
@@ -148,9 +150,12 @@ def compile_model(
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
     if opts.structure == "blocks":
         # [Note: one Dynamo frame per block] in block_frames.py: the model itself, its blocks
-        # run as compiled frames; no re-planner (the frames' plan is data, not graph structure).
-        install_block_frames(model, opts, fullgraph=fullgraph, dynamic=dynamic)
+        # run as compiled frames; the measured room re-plans recompute="auto"'s levels and the
+        # blocks kept for backward ([Note: block levels] in block_replan.py).
+        frames = install_block_frames(model, opts, fullgraph=fullgraph, dynamic=dynamic)
+        block_replanner = BlockReplanner(frames) if budget_bytes is None else None
         model.__dict__["_zbuf_step_memory"] = StepMemory(model, optimizer, hooked=model,
+                                                         replanner=block_replanner,
                                                          host_free_bytes=host_free)
         return model
     compiled = torch.compile(

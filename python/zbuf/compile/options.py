@@ -89,8 +89,9 @@ class CompileOptions:
     by identical blocks (compiled once whatever their number, as FSDP2 and torchtitan compile a
     block), the cross-block schedule carried by zbuf's runtime (one block ahead, released after
     the block, re-gathered for backward) and the rest of the model eager ([Note: one Dynamo
-    frame per block] in block_frames.py). ``"blocks"`` takes ``recompute="checkpointed"`` or
-    ``"none"``."""
+    frame per block] in block_frames.py); its ``recompute="auto"`` gives each block call a
+    level in the measured room, one compiled frame per level in use ([Note: block levels] in
+    block_replan.py)."""
 
     recompute: Recompute = "checkpointed"
     """What backward recomputes of the model's checkpointed regions ([Note: recompute modes] in
@@ -149,10 +150,16 @@ class CompileOptions:
         need(self.structure in STRUCTURES,
              f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))}")
         if self.structure == "blocks":
-            need(self.recompute != "auto",
-                 "structure='blocks' does not take recompute='auto' (auto plans over the whole "
-                 "graph's checkpointed regions): use structure='graph' for recompute='auto', or "
-                 "recompute='checkpointed' or 'none' with structure='blocks'")
+            # [Note: block levels] in block_replan.py: auto plans the blocks' levels in the
+            # room the first step measures.
+            need(not (self.recompute == "auto" and self.budget_bytes is not None),
+                 "structure='blocks' with recompute='auto' plans the blocks' levels in the room "
+                 "the first step measures, and an explicit budget_bytes is never measured: leave "
+                 "budget_bytes unset, or use recompute='checkpointed'")
+            need(self.activation_budget_bytes is None,
+                 "structure='blocks' does not take activation_budget_bytes (a cap on the whole "
+                 "graph's activation peak; the blocks' levels are planned in the measured room): "
+                 "leave it unset, or use structure='graph'")
             need(self.compile_blocks_once is not True,
                  "structure='blocks' compiles each block as its own frame; "
                  "compile_blocks_once=True is structure='graph''s way: leave it unset")

@@ -138,6 +138,11 @@ class Replanner:
             out[r.kind] = max(out.get(r.kind, 0), peak)
         return out
 
+    def recompute_stats(self) -> None:
+        """None: the whole graph's recompute is in its schedule records (the block frames'
+        re-planner reports its levels here)."""
+        return None
+
     @property
     def kept_bytes(self) -> int:
         """Gathered bytes forward keeps for backward under the current keep-set."""

@@ -211,7 +211,8 @@ class TrainConfig:
     compile_structure: str = option(
         "graph", help="zbuf engine: what Dynamo traces as one frame: the whole model (graph) or "
                       "each repeated block, shared by identical blocks, with the cross-block "
-                      "schedule in zbuf's runtime (blocks; takes --ac off/full/selective) "
+                      "schedule in zbuf's runtime (blocks; its --ac auto keeps each block's "
+                      "activations per measured room, one frame per level) "
                       "(default graph)",
         choices=("graph", "blocks"), commands=WITH_FIT)
     """zbuf engine: ``zbuf.CompileOptions.structure`` ([Note: one Dynamo frame per block] in
@@ -481,10 +482,12 @@ class TrainConfig:
                               "over the checkpointed blocks of the whole graph, and a block body "
                               "compiled once gets one plan for all): drop one of them")
         if c.compile_structure == "blocks":
-            if any(e is Engine.ZBUF and m == "auto" for e, m in runs):
-                raise ConfigError("--compile-structure blocks does not take --ac auto (auto plans "
-                                  "over the whole graph's checkpointed blocks): use --ac full or "
-                                  "--ac selective with blocks, or --compile-structure graph")
+            if c.gather_budget is not None and any(e is Engine.ZBUF and m == "auto"
+                                                   for e, m in runs):
+                raise ConfigError("--compile-structure blocks with --ac auto plans the blocks' "
+                                  "levels in the room the first step measures, and "
+                                  "--gather-budget is never measured: drop --gather-budget, or "
+                                  "use --ac full")
             if c.compile_blocks_once or c.optimizer_in_backward:
                 flag = ("--compile-blocks-once" if c.compile_blocks_once
                         else "--optimizer-in-backward")

@@ -197,7 +197,8 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
         "schedule_peak_live_bytes": _find(result.get("schedule"),
                                           ("peak_live_bytes", "peak_live_gathered_bytes")),
-        "recompute": _recompute(result.get("schedule")),
+        "recompute": (_recompute(result.get("schedule"))
+                      or _block_recompute(result.get("step_memory"))),
         "compile_phases": slowest_phases(result),
     }
 
@@ -224,6 +225,15 @@ def _recompute(schedule: Optional[dict]) -> Optional[dict[str, Any]]:
     out["activation_peak_bytes"] = max(g["recompute"]["activation_peak_bytes"] for g in graphs)
     out["mode"] = graphs[0]["recompute"]["mode"]
     return out
+
+
+def _block_recompute(report: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Block frames' recompute levels, which no schedule records: those of the step memory's
+    latest re-plan, else of the measured step ([Note: block levels] in
+    zbuf/compile/block_replan.py)."""
+    steady = (report or {}).get("steady") or {}
+    decision = steady if steady.get("replanned") else ((report or {}).get("measured") or {})
+    return decision.get("recompute")
 
 
 def make_record(command: str, cfg: TrainConfig, env: dict[str, Any],

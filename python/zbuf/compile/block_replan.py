@@ -1,0 +1,239 @@
+"""Budgeted recompute under block frames (``zbuf.compile(model, structure="blocks",
+recompute="auto")``): each block call gets a recompute level in the measured room, and each level
+in use is one compiled frame.
+
+[Note: block levels]
+Under block frames no graph holds the step ([Note: one Dynamo frame per block] in
+block_frames.py), so ``recompute="auto"`` cannot plan over the whole graph's regions as
+recompute.py does ([Note: budgeted recompute]), nor keep gathered weights per weight as
+persist.py does. It plans over the block calls instead, with the same levels and the same
+planner, and keeps weights a block at a time:
+
+1. Step 0 runs the user's checkpointing as written ([Note: measure first, then spend] in
+   zbuf/step_memory.py): the frame compiles at level 0, "recompute", which is exactly what
+   ``"checkpointed"`` compiles. Its partitioner, which sees the block's joint graph, estimates the
+   block's levels there (``recompute.level_specs`` on every checkpointed region of the block
+   taken as one region: "recompute", "selective" with its matmul and attention outputs kept,
+   "keep"), and what the level-0 partition saves per call. Every block of the stack runs that
+   frame, so every block has those levels; a frame compiled again for other input shapes keeps
+   the larger of each estimate.
+2. After the measured step the re-planner's ``grow`` gets the measured room (what gathered
+   weights and activations beyond step 0's may share: step 0's activations, at level 0, are in
+   the measured peaks). Less the frames' pool (``FramePlan.pool_bytes``, the gathered weights),
+   it is the room for kept activations, and ``plan_block_levels`` plans it over one
+   ``RegionSpec`` per block, in the order the blocks were first called: ``plan_recompute``
+   with ``base_bytes=0`` (the extra bytes of a level are what it keeps beyond level 0, all of it
+   live together at the start of backward). Identical specs tie, and ties go to later blocks
+   (the first that backward reaches): the last blocks are kept first, then made selective.
+3. Each level in use is one frame, its own copy of the frame's code object
+   (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
+   (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
+   "selective" saves the matmul and attention outputs). So at most three frames are ever
+   compiled whatever the depth, and a re-plan compiles at most two block frames, never the
+   model; a plan that keeps every block at level 0 compiles nothing.
+4. At the steady step ``settle`` checks the room again, once: if what the grown plan keeps no
+   longer fits beside the pool, it keeps fewer blocks' weights, and if the activations alone do
+   not fit, plans the levels again in the smaller room (fewer blocks kept) and keeps no weights.
+5. What the levels leave of the room (capped by ``persist_fraction`` of it, as the whole
+   graph's keep-set is) keeps gathered weights for backward, a whole block at a time: the last
+   blocks forward calls keep their forward gather ([Note: blocks kept for backward] in
+   zbuf/block_prefetch.py), and the pool's budget grows by their bytes. Activations come first:
+   a kept activation saves recompute, a kept weight only a collective. One rank gathers nothing,
+   so it keeps no weights (``persist=None``'s rule); ``persist=False`` keeps none. This is data,
+   not a compile, and every structure mode takes it (``"checkpointed"`` and ``"none"`` have no
+   levels to plan, only blocks to keep).
+
+On CUDA the measured peaks include what the kept activations occupy; the CPU stand-in cannot see
+activations, so ``activation_peaks`` reports the plan's kept bytes as its projection, as the
+whole-graph plans project theirs.
+
+Rank agreement: the plan is a function of the room (rank-agreed by StepMemory), the estimate
+(read off a graph of the same shapes on every rank, summed in graph order: [Note: budgeted
+recompute]) and the order of the block calls (the program's, checked across ranks in the first
+forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
+estimate itself (a rank whose frame came out of a cache without partitioning; the level-0 frame
+compiles with AOTAutograd's cache off for this reason). A rank at another level would save other
+weights and re-gather another set of them (and a kept block re-gathers none), so the first
+forward after each decision (``grow`` and ``settle``, whether or not it changed anything: a rank
+that changed nothing must take part in the check of one that did) is checked across ranks as
+the first forward is, each call naming its level and whether its weights are kept: a difference
+stops every rank with ``ScheduleMismatchError`` instead of mixing weights.
+
+What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
+(the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
+side of memory); ``activation_budget_bytes`` and an explicit ``budget_bytes`` (no measured step)
+are refused (options.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .block_frames import BlockFrames
+from .persist import KeepCandidate
+from .recompute import RecomputeStats
+from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
+from .replan import Replan, Replanner
+
+__all__ = ["BlockReplanner", "plan_block_levels", "blocks_to_keep"]
+
+
+def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
+                      room_bytes: int) -> RecomputePlan:
+    """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
+    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels], 2)."""
+    specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
+    plan = plan_recompute(specs, 0, max(1, room_bytes))
+    # The blocks are alike, so any order of the chosen levels keeps as many bytes and recomputes
+    # as long: ascending, later blocks keep at least as much as earlier ones (backward reaches
+    # them first, at the step's peak), whatever order the planner's fill took them in.
+    return dataclasses.replace(plan, levels=tuple(sorted(plan.levels)))
+
+
+def blocks_to_keep(blocks: int, block_bytes: int, room_bytes: int) -> int:
+    """How many of ``blocks`` blocks (``block_bytes`` of gathered weights each) keep their
+    weights for backward within ``room_bytes`` ([Note: block levels], 5)."""
+    if block_bytes <= 0 or room_bytes <= 0:
+        return 0
+    return min(blocks, room_bytes // block_bytes)
+
+
+class BlockReplanner:
+    """The re-planner of a model under block frames: what ``zbuf.step_memory.StepMemory`` asks of
+    ``replan.Replanner``, for the blocks' recompute levels and the blocks whose weights are kept
+    for backward ([Note: block levels])."""
+
+    refuse_if_no_plan_fits = staticmethod(Replanner.refuse_if_no_plan_fits)
+
+    def __init__(self, frames: BlockFrames) -> None:
+        self.frames = frames
+        self.options = frames.options
+        self.grown = False
+        self.settled = False
+        self.kept: tuple[KeepCandidate, ...] = ()
+        """The weights of the blocks kept for backward, for the step's record (``StepMemory``
+        reports their bytes and number)."""
+        self.plan: Optional[RecomputePlan] = None
+        """The levels in force, by first-call order (None: every block at level 0)."""
+        self.room_bytes = 0
+        """The room for kept activations the plan in force was made in."""
+
+    # -- what StepMemory reads ----------------------------------------------------------------
+
+    @property
+    def kept_bytes(self) -> int:
+        """Pool bytes the blocks kept for backward hold."""
+        return sum(c.nbytes for c in self.kept)
+
+    def largest_need(self) -> int:
+        """The pool bytes the frames hold at most: two blocks, the parameters outside, and the
+        blocks kept for backward."""
+        return self.frames.plan.pool_bytes + self.kept_bytes
+
+    def planned_budget(self) -> int:
+        """What the frames' gathers may hold (``FramePlan.memory_bytes``)."""
+        return self.frames.plan.memory_bytes
+
+    @property
+    def kept_activation_bytes(self) -> int:
+        """Activation bytes the plan in force keeps beyond level 0 (every block's)."""
+        return 0 if self.plan is None else self.plan.kept_bytes
+
+    def activation_peaks(self, *, gradients: bool = True) -> dict[str, int]:
+        """The plan's projected activations beyond step 0's ([Note: block levels])."""
+        kept = self.kept_activation_bytes
+        return {"forward": kept, "backward": kept} if kept else {}
+
+    def recompute_stats(self) -> Optional[RecomputeStats]:
+        """The levels in force, as the whole graph's schedule records report theirs (None: no
+        checkpointed region in the blocks)."""
+        estimate = self.frames.estimate
+        if estimate is None:
+            return None
+        blocks = len(self.frames.called)
+        chosen = self.plan.levels if self.plan is not None else (0,) * blocks
+        return RecomputeStats(
+            mode="auto", regions=blocks, regions_recomputed=chosen.count(0),
+            regions_selective=chosen.count(1), regions_kept=chosen.count(2),
+            activation_budget_bytes=self.room_bytes,
+            requested_activation_budget_bytes=self.room_bytes,
+            kept_bytes=blocks * estimate.saved_bytes + self.kept_activation_bytes,
+            forward_flops=blocks * estimate.forward_flops,
+            recomputed_flops=sum(estimate.levels[lv].recompute_flops for lv in chosen),
+            partitions=len(set(chosen)))
+
+    # -- re-planning --------------------------------------------------------------------------
+
+    def _levels(self, room_bytes: int) -> Optional[RecomputePlan]:
+        """The levels in ``room_bytes`` (what the activations beyond level 0 may keep)."""
+        estimate = self.frames.estimate
+        self.room_bytes = max(0, room_bytes)
+        if estimate is None or not self.frames.called:
+            return None
+        return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes)
+
+    def _blocks_kept(self, room_bytes: int, weights_room: int, world_size: int) -> int:
+        """How many blocks keep their weights: none on one rank (nothing to gather) or with
+        persistence off, else within ``weights_room`` and the persistence share of the room,
+        as ``Replanner.choose_kept`` caps the whole graph's keep-set."""
+        persist = self.options.persist
+        if persist is False or (persist is None and world_size == 1):
+            return 0
+        cap = min(int(self.options.persist_fraction * room_bytes), weights_room)
+        return blocks_to_keep(len(self.frames.called), self.frames.plan.block_bytes, cap)
+
+    def _apply(self, plan: Optional[RecomputePlan], kept_blocks: int) -> Optional[Replan]:
+        """Make ``plan``'s levels and the last ``kept_blocks`` blocks' weights the frames';
+        None when nothing changes."""
+        frames = self.frames
+        order = list(frames.called)
+        levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
+        kept = frozenset(order[len(order) - kept_blocks:]) if kept_blocks else frozenset()
+        if levels == frames.levels and kept == frames.kept:
+            return None
+        compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
+        frames.levels, frames.kept = levels, kept
+        self.plan = plan if levels else None
+        self.kept = tuple(
+            KeepCandidate(spec.param_id, frames.pool.capacity_for(spec.gathered_nbytes),
+                          len(order) - i, spec.pool_id)
+            for i, b in enumerate(order) if b in kept for spec in frames.called[b].weights.specs)
+        # The kept blocks' buffers are held beside the two blocks live ([Note: blocks kept for
+        # backward] in zbuf/block_prefetch.py).
+        frames.pool.set_budget(frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
+        return Replan(compiles, self.kept_bytes, len(self.kept))
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """After the measured step, once: the blocks' levels in ``room_bytes`` less the pool,
+        then the blocks kept for backward in what is left ([Note: block levels], 2 and 5).
+        None when nothing changes (nothing compiled)."""
+        if self.grown or not self.options.measuring:
+            return None
+        self.grown = True
+        self.frames.prefetch.check_next_forward()  # changed or not: see the Note
+        room = room_bytes - self.frames.plan.pool_bytes
+        plan = self._levels(room)
+        spent = 0 if plan is None else plan.kept_bytes
+        if plan is not None and not any(plan.levels):
+            plan = None
+        return self._apply(plan, self._blocks_kept(room_bytes, room - spent, world_size))
+
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+        """At the steady step, once: if what is kept no longer fits the room measured there,
+        keep fewer blocks' weights, and if the activations alone do not fit, plan them again in
+        it and keep no weights ([Note: block levels], 4)."""
+        if self.settled:
+            return None
+        self.settled = True
+        self.frames.prefetch.check_next_forward()
+        room = room_bytes - self.frames.plan.pool_bytes
+        activations = self.kept_activation_bytes
+        if activations + self.kept_bytes <= room:
+            return None
+        if activations <= room:
+            kept = blocks_to_keep(len(self.frames.kept), self.frames.plan.block_bytes,
+                                  room - activations)
+            return self._apply(self.plan, kept)
+        plan = self._levels(room)
+        return self._apply(plan if plan is not None and any(plan.levels) else None, 0)
