@@ -22,8 +22,9 @@ import zbuf.compile
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.block_replan import blocks_to_keep, plan_block_levels
 from zbuf.compile.recompute_plan import RegionLevel
-from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
+from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import root_of, shard
+from parity import rel_err, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -75,11 +76,6 @@ def decoder(layers: int):
     return init
 
 
-def batches(n, vocab=97, rows=2):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab, (rows, 12), generator=g) for _ in range(n)]
-
-
 def clamp_room(memory, grow_blocks, settle_blocks=None):
     """Make the re-planner's rooms the frames' pool plus ``grow_blocks(levels, n)`` bytes of kept
     activations (``settle_blocks`` for the steady step), from the blocks' estimate."""
@@ -100,39 +96,22 @@ def all_selective_one_kept(lv, n):
     return n * lv[1].extra_bytes + (lv[2].extra_bytes - lv[1].extra_bytes)
 
 
-def train(step_fn, model, data, opt, memory=None):
-    losses = []
-    for tokens in data:
-        out = loss(step_fn, tokens[:, :-1], tokens[:, 1:])
-        out.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if memory is not None:
-            memory.close_step()
-        losses.append(out.item())
-    return losses
-
-
-def _rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def test_each_levels_frame_trains_like_the_reference():
     """Three blocks at three levels, three frames: losses and parameters as the reference's."""
     from zbuf.state_dict import full_state_dict
 
     init = decoder(3)
-    data = batches(3)
+    data = token_batches(3)
     ref = copy.deepcopy(init)
-    ref_losses = train(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
     model = shard(copy.deepcopy(init))
     zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
     frames = block_frames_of(model)
     frames.levels = {id(b): i for i, b in enumerate(model.layers)}
-    losses = train(model, model, data, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = train_adamw(model, model, data, torch.optim.AdamW(model.parameters(), lr=1e-3))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full, ref_sd = full_state_dict(model), ref.state_dict()
-    assert max(_rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+    assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
     assert frames.graphs_compiled == 3 and all(frames.has_frame(lv) for lv in range(3))
     assert root_of(model).pool.stats().checked_out == 0
 
@@ -155,8 +134,8 @@ def test_compiled_frames_do_not_grow_with_depth():
         clamp_room(memory, all_selective_one_kept)
         frames = block_frames_of(model)
         compiled = []
-        for tokens in batches(4):
-            train(cm, model, [tokens], opt, memory)
+        for tokens in token_batches(4):
+            train_adamw(cm, model, [tokens], opt, memory.close_step)
             compiled.append(frames.graphs_compiled)
         m = memory.measured
         levels = m.recompute
@@ -181,7 +160,7 @@ def test_a_room_below_every_level_keeps_every_block_at_level_0_and_compiles_noth
                       fullgraph=True, optimizer=opt)
     memory = zbuf.compile.step_memory_of(cm)
     clamp_room(memory, lambda lv, n: lv[1].extra_bytes - 1)
-    train(cm, model, batches(4), opt, memory)
+    train_adamw(cm, model, token_batches(4), opt, memory.close_step)
     frames = block_frames_of(model)
     assert frames.graphs_compiled == 1 and not frames.levels
     assert not memory.measured.replanned and not memory.measured.recompiled
@@ -196,7 +175,7 @@ def test_the_measured_room_plans_the_levels_without_a_clamp():
     cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
                       fullgraph=True, optimizer=opt, free_memory_bytes=1 << 30)
     memory = zbuf.compile.step_memory_of(cm)
-    train(cm, model, batches(4), opt, memory)
+    train_adamw(cm, model, token_batches(4), opt, memory.close_step)
     m, steady = memory.measured, memory.steady
     assert m.recompute["regions_kept"] == 3 and m.recompiled
     kept = memory.replanner.kept_activation_bytes
@@ -231,7 +210,7 @@ def test_hugging_face_layers_take_levels():
     torch.manual_seed(0)
     init = transformers.Qwen3ForCausalLM(cfg)
     init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    data = batches(3)
+    data = token_batches(3)
 
     def run(fn, model, memory=None):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -19,6 +19,7 @@ import copy
 import torch
 
 from dist_utils import run_distributed
+from parity import token_batches
 
 RTOL = 1e-5
 STEPS = 6
@@ -125,7 +126,7 @@ def _mismatch_case(rank, world):
     model = zbuf.shard(unit.decoder(3))
     zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
     memory = zbuf.compile.step_memory_of(model)
-    tokens = unit.batches(1)[0]
+    tokens = token_batches(1)[0]
     for _ in range(2):  # the measured step, then the step that grows (the same on both ranks)
         loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
         memory.close_step()

@@ -21,6 +21,7 @@ from zbuf.pool import GatherBufferPool
 from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 from zbuf.shard import op_counts, root_of, shard
 from zbuf.state_dict import full_state_dict
+from parity import rel_err, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -32,27 +33,6 @@ def _decoder(layers: int, ac):
     init = build_model(cfg)
     apply_activation_checkpointing(init, ac)
     return init
-
-
-def _batches(n=3, vocab=97):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab, (2, 12), generator=g) for _ in range(n)]
-
-
-def _train(step_fn, model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for tokens in batches:
-        out = loss(step_fn, tokens[:, :-1], tokens[:, 1:])
-        out.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.item())
-    return losses
-
-
-def _rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _frames(model, **options):
@@ -83,7 +63,7 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, recompute
         joints.clear()
         model = shard(_decoder(layers, True))
         _frames(model, recompute=recompute)
-        _train(model, model, _batches(2))
+        train_adamw(model, model, token_batches(2))
         work[layers] = dict(
             frames=counters["stats"]["unique_graphs"],
             captured=counters["stats"]["calls_captured"],
@@ -105,21 +85,21 @@ def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, recompute
                                           (True, "none")])
 def test_frames_train_like_eager_and_the_reference(ac, recompute):
     init = _decoder(3, ac)
-    batches = _batches()
+    batches = token_batches()
     ref = copy.deepcopy(init)
-    ref_losses = _train(ref, ref, batches)
+    ref_losses = train_adamw(ref, ref, batches)
     eager = shard(copy.deepcopy(init))
-    eager_losses = _train(eager, eager, batches)
+    eager_losses = train_adamw(eager, eager, batches)
     model = shard(copy.deepcopy(init))
     cm = _frames(model, recompute=recompute)
     assert cm is model  # the model itself, its blocks swapped in place
-    losses = _train(cm, model, batches)
+    losses = train_adamw(cm, model, batches)
     # aot_eager runs eager kernels: eager zbuf's numbers, and the reference's to 1e-5.
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full, ref_sd = full_state_dict(model), ref.state_dict()
     assert list(full) == list(ref_sd)
-    worst = max(_rel_err(full[k], ref_sd[k]) for k in ref_sd)
+    worst = max(rel_err(full[k], ref_sd[k]) for k in ref_sd)
     assert worst <= 1e-5, worst
     # Nothing is left behind: every gathered buffer is back in the pool, no use is open.
     root = root_of(model)
@@ -168,8 +148,8 @@ def test_at_most_two_blocks_live(recompute):
         assert plan.prefetch == prefetch
         block_params = sum(1 for _ in model.layers[0].parameters())
         before = op_counts(model)["all_gather"]
-        peaks[layers, prefetch] = _live_gathered_peak(pool, lambda: _train(model, model,
-                                                                           _batches(1)))
+        peaks[layers, prefetch] = _live_gathered_peak(pool, lambda: train_adamw(model, model,
+                                                                           token_batches(1)))
         outside[layers, prefetch] = (op_counts(model)["all_gather"] - before
                                      - 2 * layers * block_params)
         assert peaks[layers, prefetch] <= plan.live_bytes, (peaks, plan)
@@ -178,7 +158,7 @@ def test_at_most_two_blocks_live(recompute):
         assert stats.outside_allocations == 0 and stats.high_water_total_bytes <= plan.pool_bytes
         assert stats.checked_out == 0
         # After the first step every gather finds its block cached: the pool sized for the plan.
-        _train(model, model, _batches(1))
+        train_adamw(model, model, token_batches(1))
         assert pool.stats().misses == stats.misses
     # The gathers outside the blocks (embedding, norm, head and their re-gathers) do not grow.
     assert len(set(outside.values())) == 1 and outside[2, True] > 0, outside
@@ -205,7 +185,7 @@ def test_eval_forward_under_no_grad():
     init = _decoder(3, True)
     model = shard(copy.deepcopy(init))
     _frames(model)
-    tokens = _batches(1)[0]
+    tokens = token_batches(1)[0]
     with torch.no_grad():
         got = model(tokens)
         want = init(tokens)
@@ -282,7 +262,7 @@ def test_step_memory_measures_the_step():
     cm = zbuf.compile(model, inner="aot_eager", structure="blocks", fullgraph=True, optimizer=opt)
     memory = step_memory_of(cm)
     assert memory is not None and memory.replanner is not None
-    for tokens in _batches(3):
+    for tokens in token_batches(3):
         loss(cm, tokens[:, :-1], tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -320,7 +300,7 @@ def test_hugging_face_layers_run_as_frames(ac):
     init = transformers.Qwen3ForCausalLM(cfg)
     if ac:
         init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batches = _batches(2)
+    batches = token_batches(2)
 
     def run(fn, model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -407,7 +387,7 @@ def test_each_model_compiles_its_own_frame():
     for recompute in ("checkpointed", "none"):
         model = shard(_decoder(2, True))
         _frames(model, recompute=recompute)
-        _train(model, model, _batches(1))
+        train_adamw(model, model, token_batches(1))
         models.append(model)
     assert [block_frames_of(m).graphs_compiled for m in models] == [1, 1]
     first, second = (block_frames_of(m).frame for m in models)
@@ -421,7 +401,7 @@ def test_two_forwards_then_one_backward():
     ref = copy.deepcopy(init)
     model = shard(copy.deepcopy(init))
     _frames(model)
-    first, second = _batches(2)
+    first, second = token_batches(2)
     for m in (model, ref):
         total = loss(m, first[:, :-1], first[:, 1:]) + loss(m, second[:, :-1], second[:, 1:])
         total.backward()

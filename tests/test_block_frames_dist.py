@@ -18,15 +18,12 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import global_mean, run_distributed
+from parity import rel_err
 
 STEPS = 6
 WARMUP = 3
 MICRO = 2
 RTOL = 1e-5
-
-
-def _rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _full_grads(model, *, sharded):
@@ -97,11 +94,11 @@ def _cases(rank, world):
         losses, grads = _train(model, batches, rank, world, sharded=True)
         torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0,
                                    msg=lambda m: f"{what}: {m}")
-        grad_err = max(_rel_err(grads[k], v) for k, v in ref_grads.items())
+        grad_err = max(rel_err(grads[k], v) for k, v in ref_grads.items())
         assert sorted(grads) == sorted(ref_grads) and grad_err <= RTOL, (what, grad_err)
         full, ref_sd = full_state_dict(model), ref.state_dict()
         assert list(full) == list(ref_sd), what
-        param_err = max(_rel_err(full[k], v) for k, v in ref_sd.items())
+        param_err = max(rel_err(full[k], v) for k, v in ref_sd.items())
         assert param_err <= RTOL, (what, param_err)
         frames = block_frames_of(model)
         out[what] = dict(grad_err=grad_err, param_err=param_err,
@@ -164,7 +161,7 @@ def _mixed_precision_case(rank, world):
     zbuf.compile(model, inner="aot_eager", structure="blocks", fullgraph=True)
     losses, _ = _train(model, batches, rank, world, sharded=True)
     full, want = full_state_dict(model), full_state_dict(eager)
-    return losses, eager_losses, max(_rel_err(full[k], v) for k, v in want.items())
+    return losses, eager_losses, max(rel_err(full[k], v) for k, v in want.items())
 
 
 def _world2(rank, world):

@@ -57,15 +57,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import global_mean, run_distributed
+from parity import rel_err
 
 STEPS = 10
 RTOL = 1e-5
 WARMUP = 5
 """Steps of linear learning-rate warm-up from 0 ([Note: first Adam step])."""
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 class _Run(NamedTuple):
@@ -121,7 +118,7 @@ def _train(step_fn, model, batches, rank, world, *, sharded, loss_fn) -> _Run:
 def _check_grads(run: _Run, ref: _Run, what: str) -> float:
     """First-step gradients, worst tensor in its own 2-norm, within RTOL."""
     assert sorted(run.first_grads) == sorted(ref.first_grads), what
-    worst = max(_rel_err(run.first_grads[k], v) for k, v in ref.first_grads.items())
+    worst = max(rel_err(run.first_grads[k], v) for k, v in ref.first_grads.items())
     assert worst <= RTOL, f"{what}: first-step gradient relative error {worst:.3g}"
     return worst
 
@@ -140,7 +137,7 @@ def _check_model(full_sd, ref, what, *, rtol=RTOL, full=False):
     ref_sd = full_state_dict(ref) if full else ref.state_dict()
     assert list(full_sd) == list(ref_sd), what
     # Worst tensor, each in its own 2-norm (a small tensor's error is not hidden by a large one's).
-    worst = max(_rel_err(full_sd[k], v) for k, v in ref_sd.items())
+    worst = max(rel_err(full_sd[k], v) for k, v in ref_sd.items())
     assert worst <= rtol, f"{what}: parameter relative error {worst:.3g}"
     return worst
 

@@ -17,9 +17,10 @@ from torch import nn
 import zbuf.compile
 from zbuf.compile import region_graphs, schedule_report
 from zbuf.compile.passes import GatherSchedulePass
-from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
+from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import shard
 from zbuf.state_dict import full_state_dict
+from parity import rel_err, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -59,27 +60,6 @@ def _decoder(ac: bool):
     return init
 
 
-def _batches(n=3, vocab=97):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab, (2, 12), generator=g) for _ in range(n)]
-
-
-def _train(step_fn, model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for tokens in batches:
-        out = loss(step_fn, tokens[:, :-1], tokens[:, 1:])
-        out.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.item())
-    return losses
-
-
-def _rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def _zbuf_ops(graph, name):
     return [n for n in graph.nodes if getattr(n.target, "_schema", None) is not None
             and n.target._schema.name == f"zbuf::{name}"]
@@ -95,23 +75,23 @@ def _released(graph) -> list:
 def test_blocks_compile_once_and_train_like_eager(monkeypatch, ac, persist):
     graphs, bodies = _capture(monkeypatch)
     init = _decoder(ac)
-    batches = _batches()
+    batches = token_batches()
     ref = copy.deepcopy(init)
-    ref_losses = _train(ref, ref, batches)
+    ref_losses = train_adamw(ref, ref, batches)
     eager = shard(copy.deepcopy(init))
-    eager_losses = _train(eager, eager, batches)
+    eager_losses = train_adamw(eager, eager, batches)
     model = shard(copy.deepcopy(init))
     # An explicit budget: one plan for every step (no measured step to grow from), so the
     # graphs captured are that plan's.
     cm = zbuf.compile(model, inner="aot_eager", persist=persist, compile_blocks_once=True,
                       fullgraph=True, budget_bytes=1 << 30)
-    losses = _train(cm, model, batches)
+    losses = train_adamw(cm, model, batches)
 
     # aot_eager runs eager kernels: the same numbers as eager zbuf, and the reference's to 1e-5.
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full, ref_sd = full_state_dict(model), ref.state_dict()
-    worst = max(_rel_err(full[k], ref_sd[k]) for k in ref_sd)
+    worst = max(rel_err(full[k], ref_sd[k]) for k in ref_sd)
     assert worst <= 1e-5, worst
 
     # One body for all blocks: partitioned once, called once per block from each outer graph.
@@ -146,7 +126,7 @@ def _train_small_decoder(layers: int, ac) -> None:
     apply_activation_checkpointing(init, ac)
     model = shard(init)
     cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
-    _train(cm, model, _batches(1))
+    train_adamw(cm, model, token_batches(1))
 
 @pytest.mark.parametrize("ac", [False, True])
 def test_compile_work_does_not_grow_with_identical_blocks(monkeypatch, ac):
@@ -249,7 +229,7 @@ def test_when_blocks_compile_once(monkeypatch, options, regions):
     graphs, bodies = _capture(monkeypatch)
     model = shard(_decoder(False))
     cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, **options)
-    _train(cm, model, _batches(1))
+    train_adamw(cm, model, token_batches(1))
     assert bool(bodies) == regions
     assert all(any(n.target is REGION for n in g.nodes) == regions for g in graphs)
 
@@ -267,7 +247,7 @@ def test_repeated_blocks_are_found():
     # Marking changes neither the eager results nor the state dict.
     assert list(model.state_dict()) == list(shard(_decoder(False)).state_dict())
     unmarked = shard(_decoder(False))
-    tokens = _batches(1)[0]
+    tokens = token_batches(1)[0]
     torch.testing.assert_close(model(tokens), unmarked(tokens), rtol=0, atol=0)
     assert zbuf.compile.regions.repeated_blocks(shard(nn.Sequential(nn.Linear(4, 4)))) == []
 
@@ -327,7 +307,7 @@ def test_hugging_face_layers_compile_once(monkeypatch, ac):
     init = transformers.Qwen3ForCausalLM(cfg)
     if ac:
         init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batches = _batches(2)
+    batches = token_batches(2)
 
     def run(fn, model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -356,14 +336,14 @@ def test_inductor_lowers_the_body_once():
     from torch._dynamo.utils import compilation_time_metrics
 
     init = _decoder(True)
-    batches = _batches(2)
+    batches = token_batches(2)
     eager = shard(copy.deepcopy(init))
-    eager_losses = _train(eager, eager, batches)
+    eager_losses = train_adamw(eager, eager, batches)
     model = shard(copy.deepcopy(init))
     cm = zbuf.compile(model, inner="inductor", persist=False, compile_blocks_once=True,
                       fullgraph=True)
     before = len(compilation_time_metrics.get("GraphLowering.run", []))
-    losses = _train(cm, model, batches)
+    losses = train_adamw(cm, model, batches)
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
     # Outer forward and backward, and the body's forward and backward: 4 lowerings, not 2 + 2N.
     assert len(compilation_time_metrics["GraphLowering.run"]) - before == 4
@@ -404,7 +384,7 @@ def _stack_step(compiled: str, every: int = 1):
 def _assert_trains_like_eager(losses, grads):
     for kind in ("whole", "once"):
         assert losses[kind] == pytest.approx(losses["eager"], rel=1e-5), (kind, losses)
-        worst = max(_rel_err(a, b) for a, b in zip(grads[kind], grads["eager"]))
+        worst = max(rel_err(a, b) for a, b in zip(grads[kind], grads["eager"]))
         assert worst <= 1e-5, (kind, worst)
 
 

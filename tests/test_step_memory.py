@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import global_mean, run_distributed
+from parity import rel_err
 
 RTOL = 1e-5
 WARMUP = 5
@@ -221,13 +222,9 @@ def _full_state(model):
     return {k: v.detach().clone() for k, v in full_state_dict(model).items()}
 
 
-def _rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def _worst(state, ref_state) -> float:
     assert list(state) == list(ref_state)
-    return max(_rel_err(state[k], v) for k, v in ref_state.items())
+    return max(rel_err(state[k], v) for k, v in ref_state.items())
 
 
 def _adamw(params, fused=None):

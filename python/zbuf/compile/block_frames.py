@@ -94,7 +94,7 @@ from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
 from .recompute_plan import RegionLevel
-from .regions import is_marked_model, repeated_blocks
+from .regions import block_class, is_marked_model, repeated_blocks
 
 __all__ = ["BlockFrames", "FramePlan", "LevelEstimate", "install_block_frames", "block_frames_of",
            "frame_slot_of", "NoRepeatedBlocksError"]
@@ -125,16 +125,6 @@ def _frame_call(self, *args, **kwargs):
         return type(self)._zbuf_frame_base.__call__(self, *args, **kwargs)
     slot, frames = self.__dict__[_SLOT_KEY]
     return frames.run(slot, self, args, kwargs)
-
-
-def _frame_class(cls: type) -> type:
-    """The frame class of block class ``cls``: one per class, kept on it (as regions.py's)."""
-    sub = cls.__dict__.get("_zbuf_frame_class")
-    if sub is None:
-        sub = type(cls.__name__, (cls,), {"__call__": _frame_call, "_zbuf_frame_base": cls,
-                                          "__module__": cls.__module__, "__doc__": cls.__doc__})
-        type.__setattr__(cls, "_zbuf_frame_class", sub)
-    return sub
 
 
 class LevelEstimate(NamedTuple):
@@ -408,7 +398,7 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
                              stack_weights[i + 1] if i + 1 < len(stack) else None,
                              stack_weights[i - 1] if i > 0 else None)
             block.__dict__[_SLOT_KEY] = (slot, frames)
-            block.__class__ = _frame_class(type(block))
+            block.__class__ = block_class(type(block), "frame", _frame_call)
     root.pool.set_budget(plan.pool_bytes)
     model.__dict__[_FRAMES_KEY] = frames
     # Nothing gathered ahead outlives the forward ([Note: two blocks live]).

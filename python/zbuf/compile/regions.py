@@ -48,7 +48,7 @@ from torch import nn
 from ..shard import gather_param, gathered_by_caller, is_sharded, sharded_parameters
 
 __all__ = ["mark_repeated_blocks", "unmark_repeated_blocks", "repeated_blocks", "is_marked",
-           "is_marked_model"]
+           "is_marked_model", "block_class"]
 
 
 @torch.compiler.nested_compile_region
@@ -68,15 +68,18 @@ def _region_call(self, *args, **kwargs):
     return _run_block(self, ids, gathered, args, kwargs)
 
 
-def _region_class(cls: type) -> type:
-    """The marked class of block class ``cls``: one per class (so that Dynamo sees one type for
-    every block of a stack), kept on ``cls`` itself, read from its own ``__dict__`` (a subclass of
-    ``cls`` gets its own)."""
-    sub = cls.__dict__.get("_zbuf_region_class")
+def block_class(cls: type, kind: str, call) -> type:
+    """The subclass of block class ``cls`` whose ``__call__`` is ``call``, for one way of running
+    blocks (``kind``: "region" here, "frame" in block_frames.py), with ``cls`` as its
+    ``_zbuf_<kind>_base``: one per class and kind (so that Dynamo sees one type for every block
+    of a stack), kept on ``cls`` itself, read from its own ``__dict__`` (a subclass of ``cls``
+    gets its own)."""
+    key = f"_zbuf_{kind}_class"
+    sub = cls.__dict__.get(key)
     if sub is None:
-        sub = type(cls.__name__, (cls,), {"__call__": _region_call, "_zbuf_region_base": cls,
+        sub = type(cls.__name__, (cls,), {"__call__": call, f"_zbuf_{kind}_base": cls,
                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
-        type.__setattr__(cls, "_zbuf_region_class", sub)
+        type.__setattr__(cls, key, sub)
     return sub
 
 
@@ -122,7 +125,7 @@ def mark_repeated_blocks(model: nn.Module) -> int:
             for _fqn, _sub, _name, shard, spec in sharded_parameters(block):
                 params.setdefault(spec.param_id, (shard, spec))
             block.__dict__["_zbuf_region_params"] = list(params.values())
-            block.__class__ = _region_class(type(block))
+            block.__class__ = block_class(type(block), "region", _region_call)
             count += 1
     return count
 
