@@ -51,6 +51,8 @@
 #                                           then: zbuf bench --merge $OUT/seed14_*.json --out
 #                                           benches/results/seed14.json; python3
 #                                           benches/reference_table.py benches/results/seed14.json
+#   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same, 8 + 4 steps, launched
+#                                           twice with the same caches: cold and warm first steps
 #   bash benches/device/run.sh 8b-sim ENGINE # qwen3-8b as rank 0 of 2 (whole card)     (~5 min)
 #   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
 #                                           card, seq 4096, AC; doubling from MIN (default 4) to
@@ -186,6 +188,14 @@ case "${1:-}" in
   seed14)  # ONE H200: issue 19's reference configuration, one engine per call
     bench "seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}" "${2:?give one of zbuf zbuf:auto fsdp2}" \
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}" ;;
+  seed14-twice)  # ONE H200: seed14-twice ENGINE[:MODE] [ARGS]: the reference configuration
+    # launched twice with the same caches (issue 21's warm start): records *_cold and *_warm;
+    # the first launch is cold only on a fresh machine (or after another tree's compile)
+    name="seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}"
+    for launch in cold warm; do
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-280} bench "${name}_$launch" "${2:?give one of zbuf zbuf:auto fsdp2}" \
+        --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}"
+    done ;;
   8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
     bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
@@ -205,6 +215,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|8b-sim ENGINE|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
     exit 2 ;;
 esac
