@@ -97,7 +97,8 @@ def all_selective_one_kept(lv, n):
 
 
 def test_each_levels_frame_trains_like_the_reference():
-    """Three blocks at three levels, three frames: losses and parameters as the reference's."""
+    """Three blocks at three levels, two frames (level 0 runs the "keep" frame under an eager
+    checkpoint): losses and parameters as the reference's."""
     from zbuf.state_dict import full_state_dict
 
     init = decoder(3)
@@ -112,14 +113,15 @@ def test_each_levels_frame_trains_like_the_reference():
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full, ref_sd = full_state_dict(model), ref.state_dict()
     assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
-    assert frames.graphs_compiled == 3 and all(frames.has_frame(lv) for lv in range(3))
+    assert frames.shared_keep and frames.estimate.whole
+    assert frames.graphs_compiled == 2 and all(frames.has_frame(lv) for lv in range(3))
     assert root_of(model).pool.stats().checked_out == 0
 
 
 def test_compiled_frames_do_not_grow_with_depth():
-    """At 2 and 8 blocks: step 0 compiles the level-0 frame, the re-plan the two levels it uses
-    (every block selective, the last kept), and nothing else: no model-wide graph, the same
-    Dynamo frames at both depths."""
+    """At 2 and 8 blocks: step 0 compiles the shared frame (levels 0 and "keep"), the re-plan
+    the one level it adds (every block selective, the last kept), and nothing else: no
+    model-wide graph, the same Dynamo frames at both depths."""
     from torch._dynamo.utils import counters
 
     work = {}
@@ -149,8 +151,8 @@ def test_compiled_frames_do_not_grow_with_depth():
         assert memory.steady is not None and not memory.steady.replanned
         assert root_of(model).pool.stats().budget_bytes == frames.plan.pool_bytes
     assert work[2] == work[8], work
-    # Step 0: the level-0 frame; the re-plan's step: the two levels in use; then nothing.
-    assert work[8]["compiled"] == [1, 3, 3, 3] and work[8]["frames"] == 3, work
+    # Step 0: the shared frame; the re-plan's step: the selective one; then nothing.
+    assert work[8]["compiled"] == [1, 2, 2, 2] and work[8]["frames"] == 2, work
 
 
 def test_a_room_below_every_level_keeps_every_block_at_level_0_and_compiles_nothing():
@@ -177,7 +179,8 @@ def test_the_measured_room_plans_the_levels_without_a_clamp():
     memory = zbuf.compile.step_memory_of(cm)
     train_adamw(cm, model, token_batches(4), opt, memory.close_step)
     m, steady = memory.measured, memory.steady
-    assert m.recompute["regions_kept"] == 3 and m.recompiled
+    # Every block kept: the shared frame's level, nothing compiled ([Note: block levels], 1).
+    assert m.recompute["regions_kept"] == 3 and m.replanned and not m.recompiled
     kept = memory.replanner.kept_activation_bytes
     assert kept == 3 * block_frames_of(model).estimate.levels[2].extra_bytes
     assert steady.backward_peak_bytes >= m.backward_peak_bytes + kept - (1 << 16)
@@ -198,8 +201,8 @@ def test_train_takes_blocks_with_ac_auto():
 
 
 def test_hugging_face_layers_take_levels():
-    """Hugging Face checkpoints inside the layer's ``__call__``: the level-0 frame finds the
-    region and estimates it, the roomy re-plan keeps every layer (one more frame), and the
+    """Hugging Face checkpoints inside the layer's ``__call__``: the shared frame finds the
+    region and estimates it, the roomy re-plan keeps every layer (no more frames), and the
     losses stay the reference's."""
     transformers = pytest.importorskip("transformers")
 
@@ -235,4 +238,141 @@ def test_hugging_face_layers_take_levels():
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     frames = block_frames_of(model)
     assert frames.estimate is not None and frames.estimate.levels[2].extra_bytes > 0
-    assert memory.measured.recompute["regions_kept"] == 3 and frames.graphs_compiled == 2
+    # The layer's checkpoint covers its whole call: level 0 runs the "keep" frame under an eager
+    # checkpoint, so the re-plan to every layer kept compiles nothing.
+    assert frames.shared_keep and frames.estimate.whole
+    assert memory.measured.recompute["regions_kept"] == 3 and frames.graphs_compiled == 1
+    assert memory.measured.replanned and not memory.measured.recompiled
+
+
+def _counted_reduce_scatters(model):
+    from zbuf.shard import op_counts
+
+    return op_counts(model)["reduce_scatter"]
+
+
+def test_recompute_and_keep_share_one_frame_so_the_replan_compiles_nothing():
+    """[Note: block levels], 1: level 0 runs the "keep" frame under an eager checkpoint, so a
+    re-plan to any mix of "recompute" and "keep" compiles nothing: one graph from step 0 on, the
+    losses and parameters the reference's, every gradient reduce-scattered once per step."""
+    from zbuf.state_dict import full_state_dict
+
+    init = decoder(3)
+    data = token_batches(5)
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    model = shard(copy.deepcopy(init))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt)
+    memory = zbuf.compile.step_memory_of(cm)
+    # Room for every block kept (no selective level: "keep" saves more time per byte here).
+    clamp_room(memory, lambda lv, n: n * lv[2].extra_bytes, lambda lv, n: n * lv[2].extra_bytes)
+    frames = block_frames_of(model)
+    params = len(root_of(model).specs)
+    from zbuf.shard import op_counts
+
+    compiled, levels, reduces, gathers = [], [], [], []
+    losses = []
+    for i, tokens in enumerate(data):
+        if i == 3:  # a mixed plan, set by hand: the first block recomputes again
+            frames.levels = {id(b): 2 for b in model.layers[1:]}
+        if i == 4:  # ... and keeps its forward gather for its recompute
+            frames.kept = frozenset({id(model.layers[0])})
+        before = _counted_reduce_scatters(model), op_counts(model)["all_gather"]
+        losses += train_adamw(cm, model, [tokens], opt, memory.close_step)
+        reduces.append(_counted_reduce_scatters(model) - before[0])
+        gathers.append(op_counts(model)["all_gather"] - before[1])
+        compiled.append(frames.graphs_compiled)
+        levels.append([frames.levels.get(id(b), 0) for b in model.layers])
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full, ref_sd = full_state_dict(model), ref.state_dict()
+    assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+    assert levels[1:3] == [[2, 2, 2]] * 2 and levels[3:] == [[0, 2, 2]] * 2, levels
+    assert memory.measured.replanned and not memory.measured.recompiled
+    assert compiled == [1] * 5 and frames.shared_keep and not frames.has_frame(1), compiled
+    assert reduces == [params] * 5, reduces  # once per parameter per step, at every level
+    block_params = len(frames.called[id(model.layers[0])].weights.specs)
+    assert gathers[4] == gathers[3] - block_params, gathers  # the kept block's recompute
+    assert root_of(model).reduce_once.open_uses() == 0
+    assert root_of(model).pool.stats().checked_out == 0
+
+
+class _PartlyCheckpointed(type(decoder(1).layers[0])):
+    """A block whose checkpoint leaves an op out (the tanh after it)."""
+
+    def forward(self, x, cos, sin):
+        h = super().forward(x, cos, sin)
+        return h + 0.1 * torch.tanh(h)
+
+
+@pytest.mark.parametrize("kind", ["partial", "selective"])
+def test_a_checkpoint_that_is_not_the_whole_block_gets_a_level_0_frame_of_its_own(kind):
+    """The user's checkpoint leaves part of the block out, or saves some of it (a selective
+    policy): recomputing the whole block is not level 0, so level 0 gets its own frame as before
+    (the shared one ran the first call only), and training stays the reference's."""
+    from zbuf.state_dict import full_state_dict
+
+    init = decoder(3)
+    if kind == "partial":
+        for b in init.layers:
+            b.__class__ = _PartlyCheckpointed
+    else:
+        apply_activation_checkpointing(init, "selective")
+    data = token_batches(3)
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    model = shard(copy.deepcopy(init))
+    zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
+    frames = block_frames_of(model)
+    frames.levels = {id(model.layers[2]): 2}
+    losses = train_adamw(model, model, data, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full, ref_sd = full_state_dict(model), ref.state_dict()
+    assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+    assert not frames.estimate.whole and frames.shared_keep is False
+    assert frames.graphs_compiled == 2 and frames.has_frame(0) and frames.has_frame(2)
+
+
+def test_level_0_keeps_only_the_blocks_inputs():
+    """At level 0 the shared frame runs under an eager checkpoint with no saved-tensor hooks of
+    its own: the frame saves no activation past the block's call (the checkpoint keeps the
+    block's inputs only), where the "checkpointed" mode's frame saves its region's inputs and
+    whatever its partition keeps. Counted at the frames' saved-tensor hooks (SavedBlock.pack:
+    what a frame saves that is not a gathered weight) and at the checkpoint's inputs."""
+    from zbuf import block_prefetch
+    from zbuf.compile import block_frames
+
+    def saved_bytes(recompute):
+        torch._dynamo.reset()
+        model = shard(decoder(3))
+        zbuf.compile(model, inner="aot_eager", structure="blocks", recompute=recompute,
+                     fullgraph=True)
+        counted = {"frame": 0, "inputs": 0}
+        pack = block_prefetch.SavedBlock.pack
+        checkpoint = torch.utils.checkpoint.checkpoint
+
+        def counting_pack(self, t):
+            out = pack(self, t)
+            if out is t and isinstance(t, torch.Tensor):  # not a gathered weight
+                counted["frame"] += t.untyped_storage().nbytes()
+            return out
+
+        def counting_checkpoint(fn, *args, **kwargs):
+            counted["inputs"] += sum(a.untyped_storage().nbytes() for a in args
+                                     if isinstance(a, torch.Tensor))
+            return checkpoint(fn, *args, **kwargs)
+
+        from unittest import mock
+        with mock.patch.object(block_prefetch.SavedBlock, "pack", counting_pack), \
+                mock.patch.object(block_frames, "eager_checkpoint", counting_checkpoint,
+                                  create=True):
+            from zbuf.models import loss
+            tokens = token_batches(1)[0]
+            loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+        return counted
+
+    checkpointed, auto = saved_bytes("checkpointed"), saved_bytes("auto")
+    assert checkpointed["frame"] > 0 and checkpointed["inputs"] == 0, checkpointed
+    assert auto["frame"] == 0 and 0 < auto["inputs"] <= checkpointed["frame"], (auto,
+                                                                               checkpointed)

@@ -8,6 +8,8 @@ compile/block_replan.py). One launch per world size:
   every rank plans the same levels and issues the same collectives;
 * blocks kept for backward ([Note: blocks kept for backward] in zbuf/block_prefetch.py): grown
   into, settled out of, one block's gathers fewer per step while kept, parity throughout;
+* level 0 run as the "keep" frame under an eager checkpoint: the re-plan to every block kept
+  compiles nothing, parity throughout, each gradient reduce-scattered once per step;
 * a rank whose blocks run at other levels than its peers' stops every rank with
   ``ScheduleMismatchError`` at the first forward after the re-plan ([Note: block order check]).
 """
@@ -114,6 +116,52 @@ def _weights_case(rank, world):
             "block_params": len(frames.called[id(model.layers[2])].weights.specs)}
 
 
+def _shared_case(rank, world):
+    """Level 0 runs the "keep" frame under an eager checkpoint ([Note: block levels], 1): the
+    re-plan to every block kept compiles nothing, parity before and after it, and every
+    parameter's gradient reduce-scattered once per step (the checkpoint's recompute gathers
+    again but is no use of its own)."""
+    import zbuf.compile
+    from zbuf.compile.block_frames import block_frames_of
+    from zbuf.shard import op_counts, root_of
+
+    import test_block_auto as unit
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init = unit.decoder(3)
+    data = sm_tests._batches(97, world, STEPS)
+    keep = {0, 1, STEPS - 1}
+    ref_losses, ref_states = sm_tests._reference(init, data, steps_to_keep=keep)
+    model = zbuf.shard(copy.deepcopy(init))
+    opt, sched = sm_tests._adamw(model.parameters())
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt, persist=False)
+    memory = zbuf.compile.step_memory_of(cm)
+    every_block_kept = lambda lv, n: n * lv[2].extra_bytes  # noqa: E731
+    unit.clamp_room(memory, every_block_kept, every_block_kept)
+    frames = block_frames_of(model)
+    seen, levels = [], []
+
+    def before(i):
+        counts = op_counts(model)
+        seen.append((counts["reduce_scatter"], counts["all_gather"], frames.graphs_compiled))
+        levels.append(_levels(frames, model))
+
+    losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world, memory,
+                                                keep=keep, before=before)
+    before(STEPS)
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    errors = {i: sm_tests._worst(states[i], ref_states[i]) for i in states}
+    assert max(errors.values()) <= RTOL, errors
+    assert root_of(model).reduce_once.open_uses() == 0
+    return {"reduces": [b[0] - a[0] for a, b in zip(seen, seen[1:])],
+            "gathers": [b[1] - a[1] for a, b in zip(seen, seen[1:])],
+            "snapshots": sorted(keep), "graphs": [s[2] for s in seen[1:]], "levels": levels,
+            "params": len(root_of(model).specs), "shared": frames.shared_keep,
+            "measured": memory.measured._asdict(), "errors": errors}
+
+
 def _mismatch_case(rank, world):
     import zbuf.compile
     from zbuf.compile import ScheduleMismatchError
@@ -143,7 +191,7 @@ def _mismatch_case(rank, world):
 
 def _worker(rank, world):
     return {"parity": _parity_case(rank, world), "weights": _weights_case(rank, world),
-            "mismatch": _mismatch_case(rank, world)}
+            "shared": _shared_case(rank, world), "mismatch": _mismatch_case(rank, world)}
 
 
 def _check(results):
@@ -160,7 +208,8 @@ def _check(results):
         assert (m["recompute"]["regions_selective"], m["recompute"]["regions_kept"]) == (2, 1)
         assert (s["recompute"]["regions_recomputed"], s["recompute"]["regions_selective"]) == (1, 2)
         assert s["recompute"]["kept_bytes"] < m["recompute"]["kept_bytes"]
-        assert o["graphs"] == 3, o  # one frame per level, whatever the depth
+        # One frame per level, whatever the depth; "recompute" and "keep" share theirs.
+        assert o["graphs"] == 2, o
     # Every rank planned and issued alike.
     for o in out[1:]:
         for key in ("levels", "measured", "steady", "collectives"):
@@ -181,6 +230,23 @@ def _check(results):
         assert s["replanned"] and s["kept_weights"] == 0 and not s["recompiled"], s
     for w in weights[1:]:
         assert w == weights[0]
+    shared = [r["shared"] for r in results]
+    for o in shared:
+        print(o["errors"])
+        assert o["shared"] and o["graphs"] == [1] * STEPS, o  # the re-plan compiled nothing
+        assert o["levels"] == [[0, 0, 0]] * 2 + [[2, 2, 2]] * (STEPS - 1), o["levels"]
+        m = o["measured"]
+        assert m["replanned"] and not m["recompiled"], m
+        # Each gradient reduce-scattered once a step, whether its block recomputed or kept.
+        assert o["reduces"] == [o["params"]] * STEPS, o
+        # At level 0 a block gathers for forward and again for its recompute; kept, once more
+        # for backward (the frame's saved weights): the same count (a step whose state is
+        # snapshotted gathers every parameter once more).
+        g = [n - (o["params"] if i in o["snapshots"] else 0) for i, n in enumerate(o["gathers"])]
+        assert len(set(g)) == 1, o
+    for o in shared[1:]:
+        for key in ("reduces", "gathers", "levels", "measured"):
+            assert o[key] == shared[0][key], (key, o[key], shared[0][key])
     for rank, r in enumerate(results):
         error = r["mismatch"]
         assert error is not None, rank

@@ -67,7 +67,11 @@ one copy per forward; what the budget does not cover the pool serves outside it 
 misses), never failing.
 
 A block called inside a backward (an eager checkpoint around the block, recomputing it) gathers
-on demand with no prefetch and no hooks of its own: the checkpoint's hooks own what it saves.
+on demand with no hooks of its own: the checkpoint's hooks own what it saves. When the checkpoint
+is the frames' own (level 0 under ``recompute="auto"``, [Note: block levels] in
+compile/block_replan.py), the forward installs no hooks either, and the recompute launches the
+gather of the block before it when that one recomputes too (the next block backward reaches),
+or uses its forward gather when the block's weights are kept for backward (``HeldGather``).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ from torch import nn
 from .block_gather import BlockWeights, FrameGather, InFlightGather, launch_block_gather
 from .step_phases import in_backward
 
-__all__ = ["BlockPrefetch", "SavedBlock", "FrameSlot"]
+__all__ = ["BlockPrefetch", "SavedBlock", "FrameSlot", "HeldGather"]
 
 
 class FrameSlot(NamedTuple):
@@ -94,6 +98,16 @@ class FrameSlot(NamedTuple):
     previous: Optional[BlockWeights]
     """The weights of the block before it (None for the first): prefetched when its backward
     starts."""
+
+
+class HeldGather:
+    """A checkpointed block call's forward gather, kept for its recompute ([Note: blocks kept for
+    backward]): it lives in the checkpoint's closure, so it dies with the autograd graph."""
+
+    __slots__ = ("gather",)
+
+    def __init__(self) -> None:
+        self.gather: Optional[InFlightGather] = None
 
 
 class _SavedWeight(NamedTuple):
@@ -251,12 +265,18 @@ class BlockPrefetch:
         check_across_ranks(weights.specs[0].group_name, fingerprint_of(description), description)
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
-            kwargs: dict, *, label: str = "", hold: bool = False) -> Any:
+            kwargs: dict, *, label: str = "", hold: bool = False,
+            checkpointed: Optional[HeldGather] = None, prefetch_previous: bool = False) -> Any:
         """Gather ``block``'s weights (prefetched if launched one block ahead), launch the next
         block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
         instead of the weights. ``label``: what else of the call the ranks check (its frame's
         recompute level, its weights kept). ``hold``: keep the forward's gather for the block's
-        backward instead of gathering again ([Note: blocks kept for backward])."""
+        backward instead of gathering again ([Note: blocks kept for backward]).
+        ``checkpointed``: the call runs under an eager checkpoint ([Note: block levels] in
+        compile/block_replan.py): no saved-tensor hooks of its own (the checkpoint's own keep
+        nothing but the block's inputs), the forward's gather kept there when ``hold``, and in
+        the recompute (backward) the block before it prefetched when ``prefetch_previous`` (it
+        recomputes next)."""
         weights = slot.weights
         backward = in_backward()
         if self._checked_calls is not None and not backward:
@@ -265,9 +285,21 @@ class BlockPrefetch:
         if ahead is not None and ahead.weights is not weights:
             ahead.wait()  # launched for a block that did not come next: finish it, drop it
             ahead = None
-        gather = ahead if ahead is not None else launch_block_gather(weights)
-        if self.prefetch and slot.next is not None and not backward:
+        held = None
+        if backward and checkpointed is not None and checkpointed.gather is not None:
+            held, checkpointed.gather = checkpointed.gather, None
+        if held is not None:
+            gather = held
+            if ahead is not None:
+                ahead.wait()
+                ahead = None
+        else:
+            gather = ahead if ahead is not None else launch_block_gather(weights)
+        if self.prefetch and not backward and slot.next is not None:
             self._ahead = launch_block_gather(slot.next)
+        if (self.prefetch and backward and prefetch_previous and checkpointed is not None
+                and slot.previous is not None):
+            self._ahead = launch_block_gather(slot.previous)
         recorded = torch.is_grad_enabled()
         reducer = self.reducer
         generations = tuple(
@@ -275,6 +307,13 @@ class BlockPrefetch:
             for shard, spec in zip(weights.shards, weights.specs))
         full = FrameGather.apply(gather, reducer, generations, *weights.shards)
         if not recorded or backward:
+            return frame(block, full, args, kwargs)
+        if checkpointed is not None:
+            # The checkpoint's hooks own what the frame saves; the next block links to none.
+            self._last_saved = None
+            if hold:
+                checkpointed.gather = gather
+            del gather, ahead
             return frame(block, full, args, kwargs)
         previous = self._last_saved
         if previous is None or previous.weights is not slot.previous:

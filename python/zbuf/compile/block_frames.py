@@ -46,8 +46,9 @@ built-in decoder's and Hugging Face's ``checkpoint`` are inside the block's ``__
 the frame, where AOTAutograd recomputes them); ``"none"`` keeps every region's activations (the
 frame's partitioner drops the checkpoint tags, as ``recompute.apply_levels``' "keep" does).
 ``"auto"`` gives each block call a level ("recompute", "selective" or "keep") in the room the
-measured step leaves, each level in use one more copy of the frame ([Note: block levels] in
-block_replan.py).
+measured step leaves: "recompute" and "keep" share one frame (the "keep" frame, run under an eager
+checkpoint at level 0) when the block's checkpointing covers its whole call, and any other level
+in use is one more copy of the frame ([Note: block levels] in block_replan.py).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
@@ -83,9 +84,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import checkpoint as eager_checkpoint
 
 from ..block_gather import BlockWeights
-from ..block_prefetch import BlockPrefetch, FrameSlot
+from ..block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from ..param import ShardSpec
 from ..region_inputs import gathered_for_shards
 from ..shard import roots
@@ -138,6 +141,10 @@ class LevelEstimate(NamedTuple):
     (``RecomputeStats.kept_bytes`` of its partition)."""
     forward_flops: float
     """Matmul and attention FLOPs of the block's forward (its partition's)."""
+    whole: bool = False
+    """The block's checkpointing covers its whole frame (every forward op but views and
+    detaches inside one checkpointed region): level 0 can run the "keep" frame under an eager
+    checkpoint ([Note: block levels], 1)."""
 
 
 def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
@@ -147,6 +154,36 @@ def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
     if not regions:
         return None
     return Region("block", regions[0].position, tuple(n for r in regions for n in r.names))
+
+
+_NO_COMPUTE = {"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
+               "permute", "expand", "unsqueeze", "squeeze", "slice", "select", "getitem",
+               "split", "split_with_sizes", "as_strided"}
+
+
+def _covers_whole_frame(graph: torch.fx.Graph, forward: set, region: Region) -> bool:
+    """Is every forward op of the block that computes something (not a view, a detach, an
+    item of a multi-output op) inside one checkpointed region, none of it saved by the user's
+    policy (a selective checkpoint)? Then the user's checkpoint wraps
+    the whole block call, as the built-in decoder's ``apply_activation_checkpointing`` and Hugging
+    Face's ``GradientCheckpointingLayer`` do, and recomputing the whole block is what the user's
+    checkpointing recomputes."""
+    if len({n.meta.get("ac_graph_id") for n in graph.nodes
+            if n.op == "call_function" and n in forward and "ac_graph_id" in n.meta}) != 1:
+        return False
+    inside = set(region.names)
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in forward:
+            continue
+        if n.name in inside:
+            if n.meta.get("recompute") in (CheckpointPolicy.MUST_SAVE,
+                                           CheckpointPolicy.PREFER_SAVE):
+                return False  # a selective policy: the user's level 0 saves this, the keep
+            continue  # frame's checkpoint would recompute it
+        target = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if target not in _NO_COMPUTE:
+            return False
+    return True
 
 
 class FramePartitioner(CustomPartitionerFn):
@@ -179,20 +216,27 @@ class FramePartitioner(CustomPartitionerFn):
         forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
         region = _block_region(gm.graph, forward)
         specs = None
+        whole = False
         if region is not None:
             if self.estimates is not None:
                 specs = level_specs(gm.graph, forward, [region], self.options)
+                whole = _covers_whole_frame(gm.graph, forward, region)
             apply_levels(gm.graph, [region], (self.level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
             stats = measure_partition("auto", names, fw, bw, self.options)
-            self.estimates.append(LevelEstimate(specs[0].levels, stats.kept_bytes,
-                                                stats.forward_flops))
+            # The level-0 bytes: what this partition saves less what its level keeps beyond
+            # level 0 (the "keep" frame estimates for level 0 too: [Note: block levels], 1).
+            levels = specs[0].levels
+            saved = max(0, stats.kept_bytes
+                        - levels[min(self.level, len(levels) - 1)].extra_bytes)
+            self.estimates.append(LevelEstimate(specs[0].levels, saved, stats.forward_flops,
+                                                whole))
         return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v2:{self.recompute}:{self.level}"
+        return f"zbuf-frame-partitioner:v3:{self.recompute}:{self.level}"
 
 
 class FramePlan(NamedTuple):
@@ -247,8 +291,9 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
 
 class BlockFrames:
     """The compiled frames and the runtime schedule of one model's blocks ([Note: one Dynamo
-    frame per block]): one frame per recompute level in use ([Note: block levels] in
-    block_replan.py), level 0 alone until a re-plan gives blocks another."""
+    frame per block]): one frame per recompute level in use, "recompute" and "keep" sharing
+    one under ``recompute="auto"`` ([Note: block levels] in block_replan.py), level 0's alone
+    until a re-plan gives blocks another."""
 
     def __init__(self, options: CompileOptions, plan: FramePlan, reducer, pool, *,
                  fullgraph: bool, dynamic: Optional[bool], check_order: bool = False) -> None:
@@ -269,6 +314,9 @@ class BlockFrames:
         self.called: dict[int, FrameSlot] = {}
         """id(block) -> its slot, in the order of the blocks' first calls (producer: ``run``;
         consumer: the re-planner, whose plan favours later blocks)."""
+        self._by_weights: dict[int, int] = {}
+        """id(BlockWeights) -> id(block) (producer: ``run``; consumer: ``run``, which finds the
+        block before a checkpointed one)."""
         self.levels: dict[int, int] = {}
         """id(block) -> its level when not 0 (producer: the re-planner; consumer: ``run``)."""
         self.kept: frozenset[int] = frozenset()
@@ -278,9 +326,20 @@ class BlockFrames:
         self._frames: dict[int, Callable] = {}
         """Level -> its compiled frame, each compiled on first use (producer and consumer:
         ``frame_of``)."""
-        self.frame = self.frame_of(0)
-        """``frame(block, weights, args, kwargs)``: the compiled body of level 0 (the
-        ``recompute`` mode's own), shared by every block at that level."""
+        self.shared_keep: Optional[bool] = True if options.recompute == "auto" else None
+        """``recompute="auto"``: level 0 runs the "keep" frame under an eager checkpoint, so
+        "recompute" and "keep" share one compiled frame ([Note: block levels], 1). True until
+        the estimate shows a block whose checkpointing does not cover its whole frame, then
+        False for good (level 0 gets a frame of its own); None under the other modes."""
+        self.frame = self.frame_of(self._frame_level(0))
+        """``frame(block, weights, args, kwargs)``: the compiled body level 0 runs through (the
+        ``recompute`` mode's own; under ``auto``, the "keep" frame), shared by every block at
+        that level."""
+
+    def _frame_level(self, level: int) -> int:
+        """The level whose frame ``level`` runs through: "keep"'s for level 0 while the frame is
+        shared."""
+        return LEVELS.index("keep") if level == 0 and self.shared_keep else level
 
     def frame_of(self, level: int) -> Callable:
         """The compiled body of ``level``: its own copy of ``_frame_body``'s code object, so its
@@ -296,18 +355,48 @@ class BlockFrames:
 
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
-        return level in self._frames
+        return self._frame_level(level) in self._frames
+
+    def _checkpointed(self, level: int) -> bool:
+        """Does a block at ``level`` run the shared "keep" frame under an eager checkpoint?"""
+        if level != 0 or not self.shared_keep:
+            return False
+        if self.estimate is not None and not self.estimate.whole:
+            # The user's checkpointing covers part of the block only: recomputing the whole
+            # block would not be level 0. Fall back to a level-0 frame of its own, for good
+            # (the estimate is rank-agreed, so every rank falls back at the same call).
+            self.shared_keep = False
+            self.frame = self.frame_of(0)
+            return False
+        return True
 
     def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
         self.called.setdefault(id(block), slot)
+        self._by_weights.setdefault(id(slot.weights), id(block))
         level = self.levels.get(id(block), 0)
         hold = id(block) in self.kept
         # What a re-plan may make differ enters the block order check ([Note: block levels]).
         label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
                            else []) + (["its weights kept for backward"] if hold else []))
-        return self.prefetch.run(slot, self.frame_of(level), block, args, kwargs, label=label,
-                                 hold=hold)
+        checkpointed = self._checkpointed(level)
+        frame = self.frame_of(self._frame_level(level))
+        if not checkpointed:
+            return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
+        # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
+        # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
+        # recompute in backward gathers again, prefetching the block before it when that one
+        # recomputes too.
+        previous = self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
+        ahead = (previous is not None and not self.levels.get(previous, 0)
+                 and previous not in self.kept)
+        held = HeldGather()
+
+        def body(*a, **k):
+            return self.prefetch.run(slot, frame, block, a, k, label=label, hold=hold,
+                                     checkpointed=held, prefetch_previous=ahead)
+
+        return eager_checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     def _estimated(self, estimate: LevelEstimate) -> None:
         """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
@@ -320,13 +409,15 @@ class BlockFrames:
                                   max(a.recompute_flops, b.recompute_flops))
                       for a, b in zip(old.levels, estimate.levels)),
                 max(old.saved_bytes, estimate.saved_bytes),
-                max(old.forward_flops, estimate.forward_flops))
+                max(old.forward_flops, estimate.forward_flops), old.whole and estimate.whole)
         self.estimate = estimate
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
         recompute = self.options.recompute
-        estimates = recompute == "auto" and level == 0
+        # The frame level 0 runs through estimates the levels: level 0's own, or the shared
+        # "keep" frame ([Note: block levels], 1).
+        estimates = recompute == "auto" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
         partitioner = FramePartitioner(recompute, level, found if estimates else None,
                                        self.options)

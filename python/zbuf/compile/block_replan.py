@@ -9,14 +9,40 @@ recompute.py does ([Note: budgeted recompute]), nor keep gathered weights per we
 persist.py does. It plans over the block calls instead, with the same levels and the same
 planner, and keeps weights a block at a time:
 
-1. Step 0 runs the user's checkpointing as written ([Note: measure first, then spend] in
-   zbuf/step_memory.py): the frame compiles at level 0, "recompute", which is exactly what
-   ``"checkpointed"`` compiles. Its partitioner, which sees the block's joint graph, estimates the
-   block's levels there (``recompute.level_specs`` on every checkpointed region of the block
-   taken as one region: "recompute", "selective" with its matmul and attention outputs kept,
-   "keep"), and what the level-0 partition saves per call. Every block of the stack runs that
-   frame, so every block has those levels; a frame compiled again for other input shapes keeps
-   the larger of each estimate.
+1. Step 0 runs at level 0, "recompute", the user's checkpointing ([Note: measure first, then
+   spend] in zbuf/step_memory.py). Level 0 and "keep" share one compiled frame: the frame
+   compiles at level "keep" (checkpoint tags dropped, as ``"none"`` does) from step 0, and a
+   block at level 0 runs it under an eager non-reentrant ``torch.utils.checkpoint``, its gather
+   included (``BlockFrames.run``), so the checkpoint keeps the block's inputs and nothing else:
+   inside it the frame runs without ``SavedBlock``'s hooks (inner hooks would take every saved
+   tensor from the checkpoint's and keep all the activations). Its recompute runs in backward:
+   the block gathers again on demand, launching the gather of the block before it when that
+   block recomputes too (backward reaches it next; ``BlockPrefetch.run``), and a block whose
+   weights are kept for backward hands its forward gather to its recompute (``HeldGather``,
+   which the checkpoint's closure holds, so it dies with the graph). The recompute's gathers are
+   no use of their own ([Note: reduce once]: ``count_use`` in backward), so each gradient is
+   still reduce-scattered once.
+   Why: each compiled level is one block compile (about 9 s at qwen3-14b on an H200), and a
+   re-plan was to cost at most 20 % of the cold first compile (issue 21; 14.65 s there): with
+   three frames the re-plan to "selective" and "keep" compiled two. Shared, a plan of only
+   "recompute" and "keep" compiles nothing, and "selective" keeps its own frame, compiled only
+   if a plan uses it.
+   This is the user's level 0 only when the user's checkpoint covers the whole block call (the
+   built-in decoder's ``apply_activation_checkpointing`` and Hugging Face's
+   ``GradientCheckpointingLayer`` do): the shared frame's partitioner checks that every forward
+   op that computes (not a view or a detach) lies in one checkpointed region and that no op there
+   is saved by the user's policy (a selective checkpoint). Otherwise (``LevelEstimate.whole``
+   false) level 0 falls back to a frame of its own, compiled at "recompute" as ``"checkpointed"``
+   compiles, for the rest of the run (rank-agreed: the estimate is); the block calls of step 0
+   that ran before the first compile's estimate (the first call) ran whole-block checkpointed,
+   with the same gradients and no more activations.
+   The frame level 0 runs through (the shared one, else level 0's own) estimates the block's
+   levels in its partitioner, which sees the block's joint graph before the level is applied
+   (``recompute.level_specs`` on every checkpointed region of the block taken as one region:
+   "recompute", "selective" with its matmul and attention outputs kept, "keep"), and what level
+   0 saves per call (the shared frame's partition less what "keep" keeps beyond level 0). Every
+   block of the stack runs that frame, so every block has those levels; a frame compiled again
+   for other input shapes keeps the larger of each estimate.
 2. After the measured step the re-planner's ``grow`` gets the measured room (what gathered
    weights and activations beyond step 0's may share: step 0's activations, at level 0, are in
    the measured peaks). Less the frames' pool (``FramePlan.pool_bytes``, the gathered weights),
@@ -28,9 +54,10 @@ planner, and keeps weights a block at a time:
 3. Each level in use is one frame, its own copy of the frame's code object
    (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
    (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
-   "selective" saves the matmul and attention outputs). So at most three frames are ever
-   compiled whatever the depth, and a re-plan compiles at most two block frames, never the
-   model; a plan that keeps every block at level 0 compiles nothing.
+   "selective" saves the matmul and attention outputs), "recompute" and "keep" sharing one
+   (1). So at most two frames are ever compiled whatever the depth (three after a fallback),
+   and a re-plan compiles at most one block frame ("selective"), never the model; a plan of
+   "recompute" and "keep" only compiles nothing.
 4. At the steady step ``settle`` checks the room again, once: if what the grown plan keeps no
    longer fits beside the pool, it keeps fewer blocks' weights, and if the activations alone do
    not fit, plans the levels again in the smaller room (fewer blocks kept) and keeps no weights.
@@ -51,13 +78,21 @@ Rank agreement: the plan is a function of the room (rank-agreed by StepMemory), 
 (read off a graph of the same shapes on every rank, summed in graph order: [Note: budgeted
 recompute]) and the order of the block calls (the program's, checked across ranks in the first
 forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
-estimate itself (a rank whose frame came out of a cache without partitioning; the level-0 frame
-compiles with AOTAutograd's cache off for this reason). A rank at another level would save other
+estimate itself (a rank whose frame came out of a cache without partitioning; the frame level 0
+runs through compiles with AOTAutograd's cache off for this reason). The fallback of 1 is read
+off the same estimate, so every rank falls back at the same block call. A rank at another level would save other
 weights and re-gather another set of them (and a kept block re-gathers none), so the first
 forward after each decision (``grow`` and ``settle``, whether or not it changed anything: a rank
 that changed nothing must take part in the check of one that did) is checked across ranks as
 the first forward is, each call naming its level and whether its weights are kept: a difference
 stops every rank with ``ScheduleMismatchError`` instead of mixing weights.
+
+Limits of the shared frame: a level-0 block's recompute re-runs its gather in backward, and the
+first level-0 block that backward reaches (the one after the last kept or selective block, or
+the last block) gathers on demand, its gather exposed; a kept-or-selective block's backward
+prefetches none for a level-0 block before it. The checkpoint's recompute runs the whole
+frame's forward (what "checkpointed" recomputes only inside its region is the same here, as the
+region is the whole block).
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
