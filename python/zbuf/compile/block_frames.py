@@ -156,17 +156,19 @@ def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
     return Region("block", regions[0].position, tuple(n for r in regions for n in r.names))
 
 
-_NO_COMPUTE = {"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
-               "permute", "expand", "unsqueeze", "squeeze", "slice", "select", "getitem",
-               "split", "split_with_sizes", "as_strided"}
+_NO_COMPUTE = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
+                         "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
+                         "getitem", "split", "split_with_sizes", "as_strided"})
+"""Ops (by name) that compute nothing: outside the checkpointed region they do not stop the
+region from covering the whole frame (``_covers_whole_frame``)."""
 
 
 def _covers_whole_frame(graph: torch.fx.Graph, forward: set, region: Region) -> bool:
     """Is every forward op of the block that computes something (not a view, a detach, an
     item of a multi-output op) inside one checkpointed region, none of it saved by the user's
-    policy (a selective checkpoint)? Then the user's checkpoint wraps
-    the whole block call, as the built-in decoder's ``apply_activation_checkpointing`` and Hugging
-    Face's ``GradientCheckpointingLayer`` do, and recomputing the whole block is what the user's
+    policy (a selective checkpoint)? Then the user's checkpoint wraps the whole block call, as
+    the built-in decoder's ``apply_activation_checkpointing`` and Hugging Face's
+    ``GradientCheckpointingLayer`` do, and recomputing the whole block is what the user's
     checkpointing recomputes."""
     if len({n.meta.get("ac_graph_id") for n in graph.nodes
             if n.op == "call_function" and n in forward and "ac_graph_id" in n.meta}) != 1:

@@ -80,19 +80,20 @@ recompute]) and the order of the block calls (the program's, checked across rank
 forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
 estimate itself (a rank whose frame came out of a cache without partitioning; the frame level 0
 runs through compiles with AOTAutograd's cache off for this reason). The fallback of 1 is read
-off the same estimate, so every rank falls back at the same block call. A rank at another level would save other
-weights and re-gather another set of them (and a kept block re-gathers none), so the first
-forward after each decision (``grow`` and ``settle``, whether or not it changed anything: a rank
-that changed nothing must take part in the check of one that did) is checked across ranks as
-the first forward is, each call naming its level and whether its weights are kept: a difference
-stops every rank with ``ScheduleMismatchError`` instead of mixing weights.
+off the same estimate, so every rank falls back at the same block call. A rank at another level
+would save other weights and re-gather another set of them (and a kept block re-gathers none),
+so the first forward after each decision (``grow`` and ``settle``, whether or not it changed
+anything: a rank that changed nothing must take part in the check of one that did) is checked
+across ranks as the first forward is, each call naming its level and whether its weights are
+kept: a difference stops every rank with ``ScheduleMismatchError`` instead of mixing weights.
 
-Limits of the shared frame: a level-0 block's recompute re-runs its gather in backward, and the
-first level-0 block that backward reaches (the one after the last kept or selective block, or
-the last block) gathers on demand, its gather exposed; a kept-or-selective block's backward
-prefetches none for a level-0 block before it. The checkpoint's recompute runs the whole
-frame's forward (what "checkpointed" recomputes only inside its region is the same here, as the
-region is the whole block).
+Limits of the shared frame (1): the first level-0 block that backward reaches (the last block,
+or the one before the first selective or kept block) gathers for its recompute on demand, its
+gather exposed, as the first block backward reaches always was; a selective or kept block's
+backward prefetches nothing for a level-0 block before it. Randomness inside the block (dropout)
+is replayed by the checkpoint's ``preserve_rng_state``, untested here (the tested models have
+none). The first block call of a run whose checkpoint turns out not to cover the block ran
+whole-block checkpointed before the fallback (see 1).
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
