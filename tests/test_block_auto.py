@@ -96,23 +96,31 @@ def all_selective_one_kept(lv, n):
     return n * lv[1].extra_bytes + (lv[2].extra_bytes - lv[1].extra_bytes)
 
 
-def test_each_levels_frame_trains_like_the_reference():
-    """Three blocks at three levels, two frames (level 0 runs the "keep" frame under an eager
-    checkpoint): losses and parameters as the reference's."""
+def _levels_against_reference(init, levels_of):
+    """Train a sharded copy of ``init`` under blocks and auto with the levels ``levels_of(model)``
+    set by hand, and the unsharded ``init`` as reference: losses and parameters within 1e-5.
+    Returns the model and its frames."""
     from zbuf.state_dict import full_state_dict
 
-    init = decoder(3)
     data = token_batches(3)
     ref = copy.deepcopy(init)
     ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
     model = shard(copy.deepcopy(init))
     zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
     frames = block_frames_of(model)
-    frames.levels = {id(b): i for i, b in enumerate(model.layers)}
+    frames.levels = levels_of(model)
     losses = train_adamw(model, model, data, torch.optim.AdamW(model.parameters(), lr=1e-3))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full, ref_sd = full_state_dict(model), ref.state_dict()
     assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+    return model, frames
+
+
+def test_each_levels_frame_trains_like_the_reference():
+    """Three blocks at three levels, two frames (level 0 runs the "keep" frame under an eager
+    checkpoint): losses and parameters as the reference's."""
+    model, frames = _levels_against_reference(
+        decoder(3), lambda m: {id(b): i for i, b in enumerate(m.layers)})
     assert frames.shared_keep and frames.estimate.whole
     assert frames.graphs_compiled == 2 and all(frames.has_frame(lv) for lv in range(3))
     assert root_of(model).pool.stats().checked_out == 0
@@ -311,25 +319,13 @@ def test_a_checkpoint_that_is_not_the_whole_block_gets_a_level_0_frame_of_its_ow
     """The user's checkpoint leaves part of the block out, or saves some of it (a selective
     policy): recomputing the whole block is not level 0, so level 0 gets its own frame as before
     (the shared one ran the first call only), and training stays the reference's."""
-    from zbuf.state_dict import full_state_dict
-
     init = decoder(3)
     if kind == "partial":
         for b in init.layers:
             b.__class__ = _PartlyCheckpointed
     else:
         apply_activation_checkpointing(init, "selective")
-    data = token_batches(3)
-    ref = copy.deepcopy(init)
-    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
-    model = shard(copy.deepcopy(init))
-    zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
-    frames = block_frames_of(model)
-    frames.levels = {id(model.layers[2]): 2}
-    losses = train_adamw(model, model, data, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
-    full, ref_sd = full_state_dict(model), ref.state_dict()
-    assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+    _, frames = _levels_against_reference(init, lambda m: {id(m.layers[2]): 2})
     assert not frames.estimate.whole and frames.shared_keep is False
     assert frames.graphs_compiled == 2 and frames.has_frame(0) and frames.has_frame(2)
 
