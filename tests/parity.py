@@ -35,3 +35,19 @@ def train_adamw(step_fn, model, batches, opt=None, after_step=None) -> list[floa
             after_step()
         losses.append(out.item())
     return losses
+
+
+def tiny_qwen3(checkpointed: bool):
+    """A three-layer Hugging Face Qwen3 small enough for CPU parity tests (seed 0), its layers
+    checkpointed (non-reentrant) when ``checkpointed``."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

@@ -24,7 +24,7 @@ from zbuf.compile.block_replan import blocks_to_keep, plan_block_levels
 from zbuf.compile.recompute_plan import RegionLevel
 from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import root_of, shard
-from parity import rel_err, token_batches, train_adamw
+from parity import rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -212,15 +212,9 @@ def test_hugging_face_layers_take_levels():
     """Hugging Face checkpoints inside the layer's ``__call__``: the shared frame finds the
     region and estimates it, the roomy re-plan keeps every layer (no more frames), and the
     losses stay the reference's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
 
-    cfg = transformers.Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    init = transformers.Qwen3ForCausalLM(cfg)
-    init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    init = tiny_qwen3(checkpointed=True)
     data = token_batches(3)
 
     def run(fn, model, memory=None):

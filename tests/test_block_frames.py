@@ -21,7 +21,7 @@ from zbuf.pool import GatherBufferPool
 from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 from zbuf.shard import op_counts, root_of, shard
 from zbuf.state_dict import full_state_dict
-from parity import rel_err, token_batches, train_adamw
+from parity import rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -289,17 +289,10 @@ def test_train_config_takes_the_structure():
 def test_hugging_face_layers_run_as_frames(ac):
     """Hugging Face checkpoints in the layer's ``__call__``: the frame runs ``__call__``, so the
     checkpoint is inside it. One frame graph for the stack, losses as the reference's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
-    cfg = transformers.Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    init = transformers.Qwen3ForCausalLM(cfg)
-    if ac:
-        init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    init = tiny_qwen3(checkpointed=ac)
     batches = token_batches(2)
 
     def run(fn, model):
