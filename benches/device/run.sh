@@ -51,8 +51,9 @@
 #                                           then: zbuf bench --merge $OUT/seed14_*.json --out
 #                                           benches/results/seed14.json; python3
 #                                           benches/reference_table.py benches/results/seed14.json
-#   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same, 8 + 4 steps, launched
-#                                           twice with the same caches: cold and warm first steps
+#   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same launched twice with the
+#                                           same caches: cold (10 + 20 steps) and warm (4 + 4)
+#                                           first steps
 #   bash benches/device/run.sh 8b-sim ENGINE # qwen3-8b as rank 0 of 2 (whole card)     (~5 min)
 #   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
 #                                           card, seq 4096, AC; doubling from MIN (default 4) to
@@ -191,11 +192,12 @@ case "${1:-}" in
   seed14-twice)  # ONE H200: seed14-twice ENGINE[:MODE] [ARGS]: the reference configuration
     # launched twice with the same caches (issue 21's warm start): records *_cold and *_warm;
     # the first launch is cold only on a fresh machine (or after another tree's compile)
+    # the cold launch measures the step (10 + 20 steps), the warm one only its first step (4 + 4)
     name="seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}"
-    for launch in cold warm; do
-      BENCH_TIMEOUT=${BENCH_TIMEOUT:-280} bench "${name}_$launch" "${2:?give one of zbuf zbuf:auto fsdp2}" \
-        --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}"
-    done ;;
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench "${name}_cold" "${2:?give one of zbuf zbuf:auto fsdp2}" \
+      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}"
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bench "${name}_warm" "$2" \
+      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}" ;;
   8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
     bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
