@@ -54,7 +54,7 @@
 #   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same launched twice with the
 #                                           same caches: cold (10 + 20 steps) and warm (4 + 4)
 #                                           first steps
-#   bash benches/device/run.sh 8b-sim ENGINE # qwen3-8b as rank 0 of 2 (whole card)     (~5 min)
+#   bash benches/device/run.sh 8b-sim ENGINE [ARGS] # qwen3-8b as rank 0 of 2 (whole card) (~5 min)
 #   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
 #                                           card, seq 4096, AC; doubling from MIN (default 4) to
 #                                           MAX (default 16); a call holds 2-3 probes (each
@@ -199,7 +199,7 @@ case "${1:-}" in
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bench "${name}_warm" "$2" \
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}" ;;
   8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
-    bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 ;;
+    bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 "${@:3}" ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
     timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-8b --simulate-world 8 \
       --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
