@@ -54,6 +54,8 @@
 #   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same launched twice with the
 #                                           same caches: cold (10 + 20 steps) and warm (4 + 4)
 #                                           first steps
+#   bash benches/device/run.sh profile14  # qwen3-14b's layer shape, 4 layers: profiled steps of zbuf
+#                                           blocks, FSDP2 and zbuf graph (issue 21's step gap, ~4 min)
 #   bash benches/device/run.sh 8b-sim ENGINE [ARGS] # qwen3-8b as rank 0 of 2 (whole card) (~5 min)
 #   bash benches/device/run.sh fit8b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-8b, world 8, 80 GiB
 #                                           card, seq 4096, AC; doubling from MIN (default 4) to
@@ -198,6 +200,16 @@ case "${1:-}" in
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}"
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bench "${name}_warm" "$2" \
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}" ;;
+  profile14)  # ONE H200: where the step goes under each compile structure: qwen3-14b's layer
+    # shape, 4 layers, rank 0 of 8, AC full, 2 profiled steps per engine (torch.profiler traces and
+    # the top kernels per step): zbuf blocks and FSDP2 in one bench, zbuf graph in another
+    for run in "blocks zbuf,fsdp2" "graph zbuf"; do
+      set -- $run
+      timeout "${BENCH_TIMEOUT:-200}" python3 -m zbuf.cli bench --engines "$2" "${COMMON[@]}" \
+        --preset qwen3-14b --layers 4 --simulate-world 8 --gpu-memory 80GiB --steps 10 --warmup 4 \
+        --compile-structure "$1" --profile-dir "$OUT/profile14_$1" --out "$OUT/profile14_$1.json" \
+        2>&1 | grep -v "Warning\|warn" | tail -22
+    done ;;
   8b-sim)  # ONE H200: qwen3-8b as rank 0 of 2
     bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 "${@:3}" ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
