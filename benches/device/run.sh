@@ -55,6 +55,8 @@
 #   bash benches/device/run.sh seed14-twice ENGINE[:MODE] [ARGS]  # the same launched twice with the
 #                                           same caches: cold (10 + 20 steps) and warm (4 + 4)
 #                                           first steps
+#   bash benches/device/run.sh 17b-blocks # qwen3-1.7b, 1 rank, blocks: zbuf full/auto vs FSDP2 cold,
+#                                           then zbuf warm (issue 21's 1.7b rows, ~5 min)
 #   bash benches/device/run.sh profile14  # qwen3-14b's layer shape, 4 layers: profiled steps of zbuf
 #                                           blocks, FSDP2 and zbuf graph (issue 21's step gap, ~4 min)
 #   bash benches/device/run.sh 8b-sim ENGINE [ARGS] # qwen3-8b as rank 0 of 2 (whole card) (~5 min)
@@ -201,6 +203,17 @@ case "${1:-}" in
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}"
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bench "${name}_warm" "$2" \
       --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}" ;;
+  17b-blocks)  # ONE H200: issue 21 at qwen3-1.7b, 1 rank, under --compile-structure blocks: zbuf
+    # full and auto beside FSDP2 full AC, caches cold (10 + 20 steps), then zbuf's warm relaunch
+    # (4 + 4): records 17b_blocks_cold.json and 17b_blocks_warm.json
+    for launch in cold warm; do
+      steps=(); engines=zbuf:full,zbuf:auto,fsdp2:full
+      [ "$launch" = warm ] && { steps=(--steps 8 --warmup 4); engines=zbuf:full,zbuf:auto; }
+      timeout "${BENCH_TIMEOUT:-280}" python3 -m zbuf.cli bench --engines "$engines" "${COMMON[@]}" \
+        --preset qwen3-1.7b --nproc 1 --compile-structure blocks "${steps[@]}" \
+        --out "$OUT/17b_blocks_$launch.json" 2>&1 | grep -v "Warning\|warn" \
+        | tee "$OUT/17b_blocks_$launch.log" | tail -16
+    done ;;
   profile14)  # ONE H200: where the step goes under each compile structure: qwen3-14b's layer
     # shape, 4 layers, rank 0 of 8, AC full, 2 profiled steps per engine (torch.profiler traces and
     # the top kernels per step): zbuf blocks and FSDP2 in one bench, zbuf graph in another
@@ -230,6 +243,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
     exit 2 ;;
 esac
