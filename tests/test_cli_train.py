@@ -238,6 +238,11 @@ def test_train_default_engine_then_report(tmp_path):
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
     assert "first step by phase" in rep.stdout and "Dynamo tracing" in rep.stdout
+    # Issue 21: the time to the plan the run kept, the record's (this run's re-plan compiles
+    # nothing, so no re-plan table: tests/test_train_record.py has one).
+    final = [line for line in rep.stdout.splitlines() if "time to the final plan" in line]
+    assert len(final) == 1 and f"{eng['summary']['time_to_final_plan_s']:.2f} s" in final[0], final
+    assert "re-plan compiles by phase" not in rep.stdout
     assert "gather budget, measured" in rep.stdout  # the step-memory table
     _check_plot_layout(json.loads(out.read_text()), tmp_path / "again")
 

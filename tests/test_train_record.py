@@ -9,7 +9,7 @@ import pytest
 from zbuf.cli import main
 from zbuf.train.config import Engine, TrainConfig
 from zbuf.train.record import SCHEMA, make_record, markdown, merge_records
-from zbuf.train.report import make_plots, schedule_table
+from zbuf.train.report import make_plots, phases_table, replan_phases_table, schedule_table
 
 
 def _engine(name, times, losses, pool=False, schedule=None):
@@ -76,6 +76,41 @@ def test_time_to_the_final_plan_counts_through_the_last_replan():
     summary = _record([eng])["engines"][0]["summary"]
     assert summary["time_to_final_plan_s"] == 1.0 + 3 + 2
     assert summary["first_step_s"] == 3
+
+
+def _phases(step, first_step_s, first_run, rank_scale=1.0):
+    phases = {"dynamo": 1.0, "aot": 2.0, "zbuf": 0.0, "inductor": 3.0, "kernel_compile": 4.0}
+    phases = {k: v * rank_scale for k, v in phases.items()}
+    phases["first_run"] = first_run
+    return {"first_step_s": first_step_s, "phases": phases, "step": step,
+            "caches": {"fxgraph_hit": 0, "fxgraph_miss": 2, "aot_hit": 0, "aot_miss": 1}}
+
+
+def test_report_shows_each_replan_compile_against_the_first():
+    """Issue 21: ``zbuf report`` shows the time to the final plan, and each later step that
+    compiled (a re-plan) by phase, the slowest rank's, with its compile (the step less its own
+    run) as a share of the first step's compile."""
+    eng = _engine("zbuf", [20, 10, 3, 5, 3, 3], [5, 4, 3, 2, 1.5, 1.2])
+    eng["steps"][3]["replanned"] = [True, True]
+    eng["compile_phases"] = [_phases(0, 20.0, 6.0), _phases(0, 19.0, 6.0)]
+    # Rank 1's step-1 recompile was the slower; step 3's only rank 0 recorded.
+    eng["recompile_phases"] = [[_phases(1, 9.0, 2.0), _phases(3, 5.0, 2.6)],
+                               [_phases(1, 10.0, 3.0)]]
+    rec = _record([eng])
+    cells = {t.title: {row: [c[i] for c in [list(col.cells) for col in t.columns[1:]]]
+                       for i, row in enumerate(t.columns[0].cells)}
+             for t in (phases_table(rec), replan_phases_table(rec))}
+    first = cells["first step by phase (slowest rank)"]
+    assert first["time to the final plan"] == [f"{1.0 + 20 + 10 + 3 + 5:.2f} s"]
+    replans = replan_phases_table(rec)
+    assert [c.header for c in replans.columns[1:]] == ["zbuf step 1 (rank 1)", "zbuf step 3 (rank 0)"]
+    rows = cells["re-plan compiles by phase (slowest rank)"]
+    assert rows["step (compile + run)"] == ["10.00 s", "5.00 s"]
+    assert rows["compile (step less its run)"] == ["7.00 s", "2.40 s"]
+    assert rows["of the first step's compile"] == ["50 %", "17 %"]  # of 20 - 6 = 14 s
+    assert rows["AOT cache hit/miss"] == ["0 / 1", "0 / 1"]
+    del eng["recompile_phases"]
+    assert replan_phases_table(_record([eng])) is None  # nothing re-compiled: no table
 
 
 def test_report_plots_schedule_profiles(tmp_path):

@@ -152,6 +152,21 @@ def slowest_phases(result: dict[str, Any]) -> Optional[dict[str, Any]]:
     return dict(per_rank[i], rank=i)
 
 
+def slowest_replans(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each later step that compiled (a re-plan's recompile, [Note: measure first, then spend]
+    in zbuf/step_memory.py), in step order: the phases of the rank whose step took longest, as
+    ``slowest_phases`` gives the first step's; [] for records without re-plan compiles."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for rank, phases in enumerate(result.get("recompile_phases") or []):
+        for p in phases or []:
+            if not isinstance(p, dict):
+                continue
+            seen = by_step.get(p["step"])
+            if seen is None or p["first_step_s"] > seen["first_step_s"]:
+                by_step[p["step"]] = dict(p, rank=rank)
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def run_label(eng: dict[str, Any]) -> str:
     """The name of an engine's run in tables and plots: ``zbuf``, or ``fsdp2:selective`` where
     the record's runs differ in activation checkpointing (records before labels: the engine)."""
