@@ -37,13 +37,13 @@ def train_adamw(step_fn, model, batches, opt=None, after_step=None) -> list[floa
     return losses
 
 
-def tiny_qwen3(checkpointed: bool):
-    """A three-layer Hugging Face Qwen3 small enough for CPU parity tests (seed 0), its layers
-    checkpointed (non-reentrant) when ``checkpointed``."""
+def tiny_qwen3(checkpointed: bool, layers: int = 3):
+    """A Hugging Face Qwen3 of ``layers`` layers small enough for CPU parity tests (seed 0), its
+    layers checkpointed (non-reentrant) when ``checkpointed``."""
     import transformers
 
     cfg = transformers.Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
+        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
         tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
     torch.manual_seed(0)

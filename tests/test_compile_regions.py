@@ -20,7 +20,7 @@ from zbuf.compile.passes import GatherSchedulePass
 from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import shard
 from zbuf.state_dict import full_state_dict
-from parity import rel_err, token_batches, train_adamw
+from parity import rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -297,16 +297,9 @@ def test_gathers_inside_a_users_region_are_refused():
 def test_hugging_face_layers_compile_once(monkeypatch, ac):
     """Hugging Face checkpoints in the layer's ``__call__``, around ``forward``: marking wraps
     ``__call__``, so the checkpoint is inside the region body too."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     graphs, bodies = _capture(monkeypatch)
-    cfg = transformers.Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=True, attention_dropout=0.0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    init = transformers.Qwen3ForCausalLM(cfg)
-    if ac:
-        init.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    init = tiny_qwen3(checkpointed=ac, layers=LAYERS)
     batches = token_batches(2)
 
     def run(fn, model):
