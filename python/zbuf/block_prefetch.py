@@ -285,11 +285,10 @@ class BlockPrefetch:
         if ahead is not None and ahead.weights is not weights:
             ahead.wait()  # launched for a block that did not come next: finish it, drop it
             ahead = None
-        held = None
         if backward and checkpointed is not None and checkpointed.gather is not None:
-            held, checkpointed.gather = checkpointed.gather, None
-        if held is not None:
-            gather = held
+            # The recompute of a block whose weights are kept: its forward's gather, not one
+            # launched ahead.
+            gather, checkpointed.gather = checkpointed.gather, None
             if ahead is not None:
                 ahead.wait()
                 ahead = None

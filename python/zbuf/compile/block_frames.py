@@ -359,19 +359,6 @@ class BlockFrames:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
         return self._frame_level(level) in self._frames
 
-    def _checkpointed(self, level: int) -> bool:
-        """Does a block at ``level`` run the shared "keep" frame under an eager checkpoint?"""
-        if level != 0 or not self.shared_keep:
-            return False
-        if self.estimate is not None and not self.estimate.whole:
-            # The user's checkpointing covers part of the block only: recomputing the whole
-            # block would not be level 0. Fall back to a level-0 frame of its own, for good
-            # (the estimate is rank-agreed, so every rank falls back at the same call).
-            self.shared_keep = False
-            self.frame = self.frame_of(0)
-            return False
-        return True
-
     def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
         self.called.setdefault(id(block), slot)
@@ -381,9 +368,8 @@ class BlockFrames:
         # What a re-plan may make differ enters the block order check ([Note: block levels]).
         label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
                            else []) + (["its weights kept for backward"] if hold else []))
-        checkpointed = self._checkpointed(level)
         frame = self.frame_of(self._frame_level(level))
-        if not checkpointed:
+        if level != 0 or not self.shared_keep:
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
@@ -402,7 +388,8 @@ class BlockFrames:
 
     def _estimated(self, estimate: LevelEstimate) -> None:
         """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
-        (one per input shape): every call of a block is planned as its hungriest."""
+        (one per input shape): every call of a block is planned as its hungriest. An estimate
+        whose checkpointing does not cover the whole block ends the shared frame."""
         if self.estimate is not None:
             old = self.estimate
             estimate = LevelEstimate(
@@ -413,6 +400,13 @@ class BlockFrames:
                 max(old.saved_bytes, estimate.saved_bytes),
                 max(old.forward_flops, estimate.forward_flops), old.whole and estimate.whole)
         self.estimate = estimate
+        if self.shared_keep and not estimate.whole:
+            # The user's checkpointing covers part of the block only: recomputing the whole
+            # block would not be level 0. Level 0 falls back to a frame of its own, for good,
+            # from the next block call (the estimate is rank-agreed, so every rank falls back
+            # at the same call).
+            self.shared_keep = False
+            self.frame = self.frame_of(0)
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
