@@ -42,6 +42,8 @@ def tiny_qwen3(checkpointed: bool, layers: int = 3):
     layers checkpointed (non-reentrant) when ``checkpointed``."""
     import transformers
 
+    from zbuf.train.hf import checkpoint_layers
+
     cfg = transformers.Qwen3Config(
         vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -49,5 +51,5 @@ def tiny_qwen3(checkpointed: bool, layers: int = 3):
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg)
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model, {"use_reentrant": False})
     return model

@@ -93,6 +93,7 @@ from ..param import ShardSpec
 from ..region_inputs import gathered_for_shards
 from ..shard import roots
 from .budget import PlanExceedsMemoryError, graph_memory
+from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
@@ -350,8 +351,9 @@ class BlockFrames:
         if frame is None:
             body = types.FunctionType(_frame_body.__code__.replace(), _frame_body.__globals__,
                                       "_frame_body")
-            frame = torch.compile(body, backend=functools.partial(self._backend, level),
-                                  fullgraph=self.fullgraph, dynamic=self.dynamic)
+            frame = traced_as_zbuf(torch.compile(body, backend=functools.partial(self._backend,
+                                                                                 level),
+                                                 fullgraph=self.fullgraph, dynamic=self.dynamic))
             self._frames[level] = frame
         return frame
 

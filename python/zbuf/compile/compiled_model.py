@@ -17,6 +17,7 @@ from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
 from ..step_memory import StepMemory
 from .budget import agree_free_memory, check_optimizer_fits
+from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
 from .block_frames import install_block_frames
 from .block_replan import BlockReplanner
@@ -161,6 +162,7 @@ def compile_model(
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
     )
+    compiled.forward = traced_as_zbuf(compiled.forward)
     if _shard_group(model) is None:
         if optimizer is not None:
             raise ValueError("zbuf.compile(..., optimizer=...) measures the step of a model "

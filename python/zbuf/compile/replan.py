@@ -57,6 +57,7 @@ import torch
 
 from .. import runtime
 from .budget import PlanExceedsMemoryError
+from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
 from .persist import KeepCandidate, choose_kept
 from .regions import is_marked_model, unmark_repeated_blocks
@@ -322,5 +323,5 @@ class Replanner:
                               fullgraph=self.fullgraph, dynamic=self.dynamic)
         # The wrapper's Dynamo context follows its plan (torch reads it for pickling and AOT).
         self.compiled.dynamo_ctx = fresh.dynamo_ctx
-        self.forward.fn = fresh.forward
+        self.forward.fn = traced_as_zbuf(fresh.forward)
         self.recompiled = True

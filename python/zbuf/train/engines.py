@@ -35,7 +35,7 @@ from ..pool import GatherBufferPool
 from ..step_memory import StepMemory
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
-from .hf import check_hf_model
+from .hf import check_hf_model, checkpoint_layers
 
 __all__ = ["EngineSetup", "build_engine", "build_base_model", "build_optimizer", "init_module"]
 
@@ -100,7 +100,7 @@ def build_base_model(cfg: TrainConfig, device: torch.device, *,
             kwargs = {"use_reentrant": False}
             if block_ac == "selective":
                 kwargs["context_fn"] = models.selective_checkpoint_context
-            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            checkpoint_layers(model.hf, kwargs)
         return model
     model = models.build_model(mcfg, device="meta")
     if materialise:

@@ -10,10 +10,11 @@ the package index: from a checkout, ``pip install '.[hf]'``).
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["HF_MODEL_TYPES", "HF_INSTALL", "check_hf_model"]
+__all__ = ["HF_MODEL_TYPES", "HF_INSTALL", "check_hf_model", "checkpoint_layers"]
 
 HF_MODEL_TYPES = ("llama", "qwen3")
 """The ``transformers`` model types ``--model hf:<type>`` accepts."""
@@ -47,3 +48,14 @@ def check_hf_model(model_type: str) -> None:
     if not installed:
         raise ConfigError(f"--model hf:{model_type} needs the transformers package: "
                           f"{HF_INSTALL}")
+
+
+def checkpoint_layers(model: Any, checkpoint_kwargs: dict) -> None:
+    """Checkpoint every decoder layer of Hugging Face ``model`` with ``checkpoint_kwargs`` for
+    ``torch.utils.checkpoint.checkpoint``: ``activation_checkpointing_enable`` where transformers
+    has it (5.25 on), the ``gradient_checkpointing_enable`` it deprecates before that."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
