@@ -74,6 +74,13 @@ first and spends after:
    67.0 GiB allocated and 6.3 GiB reserved but unallocated (one H200, simulated ranks). So the room is
    divided by one plus step 0's fragmentation: its reserved-but-unallocated bytes per byte it
    allocated beyond its start, in its worse phase, rank-agreed (``fragmentation_ppm``).
+   At the steady step the measured step ran the plan being judged: its kept activations and
+   gathered bytes, and their fragmentation, are in the measured peaks, so only the memory left
+   beside them (or what they lack) is divided (``measured_room``). Up to c3af42e the whole room
+   was divided there too, charging the fragmentation twice: qwen3-14b's block frames (rank 0 of
+   8, 80 GiB, ``--ac auto``) ran the grown plan at 78.3 GB reserved plus a 4.4 GB pool, 1.8 GB
+   inside the usable limit, and the settle still cut its kept activations from 32.5 to 23.5 GB
+   (a room of 27.9 GB where 38.3 GB had been measured to fit), which cost 1.8 % of the step.
 4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
    optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
    without one the optimizer runs inside "backward" and its peak is part of the budget).
@@ -102,7 +109,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import agree_extremes, stable_budget
+from .agreement import MEASURED_BITS, agree_extremes, stable_budget, stable_bytes
 from .memory import SharedMemory
 from .shard import roots
 from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
@@ -111,7 +118,7 @@ if TYPE_CHECKING:
     from .compile.replan import Replanner
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "fragmentation_ppm",
-           "SAFETY_DIVISOR"]
+           "measured_room", "SAFETY_DIVISOR"]
 
 PPM = 1_000_000
 
@@ -131,6 +138,35 @@ def fragmentation_ppm(row: StepPhases) -> int:
         if grown > 0 and reserved > alloc:
             worst = max(worst, (reserved - alloc) * PPM // grown)
     return min(worst, MAX_FRAGMENTATION_PPM)
+
+
+def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict[str, int],
+                  held_bytes: int, frag_ppm: int) -> int:
+    """What activations and gathered weights may share, rounded ([Note: stable agreed memory]
+    in zbuf/agreement.py; [Note: fragmentation grows with the room]): the smallest over the
+    phases of ``reserved`` (torch's measured reserved peak of each). ``activations`` are the
+    current plans' projected activations in each phase, ``held_bytes`` the gathered bytes they
+    hold at most. Before a new plan (the grow: ``held_bytes`` 0) all the memory beside step 0's
+    peaks is divided by one plus the fragmentation, step 0's plan being replaced whole. Measured
+    under the plan being judged (the settle), what it holds counts at face value, its
+    fragmentation being in ``reserved`` already: only what is left beside it is divided and
+    rounded down, or what it lacks divided and rounded up, so a plan measured to fit gets a room
+    it fits, whatever the rounding."""
+    rooms = []
+    for phase, peak in reserved.items():
+        own = activations.get(phase, 0)
+        free = usable_bytes - (peak - own)
+        if not held_bytes:
+            rooms.append(stable_budget(free * PPM // (PPM + frag_ppm)))
+            continue
+        face = held_bytes + own
+        spare = (free - face) * PPM // (PPM + frag_ppm)
+        if spare >= 0:
+            rooms.append(face + stable_bytes(spare, bits=MEASURED_BITS))
+        else:
+            quantum = 1 << max(0, (-spare).bit_length() - 1 - MEASURED_BITS)
+            rooms.append(max(1, face - -(spare // quantum) * quantum))
+    return min(rooms)
 
 
 SAFETY_DIVISOR = 64
@@ -369,8 +405,11 @@ class StepMemory:
         # What activations and gathered weights may share: the peaks less the plans' projected
         # activations (rank-invariant: the same graphs on every rank), less the allocator's
         # fragmentation of what is planned into it ([Note: fragmentation grows with the room]).
-        free = usable - max(fw - act.get("forward", 0), bw - act.get("backward", 0))
-        room = stable_budget(free * PPM // (PPM + frag))
+        # At the steady step the plan being judged was measured, so what it holds is not
+        # charged the fragmentation a second time (the grown plan of qwen3-14b's blocks fitted
+        # with 1.8 GB spare and was cut from 32.5 to 23.5 GB of kept activations).
+        held = 0 if grow or self.replanner is None else self.replanner.largest_need()
+        room = measured_room(usable, {"forward": fw, "backward": bw}, act, held, frag)
         planned = replan = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
