@@ -79,7 +79,7 @@ def _train(fn, model, batches):
                                      {"structure": "graph", "compile_blocks_once": True},
                                      {"structure": "blocks"}],
                          ids=["graph", "blocks-once", "frames"])
-def test_checkpointed_side_effects_trace_whole(options):
+def test_checkpointed_side_effects_trace_whole(options, recwarn):
     torch.manual_seed(0)
     init = _Stack(3)
     batches = [torch.randn(4, 16) for _ in range(2)]
@@ -91,7 +91,30 @@ def test_checkpointed_side_effects_trace_whole(options):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     assert ROUTING.active is None
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+    assert not [w for w in recwarn if "compiled no graph" in str(w.message)]
     if options["structure"] == "blocks":
         assert block_frames_of(model).graphs_compiled == 1
     else:
         assert {r.graph_id for r in schedule_report(model)}  # the zbuf backend planned the step
+
+
+def test_a_block_frame_that_compiles_nothing_says_so(monkeypatch):
+    """Without the setting, the side effect breaks the graph at the checkpoint and the frame
+    compiles no graph: the blocks still train as the reference's, eager, and the user is told
+    once, in one line that names the block and the way to the break."""
+    import zbuf.compile.block_frames as block_frames
+
+    monkeypatch.setattr(block_frames, "traced_as_zbuf", lambda compiled: compiled)
+    torch.manual_seed(0)
+    init = _Stack(3)
+    batches = [torch.randn(4, 16) for _ in range(2)]
+    ref = copy.deepcopy(init)
+    ref_losses = _train(ref, ref, batches)
+    model = shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks")
+    with pytest.warns(UserWarning, match="compiled no graph for the frame of _RoutedBlock") as seen:
+        losses = _train(cm, model, batches)
+    told = [str(w.message) for w in seen if "compiled no graph" in str(w.message)]
+    assert len(told) == 1 and "\n" not in told[0] and "fullgraph=True" in told[0]
+    assert block_frames_of(model).graphs_compiled == 0
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -311,6 +312,10 @@ class BlockFrames:
         self.graphs_compiled = 0
         """Graphs Dynamo handed this model's frame backends (one per distinct block frame and
         level)."""
+        self._compiled_levels: set[int] = set()
+        """Frame levels whose backend Dynamo handed a graph (producer: ``_backend``; consumer:
+        ``run``, which warns once when a block ran through a frame that compiled none)."""
+        self._warned_eager = False
         self.estimate: Optional[LevelEstimate] = None
         """``recompute="auto"``: the block's levels (producer: the level-0 frame's partitioner,
         the largest over its compiles; consumer: the re-planner, after the measured step)."""
@@ -370,7 +375,19 @@ class BlockFrames:
         # What a re-plan may make differ enters the block order check ([Note: block levels]).
         label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
                            else []) + (["its weights kept for backward"] if hold else []))
-        frame = self.frame_of(self._frame_level(level))
+        frame_level = self._frame_level(level)
+        out = self._run(slot, block, level, self.frame_of(frame_level), label, hold, args, kwargs)
+        if frame_level not in self._compiled_levels and not self._warned_eager:
+            self._warned_eager = True
+            warnings.warn(
+                f"zbuf.compile(structure='blocks'): Dynamo compiled no graph for the frame of "
+                f"{type(block).__name__} (a graph break inside the block), so every block runs "
+                f"eager: correct, but slow; fullgraph=True makes the break an error that names "
+                f"it", stacklevel=2)
+        return out
+
+    def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
+             hold: bool, args: tuple, kwargs: dict) -> Any:
         if level != 0 or not self.shared_keep:
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
@@ -412,6 +429,7 @@ class BlockFrames:
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
+        self._compiled_levels.add(level)
         recompute = self.options.recompute
         # The frame level 0 runs through estimates the levels: level 0's own, or the shared
         # "keep" frame ([Note: block levels], 1).
