@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import zbuf.compile
 from zbuf.compile.block_frames import block_frames_of
-from zbuf.compile.block_replan import blocks_to_keep, plan_block_levels
+from zbuf.compile.block_replan import blocks_to_keep
+from zbuf.compile.recompute_plan import plan_block_levels
 from zbuf.compile.recompute_plan import RegionLevel
 from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import root_of, shard
@@ -121,7 +122,7 @@ def test_each_levels_frame_trains_like_the_reference():
     checkpoint): losses and parameters as the reference's."""
     model, frames = _levels_against_reference(
         decoder(3), lambda m: {id(b): i for i, b in enumerate(m.layers)})
-    assert frames.shared_keep and frames.estimate.whole
+    assert frames.shared and frames.estimate.whole
     assert frames.graphs_compiled == 2 and all(frames.has_frame(lv) for lv in range(3))
     assert root_of(model).pool.stats().checked_out == 0
 
@@ -242,7 +243,7 @@ def test_hugging_face_layers_take_levels():
     assert frames.estimate is not None and frames.estimate.levels[2].extra_bytes > 0
     # The layer's checkpoint covers its whole call: level 0 runs the "keep" frame under an eager
     # checkpoint, so the re-plan to every layer kept compiles nothing.
-    assert frames.shared_keep and frames.estimate.whole
+    assert frames.shared and frames.estimate.whole
     assert memory.measured.recompute["regions_kept"] == 3 and frames.graphs_compiled == 1
     assert memory.measured.replanned and not memory.measured.recompiled
 
@@ -292,11 +293,74 @@ def test_recompute_and_keep_share_one_frame_so_the_replan_compiles_nothing():
     assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
     assert levels[1:3] == [[2, 2, 2]] * 2 and levels[3:] == [[0, 2, 2]] * 2, levels
     assert memory.measured.replanned and not memory.measured.recompiled
-    assert compiled == [1] * 5 and frames.shared_keep and not frames.has_frame(1), compiled
+    assert compiled == [1] * 5 and frames.shared and not frames.has_frame(1), compiled
     assert reduces == [params] * 5, reduces  # once per parameter per step, at every level
     block_params = len(frames.called[id(model.layers[0])].weights.specs)
     assert gathers[4] == gathers[3] - block_params, gathers  # the kept block's recompute
     assert root_of(model).reduce_once.open_uses() == 0
+    assert root_of(model).pool.stats().checked_out == 0
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(levels(), st.integers(1, 12), st.integers(-(1 << 10), 1 << 15))
+def test_the_shared_level_is_the_one_the_predicted_plan_uses_most(lv, blocks, room):
+    from collections import Counter
+
+    from zbuf.compile.block_frames import shared_level
+
+    level = shared_level(lv, blocks, room)
+    assert level in (1, 2)
+    used = Counter(x for x in plan_block_levels(lv, blocks, room).levels if x)
+    if len(lv) < 3 or not used:
+        assert level == 2  # "keep", as before the choice existed
+    else:
+        assert used[level] == max(used.values()) and (level == 2 or used[2] < used[1])
+
+
+def test_a_room_for_selective_blocks_shares_level_0_with_selective_and_compiles_nothing_more():
+    """[Note: block levels], 1: when the agreed memory predicts a plan of selective blocks, the
+    shared frame compiles at "selective", so the measured re-plan to every block selective
+    compiles nothing (one graph from step 0 on, as qwen3-14b's plan is made of "recompute" and
+    "selective"); a block at "keep" then gets its own frame. Losses and parameters stay the
+    reference's."""
+    from zbuf.compile.block_frames import shared_level
+    from zbuf.state_dict import full_state_dict
+
+    # A probe reads the block's levels; the model under test then predicts from an agreed
+    # memory with room for every block selective and for few blocks kept.
+    probe = shard(decoder(3))
+    zbuf.compile(probe, inner="aot_eager", structure="blocks", recompute="auto", fullgraph=True)
+    train_adamw(probe, probe, token_batches(1))
+    lv = block_frames_of(probe).estimate.levels
+    room = 3 * lv[1].extra_bytes
+    assert shared_level(lv, 3, room) == 1 and lv[2].extra_bytes > lv[1].extra_bytes
+
+    init = decoder(3)
+    data = token_batches(5)
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    model = shard(copy.deepcopy(init))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt)
+    memory = zbuf.compile.step_memory_of(cm)
+    clamp_room(memory, lambda lv, n: n * lv[1].extra_bytes, lambda lv, n: n * lv[1].extra_bytes)
+    frames = block_frames_of(model)
+    frames.plan = frames.plan._replace(memory_bytes=frames.plan.pool_bytes + room)
+    compiled, levels, losses = [], [], []
+    for i, tokens in enumerate(data):
+        if i == 4:  # a block at "keep", set by hand: the one frame the sharing did not cover
+            frames.levels = {**frames.levels, id(model.layers[2]): 2}
+        losses += train_adamw(cm, model, [tokens], opt, memory.close_step)
+        compiled.append(frames.graphs_compiled)
+        levels.append([frames.levels.get(id(b), 0) for b in model.layers])
+    assert frames.shared_level == 1 and frames.shared and frames.estimate.shared_level == 1
+    assert levels[1:4] == [[1, 1, 1]] * 3 and levels[4] == [1, 1, 2], levels
+    assert memory.measured.replanned and not memory.measured.recompiled
+    assert compiled == [1, 1, 1, 1, 2], compiled
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full, ref_sd = full_state_dict(model), ref.state_dict()
+    assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
     assert root_of(model).pool.stats().checked_out == 0
 
 
@@ -320,7 +384,7 @@ def test_a_checkpoint_that_is_not_the_whole_block_gets_a_level_0_frame_of_its_ow
     else:
         apply_activation_checkpointing(init, "selective")
     _, frames = _levels_against_reference(init, lambda m: {id(m.layers[2]): 2})
-    assert not frames.estimate.whole and frames.shared_keep is False
+    assert not frames.estimate.whole and frames.shared is False
     assert frames.graphs_compiled == 2 and frames.has_frame(0) and frames.has_frame(2)
 
 

@@ -158,7 +158,7 @@ def _shared_case(rank, world):
     return {"reduces": [b[0] - a[0] for a, b in zip(seen, seen[1:])],
             "gathers": [b[1] - a[1] for a, b in zip(seen, seen[1:])],
             "snapshots": sorted(keep), "graphs": [s[2] for s in seen[1:]], "levels": levels,
-            "params": len(root_of(model).specs), "shared": getattr(frames, "shared_keep", None),
+            "params": len(root_of(model).specs), "shared": getattr(frames, "shared", None),
             "measured": memory.measured._asdict(), "errors": errors}
 
 

@@ -46,9 +46,10 @@ built-in decoder's and Hugging Face's ``checkpoint`` are inside the block's ``__
 the frame, where AOTAutograd recomputes them); ``"none"`` keeps every region's activations (the
 frame's partitioner drops the checkpoint tags, as ``recompute.apply_levels``' "keep" does).
 ``"auto"`` gives each block call a level ("recompute", "selective" or "keep") in the room the
-measured step leaves: "recompute" and "keep" share one frame (the "keep" frame, run under an eager
-checkpoint at level 0) when the block's checkpointing covers its whole call, and any other level
-in use is one more copy of the frame ([Note: block levels] in block_replan.py).
+measured step leaves: "recompute" shares one frame with "keep" or "selective" (the frame of that
+level, run under an eager checkpoint at level 0; the level its first compile predicts the plan
+will use most) when the block's checkpointing covers its whole call, and the other level in use
+is one more copy of the frame ([Note: block levels] in block_replan.py).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
@@ -76,6 +77,7 @@ What the whole-graph plan gives and this structure does not (yet):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import types
@@ -98,11 +100,14 @@ from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
-from .recompute_plan import RegionLevel
+from .recompute_plan import RegionLevel, plan_block_levels
 from .regions import block_class, is_marked_model, repeated_blocks
 
 __all__ = ["BlockFrames", "FramePlan", "LevelEstimate", "install_block_frames", "block_frames_of",
            "frame_slot_of", "NoRepeatedBlocksError"]
+
+SHARED = -1
+"""``BlockFrames``' key of the frame that level 0 shares under ``recompute="auto"``."""
 
 _FRAMES_KEY = "_zbuf_block_frames"
 """On the model ``install_block_frames`` was given: its ``BlockFrames``."""
@@ -145,8 +150,24 @@ class LevelEstimate(NamedTuple):
     """Matmul and attention FLOPs of the block's forward (its partition's)."""
     whole: bool = False
     """The block's checkpointing covers its whole frame (every forward op but views and
-    detaches inside one checkpointed region): level 0 can run the "keep" frame under an eager
+    detaches inside one checkpointed region): level 0 can run the shared frame under an eager
     checkpoint ([Note: block levels], 1)."""
+    shared_level: int = LEVELS.index("keep")
+    """The level the shared frame was compiled at (``shared_level``)."""
+
+
+def shared_level(levels: Sequence[RegionLevel], blocks: int, room_bytes: int) -> int:
+    """The level that level 0 shares its frame with ([Note: block levels], 1): of "selective"
+    and "keep", the one that the plan of ``blocks`` blocks with ``levels`` in ``room_bytes`` (the
+    room predicted from the agreed memory) gives the most blocks, "keep" on a tie or when it
+    gives none, so that the measured re-plan, which plans the same way in the measured room,
+    finds its level compiled."""
+    keep = LEVELS.index("keep")
+    if len(levels) <= keep:
+        return keep
+    chosen = collections.Counter(lv for lv in plan_block_levels(tuple(levels), blocks,
+                                                                room_bytes).levels if lv)
+    return max(chosen, key=lambda lv: (chosen[lv], lv)) if chosen else keep
 
 
 def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
@@ -197,11 +218,16 @@ class FramePartitioner(CustomPartitionerFn):
     estimates the block's levels into ``estimates``. Plain data only: Inductor deep-copies its
     config, this included, to key its cache."""
 
-    def __init__(self, recompute: str, level: int = 0,
+    def __init__(self, recompute: str, level: Optional[int] = 0,
                  estimates: Optional[list[LevelEstimate]] = None,
-                 options: Optional[CompileOptions] = None) -> None:
+                 options: Optional[CompileOptions] = None,
+                 predicted: tuple[int, int] = (0, 0)) -> None:
         self.recompute = recompute
         self.level = level
+        """The level the block is retagged for; None: the shared frame's first compile, which
+        chooses it (``shared_level``) from the estimate and ``predicted``."""
+        self.predicted = predicted
+        """(blocks, room bytes): what the choice of an unset ``level`` plans over."""
         self.estimates = estimates
         """Where the estimate goes (producer: ``__call__``; consumer: the backend that made
         this partitioner, once its compile returns)."""
@@ -221,26 +247,28 @@ class FramePartitioner(CustomPartitionerFn):
         region = _block_region(gm.graph, forward)
         specs = None
         whole = False
+        level = LEVELS.index("keep") if self.level is None else self.level
         if region is not None:
             if self.estimates is not None:
                 specs = level_specs(gm.graph, forward, [region], self.options)
                 whole = _covers_whole_frame(gm.graph, forward, region)
-            apply_levels(gm.graph, [region], (self.level,))
+                if self.level is None:
+                    level = shared_level(specs[0].levels, *self.predicted)
+            apply_levels(gm.graph, [region], (level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
             stats = measure_partition("auto", names, fw, bw, self.options)
             # The level-0 bytes: what this partition saves less what its level keeps beyond
-            # level 0 (the "keep" frame estimates for level 0 too: [Note: block levels], 1).
+            # level 0 (the shared frame estimates for level 0 too: [Note: block levels], 1).
             levels = specs[0].levels
-            saved = max(0, stats.kept_bytes
-                        - levels[min(self.level, len(levels) - 1)].extra_bytes)
+            saved = max(0, stats.kept_bytes - levels[min(level, len(levels) - 1)].extra_bytes)
             self.estimates.append(LevelEstimate(specs[0].levels, saved, stats.forward_flops,
-                                                whole))
+                                                whole, level))
         return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v3:{self.recompute}:{self.level}"
+        return f"zbuf-frame-partitioner:v4:{self.recompute}:{self.level}:{self.predicted}"
 
 
 class FramePlan(NamedTuple):
@@ -257,6 +285,8 @@ class FramePlan(NamedTuple):
     gradients and the margin (``budget.graph_memory``)."""
     prefetch: bool
     """One block ahead (two blocks live): asked for and fits ``memory_bytes``."""
+    blocks: int
+    """Blocks in the repeated stacks: a step's calls of the frames."""
 
     @property
     def live_bytes(self) -> int:
@@ -290,7 +320,7 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
             f"{memory / 2**20:.1f} MiB; shard over more ranks, or use structure='graph', whose "
             f"planner can release each weight inside a block")
     return FramePlan(block, outer_bytes, memory,
-                     options.prefetch and 2 * block + outer_bytes <= memory)
+                     options.prefetch and 2 * block + outer_bytes <= memory, len(stacks_weights))
 
 
 class BlockFrames:
@@ -332,22 +362,29 @@ class BlockFrames:
         kept for backward] in zbuf/block_prefetch.py; producer: the re-planner; consumer:
         ``run``)."""
         self._frames: dict[int, Callable] = {}
-        """Level -> its compiled frame, each compiled on first use (producer and consumer:
-        ``frame_of``)."""
-        self.shared_keep: Optional[bool] = True if options.recompute == "auto" else None
-        """``recompute="auto"``: level 0 runs the "keep" frame under an eager checkpoint, so
-        "recompute" and "keep" share one compiled frame ([Note: block levels], 1). True until
-        the estimate shows a block whose checkpointing does not cover its whole frame, then
-        False for good (level 0 gets a frame of its own); None under the other modes."""
+        """Level (``SHARED`` for the shared frame) -> its compiled frame, each compiled on first
+        use (producer and consumer: ``frame_of``)."""
+        self.shared: Optional[bool] = True if options.recompute == "auto" else None
+        """``recompute="auto"``: level 0 runs the shared frame under an eager checkpoint, so
+        level 0 and ``shared_level`` share one compiled frame ([Note: block levels], 1). True
+        until the estimate shows a block whose checkpointing does not cover its whole frame,
+        then False for good (level 0 gets a frame of its own); None under the other modes."""
+        self.shared_level: Optional[int] = None
+        """The level the shared frame is compiled at, "selective" or "keep": chosen by its first
+        compile (producer: the estimate, ``_estimated``; consumer: ``_frame_level``); None
+        before."""
         self.frame = self.frame_of(self._frame_level(0))
         """``frame(block, weights, args, kwargs)``: the compiled body level 0 runs through (the
-        ``recompute`` mode's own; under ``auto``, the "keep" frame), shared by every block at
+        ``recompute`` mode's own; under ``auto``, the shared frame), shared by every block at
         that level."""
 
     def _frame_level(self, level: int) -> int:
-        """The level whose frame ``level`` runs through: "keep"'s for level 0 while the frame is
-        shared."""
-        return LEVELS.index("keep") if level == 0 and self.shared_keep else level
+        """The key of the frame ``level`` runs through: ``SHARED`` for level 0 while the frame
+        is shared, and for the level it was compiled at (also after level 0 left it)."""
+        if (level == 0 and self.shared) or (self.shared is not None
+                                           and level == self.shared_level):
+            return SHARED
+        return level
 
     def frame_of(self, level: int) -> Callable:
         """The compiled body of ``level``: its own copy of ``_frame_body``'s code object, so its
@@ -388,7 +425,7 @@ class BlockFrames:
 
     def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
              hold: bool, args: tuple, kwargs: dict) -> Any:
-        if level != 0 or not self.shared_keep:
+        if level != 0 or not self.shared:
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
@@ -419,12 +456,14 @@ class BlockFrames:
                 max(old.saved_bytes, estimate.saved_bytes),
                 max(old.forward_flops, estimate.forward_flops), old.whole and estimate.whole)
         self.estimate = estimate
-        if self.shared_keep and not estimate.whole:
+        if self.shared_level is None:
+            self.shared_level = estimate.shared_level
+        if self.shared and not estimate.whole:
             # The user's checkpointing covers part of the block only: recomputing the whole
             # block would not be level 0. Level 0 falls back to a frame of its own, for good,
             # from the next block call (the estimate is rank-agreed, so every rank falls back
             # at the same call).
-            self.shared_keep = False
+            self.shared = False
             self.frame = self.frame_of(0)
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
@@ -432,11 +471,17 @@ class BlockFrames:
         self._compiled_levels.add(level)
         recompute = self.options.recompute
         # The frame level 0 runs through estimates the levels: level 0's own, or the shared
-        # "keep" frame ([Note: block levels], 1).
+        # frame ([Note: block levels], 1), whose first compile also chooses its level.
         estimates = recompute == "auto" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
-        partitioner = FramePartitioner(recompute, level, found if estimates else None,
-                                       self.options)
+        if level == SHARED:
+            predicted = (self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
+            partitioner = FramePartitioner(recompute, self.shared_level,
+                                           found if estimates else None, self.options,
+                                           predicted if self.shared_level is None else (0, 0))
+        else:
+            partitioner = FramePartitioner(recompute, level, found if estimates else None,
+                                           self.options)
         from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
 
         # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.

@@ -10,8 +10,8 @@ persist.py does. It plans over the block calls instead, with the same levels and
 planner, and keeps weights a block at a time:
 
 1. Step 0 runs at level 0, "recompute", the user's checkpointing ([Note: measure first, then
-   spend] in zbuf/step_memory.py). Level 0 and "keep" share one compiled frame: the frame
-   compiles at level "keep" (checkpoint tags dropped, as ``"none"`` does) from step 0, and a
+   spend] in zbuf/step_memory.py). Level 0 shares one compiled frame with "keep" or
+   "selective": the frame compiles at that level from step 0, and a
    block at level 0 runs it under an eager non-reentrant ``torch.utils.checkpoint``, its gather
    included (``BlockFrames.run``), so the checkpoint keeps the block's inputs and nothing else:
    inside it the frame runs without ``SavedBlock``'s hooks (inner hooks would take every saved
@@ -24,9 +24,21 @@ planner, and keeps weights a block at a time:
    still reduce-scattered once.
    Why: each compiled level is one block compile (about 9 s at qwen3-14b on an H200), and a
    re-plan was to cost at most 20 % of the cold first compile (issue 21; 14.65 s there): with
-   three frames the re-plan to "selective" and "keep" compiled two. Shared, a plan of only
-   "recompute" and "keep" compiles nothing, and "selective" keeps its own frame, compiled only
-   if a plan uses it.
+   three frames the re-plan to "selective" and "keep" compiled two. Shared, a plan of level 0
+   and the shared level compiles nothing; the third level keeps its own frame, compiled only if
+   a plan uses it.
+   Which level shares is chosen by the shared frame's first compile, in its partitioner, where
+   the estimate below is read: the level that ``plan_block_levels`` gives the most blocks in
+   the room the agreed memory predicts (the frames' memory less their pool; ``shared_level``),
+   "keep" on a tie or when none fits. The measured re-plan plans the same way in the measured
+   room, smaller by step 0's peaks and the fragmentation, so a memory-bound model (qwen3-14b as
+   rank 0 of 8 on 80 GiB kept 19 blocks selective and none whole, at 30eb72f with "keep"
+   shared: 7.5 s of re-plan compile) shares "selective", and one with room for every block
+   kept (qwen3-1.7b on a whole H200) shares "keep". A wrong guess costs one block compile at
+   the re-plan, what every re-plan cost before the choice. The cost of sharing "selective":
+   a level-0 block's recompute in backward runs the selective frame, whose backward recomputes
+   the block's elementwise ops from the matmul and attention outputs once more (a selective
+   block's own cost), not yet measured on the GPU.
    This is the user's level 0 only when the user's checkpoint covers the whole block call (the
    built-in decoder's ``apply_activation_checkpointing`` and Hugging Face's
    ``GradientCheckpointingLayer`` do): the shared frame's partitioner checks that every forward
@@ -40,7 +52,7 @@ planner, and keeps weights a block at a time:
    levels in its partitioner, which sees the block's joint graph before the level is applied
    (``recompute.level_specs`` on every checkpointed region of the block taken as one region:
    "recompute", "selective" with its matmul and attention outputs kept, "keep"), and what level
-   0 saves per call (the shared frame's partition less what "keep" keeps beyond level 0). Every
+   0 saves per call (the shared frame's partition less what its level keeps beyond level 0). Every
    block of the stack runs that frame, so every block has those levels; a frame compiled again
    for other input shapes keeps the larger of each estimate.
 2. After the measured step the re-planner's ``grow`` gets the measured room (what gathered
@@ -54,10 +66,10 @@ planner, and keeps weights a block at a time:
 3. Each level in use is one frame, its own copy of the frame's code object
    (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
    (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
-   "selective" saves the matmul and attention outputs), "recompute" and "keep" sharing one
-   (1). So at most two frames are ever compiled whatever the depth (three after a fallback),
-   and a re-plan compiles at most one block frame ("selective"), never the model; a plan of
-   "recompute" and "keep" only compiles nothing.
+   "selective" saves the matmul and attention outputs), level 0 and the shared level sharing
+   one (1). So at most two frames are ever compiled whatever the depth (three after a
+   fallback), and a re-plan compiles at most one block frame (the level not shared), never the
+   model; a plan of level 0 and the shared level only compiles nothing.
 4. At the steady step ``settle`` checks the room again, once: if what the grown plan keeps no
    longer fits beside the pool, it keeps fewer blocks' weights, and if the activations alone do
    not fit, plans the levels again in the smaller room (fewer blocks kept) and keeps no weights.
@@ -103,28 +115,15 @@ are refused (options.py).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
 from .recompute import RecomputeStats
-from .recompute_plan import RecomputePlan, RegionLevel, RegionSpec, plan_recompute
+from .recompute_plan import RecomputePlan, plan_block_levels
 from .replan import Replan, Replanner
 
-__all__ = ["BlockReplanner", "plan_block_levels", "blocks_to_keep"]
-
-
-def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
-                      room_bytes: int) -> RecomputePlan:
-    """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
-    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels], 2)."""
-    specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
-    plan = plan_recompute(specs, 0, max(1, room_bytes))
-    # The blocks are alike, so any order of the chosen levels keeps as many bytes and recomputes
-    # as long: ascending, later blocks keep at least as much as earlier ones (backward reaches
-    # them first, at the step's peak), whatever order the planner's fill took them in.
-    return dataclasses.replace(plan, levels=tuple(sorted(plan.levels)))
+__all__ = ["BlockReplanner", "blocks_to_keep"]
 
 
 def blocks_to_keep(blocks: int, block_bytes: int, room_bytes: int) -> int:

@@ -32,9 +32,11 @@ peak, the start of backward.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "plan_recompute", "hull_steps"]
+__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "plan_recompute", "plan_block_levels",
+           "hull_steps"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,15 @@ def plan_recompute(specs: list[RegionSpec] | tuple[RegionSpec, ...], base_bytes:
         levels=tuple(level), requested_budget_bytes=budget_bytes, budget_bytes=budget,
         base_bytes=base_bytes, kept_bytes=kept, recompute_seconds=seconds,
         saved_seconds=base_seconds - seconds, planning_seconds=time.perf_counter() - t0)
+
+
+def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
+                      room_bytes: int) -> RecomputePlan:
+    """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
+    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2)."""
+    specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
+    plan = plan_recompute(specs, 0, max(1, room_bytes))
+    # The blocks are alike, so any order of the chosen levels keeps as many bytes and recomputes
+    # as long: ascending, later blocks keep at least as much as earlier ones (backward reaches
+    # them first, at the step's peak), whatever order the planner's fill took them in.
+    return dataclasses.replace(plan, levels=tuple(sorted(plan.levels)))
