@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,10 +22,10 @@ from hypothesis import strategies as st
 import zbuf.compile
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.block_replan import blocks_to_keep
-from zbuf.compile.recompute_plan import plan_block_levels
-from zbuf.compile.recompute_plan import RegionLevel
+from zbuf.compile.recompute_plan import RegionLevel, plan_block_levels
 from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import root_of, shard
+from zbuf.state_dict import full_state_dict
 from parity import rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
@@ -101,8 +102,6 @@ def _levels_against_reference(init, levels_of):
     """Train a sharded copy of ``init`` under blocks and auto with the levels ``levels_of(model)``
     set by hand, and the unsharded ``init`` as reference: losses and parameters within 1e-5.
     Returns the model and its frames."""
-    from zbuf.state_dict import full_state_dict
-
     data = token_batches(3)
     ref = copy.deepcopy(init)
     ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
@@ -115,6 +114,36 @@ def _levels_against_reference(init, levels_of):
     full, ref_sd = full_state_dict(model), ref.state_dict()
     assert max(rel_err(full[k], ref_sd[k]) for k in ref_sd) <= 1e-5
     return model, frames
+
+
+class _Measured(NamedTuple):
+    """A 3-block decoder sharded and compiled under blocks and ``auto`` with its optimizer, its
+    measured room clamped, beside its unsharded reference already trained on ``data``."""
+
+    ref: torch.nn.Module
+    ref_losses: list
+    model: torch.nn.Module
+    compiled: torch.nn.Module
+    opt: torch.optim.Optimizer
+    memory: object
+    frames: object
+    data: list
+
+
+def _measured_against_reference(steps: int, room_blocks) -> _Measured:
+    """``_Measured`` over ``steps`` batches, the room ``room_blocks(levels, n)`` at the grow and
+    the settle (``clamp_room``)."""
+    init = decoder(3)
+    data = token_batches(steps)
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    model = shard(copy.deepcopy(init))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt)
+    memory = zbuf.compile.step_memory_of(cm)
+    clamp_room(memory, room_blocks, room_blocks)
+    return _Measured(ref, ref_losses, model, cm, opt, memory, block_frames_of(model), data)
 
 
 def test_each_levels_frame_trains_like_the_reference():
@@ -255,23 +284,13 @@ def _counted_reduce_scatters(model):
 
 
 def test_recompute_and_keep_share_one_frame_so_the_replan_compiles_nothing():
-    """[Note: block levels], 1: level 0 runs the "keep" frame under an eager checkpoint, so a
-    re-plan to any mix of "recompute" and "keep" compiles nothing: one graph from step 0 on, the
+    """[Note: block levels], 1: level 0 runs the "keep" frame under an eager checkpoint (the
+    CPU's agreed memory predicts every block kept), so a re-plan to any mix of "recompute" and
+    "keep" compiles nothing: one graph from step 0 on, the
     losses and parameters the reference's, every gradient reduce-scattered once per step."""
-    from zbuf.state_dict import full_state_dict
-
-    init = decoder(3)
-    data = token_batches(5)
-    ref = copy.deepcopy(init)
-    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
-    model = shard(copy.deepcopy(init))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
-                      fullgraph=True, optimizer=opt)
-    memory = zbuf.compile.step_memory_of(cm)
     # Room for every block kept (no selective level: "keep" saves more time per byte here).
-    clamp_room(memory, lambda lv, n: n * lv[2].extra_bytes, lambda lv, n: n * lv[2].extra_bytes)
-    frames = block_frames_of(model)
+    ref, ref_losses, model, cm, opt, memory, frames, data = _measured_against_reference(
+        5, lambda lv, n: n * lv[2].extra_bytes)
     params = len(root_of(model).specs)
     from zbuf.shard import op_counts
 
@@ -306,9 +325,9 @@ def test_recompute_and_keep_share_one_frame_so_the_replan_compiles_nothing():
 def test_the_shared_level_is_the_one_the_predicted_plan_uses_most(lv, blocks, room):
     from collections import Counter
 
-    from zbuf.compile.block_frames import shared_level
+    from zbuf.compile.block_frames import choose_shared_level
 
-    level = shared_level(lv, blocks, room)
+    level = choose_shared_level(lv, blocks, room)
     assert level in (1, 2)
     used = Counter(x for x in plan_block_levels(lv, blocks, room).levels if x)
     if len(lv) < 3 or not used:
@@ -323,9 +342,7 @@ def test_a_room_for_selective_blocks_shares_level_0_with_selective_and_compiles_
     compiles nothing (one graph from step 0 on, as qwen3-14b's plan is made of "recompute" and
     "selective"); a block at "keep" then gets its own frame. Losses and parameters stay the
     reference's."""
-    from zbuf.compile.block_frames import shared_level
-    from zbuf.state_dict import full_state_dict
-
+    from zbuf.compile.block_frames import choose_shared_level
     # A probe reads the block's levels; the model under test then predicts from an agreed
     # memory with room for every block selective and for few blocks kept.
     probe = shard(decoder(3))
@@ -333,19 +350,10 @@ def test_a_room_for_selective_blocks_shares_level_0_with_selective_and_compiles_
     train_adamw(probe, probe, token_batches(1))
     lv = block_frames_of(probe).estimate.levels
     room = 3 * lv[1].extra_bytes
-    assert shared_level(lv, 3, room) == 1 and lv[2].extra_bytes > lv[1].extra_bytes
+    assert choose_shared_level(lv, 3, room) == 1 and lv[2].extra_bytes > lv[1].extra_bytes
 
-    init = decoder(3)
-    data = token_batches(5)
-    ref = copy.deepcopy(init)
-    ref_losses = train_adamw(ref, ref, data, torch.optim.AdamW(ref.parameters(), lr=1e-3))
-    model = shard(copy.deepcopy(init))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
-                      fullgraph=True, optimizer=opt)
-    memory = zbuf.compile.step_memory_of(cm)
-    clamp_room(memory, lambda lv, n: n * lv[1].extra_bytes, lambda lv, n: n * lv[1].extra_bytes)
-    frames = block_frames_of(model)
+    ref, ref_losses, model, cm, opt, memory, frames, data = _measured_against_reference(
+        5, lambda lv, n: n * lv[1].extra_bytes)
     frames.plan = frames.plan._replace(memory_bytes=frames.plan.pool_bytes + room)
     compiled, levels, losses = [], [], []
     for i, tokens in enumerate(data):
@@ -354,7 +362,7 @@ def test_a_room_for_selective_blocks_shares_level_0_with_selective_and_compiles_
         losses += train_adamw(cm, model, [tokens], opt, memory.close_step)
         compiled.append(frames.graphs_compiled)
         levels.append([frames.levels.get(id(b), 0) for b in model.layers])
-    assert frames.shared_level == 1 and frames.shared and frames.estimate.shared_level == 1
+    assert frames.shared_level == 1 and frames.shared and frames.estimate.level == 1
     assert levels[1:4] == [[1, 1, 1]] * 3 and levels[4] == [1, 1, 2], levels
     assert memory.measured.replanned and not memory.measured.recompiled
     assert compiled == [1, 1, 1, 1, 2], compiled

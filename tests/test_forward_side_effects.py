@@ -75,17 +75,22 @@ def _train(fn, model, batches):
     return losses
 
 
+def _stack_and_reference():
+    """A 3-block ``_Stack``, its sharded copy, two batches, and the unsharded reference's losses
+    on them."""
+    torch.manual_seed(0)
+    init = _Stack(3)
+    batches = [torch.randn(4, 16) for _ in range(2)]
+    ref = copy.deepcopy(init)
+    return shard(copy.deepcopy(init)), batches, _train(ref, ref, batches)
+
+
 @pytest.mark.parametrize("options", [{"structure": "graph"},
                                      {"structure": "graph", "compile_blocks_once": True},
                                      {"structure": "blocks"}],
                          ids=["graph", "blocks-once", "frames"])
 def test_checkpointed_side_effects_trace_whole(options, recwarn):
-    torch.manual_seed(0)
-    init = _Stack(3)
-    batches = [torch.randn(4, 16) for _ in range(2)]
-    ref = copy.deepcopy(init)
-    ref_losses = _train(ref, ref, batches)
-    model = shard(copy.deepcopy(init))
+    model, batches, ref_losses = _stack_and_reference()
     cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30, **options)
     losses = _train(cm, model, batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
@@ -105,12 +110,7 @@ def test_a_block_frame_that_compiles_nothing_says_so(monkeypatch):
     import zbuf.compile.block_frames as block_frames
 
     monkeypatch.setattr(block_frames, "traced_as_zbuf", lambda compiled: compiled)
-    torch.manual_seed(0)
-    init = _Stack(3)
-    batches = [torch.randn(4, 16) for _ in range(2)]
-    ref = copy.deepcopy(init)
-    ref_losses = _train(ref, ref, batches)
-    model = shard(copy.deepcopy(init))
+    model, batches, ref_losses = _stack_and_reference()
     cm = zbuf.compile(model, inner="aot_eager", structure="blocks")
     with pytest.warns(UserWarning, match="compiled no graph for the frame of _RoutedBlock") as seen:
         losses = _train(cm, model, batches)

@@ -152,11 +152,13 @@ class LevelEstimate(NamedTuple):
     """The block's checkpointing covers its whole frame (every forward op but views and
     detaches inside one checkpointed region): level 0 can run the shared frame under an eager
     checkpoint ([Note: block levels], 1)."""
-    shared_level: int = LEVELS.index("keep")
-    """The level the shared frame was compiled at (``shared_level``)."""
+    level: int = LEVELS.index("keep")
+    """The level the estimating frame was compiled at (the shared frame's chosen by
+    ``choose_shared_level``)."""
 
 
-def shared_level(levels: Sequence[RegionLevel], blocks: int, room_bytes: int) -> int:
+def choose_shared_level(levels: Sequence[RegionLevel], blocks: int,
+                        room_bytes: int) -> int:
     """The level that level 0 shares its frame with ([Note: block levels], 1): of "selective"
     and "keep", the one that the plan of ``blocks`` blocks with ``levels`` in ``room_bytes`` (the
     room predicted from the agreed memory) gives the most blocks, "keep" on a tie or when it
@@ -225,7 +227,7 @@ class FramePartitioner(CustomPartitionerFn):
         self.recompute = recompute
         self.level = level
         """The level the block is retagged for; None: the shared frame's first compile, which
-        chooses it (``shared_level``) from the estimate and ``predicted``."""
+        chooses it (``choose_shared_level``) from the estimate and ``predicted``."""
         self.predicted = predicted
         """(blocks, room bytes): what the choice of an unset ``level`` plans over."""
         self.estimates = estimates
@@ -253,7 +255,7 @@ class FramePartitioner(CustomPartitionerFn):
                 specs = level_specs(gm.graph, forward, [region], self.options)
                 whole = _covers_whole_frame(gm.graph, forward, region)
                 if self.level is None:
-                    level = shared_level(specs[0].levels, *self.predicted)
+                    level = choose_shared_level(specs[0].levels, *self.predicted)
             apply_levels(gm.graph, [region], (level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
@@ -371,7 +373,7 @@ class BlockFrames:
         then False for good (level 0 gets a frame of its own); None under the other modes."""
         self.shared_level: Optional[int] = None
         """The level the shared frame is compiled at, "selective" or "keep": chosen by its first
-        compile (producer: the estimate, ``_estimated``; consumer: ``_frame_level``); None
+        compile (producer: ``_backend``, from the estimate; consumer: ``_frame_level``); None
         before."""
         self.frame = self.frame_of(self._frame_level(0))
         """``frame(block, weights, args, kwargs)``: the compiled body level 0 runs through (the
@@ -454,10 +456,9 @@ class BlockFrames:
                                   max(a.recompute_flops, b.recompute_flops))
                       for a, b in zip(old.levels, estimate.levels)),
                 max(old.saved_bytes, estimate.saved_bytes),
-                max(old.forward_flops, estimate.forward_flops), old.whole and estimate.whole)
+                max(old.forward_flops, estimate.forward_flops), old.whole and estimate.whole,
+                old.level)
         self.estimate = estimate
-        if self.shared_level is None:
-            self.shared_level = estimate.shared_level
         if self.shared and not estimate.whole:
             # The user's checkpointing covers part of the block only: recomputing the whole
             # block would not be level 0. Level 0 falls back to a frame of its own, for good,
@@ -508,6 +509,8 @@ class BlockFrames:
                                         partition_fn=partitioner,
                                         keep_inference_input_mutations=True)(gm, example_inputs)
         for estimate in found:  # AOTAutograd partitions while the backend compiles
+            if level == SHARED and self.shared_level is None:
+                self.shared_level = estimate.level  # its first compile chose it
             self._estimated(estimate)
         return compiled
 

@@ -29,8 +29,8 @@ planner, and keeps weights a block at a time:
    a plan uses it.
    Which level shares is chosen by the shared frame's first compile, in its partitioner, where
    the estimate below is read: the level that ``plan_block_levels`` gives the most blocks in
-   the room the agreed memory predicts (the frames' memory less their pool; ``shared_level``),
-   "keep" on a tie or when none fits. The measured re-plan plans the same way in the measured
+   the room the agreed memory predicts (the frames' memory less their pool;
+   ``choose_shared_level`` in block_frames.py), "keep" on a tie or when none fits. The measured re-plan plans the same way in the measured
    room, smaller by step 0's peaks and the fragmentation, so a memory-bound model (qwen3-14b as
    rank 0 of 8 on 80 GiB kept 19 blocks selective and none whole, at 30eb72f with "keep"
    shared: 7.5 s of re-plan compile) shares "selective", and one with room for every block
