@@ -717,7 +717,7 @@ def test_a_plan_measured_to_fit_keeps_its_room():
     value it gets a room it fits."""
     from zbuf.step_memory import measured_room
 
-    twice = measured_room(H200_USABLE, H200_RESERVED, H200_KEPT, 0, H200_FRAG_PPM)
+    twice = measured_room(H200_USABLE, H200_RESERVED, H200_KEPT, None, H200_FRAG_PPM)
     assert twice == 26 << 30  # the record's steady room_bytes
     settled = measured_room(H200_USABLE, H200_RESERVED, H200_KEPT, H200_POOL, H200_FRAG_PPM)
     assert settled >= H200_KEPT["backward"] + H200_POOL

@@ -141,12 +141,12 @@ def fragmentation_ppm(row: StepPhases) -> int:
 
 
 def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict[str, int],
-                  held_bytes: int, frag_ppm: int) -> int:
+                  held_bytes: Optional[int], frag_ppm: int) -> int:
     """What activations and gathered weights may share, rounded ([Note: stable agreed memory]
     in zbuf/agreement.py; [Note: fragmentation grows with the room]): the smallest over the
     phases of ``reserved`` (torch's measured reserved peak of each). ``activations`` are the
     current plans' projected activations in each phase, ``held_bytes`` the gathered bytes they
-    hold at most. Before a new plan (the grow: ``held_bytes`` 0) all the memory beside step 0's
+    hold at most. Before a new plan (the grow: ``held_bytes`` None) all the memory beside step 0's
     peaks is divided by one plus the fragmentation, step 0's plan being replaced whole. Measured
     under the plan being judged (the settle), what it holds counts at face value, its
     fragmentation being in ``reserved`` already: only what is left beside it is divided and
@@ -156,7 +156,7 @@ def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict
     for phase, peak in reserved.items():
         own = activations.get(phase, 0)
         free = usable_bytes - (peak - own)
-        if not held_bytes:
+        if held_bytes is None:
             rooms.append(stable_budget(free * PPM // (PPM + frag_ppm)))
             continue
         face = held_bytes + own
@@ -408,7 +408,7 @@ class StepMemory:
         # At the steady step the plan being judged was measured, so what it holds is not
         # charged the fragmentation a second time (the grown plan of qwen3-14b's blocks fitted
         # with 1.8 GB spare and was cut from 32.5 to 23.5 GB of kept activations).
-        held = 0 if grow or self.replanner is None else self.replanner.largest_need()
+        held = None if grow or self.replanner is None else self.replanner.largest_need()
         room = measured_room(usable, {"forward": fw, "backward": bw}, act, held, frag)
         planned = replan = None
         if self.replanner is not None:

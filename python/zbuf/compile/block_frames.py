@@ -383,8 +383,7 @@ class BlockFrames:
     def _frame_level(self, level: int) -> int:
         """The key of the frame ``level`` runs through: ``SHARED`` for level 0 while the frame
         is shared, and for the level it was compiled at (also after level 0 left it)."""
-        if (level == 0 and self.shared) or (self.shared is not None
-                                           and level == self.shared_level):
+        if (level == 0 and self.shared) or level == self.shared_level:
             return SHARED
         return level
 
@@ -475,14 +474,11 @@ class BlockFrames:
         # frame ([Note: block levels], 1), whose first compile also chooses its level.
         estimates = recompute == "auto" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
-        if level == SHARED:
-            predicted = (self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
-            partitioner = FramePartitioner(recompute, self.shared_level,
-                                           found if estimates else None, self.options,
-                                           predicted if self.shared_level is None else (0, 0))
-        else:
-            partitioner = FramePartitioner(recompute, level, found if estimates else None,
-                                           self.options)
+        fixed = self.shared_level if level == SHARED else level  # None: this compile chooses
+        predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
+                     if fixed is None else (0, 0))
+        partitioner = FramePartitioner(recompute, fixed, found if estimates else None,
+                                       self.options, predicted)
         from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
 
         # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
