@@ -10,8 +10,8 @@ the lazily compiled backward alike) with ``custom_partitioner_fn`` and
 ``post_grad_custom_post_pass``; for aot_eager, ``aot_autograd`` with the same partitioner and the
 schedule pass as forward/backward compilers. ``reorder_for_peak_memory`` is off because it sinks
 hoisted gather starts back to their waits, undoing prefetch. Before either, Dynamo's graph is
-only re-tagged: a user's checkpoint around a block compiled once moves into its body ([Note: region
-bodies] step 0 in region_graphs.py), with the tags Dynamo itself gives a checkpoint's nodes.
+only checked: a block compiled once may not be called under the caller's checkpoint ([Note:
+region bodies] step 0 in region_graphs.py).
 
 [Note: cacheable recompute of seeded ops]
 When activation checkpointing recomputes an op tagged ``nondeterministic_seeded`` (on CUDA,
@@ -36,7 +36,7 @@ import torch
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
-from .region_graphs import checkpoint_bodies
+from .region_graphs import refuse_checkpointed_calls
 
 __all__ = ["zbuf_backend"]
 
@@ -55,7 +55,7 @@ def zbuf_backend(
     opts = CompileOptions.from_mapping(options)
     report.claim(_gathered_shards(gm, example_inputs))  # [Note: records live with their model]
     if opts.recompute == "checkpointed":
-        checkpoint_bodies(gm)  # [Note: region bodies], step 0
+        refuse_checkpointed_calls(gm)  # [Note: region bodies], step 0
     state = PlanState(opts)
     partitioner = ZbufPartitioner(state)
     schedule_pass = GatherSchedulePass(state)

@@ -51,6 +51,21 @@ level, run under an eager checkpoint at level 0; the level its first compile pre
 will use most) when the block's checkpointing covers its whole call, and the other level in use
 is one more copy of the frame ([Note: block levels] in block_replan.py).
 
+[Note: a block under the caller's checkpoint]
+A user who checkpoints in the parent's loop (``checkpoint(block, x, ...)`` around each block
+call) or through ``apply_activation_checkpointing`` calls the block frame from inside a
+non-reentrant checkpoint, whose saved-tensor hooks drop what the block saves and recompute the
+block in backward. The frames' own hooks (``SavedBlock``, [Note: two blocks live] in
+zbuf/block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
+autograd calls: every activation of every block was kept (qwen3-14b as rank 0 of 8 ran out of
+memory in step 0's forward). So a block called while any caller's hooks are active runs as
+level 0 under the frames' own checkpoint does: no hooks of its own, the caller's own what the
+frame saves; its recompute (in backward, under the checkpoint's recompute hooks) gathers again,
+prefetching the block before it when that one ran under the caller's hooks too, or takes its
+forward gather when the re-planner keeps the block's weights for backward. Caller's hooks that
+are not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: correct, at
+the bytes they move.
+
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
 4.5 / 5.0 / 4.9; the whole graph with blocks compiled once 8.6 / 13.8 / 21.0), one Dynamo frame
@@ -95,6 +110,7 @@ from ..block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from ..param import ShardSpec
 from ..region_inputs import gathered_for_shards
 from ..shard import roots
+from ..step_phases import in_backward
 from .budget import PlanExceedsMemoryError, graph_memory
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
@@ -126,6 +142,12 @@ def _frame_body(block: nn.Module, weights: tuple, args: tuple, kwargs: dict) -> 
     shards = tuple(p for _, p in block.named_parameters())
     with gathered_for_shards(shards, weights):
         return type(block)._zbuf_frame_base.__call__(block, *args, **kwargs)
+
+
+def _outer_saved_tensor_hooks() -> bool:
+    """Whether a caller's saved-tensor hooks are active: a non-reentrant checkpoint around the
+    block call (its forward, or its recompute in backward), or the caller's own hooks."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 def _frame_call(self, *args, **kwargs):
@@ -363,6 +385,10 @@ class BlockFrames:
         """id(block) of the blocks whose forward gather is kept for backward ([Note: blocks
         kept for backward] in zbuf/block_prefetch.py; producer: the re-planner; consumer:
         ``run``)."""
+        self._caller_checkpointed: dict[int, HeldGather] = {}
+        """id(block) -> its forward's gather when kept, of each block whose last forward ran
+        under the caller's saved-tensor hooks ([Note: a block under the caller's checkpoint];
+        producer: that forward; consumer: the block's recompute, which takes it out)."""
         self._frames: dict[int, Callable] = {}
         """Level (``SHARED`` for the shared frame) -> its compiled frame, each compiled on first
         use (producer and consumer: ``frame_of``)."""
@@ -426,6 +452,8 @@ class BlockFrames:
 
     def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
              hold: bool, args: tuple, kwargs: dict) -> Any:
+        if _outer_saved_tensor_hooks():
+            return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
@@ -442,6 +470,20 @@ class BlockFrames:
                                      checkpointed=held, prefetch_previous=ahead)
 
         return eager_checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+    def _run_under_callers_hooks(self, slot: FrameSlot, block: nn.Module, frame: Callable,
+                                 label: str, hold: bool, args: tuple, kwargs: dict) -> Any:
+        """[Note: a block under the caller's checkpoint]"""
+        previous = self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
+        if not in_backward():
+            held = HeldGather()
+            self._caller_checkpointed[id(block)] = held
+            return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
+                                     checkpointed=held)
+        held = self._caller_checkpointed.pop(id(block), None)
+        ahead = previous in self._caller_checkpointed and previous not in self.kept
+        return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
+                                 checkpointed=held or HeldGather(), prefetch_previous=ahead)
 
     def _estimated(self, estimate: LevelEstimate) -> None:
         """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles

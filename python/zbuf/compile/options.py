@@ -73,25 +73,29 @@ class CompileOptions:
     coalesce_min_bytes: int = 32 << 20
     """Gathers at or above this size are never coalesced (they already saturate the link)."""
 
-    compile_blocks_once: bool | None = None
-    """Compile each block of a repeated stack once ([Note: compile repeated blocks once] in
-    regions.py): ``zbuf.compile`` marks the blocks before tracing, their gathers stay in the outer
-    graph and the planner keeps the whole-step view. ``None``: on, except with
-    ``recompute="auto"`` (which plans over the checkpointed regions of the whole graph, and a block
-    compiled once hides its own). A plain ``torch.compile(m, backend="zbuf")`` needs
-    ``zbuf.compile.mark_repeated_blocks(m)`` called first."""
+    compile_blocks_once: bool = False
+    """``structure="graph"``: compile each block of a repeated stack once inside the whole graph
+    ([Note: compile repeated blocks once] in regions.py): ``zbuf.compile`` marks the blocks before
+    tracing, their gathers stay in the outer graph and the planner keeps the whole-step view. Off
+    by default: a block call under the caller's own checkpoint is refused with it ([Note: region
+    bodies] in region_graphs.py), and the compile time it saves is the block structure's to save.
+    A plain ``torch.compile(m, backend="zbuf")`` needs ``zbuf.compile.mark_repeated_blocks(m)``
+    called first."""
 
-    structure: Structure = "graph"
-    """What Dynamo traces as one frame. ``"graph"``: the whole model, which the planner sees
-    whole (budget per weight, prefetch, persistence, budgeted recompute, the collective-order
-    fingerprint); its repeated blocks compiled once inside it per ``compile_blocks_once``, but
-    every block call still traced by Dynamo. ``"blocks"``: one frame per repeated block, shared
-    by identical blocks (compiled once whatever their number, as FSDP2 and torchtitan compile a
-    block), the cross-block schedule carried by zbuf's runtime (one block ahead, released after
-    the block, re-gathered for backward) and the rest of the model eager ([Note: one Dynamo
-    frame per block] in block_frames.py); its ``recompute="auto"`` gives each block call a
-    level in the measured room, one compiled frame per level in use ([Note: block levels] in
-    block_replan.py)."""
+    structure: Structure | None = None
+    """How ``zbuf.compile`` has Dynamo trace the model ([Note: one path] in compiled_model.py).
+    ``None`` (default): ``"blocks"`` for a sharded model with a repeated stack of blocks, unless
+    an option only the whole graph takes is set (``optimizer_in_backward``,
+    ``activation_budget_bytes``, ``compile_blocks_once``), else ``"graph"``. ``"blocks"``: one
+    frame per repeated block, shared by identical blocks (compiled once whatever their number, as
+    FSDP2 and torchtitan compile a block), the cross-block schedule carried by zbuf's runtime (one
+    block ahead, released after the block, re-gathered for backward) and the rest of the model
+    eager ([Note: one Dynamo frame per block] in block_frames.py); its ``recompute="auto"`` gives
+    each block call a level in the measured room, one compiled frame per level in use ([Note:
+    block levels] in block_replan.py). ``"graph"``: the whole model as one frame, which the
+    planner sees whole (budget per weight, prefetch, persistence, budgeted recompute, the
+    collective-order fingerprint), every block traced and compiled. A plain
+    ``torch.compile(m, backend="zbuf")`` always compiles what Dynamo hands it."""
 
     recompute: Recompute = "checkpointed"
     """What backward recomputes of the model's checkpointed regions ([Note: recompute modes] in
@@ -141,14 +145,15 @@ class CompileOptions:
             if not ok:
                 raise ValueError(f"zbuf compile option {msg}")
 
-        need(self.compile_blocks_once in (None, True, False),
-             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
-        need(not (self.compile_blocks_once is True and self.recompute == "auto"),
+        need(isinstance(self.compile_blocks_once, bool),
+             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool")
+        need(not (self.compile_blocks_once and self.recompute == "auto"),
              "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
              "the checkpointed regions of the whole graph, which a block compiled once hides; "
-             "leave compile_blocks_once unset (or False) for recompute='auto'")
-        need(self.structure in STRUCTURES,
-             f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))}")
+             "leave compile_blocks_once unset for recompute='auto'")
+        need(self.structure is None or self.structure in STRUCTURES,
+             f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))} "
+             f"or None (zbuf.compile picks)")
         if self.structure == "blocks":
             # [Note: block levels] in block_replan.py: auto plans the blocks' levels in the
             # room the first step measures.
@@ -160,7 +165,7 @@ class CompileOptions:
                  "structure='blocks' does not take activation_budget_bytes (a cap on the whole "
                  "graph's activation peak; the blocks' levels are planned in the measured room): "
                  "leave it unset, or use structure='graph'")
-            need(self.compile_blocks_once is not True,
+            need(not self.compile_blocks_once,
                  "structure='blocks' compiles each block as its own frame; "
                  "compile_blocks_once=True is structure='graph''s way: leave it unset")
             need(not self.optimizer_in_backward,
@@ -229,13 +234,14 @@ class CompileOptions:
         return cls(**dict(options))
 
     @property
-    def blocks_once(self) -> bool:
-        """Whether ``zbuf.compile`` marks repeated blocks (``compile_blocks_once`` resolved)."""
-        if self.structure == "blocks":
-            return False
-        if self.compile_blocks_once is None:
-            return self.recompute != "auto"
-        return self.compile_blocks_once
+    def graph_only(self) -> tuple[str, ...]:
+        """The options set that only ``structure="graph"`` takes."""
+        return tuple(name for name, on in (
+            ("optimizer_in_backward", self.optimizer_in_backward),
+            ("activation_budget_bytes", self.activation_budget_bytes is not None),
+            ("compile_blocks_once", self.compile_blocks_once),
+            ("budget_bytes with recompute='auto'",
+             self.recompute == "auto" and self.budget_bytes is not None)) if on)
 
     def digest(self) -> str:
         """Stable hash of every field, part of the passes' cache uuid."""

@@ -42,8 +42,7 @@ from .fingerprint import collective_order, describe_graph, fingerprint_of
 from .graph_info import gather_nodes, gradient_shard_bytes, group_and_device, summarize
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
-from .region_graphs import (forward_region_inputs, is_body, keep_block_boundaries, mark_body,
-                            prepare_body_joint, sink_region_calls)
+from .region_graphs import forward_region_inputs, is_body, mark_body, prepare_body_joint
 from .region_schema import SchemaMemo
 from .rewrite import (check_token_chain, hold_released_buffers, rewrite,
                       step_gradients_in_backward, thread_reduce_scatters)
@@ -180,7 +179,6 @@ class ZbufPartitioner(CustomPartitionerFn):
 
         self.state.partitioned = True
         forward_region_inputs(gm.graph)  # [Note: region bodies]
-        keep_block_boundaries(gm.graph)
         with record_function("zbuf::partition"):
             fw, bw, persisted, stats = recompute.partition(gm, kwargs["num_fwd_outputs"], opts,
                                                            min_cut, tag)
@@ -239,8 +237,6 @@ class GatherSchedulePass(CustomGraphPass):
         with dynamo_timed("zbuf.plan"):
             merge_reduce_scatters(graph)  # 1
             _drop_dead_gathers(graph)  # 2
-            if kind == "backward":
-                sink_region_calls(graph)  # [Note: region bodies], step 3
             index = summarize(graph, opts)  # 3
             group_name, device = group_and_device(graph)
             act_profile = budget_mod.planning_profile(graph, opts)
