@@ -14,6 +14,13 @@ the bench engine to the plain setup's, so that the step times say where a differ
     bench+torch.compile ... compiled with torch.compile(backend="zbuf"), no agreed budget
     bench+plain-model ... with the plain model code (same weights, same graph layout)
     plain            every factor the plain setup's
+    zbuf.compile     the plain setup through the README's call, zbuf.compile(model, optimizer=opt)
+                     with no other option (issue 36)
+    fsdp2            the plain setup under FSDP2 as torchtitan runs it: fully_shard per block and
+                     the root, each block compiled (run it with expandable segments, its best)
+
+``--placement``: where the user checkpoints each block: inside the block's forward (``inside``)
+or around the block call in the parent's loop (``parent``, issue 36's crash).
 
 Every variant starts from the same weights (the plain decoder loads the preset's state dict)
 and trains on the same synthetic batches. Per variant: median step time (10 warm-up steps by
@@ -52,7 +59,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 VARIANTS = ("bench", "bench+fused", "bench+eager-loss", "bench+torch.compile",
-            "bench+plain-model", "plain")
+            "bench+plain-model", "plain", "zbuf.compile", "fsdp2")
+PLACEMENTS = ("inside", "parent")
 
 
 # ----------------------------------------------------------------------------- the plain model
@@ -94,7 +102,7 @@ class PlainMLP(nn.Module):
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, cfg, ac: bool) -> None:
+    def __init__(self, cfg, ac: str | None) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = PlainAttention(cfg)
@@ -107,7 +115,7 @@ class PlainBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin):
-        if self.ac:
+        if self.ac == "inside":
             return checkpoint(self._body, x, cos, sin, use_reentrant=False)
         return self._body(x, cos, sin)
 
@@ -115,9 +123,11 @@ class PlainBlock(nn.Module):
 class PlainDecoder(nn.Module):
     """The preset's architecture in plain modules, with the preset's parameter names."""
 
-    def __init__(self, cfg, ac: bool) -> None:
+    def __init__(self, cfg, ac: str | None) -> None:
+        """``ac``: the checkpoint's placement (``PLACEMENTS``), None for none."""
         super().__init__()
         self.config = cfg
+        self.ac = ac
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(PlainBlock(cfg, ac) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -131,7 +141,10 @@ class PlainDecoder(nn.Module):
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
                                  h.device, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if self.ac == "parent":
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(h), head)
 
@@ -155,7 +168,25 @@ class _WithLoss(nn.Module):
         return cross_entropy(self.model(tokens), targets)
 
 
-def _setup(variant: str, cfg, device, dtype):
+def _fsdp2(model, cfg, device, dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zbuf.train.engines import init_module
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for block in model.layers:
+        block.compile(backend=cfg.compiler, fullgraph=True)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if any(p.is_meta for p in model.parameters()):  # this rank's shards only, then initialised
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for sub in model.modules():
+                init_module(sub, model)
+    return model
+
+
+def _setup(variant: str, cfg, device, dtype, placement: str):
     """(step_loss(batch) -> loss, optimizer, the sharded model, its pool) of one variant."""
     import zbuf
     from zbuf.pool import default_pool
@@ -165,31 +196,38 @@ def _setup(variant: str, cfg, device, dtype):
     if variant == "bench":
         setup = build_engine(Engine.ZBUF, cfg, device)
         return setup.step_loss, setup.optimizer, setup.model, setup.pool
-    plain = variant in ("bench+plain-model", "plain")
+    plain = variant in ("bench+plain-model", "plain", "zbuf.compile", "fsdp2")
+    ac = placement if cfg.ac != "off" else None
     if cfg.simulated:  # meta models, materialised shard by shard by zbuf.shard below
         if plain:
             with torch.device("meta"):
-                model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off")
+                model = PlainDecoder(cfg.model_config(), ac=ac)
         else:
             model = build_base_model(cfg, device, materialise=False)
     else:
         preset = build_base_model(cfg, device)
         if plain:
-            model = PlainDecoder(cfg.model_config(), ac=cfg.ac != "off").to(device)
+            model = PlainDecoder(cfg.model_config(), ac=ac).to(device)
             model.load_state_dict(preset.state_dict())
         else:
             model = preset
+    eager_loss = variant in ("bench+eager-loss", "plain", "zbuf.compile", "fsdp2")
+    fused = variant in ("bench+fused", "plain", "zbuf.compile", "fsdp2")
+    if variant == "fsdp2":
+        model = _fsdp2(model, cfg, device, dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, fused=True)
+        return lambda batch: _loss(model(batch.tokens), batch.targets), opt, model, None
     zbuf.shard(model, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                device=device)
-    eager_loss = variant in ("bench+eager-loss", "plain")
     target = model if eager_loss else _WithLoss(model)
-    fused = variant in ("bench+fused", "plain")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
                             **({"fused": True} if fused else {}))
     # The bench engine's compiler (Inductor on GPU; aot_eager on CPU, where Inductor's C++
     # compile would dwarf everything).
     inner = {} if cfg.compiler == "inductor" else {"inner": cfg.compiler}
-    if variant in ("bench+torch.compile", "plain"):
+    if variant == "zbuf.compile":
+        compiled = zbuf.compile(target, optimizer=opt, **inner)
+    elif variant in ("bench+torch.compile", "plain"):
         compiled = torch.compile(target, backend="zbuf", **({"options": inner} if inner else {}))
     else:  # as the bench engine calls it (train/engines.py)
         compiled = zbuf.compile(target, fullgraph=True, optimizer=opt,
@@ -221,7 +259,8 @@ def _planned(model) -> dict:
     return out
 
 
-def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict:
+def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
+                placement: str = "inside") -> dict:
     from zbuf.train.data import rank_batch
 
     torch._dynamo.reset()
@@ -235,8 +274,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict
         # follows once the variant's pool exists ([Note: emulated capacity] in zbuf/memory.py).
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory / total, device)
-    step_loss, opt, model, pool = _setup(variant, cfg, device, dtype)
-    if cfg.gpu_memory is not None and device.type == "cuda":
+    step_loss, opt, model, pool = _setup(variant, cfg, device, dtype, placement)
+    if cfg.gpu_memory is not None and device.type == "cuda" and pool is not None:
         from zbuf.memory import SharedMemory
 
         card = SharedMemory(pool)
@@ -273,13 +312,18 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int) -> dict
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         return out
     measured = times[cfg.warmup:]
+    # The steps that compiled (a first step, a re-plan's): more than twice the measured median.
+    compiled_steps = [i for i, t in enumerate(times[:cfg.warmup or 1])
+                      if i == 0 or t > 2 * statistics.median(measured)]
     peak = reserved = 0
     if device.type == "cuda":
         reserved = torch.cuda.max_memory_reserved(device)
-        peak = reserved + pool.stats().high_water_bytes
+        peak = reserved + (pool.stats().high_water_bytes if pool is not None else 0)
     out = {"variant": variant, "status": "ok", "step_ms_median": 1e3 * statistics.median(measured),
            "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
-           "first_step_s": times[0], "peak_device_bytes": peak, "peak_reserved_bytes": reserved,
+           "first_step_s": times[0],
+           "time_to_final_plan_s": sum(times[:compiled_steps[-1] + 1]),
+           "compiled_steps": compiled_steps, "peak_device_bytes": peak, "peak_reserved_bytes": reserved,
            "alloc_retries_warmup": retries[cfg.warmup - 1] if retries and cfg.warmup else 0,
            "alloc_retries_measured": (retries[-1] - (retries[cfg.warmup - 1] if cfg.warmup else 0))
            if retries else 0,
@@ -350,6 +394,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--ac", default=None, choices=["off", "full", "auto"])
+    p.add_argument("--placement", default="inside", choices=PLACEMENTS,
+                   help="where the user checkpoints each block (with --ac full)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--simulate-world", type=int, default=None, metavar="N",
@@ -399,12 +445,13 @@ def main() -> None:
               "device": torch.cuda.get_device_name(device) if cuda else "CPU",
               "torch": torch.__version__, "variants": results}
     for v in variants:
-        results.append(run_variant(v, cfg, device, dtype, rank, world))
+        results.append(run_variant(v, cfg, device, dtype, rank, world, args.placement))
         if rank != 0:
             continue
         r = results[-1]
         if r["status"] == "ok":
             print(f"{v:22s} {r['step_ms_median']:9.1f} ms  first {r['first_step_s']:6.1f} s  "
+                  f"final plan {r['time_to_final_plan_s']:6.1f} s  "
                   f"peak {r['peak_device_bytes'] / (1 << 30):6.2f} GiB  retries after step 2 "
                   f"{r['alloc_retries_after_step2']}  loss {r['losses'][-1]:.4f}", flush=True)
         else:

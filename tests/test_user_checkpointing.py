@@ -106,7 +106,8 @@ class Decoder(nn.Module):
 
     def forward(self, tokens):
         t = tokens.shape[1]
-        angle = torch.arange(t, dtype=torch.float32)[:, None] / 16 + torch.zeros(HEAD_DIM)
+        angle = (torch.arange(t, dtype=torch.float32, device=tokens.device)[:, None] / 16
+                 + torch.zeros(HEAD_DIM, device=tokens.device))
         cos, sin = angle.cos().to(self.head.weight.dtype), angle.sin().to(self.head.weight.dtype)
         x = self.embed(tokens)
         for block in self.layers:

@@ -70,6 +70,9 @@
 #                                           bench engine, AC full (default) or auto; one variant
 #                                           per call (bench+eager-loss full: 3.6 min at d22971a)
 #   bash benches/device/run.sh plain8b [VARIANTS] [AC]  # the same, qwen3-8b as rank 0 of 2, whole card
+#   bash benches/device/run.sh onepath 14b|17b inside|parent [VARIANTS]  # issue 36: the plain
+#                                           setup, FSDP2 (expandable segments) beside
+#                                           zbuf.compile(model, optimizer=opt), cold caches
 # BENCH_TIMEOUT=S bounds one bench/plain14 run (default 580 s) when a call chains two
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 # Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
@@ -231,6 +234,25 @@ case "${1:-}" in
       --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
       --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
+  onepath)  # ONE H200, issue 36: onepath MODEL PLACEMENT [VARIANTS]: the plain user setup
+    # (benches/plain_setup.py, the user's checkpoint PLACEMENT: inside|parent), each variant a
+    # process of its own with an empty Inductor cache (cold first steps): FSDP2 with expandable
+    # segments (its best), then zbuf.compile(model, optimizer=opt), then any other VARIANTS
+    # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf")). MODEL: 14b (qwen3-14b
+    # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
+    # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json
+    case "${2:?give 14b or 17b}" in
+      14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB) ;;
+      17b) model=(--preset qwen3-1.7b) ;;
+    esac
+    for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
+      alloc=; [ "$v" = fsdp2 ] && alloc=expandable_segments:True
+      rm -rf "/tmp/inductor_$v"
+      PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
+        timeout "${BENCH_TIMEOUT:-290}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
+        --seq-len 4096 --ac full --placement "${3:?give inside or parent}" --steps 30 --warmup 10 \
+        --variants "$v" --out "$OUT/onepath_$2_$3_$v" 2>&1 | grep -v "Warning\|warn" | tail -3
+    done ;;
   plain14|plain8b)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an
     # 80 GiB card (issue 19's first table; issue 20's API paths: plain = torch.compile(backend=
     # "zbuf"), bench+eager-loss = zbuf.compile(model, optimizer=opt), each with the fp32 loss

@@ -1,0 +1,95 @@
+"""The user's checkpointing in every placement on CUDA (issue 36): ``zbuf.compile(model,
+optimizer=opt)`` with no other option trains the user's SDPA decoder (tests/test_user_checkpointing.py)
+as the unsharded reference does (fp32), and holds no more device memory at its peak than FSDP2
+(``fully_shard`` per block and the root, each block compiled) on the same model and batches.
+One rank over NCCL; zbuf's peak is torch's allocated peak plus its pool's high water.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist_utils import run_distributed  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+PLACEMENTS = ("inside", "parent", "wrapper", "selective", "none")
+
+
+def _steps(model, opt, batches):
+    from test_user_checkpointing import _loss
+
+    losses = []
+    for tokens in batches:
+        loss = _loss(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import zbuf.compile
+    from test_user_checkpointing import VOCAB, Decoder
+    from zbuf.shard import root_of, shard
+
+    dev = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (8, 513), generator=g).to(dev) for _ in range(4)]
+    out = {}
+    for placement in PLACEMENTS:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        init = Decoder(placement).to(dev)
+        ref = copy.deepcopy(init)
+        ref_losses = _steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+        del ref
+
+        fsdp = copy.deepcopy(init)
+        for block in fsdp.layers:
+            block.compile()
+            fully_shard(block)
+        fully_shard(fsdp)
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+        _steps(fsdp, opt, batches[:1])  # compiled, the optimizer's state made
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        _steps(fsdp, opt, batches[1:])
+        fsdp_peak = torch.cuda.max_memory_allocated(dev) - base
+        del fsdp, opt
+        torch._dynamo.reset()
+
+        model = shard(copy.deepcopy(init))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cm = zbuf.compile(model, optimizer=opt)
+        losses = _steps(cm, opt, batches[:1])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        pool = root_of(model).pool
+        losses += _steps(cm, opt, batches[1:])
+        zbuf_peak = torch.cuda.max_memory_allocated(dev) - base + pool.stats().high_water_bytes
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
+        assert pool.stats().checked_out == 0
+        out[placement] = (zbuf_peak, fsdp_peak)
+        assert zbuf_peak <= fsdp_peak, (placement, zbuf_peak, fsdp_peak)
+        del model, cm, opt
+    return out
+
+
+def test_every_placement_on_cuda():
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    print(run_distributed(_worker, 1, backend="nccl", timeout=900))
