@@ -85,7 +85,7 @@ def _weights_case(rank, world):
     model = zbuf.shard(copy.deepcopy(init))
     opt, sched = sm_tests._adamw(model.parameters())
     cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
-                      fullgraph=True, optimizer=opt, persist_fraction=1.0)
+                      fullgraph=True, optimizer=opt, persist=True, persist_fraction=1.0)
     memory = zbuf.compile.step_memory_of(cm)
     frames = block_frames_of(model)
     pool = root_of(model).pool

@@ -37,8 +37,10 @@ def _run(base, in_backward: bool, batches, *, offload: bool = False, fused: bool
     # From lr 0: Adam's first step is a sign step that turns rounding differences of
     # near-zero gradients (two Inductor graphs) into lr-sized ones ([Note: first Adam step]).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+    # One structure for both (the optimizer in backward is the whole graph's): what differs is
+    # when the optimizer steps, not the kernels.
     cm = zbuf.compile(model, optimizer=opt, optimizer_in_backward=in_backward, fullgraph=True,
-                      inner=inner, offload_optimizer=offload)
+                      inner=inner, offload_optimizer=offload, structure="graph")
     for tokens, targets in batches:
         value = loss(cm, tokens, targets)
         value.backward()

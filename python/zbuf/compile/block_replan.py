@@ -77,8 +77,8 @@ planner, and keeps weights a block at a time:
    graph's keep-set is) keeps gathered weights for backward, a whole block at a time: the last
    blocks forward calls keep their forward gather ([Note: blocks kept for backward] in
    zbuf/block_prefetch.py), and the pool's budget grows by their bytes. Activations come first:
-   a kept activation saves recompute, a kept weight only a collective. One rank gathers nothing,
-   so it keeps no weights (``persist=None``'s rule); ``persist=False`` keeps none. This is data,
+   a kept activation saves recompute, a kept weight only a collective. Only ``persist=True``
+   keeps weights (see ``BlockReplanner._blocks_kept`` for why not by default). This is data,
    not a compile, and every structure mode takes it (``"checkpointed"`` and ``"none"`` have no
    levels to plan, only blocks to keep).
 
@@ -208,12 +208,18 @@ class BlockReplanner:
             return None
         return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes)
 
-    def _blocks_kept(self, room_bytes: int, weights_room: int, world_size: int) -> int:
-        """How many blocks keep their weights: none on one rank (nothing to gather) or with
-        persistence off, else within ``weights_room`` and the persistence share of the room,
-        as ``Replanner.choose_kept`` caps the whole graph's keep-set."""
-        persist = self.options.persist
-        if persist is False or (persist is None and world_size == 1):
+    def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
+        """How many blocks keep their weights: none unless ``persist=True`` asks for them, else
+        within ``weights_room`` and the persistence share of the room, as
+        ``Replanner.choose_kept`` caps the whole graph's keep-set.
+
+        Opt-in because the default path ran out of memory with them: qwen3-14b as rank 0 of 8
+        on an 80 GiB card (simulated), the user's decoder checkpointing inside each block, its
+        fp32 loss outside the model, ``zbuf.compile(model, optimizer=opt)``: steps 0 and 1 ran,
+        the grown plan kept about 12 GiB of blocks' weights, and step 2 failed to allocate the
+        9.27 GiB logits with 12.1 GiB of torch's cache fragmented (issue 36; the same plan
+        without kept blocks is step 0's, which FSDP2's matches)."""
+        if self.options.persist is not True:
             return 0
         cap = min(int(self.options.persist_fraction * room_bytes), weights_room)
         return blocks_to_keep(len(self.frames.called), self.frames.plan.block_bytes, cap)
@@ -252,7 +258,7 @@ class BlockReplanner:
         spent = 0 if plan is None else plan.kept_bytes
         if plan is not None and not any(plan.levels):
             plan = None
-        return self._apply(plan, self._blocks_kept(room_bytes, room - spent, world_size))
+        return self._apply(plan, self._blocks_kept(room_bytes, room - spent))
 
     def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
         """At the steady step, once: if what is kept no longer fits the room measured there,
