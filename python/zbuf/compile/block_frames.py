@@ -400,6 +400,21 @@ class BlockFrames:
             self._frames[level] = frame
         return frame
 
+    def schedule(self) -> dict[str, Any]:
+        """The runtime schedule as a run record holds it (JSON values): what the frames gather
+        and hold, under the names the whole graph's schedule records use for the same things
+        (``budget_bytes``, ``peak_live_gathered_bytes``), the levels in force and the blocks
+        kept for backward."""
+        plan = self.plan
+        return {"structure": "blocks", "blocks": plan.blocks, "calls": len(self.called),
+                "block_bytes": plan.block_bytes, "outer_bytes": plan.outer_bytes,
+                "budget_bytes": plan.memory_bytes, "prefetch": plan.prefetch,
+                "peak_live_gathered_bytes": plan.live_bytes, "pool_bytes": plan.pool_bytes,
+                "frames_compiled": self.graphs_compiled,
+                # by the blocks' first-call order, the order the report draws them in
+                "levels": [LEVELS[self.levels.get(b, 0)] for b in self.called],
+                "kept_for_backward": [b in self.kept for b in self.called]}
+
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
         return self._frame_level(level) in self._frames

@@ -54,9 +54,9 @@ from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
 from .simulate import SIMULATED_NOTE
 
-__all__ = ["SCHEMA", "ac_text", "hardware_text", "budget_notices", "summarize", "make_record",
-           "write_record", "load_record", "markdown", "phases_markdown", "slowest_phases",
-           "merge_records", "run_label", "simulated_text"]
+__all__ = ["SCHEMA", "plans", "per_device_words", "ac_text", "hardware_text", "budget_notices", "summarize",
+           "make_record", "write_record", "load_record", "markdown", "phases_markdown",
+           "slowest_phases", "merge_records", "run_label", "simulated_text"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -183,6 +183,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
     median = statistics.median(times)
     tps_gpu = cfg.micro_batch * cfg.seq_len / median
     mfu = (flops_per_token * tps_gpu / peak_flops) if flops_per_token and peak_flops else None
+    final, replaced = plans(result.get("schedule"))
     return {
         "measured_steps": len(measured),
         "warmup_steps": warmup,
@@ -209,11 +210,10 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "alloc_retries_after_step_2_per_rank": _retries_after(steps, 2),
         "phase_peak_bytes": _phase_peaks(measured),
         "step_memory": _step_memory_summary(result.get("step_memory"), steps),
-        "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
-        "schedule_peak_live_bytes": _find(result.get("schedule"),
-                                          ("peak_live_bytes", "peak_live_gathered_bytes")),
-        "recompute": (_recompute(result.get("schedule"))
-                      or _block_recompute(result.get("step_memory"))),
+        "schedule_budget_bytes": _find(final, ("budget_bytes",)),
+        "schedule_peak_live_bytes": _find(final, ("peak_live_bytes", "peak_live_gathered_bytes")),
+        "recompute": _recompute(final["graphs"]) or _block_recompute(result.get("step_memory")),
+        "recompute_replaced": [r for r in map(_recompute, replaced) if r],
         "compile_phases": slowest_phases(result),
     }
 
@@ -227,10 +227,23 @@ def _time_to_final_plan(result: dict[str, Any], steps: list[dict[str, Any]]) -> 
     return result.get("setup_seconds", 0.0) + sum(s["time_s"] for s in steps if s["step"] <= last)
 
 
-def _recompute(schedule: Optional[dict]) -> Optional[dict[str, Any]]:
-    """What the compiled step kept for backward and recomputes (a zbuf schedule's recompute
+def plans(schedule: Optional[dict]) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+    """A zbuf schedule split by plan: the one in force when the record was written (its graphs
+    and any block frames' schedule, as a schedule), and the graphs of each plan a re-plan
+    replaced, oldest first. Graphs without a plan number (records before plans were numbered)
+    count as the plan in force."""
+    graphs = [g for g in (schedule or {}).get("graphs", []) if isinstance(g, dict)]
+    last = max((g.get("plan", 0) for g in graphs), default=0)
+    final = {"graphs": [g for g in graphs if g.get("plan", 0) == last]}
+    if (schedule or {}).get("blocks"):
+        final["blocks"] = schedule["blocks"]
+    return final, [[g for g in graphs if g.get("plan", 0) == k] for k in range(last)]
+
+
+def _recompute(graphs: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What one plan's compiled step kept for backward and recomputes (its graphs' recompute
     stats, summed over its forward/backward pairs: each pair's two records carry the same)."""
-    graphs = [g for g in (schedule or {}).get("graphs", [])
+    graphs = [g for g in graphs
               if g.get("kind") == "forward" and isinstance(g.get("recompute"), dict)]
     if not graphs:
         return None
@@ -342,10 +355,19 @@ def ac_text(cfg: dict[str, Any]) -> str:
     return {True: "full", False: "off"}.get(ac, ac)  # records written before the modes: bools
 
 
+def per_device_words(record: dict[str, Any]) -> tuple[str, str]:
+    """What a rank runs on and what its peak memory is, for column names: ("GPU", "peak device
+    mem") on CUDA; ("rank", "peak RSS") on CPU, where the peak is the process's resident set."""
+    if record["environment"].get("device_type") == "cuda":
+        return "GPU", "peak device mem"
+    return "rank", "peak RSS"
+
+
 def markdown(record: dict[str, Any]) -> str:
     """The benchmark table: one row per engine, versions and hardware in the header."""
     env, cfg = record["environment"], record["config"]
     hw = hardware_text(env)
+    unit, memory = per_device_words(record)
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
         f"{record['world_size']} ranks, AC {ac_text(cfg)}, {cfg['dtype']}, "
@@ -357,7 +379,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"{env.get('zbuf_commit') or env.get('zbuf') or '?'}. Steps: {cfg['warmup']} warm-up + "
         f"{cfg['steps'] - cfg['warmup']} measured.",
         "",
-        "| engine | step median (s) | min | max | tok/s/GPU | MFU | peak device mem | "
+        f"| engine | step median (s) | min | max | tok/s/{unit} | MFU | {memory} | "
         "alloc retries/rank | first step (s) | final loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
-from .progress import print_error
+from .progress import flop_unit, print_error
 from .record import load_record, run_label, simulated_text, slowest_replans
 
 __all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table",
@@ -71,14 +71,6 @@ def _byte_unit(top: float) -> tuple[float, str]:
         if top >= scale:
             return scale, name
     return 1.0, "B"
-
-
-def _flop_unit(top: float) -> tuple[float, str]:
-    """(scale, name) of the decimal unit that shows ``top`` FLOP as a number >= 1."""
-    for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
-        if top >= scale:
-            return scale, name
-    return 1.0, "FLOP"
 
 
 def _plain_ticks(ax) -> None:
@@ -423,38 +415,51 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
 
 def _recompute_plot(record, out_dir) -> Optional[str]:
     """Per zbuf run: the activations its compiled step keeps for backward and recomputes
-    (bytes), and the FLOPs backward re-runs against the forward's."""
-    runs = [(eng, eng["summary"]["recompute"]) for eng in _ok(record)
-            if (eng.get("summary") or {}).get("recompute")]
+    (bytes), and the FLOPs backward re-runs against the forward's; the plan in force in full
+    colour, each plan a re-plan replaced before it, hatched and pale (history, not a part)."""
+    runs = []  # (x label, recompute stats, replaced)
+    for eng in _ok(record):
+        summary = eng.get("summary") or {}
+        if not summary.get("recompute"):
+            continue
+        replaced = summary.get("recompute_replaced") or []
+        for i, r in enumerate(replaced):
+            runs.append((f"{run_label(eng)}\n{'measured step' if i == 0 else 're-plan ' + str(i)}"
+                         "\n(replaced)", r, True))
+        runs.append((run_label(eng) + ("\nfinal plan" if replaced else ""),
+                     summary["recompute"], False))
     if not runs:
         return None
     plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
-    names = [run_label(eng) for eng, _ in runs]
-    xs = range(len(runs))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6))
+    names = [name for name, _, _ in runs]
     width = 0.38
-    bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"]) for _, r in runs))
-    left.bar([x - width / 2 for x in xs], [r["kept_bytes"] / bscale for _, r in runs], width,
-             label="kept for backward")
-    left.bar([x + width / 2 for x in xs], [r["recomputed_bytes"] / bscale for _, r in runs],
-             width, label="recomputed in backward")
-    left.set_xticks(list(xs), names, fontsize="small")
+
+    def bars(ax, key, offset, scale, label, color):
+        for x, (_, r, old) in enumerate(runs):
+            ax.bar(x + offset, r[key] / scale, width, color=color, alpha=0.35 if old else 1.0,
+                   hatch="//" if old else None, edgecolor=color,
+                   label=None if x else label)
+
+    bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"])
+                                   for _, r, _ in runs))
+    bars(left, "kept_bytes", -width / 2, bscale, "kept for backward", "tab:blue")
+    bars(left, "recomputed_bytes", width / 2, bscale, "recomputed in backward", "tab:orange")
+    left.set_xticks(range(len(runs)), names, fontsize="small")
     left.set_ylabel(f"activations, {bunit} per rank")
     _plain_ticks(left)
     left.set_title("Activations kept and recomputed")
     left.legend(fontsize="small")
     left.grid(alpha=0.3, axis="y")
-    fscale, funit = _flop_unit(max(max(r["forward_flops"], r["recomputed_flops"])
-                                   for _, r in runs))
-    right.bar([x - width / 2 for x in xs], [r["forward_flops"] / fscale for _, r in runs], width,
-              label="forward")
-    right.bar([x + width / 2 for x in xs], [r["recomputed_flops"] / fscale for _, r in runs],
-              width, label="recomputed in backward")
-    for x, (_, r) in zip(xs, runs):
+    fscale, funit = flop_unit(max(max(r["forward_flops"], r["recomputed_flops"])
+                                  for _, r, _ in runs))
+    bars(right, "forward_flops", -width / 2, fscale, "forward", "tab:blue")
+    bars(right, "recomputed_flops", width / 2, fscale, "recomputed in backward", "tab:orange")
+    for x, (_, r, _) in enumerate(runs):
         right.annotate(f"{r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}",
                        (x, 0), textcoords="offset points", xytext=(0, 3), ha="center",
                        fontsize="x-small")
-    right.set_xticks(list(xs), names, fontsize="small")
+    right.set_xticks(range(len(runs)), names, fontsize="small")
     right.set_ylabel(f"matmul + attention {funit} per step per rank")
     _plain_ticks(right)
     right.set_title("FLOPs (blocks kept/selective/recomputed)")
@@ -562,8 +567,10 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="zbuf gather schedule, one column per compiled graph")
     table.add_column("")
     for eng, g in graphs:
-        table.add_column(f"{run_label(eng)} {g.get('kind', '?')} #{g.get('graph_id', '?')}",
-                         justify="right")
+        # A re-plan's graphs replace the earlier plan's: those ran before it, and say so.
+        last = max(h.get("plan", 0) for h in _graphs(eng))
+        table.add_column(f"{run_label(eng)} {g.get('kind', '?')} #{g.get('graph_id', '?')}"
+                         + (" (replaced)" if g.get("plan", 0) < last else ""), justify="right")
     rows = [("graph nodes", "num_nodes"), ("gathered parameters", "gathers"),
             ("collectives", "collectives"), ("coalesced groups", "coalesced_groups"),
             ("prefetched", "prefetched"), ("re-gathers", "regathers"),
@@ -588,6 +595,8 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
                  ("activations recomputed", "recompute.recomputed_bytes"),
                  ("forward FLOPs", "recompute.forward_flops"),
                  ("recomputed FLOPs", "recompute.recomputed_flops")]
+    scale, unit = flop_unit(max([(g.get("recompute") or {}).get("forward_flops") or 0
+                                 for _, g in graphs]))
     for label, key in rows:
         cells = []
         for _, g in graphs:
@@ -596,14 +605,12 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
                 v = (g.get("recompute") or {}).get(key.split(".", 1)[1])
                 if key.endswith("activation_budget_bytes") and v == 0:
                     v = None  # only "auto" plans against a budget
-            if key.endswith("_flops") and v is not None:
-                cells.append(f"{v / 1e12:,.3f} T" if v >= 1e9 else f"{v:,.0f}")
-                continue
-
             if v is None:
                 cells.append("-")
             elif key.endswith("_bytes"):
                 cells.append(format_bytes(v))
+            elif key.endswith("_flops"):
+                cells.append(f"{v / scale:,.2f} {unit}")
             elif key.endswith("_seconds"):
                 cells.append(f"{v * 1e3:.1f} ms")
             else:
