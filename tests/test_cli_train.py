@@ -144,9 +144,9 @@ def _started(args, where, name, env=None) -> Started:
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory):
-    """The two one-rank runs of the tests below, started together: each is one worker process
-    (and a launcher waiting on it), so CI's two cores take both in about the time of one (13-14 s
-    each, one after the other).
+    """The one-rank runs of the tests below, started together: each is one worker process (and a
+    launcher waiting on it), so CI's two cores take them in less than the time of one after the
+    other (13-14 s each).
 
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("one_rank")
@@ -156,6 +156,9 @@ def one_rank_runs(tmp_path_factory):
                                            "ZBUF_FAULT_SIGNAL": "OOM"}),
         "floor": _started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
                            "--out", str(where / "floor.json")], where, "floor"),
+        "blocks": _started(["train", "--steps", "4", "--nproc", "1", "--layers", "2",
+                            "--compile-structure", "blocks", "--ac", "auto",
+                            "--out", str(where / "blocks.json")], where, "blocks"),
     }
     try:
         return {name: (s.result(timeout=400), where / f"{name}.json") for name, s in started.items()}
@@ -280,6 +283,24 @@ def _check_plot_layout(record, out_dir):
     step = figs["step_memory.png"].axes[0]
     assert step.get_ylim()[0] == 0 and not step.texts  # no label drawn over the lines
     assert any("off scale" in t.get_text() for t in step.get_legend().get_texts())
+
+
+def test_report_on_a_block_frames_run(one_rank_runs, tmp_path):
+    """Issue 37: ``zbuf report`` on a ``--compile-structure blocks`` run said "no zbuf schedule
+    in this record" and wrote 6 of the 7 plots: block frames' runtime schedule is the run's."""
+    res, out = one_rank_runs["blocks"]
+    assert res.returncode == 0, _why(res, out)
+    summary = json.loads(out.read_text())["engines"][0]["summary"]
+    assert summary["schedule_budget_bytes"] and summary["schedule_peak_live_bytes"], summary
+    rep = _run(["report", str(out), "-o", str(tmp_path / "plots")], timeout=120,
+               env={"COLUMNS": "200"})
+    assert rep.returncode == 0, rep.stderr
+    assert "no zbuf schedule" not in rep.stdout, rep.stdout
+    assert "zbuf block frames: the runtime gather schedule" in rep.stdout, rep.stdout
+    assert "blocks kept/selective/recomputed" in rep.stdout
+    from test_readme import readme_report_plots
+
+    assert sorted(os.listdir(tmp_path / "plots")) == sorted(readme_report_plots())
 
 
 def test_two_steps_with_a_budget_below_the_floor(one_rank_runs):

@@ -6,13 +6,15 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
 - ``step_time.png``: step time per step per engine; the warm-up steps are shaded.
 - ``memory.png``: device memory per step per engine (allocator reserved + pool, or RSS on
   CPU), with the zbuf pool's occupancy drawn dashed.
-- ``recompute.png`` (zbuf runs): activations kept for backward and recomputed, in bytes, and
+- ``recompute.png`` (zbuf runs; under block frames, ``--ac auto`` ones, the only mode whose
+  frames measure what they keep): activations kept for backward and recomputed, in bytes, and
   the FLOPs backward re-runs against the forward's, with the blocks kept / selective /
-  recomputed.
+  recomputed; the plan in force, and each plan a re-plan replaced, pale and hatched.
 - ``schedule_memory.png`` (zbuf runs): per compiled graph, live gathered bytes over the graph's
   nodes against the budget and the projected activations when the schedule report carries the
   per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
-  per graph as bars.
+  per graph as bars; under block frames (``--compile-structure blocks``), the planned live
+  gathered bytes per block call, forward then backward.
 - ``compile_phases.png``: the first step of each engine as a stacked bar of its phases (Dynamo,
   AOT, zbuf passes, Inductor, kernel compile, first run; [Note: compile phases] in
   ``compile_phases.py``), for records that carry them.
@@ -39,8 +41,8 @@ from .config import format_bytes
 from .progress import flop_unit, print_error
 from .record import load_record, run_label, simulated_text, slowest_replans
 
-__all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table",
-           "replan_phases_table", "main"]
+__all__ = ["make_plots", "schedule_table", "block_schedule_table", "step_memory_table",
+           "phases_table", "replan_phases_table", "main"]
 
 _GIB = float(1 << 30)
 
@@ -262,6 +264,12 @@ def _graphs(eng: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def _blocks(eng: dict[str, Any]) -> list[dict[str, Any]]:
+    """A block frames run's runtime schedule, as a list of one (none for other runs)."""
+    blocks = (eng.get("schedule") or {}).get("blocks")
+    return [blocks] if isinstance(blocks, dict) else []
+
+
 def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
     for n in names:
         v = g.get(n)
@@ -272,13 +280,14 @@ def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
 
 def _schedule_plot(record, out_dir) -> Optional[str]:
     plt = _plt()
-    scheduled = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
+    # A block frames run's runtime schedule is drawn as a graph's: per block call
+    scheduled = [(eng, g) for eng in _ok(record) for g in _graphs(eng) + _blocks(eng)]
     if not scheduled:
         return None
     profiles = [(eng, g, _profile(g, "live_gathered_profile", "live_gathered_bytes_per_node",
                                   "profile")) for eng, g in scheduled]
     if all(p is not None for _, _, p in profiles):
-        fig, axes = plt.subplots(len(profiles), 1, figsize=(9, 3.2 * len(profiles)),
+        fig, axes = plt.subplots(len(profiles), 1, figsize=(11, 3.2 * len(profiles)),
                                  squeeze=False)
         for ax, (eng, g, live) in zip(axes[:, 0], profiles):
             act = _profile(g, "activation_profile", "activation_bytes_per_node")
@@ -289,22 +298,38 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
             budget_on_scale = budget <= 4 * data_top
             top = max(data_top, budget) if budget_on_scale else data_top
             scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
+            blocks = g.get("structure") == "blocks"
             ax.fill_between(range(len(live)), [v / scale for v in live], step="mid", alpha=0.5,
-                            label="live gathered bytes")
+                            label="live gathered bytes" + (" (planned)" if blocks else ""))
             if act is not None:
                 ax.plot(range(len(act)), [v / scale for v in act], color="tab:green",
                         label="projected activations")
             if budget_on_scale:
                 ax.axhline(budget / scale, color="tab:red", linestyle="--", label="gather budget")
+            else:  # a legend entry, not text on the axes: it stays off the data
+                ax.plot([], [], linestyle="none", marker="^", color="tab:red",
+                        label=f"gather budget {budget / _GIB:.2f} GiB (off scale)")
+            if blocks:
+                n = g["blocks"]
+                ax.axvline(n - 0.5, color="grey", linewidth=1)
+                if n <= 12:  # one tick per call while they stay readable
+                    ax.set_xticks(range(2 * n), [f"fwd {i + 1}" for i in range(n)]
+                                  + [f"bwd {n - i}" for i in range(n)], fontsize="small")
+                ax.set_title(f"{run_label(eng)}: block frames, {g['blocks']} blocks, "
+                             f"{sum(g['kept_for_backward'])} kept for backward")
+                ax.set_xlabel("block call (forward, then backward)")
             else:
-                ax.text(0.01, 0.04, f"gather budget {budget / _GIB:.2f} GiB (off scale)",
-                        transform=ax.transAxes, va="bottom", color="tab:red", fontsize="small")
-            ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
-                         f"({g.get('kind', '?')}), {len(live)} nodes")
-            ax.set_xlabel("graph node (execution order)")
+                last = max(h.get("plan", 0) for h in _graphs(eng))
+                ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
+                             f"({g.get('kind', '?')}), {len(live)} nodes"
+                             + (", replaced by a re-plan" if g.get("plan", 0) < last else ""))
+                ax.set_xlabel("graph node (execution order)")
             ax.set_ylabel(unit)
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+            # beside the axes, never over a curve (it hid the backward graph's)
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      borderaxespad=0)
     else:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         fields = [("budget_bytes", "gather budget"),
@@ -312,7 +337,8 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                   ("activation_peak_bytes", "activation peak"),
                   ("persistent_bytes", "kept for backward")]
         width = 0.8 / len(fields)
-        labels = [f"{run_label(eng)}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
+        labels = [f"{run_label(eng)}\nblock frames" if g.get("structure") == "blocks" else
+                  f"{run_label(eng)}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
                   for eng, g in scheduled]
         for i, (key, name) in enumerate(fields):
             ax.bar([j + i * width for j in range(len(scheduled))],
@@ -437,9 +463,10 @@ def _recompute_plot(record, out_dir) -> Optional[str]:
 
     def bars(ax, key, offset, scale, label, color):
         for x, (_, r, old) in enumerate(runs):
+            # the legend shows the plan in force's colours (the last bar is always one)
             ax.bar(x + offset, r[key] / scale, width, color=color, alpha=0.35 if old else 1.0,
                    hatch="//" if old else None, edgecolor=color,
-                   label=None if x else label)
+                   label=label if x == len(runs) - 1 else None)
 
     bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"])
                                    for _, r, _ in runs))
@@ -455,16 +482,16 @@ def _recompute_plot(record, out_dir) -> Optional[str]:
                                   for _, r, _ in runs))
     bars(right, "forward_flops", -width / 2, fscale, "forward", "tab:blue")
     bars(right, "recomputed_flops", width / 2, fscale, "recomputed in backward", "tab:orange")
-    for x, (_, r, _) in enumerate(runs):
-        right.annotate(f"{r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}",
-                       (x, 0), textcoords="offset points", xytext=(0, 3), ha="center",
-                       fontsize="x-small")
-    right.set_xticks(range(len(runs)), names, fontsize="small")
+    right.set_xticks(range(len(runs)), [
+        f"{name}\nblocks {r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}"
+        for name, r, _ in runs], fontsize="small")
     right.set_ylabel(f"matmul + attention {funit} per step per rank")
     _plain_ticks(right)
     right.set_title("FLOPs (blocks kept/selective/recomputed)")
     right.legend(fontsize="small")
     right.grid(alpha=0.3, axis="y")
+    for ax in (left, right):  # room above the bars for the legend, which then covers none
+        ax.set_ylim(0, 1.3 * max([p.get_height() for p in ax.patches] + [1e-9]))
     fig.suptitle(_title(record, "Activation recompute"), fontsize="medium")
     return _save(fig, os.path.join(out_dir, "recompute.png"))
 
@@ -619,6 +646,37 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
     return table
 
 
+def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
+    """A block frames run's runtime schedule ([Note: one Dynamo frame per block] in
+    zbuf/compile/block_frames.py), one column per engine; None without one."""
+    runs = [(eng, b) for eng in _ok(record) for b in _blocks(eng)]
+    if not runs:
+        return None
+    table = Table(title="zbuf block frames: the runtime gather schedule")
+    table.add_column("")
+    for eng, _ in runs:
+        table.add_column(run_label(eng), justify="right")
+
+    def levels(b):
+        return "/".join(str(b["levels"].count(name)) for name in ("keep", "selective",
+                                                                   "recompute"))
+
+    rows = [("blocks", lambda b: str(b["blocks"])),
+            ("one block's weights", lambda b: format_bytes(b["block_bytes"])),
+            ("parameters outside the blocks", lambda b: format_bytes(b["outer_bytes"])),
+            ("gathered one block ahead", lambda b: "yes" if b["prefetch"] else "no"),
+            ("gather budget", lambda b: format_bytes(b["budget_bytes"])),
+            ("peak live gathered (planned)",
+             lambda b: format_bytes(b["peak_live_gathered_bytes"])),
+            ("pool budget", lambda b: format_bytes(b["pool_bytes"])),
+            ("blocks kept/selective/recomputed", levels),
+            ("blocks kept for backward", lambda b: str(sum(b["kept_for_backward"]))),
+            ("frames compiled", lambda b: str(b["frames_compiled"]))]
+    for label, fn in rows:
+        table.add_row(label, *[fn(b) for _, b in runs])
+    return table
+
+
 def main(path: str, out_dir: Optional[str] = None) -> int:
     try:
         record = load_record(path)
@@ -648,10 +706,10 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
     replans = replan_phases_table(record)
     if replans is not None:
         console.print(replans)
-    table = schedule_table(record)
-    if table is not None:
+    schedules = [t for t in (schedule_table(record), block_schedule_table(record)) if t]
+    for table in schedules:
         console.print(table)
-    else:
+    if not schedules:
         console.print("no zbuf schedule in this record (engines without the zbuf compiler)")
     memory = step_memory_table(record)
     if memory is not None:
