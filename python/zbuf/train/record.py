@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
+from .fit import FIT_SCHEMA
 from .simulate import SIMULATED_NOTE
 
 __all__ = ["SCHEMA", "plans", "per_device_words", "ac_text", "hardware_text", "budget_notices", "summarize",
@@ -320,7 +321,14 @@ def write_record(record: dict[str, Any], path: str) -> None:
 
 
 def load_record(path: str) -> dict[str, Any]:
-    """The record at ``path``; ``ValueError`` naming the file and what is wrong with it."""
+    """The record at ``path``; ``ValueError`` naming the file and what is wrong with it
+    (``FileNotFoundError`` when there is none)."""
+    if os.path.isdir(path):
+        found = [n for n in ("zbuf-train.json", "zbuf-bench.json")
+                 if os.path.isfile(os.path.join(path, n))]
+        example = os.path.join(path, found[0] if found else "zbuf-train.json")
+        raise ValueError(f"{path} is a directory; give the run record's file, e.g. zbuf report "
+                         f"{example}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -330,10 +338,20 @@ def load_record(path: str) -> dict[str, Any]:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         where = f"{e.msg}: line {e.lineno}, column {e.colno}"  # e.msg may end in "at"
-        if not text.rstrip().endswith("}"):  # every record is one object
+        # Every record is one object: a file that starts one and does not end it was cut off;
+        # one that does not start with "{" was never a record ("not json {" read as truncated).
+        if not text.lstrip().startswith("{"):
+            raise ValueError(f"{path} is not a zbuf run record: not JSON ({where}); write one "
+                             f"with zbuf train --out or zbuf bench --out") from None
+        if not text.rstrip().endswith("}"):
             where = f"the file ends before the JSON does, so it is truncated ({where})"
         raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \
             from None
+    if isinstance(record, dict) and record.get("schema") == FIT_SCHEMA:
+        raise ValueError(f"{path} is a zbuf fit record, not a run record: its search found "
+                         f"{record.get('micro_batch')} the largest micro-batch that fits (each "
+                         f"probe is in the file); zbuf report plots the records of zbuf train "
+                         f"--out and zbuf bench --out")
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a zbuf run record (expected schema {SCHEMA!r}); "
                          f"write one with zbuf train --out or zbuf bench --out")

@@ -680,12 +680,19 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
 def main(path: str, out_dir: Optional[str] = None) -> int:
     try:
         record = load_record(path)
-        out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
-                                          os.path.splitext(os.path.basename(path))[0] + "-report")
-        paths = make_plots(record, out_dir)
     except FileNotFoundError:
         print_error("report", f"no such file: {path}")
         return 2
+    except ValueError as e:
+        print_error("report", str(e))
+        return 2
+    except OSError as e:  # read, not written: it is the record that cannot be read
+        print_error("report", f"cannot read {path}: {e.strerror}")
+        return 2
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                      os.path.splitext(os.path.basename(path))[0] + "-report")
+    try:
+        paths = make_plots(record, out_dir)
     except ValueError as e:
         print_error("report", str(e))
         return 2
