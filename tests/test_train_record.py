@@ -104,7 +104,8 @@ def test_report_shows_each_replan_compile_against_the_first():
     first = cells["first step by phase (slowest rank)"]
     assert first["time to the final plan"] == [f"{1.0 + 20 + 10 + 3 + 5:.2f} s"]
     replans = replan_phases_table(rec)
-    assert [c.header for c in replans.columns[1:]] == ["zbuf step 1 (rank 1)", "zbuf step 3 (rank 0)"]
+    # steps numbered from 1, as the console numbers them (the record's 1 and 3)
+    assert [c.header for c in replans.columns[1:]] == ["zbuf step 2 (rank 1)", "zbuf step 4 (rank 0)"]
     rows = cells["re-plan compiles by phase (slowest rank)"]
     assert rows["step (compile + run)"] == ["10.00 s", "5.00 s"]
     assert rows["compile (step less its run)"] == ["7.00 s", "2.40 s"]
@@ -372,3 +373,69 @@ def test_comparison_table_baseline_reads_one_and_columns_name_the_device():
     assert "| tok/s/rank |" in markdown(cpu) and "| peak RSS |" in markdown(cpu)
     assert "GPU" not in markdown(cpu).split("\n| engine")[1] and "device" not in \
         markdown(cpu).split("\n| engine")[1]
+
+
+def test_terminal_tables_at_80_and_160_columns():
+    """Issue 37: the summary title wrapped mid-phrase at 80 and 160 columns; "1 ranks"; the
+    schedule table cut values at 80 columns ("13494faf321…")."""
+    from rich.console import Console
+
+    from zbuf.train.progress import print_table, summary_table
+    from zbuf.train.report import _title
+
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    graphs = [dict(g, graph_id=i, fingerprint=f"{i:x}" * 16, recompute=_recompute_stats(
+        "auto", 1, 2, 1, 3 << 30, 5e12)) for i, g in enumerate(SCHEDULE["graphs"] * 3)]
+    rec = _record([_engine("zbuf", times, losses, schedule={"graphs": graphs})])
+    for width in (80, 160):
+        console = Console(width=width, record=True)
+        print_table(console, summary_table(rec))
+        title = console.export_text().splitlines()[0].strip()
+        assert title == "zbuf bench: qwen3-0.6b, 2 ranks, 1 x 1024 tokens/rank, 4 measured " \
+                        "steps", title
+    console = Console(width=80, record=True)
+    print_table(console, schedule_table(rec))
+    text = console.export_text()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines()), text
+    for g in graphs:
+        assert f" {g['fingerprint']} " in text, g["fingerprint"]
+    assert "(continued)" in text  # six graphs do not fit 80 columns: two tables or more
+    one = dict(rec, world_size=1)
+    assert "1 rank," in _title(one, "Loss") and "1 ranks" not in _title(one, "Loss")
+    console = Console(width=160, record=True)
+    print_table(console, summary_table(one))
+    assert "1 rank," in console.export_text() and "1 ranks" not in console.export_text()
+    assert "1 rank," in markdown(one)
+
+
+def test_plots_number_steps_as_the_console_and_keep_every_line_visible(tmp_path):
+    """Issue 37: plots showed steps 0-29 of a run the console showed as 1-30; the step-time axis
+    read "6x10^3", not ms; both engines' pool high-water lines were the same grey; a legend
+    covered the backward graph's curve; identical loss curves hid one another."""
+    import matplotlib.colors as mcolors
+
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    engines = [_engine(name, [t * 6 for t in times], losses, pool=True, schedule=SCHEDULE)
+               for name in ("zbuf", "zbuf-eager")]
+    engines[1]["pool"]["high_water_bytes"] = 32 << 20
+    figs = _figures(_record(engines), tmp_path)
+    loss = figs["loss.png"].axes[0]
+    assert [list(line.get_xdata()) for line in loss.lines] == [[1, 2, 3, 4, 5, 6]] * 2
+    styles = {(line.get_linestyle(), line.get_marker()) for line in loss.lines}
+    assert len(styles) == 2, styles  # the same numbers, two lines that both show
+    step = figs["step_time.png"].axes[0]
+    figs["step_time.png"].canvas.draw()
+    ticks = [t.get_text() for t in step.get_yticklabels(which="both") if t.get_text()]
+    assert ticks and all("10^" not in t and "times" not in t for t in ticks), ticks
+    assert "6,000" in ticks and "10,000" in ticks, ticks  # 6 to 18 s, in ms
+    pool = figs["memory.png"].axes[1]
+    charged = [line for line in pool.lines if line.get_label().endswith(": charged")]
+    high = [line for line in pool.lines if line.get_label().endswith(": high water")]
+    assert len(high) == 2
+    assert mcolors.to_hex(high[0].get_color()) != mcolors.to_hex(high[1].get_color())
+    for c, h in zip(charged, high):
+        assert mcolors.to_hex(c.get_color()) == mcolors.to_hex(h.get_color())
+    for ax in figs["schedule_memory.png"].axes:
+        figs["schedule_memory.png"].canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1, ax.get_title()  # beside, not over

@@ -17,10 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from .config import Engine, format_bytes
-from .record import per_device_words, run_label
+from .record import per_device_words, ranks_text, run_label
 
 __all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table", "print_error",
-           "flop_unit"]
+           "print_table", "flop_unit"]
 
 
 def print_error(command: str, message: str) -> None:
@@ -104,12 +104,15 @@ def summary_table(record: dict[str, Any]) -> Table:
     measured = {s["measured_steps"] for s in summaries} or {cfg["steps"] - cfg["warmup"]}
     starts = {s.get("start_step", 0) for s in summaries} - {0}
     counts = sorted(measured)
-    table = Table(title=f"zbuf {record['command']}: {record['model']['name']}, "
-                        f"{record['world_size']} ranks, {cfg['micro_batch']} x {cfg['seq_len']} "
-                        f"tokens/rank, {'/'.join(map(str, counts))} measured "
-                        f"step{'' if counts == [1] else 's'}"
-                        + (f", resumed at step {min(starts)}" if starts else "")
-                        + (" (SIMULATED ranks)" if record.get("simulated") else ""))
+    title = (f"zbuf {record['command']}: {record['model']['name']}, "
+             f"{ranks_text(record['world_size'])}, {cfg['micro_batch']} x {cfg['seq_len']} "
+             f"tokens/rank, {'/'.join(map(str, counts))} measured "
+             f"step{'' if counts == [1] else 's'}"
+             + (f", resumed at step {min(starts)}" if starts else "")
+             + (" (SIMULATED ranks)" if record.get("simulated") else ""))
+    # As wide as its title where the terminal allows: a title wraps to its table's width, and
+    # a narrow table split it mid-phrase ("27" / "measured steps") at 80 and 160 columns.
+    table = Table(title=title, min_width=len(title))
     table.add_column("")
     for eng in engines:
         table.add_column(run_label(eng), justify="right")
@@ -182,6 +185,49 @@ def summary_table(record: dict[str, Any]) -> Table:
         row("activations kept for backward", lambda s: format_bytes(
             s["recompute"]["kept_bytes"]) if s.get("recompute") else "-")
     return table
+
+
+_LABEL_WIDTH = 20
+"""The narrowest a table's label column is made (its labels wrap at words) before its value
+columns are split over several tables."""
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print a table of labels (its first column) and values (the others) with every value
+    whole: a value never wraps and is never cut (a fingerprint read "13494faf321…" at 80
+    columns). When the value columns do not fit beside labels of ``_LABEL_WIDTH``, the table is
+    printed as several, each with the labels and as many value columns as fit."""
+    labels, values = table.columns[0], table.columns[1:]
+
+    def width(column) -> int:
+        cells = [Text.from_markup(c).cell_len if isinstance(c, str) else Text(str(c)).cell_len
+                 for c in column._cells]
+        return max(cells + [Text(str(column.header)).cell_len])  # no_wrap holds the header too
+
+    for column in values:
+        column.no_wrap = True
+    room = console.width - 1 - (_LABEL_WIDTH + 3)  # the left border; the labels, padded
+    parts: list[list] = [[]]
+    used = 0
+    for column in values:
+        need = width(column) + 3  # padding both sides and its right border
+        if parts[-1] and used + need > room:
+            parts.append([])
+            used = 0
+        parts[-1].append(column)
+        used += need
+    if len(parts) == 1:
+        console.print(table)
+        return
+    for i, part in enumerate(parts):
+        title = table.title if i == 0 else f"{table.title} (continued)"
+        piece = Table(title=title)
+        piece.add_column(labels.header, justify=labels.justify)
+        for column in part:
+            piece.add_column(column.header, justify=column.justify, no_wrap=True)
+        for row in range(len(labels._cells)):
+            piece.add_row(labels._cells[row], *[c._cells[row] for c in part])
+        console.print(piece)
 
 
 def flop_unit(top: float) -> tuple[float, str]:

@@ -55,7 +55,7 @@ from .config import TrainConfig, format_bytes
 from .fit import FIT_SCHEMA
 from .simulate import SIMULATED_NOTE
 
-__all__ = ["SCHEMA", "plans", "per_device_words", "ac_text", "hardware_text", "budget_notices",
+__all__ = ["SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text", "budget_notices",
            "summarize", "make_record", "write_record", "load_record", "markdown",
            "phases_markdown", "slowest_phases", "merge_records", "run_label", "simulated_text"]
 
@@ -373,6 +373,11 @@ def ac_text(cfg: dict[str, Any]) -> str:
     return {True: "full", False: "off"}.get(ac, ac)  # records written before the modes: bools
 
 
+def ranks_text(n: int) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
 def per_device_words(record: dict[str, Any]) -> tuple[str, str]:
     """What a rank runs on and what its peak memory is, for column names: ("GPU", "peak device
     mem") on CUDA; ("rank", "peak RSS") on CPU, where the peak is the process's resident set."""
@@ -388,7 +393,7 @@ def markdown(record: dict[str, Any]) -> str:
     unit, memory = per_device_words(record)
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
-        f"{record['world_size']} ranks, AC {ac_text(cfg)}, {cfg['dtype']}, "
+        f"{ranks_text(record['world_size'])}, AC {ac_text(cfg)}, {cfg['dtype']}, "
         f"{cfg.get('optimizer', 'adamw')}"
         + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
         "",

@@ -38,8 +38,8 @@ from rich.table import Table
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
-from .progress import flop_unit, print_error
-from .record import load_record, run_label, simulated_text, slowest_replans
+from .progress import flop_unit, print_error, print_table
+from .record import load_record, ranks_text, run_label, simulated_text, slowest_replans
 
 __all__ = ["make_plots", "schedule_table", "block_schedule_table", "step_memory_table",
            "phases_table", "replan_phases_table", "main"]
@@ -62,7 +62,7 @@ def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _title(record: dict[str, Any], what: str) -> str:
     cfg = record["config"]
-    return (f"{what}: {record['model']['name']}, {record['world_size']} ranks"
+    return (f"{what}: {record['model']['name']}, {ranks_text(record['world_size'])}"
             + (" (simulated)" if record.get("simulated") else "") +
             f", {cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
 
@@ -73,6 +73,23 @@ def _byte_unit(top: float) -> tuple[float, str]:
         if top >= scale:
             return scale, name
     return 1.0, "B"
+
+
+def _steps(eng: dict[str, Any]) -> list[int]:
+    """An engine's steps numbered as the console numbers them: from 1 (the record counts from
+    0; plots showed steps 0-29 of a run the console showed as 1-30)."""
+    return [s["step"] + 1 for s in eng["steps"]]
+
+
+_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
+"""Line style and marker per engine, in turn: engines whose curves are identical (FSDP2 and DDP
+train the same numbers) still show every line, dashes and hollow markers over one another."""
+
+
+def _engine_style(i: int) -> dict[str, Any]:
+    line, marker = _STYLES[i % len(_STYLES)]
+    return {"linestyle": line, "marker": marker, "markersize": 4, "markerfacecolor": "none",
+            "linewidth": 1.6 if i == 0 else 1.2}
 
 
 def _plain_ticks(ax) -> None:
@@ -90,9 +107,9 @@ def _save(fig, path: str) -> str:
 def _loss_plot(record, out_dir) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]], [s["loss"] for s in eng["steps"]],
-                marker=".", label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["loss"] for s in eng["steps"]], label=run_label(eng),
+                **_engine_style(i))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over ranks)")
     ax.set_title(_title(record, "Training loss"))
@@ -105,17 +122,25 @@ def _step_time_plot(record, out_dir) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     shaded = False
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]], [s["time_s"] * 1e3 for s in eng["steps"]],
-                marker=".", label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["time_s"] * 1e3 for s in eng["steps"]], label=run_label(eng),
+                **_engine_style(i))
         # A resumed run starts at its checkpoint's step; its warm-up starts there too.
-        start = eng.get("start_step", 0)
+        start = eng.get("start_step", 0) + 1
         warmup = eng.get("warmup_steps", record["config"]["warmup"])
         if warmup:
             ax.axvspan(start - 0.5, start + warmup - 0.5, color="grey", alpha=0.15,
                        label=None if shaded else "warm-up (not measured)")
             shaded = True
     ax.set_yscale("log")
+    # Milliseconds as numbers: within a decade log scale labels its minor ticks "6x10^3".
+    # Across decades the minor ticks stay unlabelled, as the log scale leaves them.
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ms = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
+    ax.yaxis.set_major_formatter(ms)
+    low, high = ax.dataLim.y0, ax.dataLim.y1
+    ax.yaxis.set_minor_formatter(ms if 0 < low and high < 10 * low else NullFormatter())
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, slowest rank, log scale)")
     ax.set_title(_title(record, "Step time"))
@@ -131,10 +156,9 @@ def _memory_plot(record, out_dir) -> str:
     fig, axes = plt.subplots(2 if pooled else 1, 1, figsize=(8, 7 if pooled else 4.5),
                              squeeze=False)
     ax = axes[0, 0]
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]],
-                [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
-                label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["device_bytes"] / _GIB for s in eng["steps"]],
+                label=run_label(eng), **_engine_style(i))
     ax.set_xlabel("step")
     ax.set_ylabel(("allocator reserved + pool" if cuda else "resident set") + ", GiB")
     ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
@@ -143,13 +167,12 @@ def _memory_plot(record, out_dir) -> str:
     ax.legend(fontsize="small")
     if pooled:
         ax = axes[1, 0]
-        for eng in pooled:
-            ax.plot([s["step"] for s in eng["steps"]],
-                    [s["pool_bytes"] / (1 << 20) for s in eng["steps"]], marker=".",
-                    label=f"{run_label(eng)}: charged")
+        for i, eng in enumerate(pooled):
+            line, = ax.plot(_steps(eng), [s["pool_bytes"] / (1 << 20) for s in eng["steps"]],
+                            label=f"{run_label(eng)}: charged", **_engine_style(i))
             hw = (eng.get("pool") or {}).get("high_water_bytes")
-            if hw:
-                ax.axhline(hw / (1 << 20), linestyle="--", color="grey",
+            if hw:  # in its engine's colour: two engines' lines were the same grey
+                ax.axhline(hw / (1 << 20), linestyle="--", color=line.get_color(), alpha=0.6,
                            label=f"{run_label(eng)}: high water")
         ax.set_xlabel("step")
         ax.set_ylabel("MiB (max over ranks)")
@@ -240,7 +263,8 @@ def replan_phases_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="re-plan compiles by phase (slowest rank)")
     table.add_column("")
     for eng, _, r in columns:
-        table.add_column(f"{run_label(eng)} step {r['step']} (rank {r['rank']})", justify="right")
+        table.add_column(f"{run_label(eng)} step {r['step'] + 1} (rank {r['rank']})",
+                         justify="right")
     for name in PHASES:
         table.add_row(PHASE_LABELS[name], *[f"{r['phases'].get(name, 0.0):.2f} s"
                                             for *_, r in columns])
@@ -382,7 +406,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
     scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
     for row, eng in enumerate(engines):
         steps = eng["steps"]
-        x = [s["step"] for s in steps]
+        x = _steps(eng)
         ax = axes[row, 0]
         for key, label, style, color in (
                 ("forward_peak_bytes", "forward peak", "-", "tab:blue"),
@@ -407,7 +431,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
                         label=f"gather budget {text} GiB (off scale)")
             for s in steps:
                 if any(s.get("replanned") or []):
-                    ax.axvline(s["step"], color="tab:red", alpha=0.3, linestyle="--",
+                    ax.axvline(s["step"] + 1, color="tab:red", alpha=0.3, linestyle="--",
                                label="re-plan")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (max over ranks)")
@@ -428,7 +452,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         twin = ax.twinx()
         width = 0.8 / max(1, ranks)
         for r in range(ranks):
-            twin.bar([s["step"] - 0.4 + (r + 0.5) * width for s in steps],
+            twin.bar([step - 0.4 + (r + 0.5) * width for step in x],
                      [(s.get("pool_yielded_bytes") or [0] * ranks)[r] / scale for s in steps],
                      width, alpha=0.35, label=f"rank {r}: pool lent to the optimizer")
         twin.set_ylabel(unit)
@@ -570,7 +594,7 @@ def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
             ("measured limit (torch + pool)", measured("limit_bytes")),
             ("gather budget, planned", measured("planned_budget_bytes")),
             ("gather budget, measured", measured("budget_bytes")),
-            ("re-planned", lambda e: ",".join(str(s["step"]) for s in e["steps"]
+            ("re-planned at step", lambda e: ",".join(str(s["step"] + 1) for s in e["steps"]
                                               if any(s.get("replanned") or [])) or "no"),
             ("re-plan compiled", lambda e: _recompiled_text(e.get("step_memory") or {})),
             ("weights kept for backward (run time)", _kept_text),
@@ -709,18 +733,18 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
         console.print(sim, highlight=False, markup=False, soft_wrap=True)
     phases = phases_table(record)
     if phases is not None:
-        console.print(phases)
+        print_table(console, phases)
     replans = replan_phases_table(record)
     if replans is not None:
-        console.print(replans)
+        print_table(console, replans)
     schedules = [t for t in (schedule_table(record), block_schedule_table(record)) if t]
     for table in schedules:
-        console.print(table)
+        print_table(console, table)
     if not schedules:
         console.print("no zbuf schedule in this record (engines without the zbuf compiler)")
     memory = step_memory_table(record)
     if memory is not None:
-        console.print(memory)
+        print_table(console, memory)
     for p in paths:
         console.print(f"wrote {p}", highlight=False, soft_wrap=True)  # a path, whole
     return 0
