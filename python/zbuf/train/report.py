@@ -392,7 +392,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         return None
     plt = _plt()
     cuda = record["environment"].get("device_type") == "cuda"
-    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
+    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 5.4 * len(engines)), squeeze=False)
     data_top = max([v for e in engines for s in e["steps"]
                     for k in ("forward_peak_bytes", "backward_peak_bytes",
                               "optimizer_peak_bytes", "pool_held_bytes")
@@ -424,22 +424,24 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
                 ax.step(x, [None if b is None else b / scale for b in budget], where="mid",
                         color="tab:red", label="gather budget (planned, then re-planned)")
             else:
-                text = " -> ".join(f"{b / _GIB:.2f}" for b in dict.fromkeys(
+                # each in its own unit: a 5 MiB plan read "0.00 -> 20.00 GiB"
+                text = " -> ".join(format_bytes(b) for b in dict.fromkeys(
                     b for b in budget if b is not None))
                 # a legend entry, not text on the axes: it stays off the lines
                 ax.plot([], [], linestyle="none", marker="^", color="tab:red",
-                        label=f"gather budget {text} GiB (off scale)")
-            for s in steps:
-                if any(s.get("replanned") or []):
-                    ax.axvline(s["step"] + 1, color="tab:red", alpha=0.3, linestyle="--",
-                               label="re-plan")
+                        label=f"gather budget {text} (off scale)")
+            replans = [step for step, s in zip(x, steps) if any(s.get("replanned") or [])]
+            for i, step in enumerate(replans):  # one legend entry for them all
+                ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--",
+                           label=None if i else "re-plan")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (max over ranks)")
         ax.set_ylim(bottom=0)
         what = "torch allocated" if cuda else "tracked tensors (CPU stand-in)"
         ax.set_title(f"{run_label(eng)}: phase peaks ({what}) and the pool")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        # below the axes, never over the lines (it hid the pool's)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
         ax = axes[row, 1]
         ranks = len(steps[0]["alloc_retries"])
         for r in range(ranks):
@@ -458,7 +460,8 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         twin.set_ylabel(unit)
         lines = ax.get_legend_handles_labels()
         bars = twin.get_legend_handles_labels()
-        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper left")
+        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper center",
+                  bbox_to_anchor=(0.5, -0.15), ncol=2)  # below, as the left one: off the bars
         ax.set_title(f"{run_label(eng)}: allocator retries and pool lending, per rank")
     return _save(fig, os.path.join(out_dir, "step_memory.png"))
 
