@@ -8,6 +8,7 @@ show the loss falling.
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -222,6 +223,13 @@ def test_train_default_engine_then_report(tmp_path):
     # The report command on a line of its own, whole, however long the path (rich wraps at 80
     # columns in a pipe; it split "zbuf report PATH" before)
     assert f"plots:  zbuf report {out}" in res.stdout.splitlines(), res.stdout
+    # The README's sample is this run's output (issue 37: it showed a budget of 18.87 GiB where
+    # runs planned 6.76 MiB), its first loss too.
+    from test_readme import check_sample, readme_sample
+
+    check_sample("train", res.stdout)
+    first = re.search(r"step 1/\d+  mean loss (\S+)", readme_sample("train")).group(1)
+    assert float(first) == live[0], (first, live[0])
 
     plots = tmp_path / "plots"
     # The measured step's plan and the grown one are two graphs each: a wide terminal keeps the
@@ -237,6 +245,7 @@ def test_train_default_engine_then_report(tmp_path):
     assert sorted(readme_report_plots()) == names, readme_report_plots()
     assert [line.split("/")[-1] for line in rep.stdout.splitlines()
             if line.startswith("wrote ")] == readme_report_plots()  # in the order written
+    check_sample("report", rep.stdout)
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
