@@ -277,7 +277,8 @@ def _check_plot_layout(record, out_dir):
     finally:
         report._save = orig
     rec = figs["recompute.png"].axes
-    assert "MiB per rank" in rec[0].get_ylabel() and "MFLOP" in rec[1].get_ylabel()
+    # the blocks' FLOPs counted too (issue 37): GFLOP, where the output head alone was MFLOP
+    assert "MiB per rank" in rec[0].get_ylabel() and "GFLOP" in rec[1].get_ylabel()
     for ax in rec:  # no "1e-5" offset text over the title
         ax.figure.canvas.draw()
         assert ax.yaxis.get_offset_text().get_text() == "", ax.get_ylabel()
