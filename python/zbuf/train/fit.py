@@ -215,7 +215,8 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
         retries = "-" if p.retries_warmup is None else f"{p.retries_warmup}/{p.retries_measured}"
         step = "-" if p.step_time_s is None else f"{p.step_time_s * 1e3:,.0f} ms"
         console.print(f"  micro-batch {p.micro_batch:>4}: {'fits' if p.fits else 'no  '}  "
-                      f"{'peak RSS' if cpu else 'peak'} {peak:>11}  headroom {room:>11}  retries warm-up/measured {retries:>5}  "
+                      f"{'peak RSS' if cpu else 'peak'} {peak:>11}  headroom {room:>11}  "
+                      f"retries warm-up/measured {retries:>5}  "
                       f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}",
                       highlight=False, markup=False, soft_wrap=True)
 

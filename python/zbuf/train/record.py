@@ -55,9 +55,10 @@ from .config import TrainConfig, format_bytes
 from .fit import FIT_SCHEMA
 from .simulate import SIMULATED_NOTE
 
-__all__ = ["SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text", "budget_notices",
-           "summarize", "make_record", "write_record", "load_record", "markdown",
-           "phases_markdown", "slowest_phases", "merge_records", "run_label", "simulated_text"]
+__all__ = ["SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text",
+           "budget_notices", "summarize", "make_record", "write_record", "load_record",
+           "markdown", "phases_markdown", "slowest_phases", "merge_records", "run_label",
+           "simulated_text"]
 
 SCHEMA = "zbuf.run/1"
 
