@@ -347,7 +347,9 @@ def test_fit_options_say_what_fit_does(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())
     assert "--steps STEPS steps per probe, warm-up included (default 5: 2 warm-up + 3 measured)" \
         in text and "(default 30)" not in text, text
-    assert "zbuf-fit.json" in text  # --out: where fit writes its record by default
+    # --out: fit writes its record whether or not it is given (the README said "with --out")
+    assert "--out RUN.json JSON record of the search, every probe in it (default zbuf-fit.json)" \
+        in text, text
     assert verdict((1 << 30) + (5 << 20), 1 << 30, 0) == \
         "peak 1.00 GiB is 5.00 MiB over the 1.00 GiB card"
     assert verdict(1 << 30, 1 << 30, 0) == "fits"

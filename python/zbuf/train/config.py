@@ -197,7 +197,9 @@ class TrainConfig:
     """Ranks to launch; default every visible GPU, or 2 on CPU. Under torchrun: its world size."""
     out: Optional[str] = option(
         help="JSON record (default zbuf-train.json, zbuf-bench.json or zbuf-fit.json; bench "
-             "writes its markdown table next to it as .md)", group="output", metavar="RUN.json", commands=WITH_FIT)
+             "writes its markdown table next to it as .md)", group="output", metavar="RUN.json",
+        commands=WITH_FIT, help_for={"fit": "JSON record of the search, every probe in it "
+                                            "(default zbuf-fit.json)"})
     """Where the JSON record goes; default ``zbuf-train.json`` / ``zbuf-bench.json``."""
     dtype: str = option(
         "auto", help="compute dtype; master weights stay fp32 (default: bf16 on GPU, fp32 on "
