@@ -302,6 +302,11 @@ def test_report_on_a_block_frames_run(one_rank_runs, tmp_path):
     assert res.returncode == 0, _why(res, out)
     summary = json.loads(out.read_text())["engines"][0]["summary"]
     assert summary["schedule_budget_bytes"] and summary["schedule_peak_live_bytes"], summary
+    # The levels in force, and step 0's (every block recomputed) apart, as for the whole graph
+    assert summary["recompute"]["regions_kept"] == 2, summary["recompute"]
+    assert [(r["regions"], r["regions_recomputed"]) for r in summary["recompute_replaced"]] == \
+        [(2, 2)], summary["recompute_replaced"]
+    assert "before the re-plan: blocks" in " ".join(res.stdout.split()), res.stdout
     rep = _run(["report", str(out), "-o", str(tmp_path / "plots")], timeout=120,
                env={"COLUMNS": "200"})
     assert rep.returncode == 0, rep.stderr

@@ -281,7 +281,10 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     def schedule_report() -> Optional[dict]:
         frames = block_frames_of(whole)
         if frames is not None:  # no graph holds the step: the frames' runtime schedule does
-            return {"graphs": [], "blocks": frames.schedule()}
+            replanner = getattr(zcompiled.step_memory_of(compiled), "replanner", None)
+            replaced = getattr(replanner, "replaced", [])
+            return {"graphs": [], "blocks": dict(frames.schedule(), recompute_replaced=[
+                r.to_dict() for r in replaced])}
         records = zschedule_report(model) or zschedule_report(whole) or zschedule_report(None)
         if not records:
             return None

@@ -215,7 +215,8 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "schedule_budget_bytes": _find(final, ("budget_bytes",)),
         "schedule_peak_live_bytes": _find(final, ("peak_live_bytes", "peak_live_gathered_bytes")),
         "recompute": _recompute(final["graphs"]) or _block_recompute(result.get("step_memory")),
-        "recompute_replaced": [r for r in map(_recompute, replaced) if r],
+        "recompute_replaced": ([r for r in map(_recompute, replaced) if r]
+                               or final.get("blocks", {}).get("recompute_replaced", [])),
         "compile_phases": slowest_phases(result),
     }
 
