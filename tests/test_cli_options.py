@@ -234,6 +234,29 @@ def test_report_rejects_what_is_not_a_record(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["x.json"]
 
 
+def test_report_on_a_directory_a_non_json_file_and_a_fit_record(tmp_path, capsys):
+    """Issue 37: ``zbuf report /tmp`` said "cannot write plots to None: Is a directory"; a file
+    holding ``not json {`` was called truncated; a fit record was "not a zbuf run record"
+    without a word of what it is."""
+    (tmp_path / "zbuf-bench.json").write_text("{}")
+    assert main(["report", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{tmp_path} is a directory; give the run record's file, e.g. zbuf report " \
+           f"{tmp_path / 'zbuf-bench.json'}" in line and "None" not in line, line
+    junk = tmp_path / "junk.json"
+    junk.write_text("not json {")
+    assert main(["report", str(junk)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{junk} is not a zbuf run record: not JSON" in line and "truncated" not in line, line
+    fit = tmp_path / "zbuf-fit.json"
+    fit.write_text(json.dumps({"schema": "zbuf.fit/1", "micro_batch": 6, "probes": []}))
+    assert main(["report", str(fit)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{fit} is a zbuf fit record, not a run record: its search found 6 the largest " \
+           "micro-batch that fits" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["junk.json", "zbuf-bench.json", "zbuf-fit.json"]
+
+
 def test_help_does_not_import_torch():
     # zbuf --help took 3 s: torch imported for nothing ([Note: lazy import] in zbuf/__init__.py).
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "zbuf.cli", "train", "--help"],

@@ -8,6 +8,7 @@ show the loss falling.
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,9 +145,9 @@ def _started(args, where, name, env=None) -> Started:
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory):
-    """The two one-rank runs of the tests below, started together: each is one worker process
-    (and a launcher waiting on it), so CI's two cores take both in about the time of one (13-14 s
-    each, one after the other).
+    """The one-rank runs of the tests below, started together: each is one worker process (and a
+    launcher waiting on it), so CI's two cores take them in less than the time of one after the
+    other (13-14 s each).
 
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("one_rank")
@@ -156,6 +157,9 @@ def one_rank_runs(tmp_path_factory):
                                            "ZBUF_FAULT_SIGNAL": "OOM"}),
         "floor": _started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
                            "--out", str(where / "floor.json")], where, "floor"),
+        "blocks": _started(["train", "--steps", "4", "--nproc", "1", "--layers", "2",
+                            "--compile-structure", "blocks", "--ac", "auto",
+                            "--out", str(where / "blocks.json")], where, "blocks"),
     }
     try:
         return {name: (s.result(timeout=400), where / f"{name}.json") for name, s in started.items()}
@@ -219,6 +223,13 @@ def test_train_default_engine_then_report(tmp_path):
     # The report command on a line of its own, whole, however long the path (rich wraps at 80
     # columns in a pipe; it split "zbuf report PATH" before)
     assert f"plots:  zbuf report {out}" in res.stdout.splitlines(), res.stdout
+    # The README's sample is this run's output (issue 37: it showed a budget of 18.87 GiB where
+    # runs planned 6.76 MiB), its first loss too.
+    from test_readme import check_sample, readme_sample
+
+    check_sample("train", res.stdout)
+    first = re.search(r"step 1/\d+  mean loss (\S+)", readme_sample("train")).group(1)
+    assert float(first) == live[0], (first, live[0])
 
     plots = tmp_path / "plots"
     # The measured step's plan and the grown one are two graphs each: a wide terminal keeps the
@@ -234,6 +245,7 @@ def test_train_default_engine_then_report(tmp_path):
     assert sorted(readme_report_plots()) == names, readme_report_plots()
     assert [line.split("/")[-1] for line in rep.stdout.splitlines()
             if line.startswith("wrote ")] == readme_report_plots()  # in the order written
+    check_sample("report", rep.stdout)
     for name in names:
         _png_has_plot(plots / name)
     assert "peak live gathered" in rep.stdout  # the schedule table
@@ -265,7 +277,8 @@ def _check_plot_layout(record, out_dir):
     finally:
         report._save = orig
     rec = figs["recompute.png"].axes
-    assert "MiB per rank" in rec[0].get_ylabel() and "MFLOP" in rec[1].get_ylabel()
+    # the blocks' FLOPs counted too (issue 37): GFLOP, where the output head alone was MFLOP
+    assert "MiB per rank" in rec[0].get_ylabel() and "GFLOP" in rec[1].get_ylabel()
     for ax in rec:  # no "1e-5" offset text over the title
         ax.figure.canvas.draw()
         assert ax.yaxis.get_offset_text().get_text() == "", ax.get_ylabel()
@@ -280,6 +293,29 @@ def _check_plot_layout(record, out_dir):
     step = figs["step_memory.png"].axes[0]
     assert step.get_ylim()[0] == 0 and not step.texts  # no label drawn over the lines
     assert any("off scale" in t.get_text() for t in step.get_legend().get_texts())
+
+
+def test_report_on_a_block_frames_run(one_rank_runs, tmp_path):
+    """Issue 37: ``zbuf report`` on a ``--compile-structure blocks`` run said "no zbuf schedule
+    in this record" and wrote 6 of the 7 plots: block frames' runtime schedule is the run's."""
+    res, out = one_rank_runs["blocks"]
+    assert res.returncode == 0, _why(res, out)
+    summary = json.loads(out.read_text())["engines"][0]["summary"]
+    assert summary["schedule_budget_bytes"] and summary["schedule_peak_live_bytes"], summary
+    # The levels in force, and step 0's (every block recomputed) apart, as for the whole graph
+    assert summary["recompute"]["regions_kept"] == 2, summary["recompute"]
+    assert [(r["regions"], r["regions_recomputed"]) for r in summary["recompute_replaced"]] == \
+        [(2, 2)], summary["recompute_replaced"]
+    assert "before the re-plan: blocks" in " ".join(res.stdout.split()), res.stdout
+    rep = _run(["report", str(out), "-o", str(tmp_path / "plots")], timeout=120,
+               env={"COLUMNS": "200"})
+    assert rep.returncode == 0, rep.stderr
+    assert "no zbuf schedule" not in rep.stdout, rep.stdout
+    assert "zbuf block frames: the runtime gather schedule" in rep.stdout, rep.stdout
+    assert "blocks kept/selective/recomputed" in rep.stdout
+    from test_readme import readme_report_plots
+
+    assert sorted(os.listdir(tmp_path / "plots")) == sorted(readme_report_plots())
 
 
 def test_two_steps_with_a_budget_below_the_floor(one_rank_runs):

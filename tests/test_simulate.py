@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 
@@ -304,6 +305,9 @@ def test_fit_on_cpu_finds_a_micro_batch_and_a_smaller_card_a_smaller_one(tmp_pat
     assert set(peaks) == {1, 2} and peaks[2] > peaks[1], peaks
     assert all(p["headroom_bytes"] == (16 << 30) - p["peak_bytes"] for p in found["probes"])
     assert "largest micro-batch that fits: 2" in res.stdout and "headroom" in res.stdout
+    # On CPU the peak is the probe process's resident memory, and fit says so (issue 37).
+    assert "peak RSS is the probe process's peak resident memory" in res.stdout, res.stdout
+    assert "  micro-batch    1: fits  peak RSS " in res.stdout, res.stdout
 
     small = tmp_path / "small.json"
     card = (peaks[1] + peaks[2]) // 2
@@ -318,9 +322,38 @@ def test_fit_on_cpu_finds_a_micro_batch_and_a_smaller_card_a_smaller_one(tmp_pat
     assert found["micro_batch"] == max(m for m, p in fits.items() if p["fits"]), found
     assert found["micro_batch"] <= 2 and found["card_bytes"] == card, found
     for p in fits.values():
-        assert p["peak_bytes"] <= card if p["fits"] else "over the card" in p["why"], p
+        assert p["peak_bytes"] <= card if p["fits"] else \
+            re.search(r"is .* over the .* card$", p["why"]), p
     if found["micro_batch"] == 2:  # the noisy case: micro-batch 2 did fit the midpoint here
         assert fits[2]["peak_bytes"] <= card < peaks[2], (fits, peaks)
+
+
+def test_fit_options_say_what_fit_does(capsys, monkeypatch):
+    """Issue 37: a minimum above the maximum was accepted (and answered the maximum); ``fit
+    --help`` gave --steps train's default of 30 where fit runs 5; "peak 1.00 GiB is over the
+    card" on a card of 1.00 GiB."""
+    from zbuf.cli import main
+    from zbuf.train.fit import verdict
+
+    assert main(["fit", "--simulate-world", "2", "--gpu-memory", "1GiB",
+                 "--min-micro-batch", "10", "--max-micro-batch", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["zbuf fit: error: --min-micro-batch 10 is above --max-micro-batch 2: the "
+                   "search runs from the first up to the second; give a minimum no larger than "
+                   "the maximum"], err
+    monkeypatch.setenv("COLUMNS", "300")  # argparse wraps "warm-up" at its hyphen
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--steps STEPS steps per probe, warm-up included (default 5: 2 warm-up + 3 measured)" \
+        in text and "(default 30)" not in text, text
+    # --out: fit writes its record whether or not it is given (the README said "with --out")
+    assert "--out RUN.json JSON record of the search, every probe in it (default zbuf-fit.json)" \
+        in text, text
+    assert verdict((1 << 30) + (5 << 20), 1 << 30, 0) == \
+        "peak 1.00 GiB is 5.00 MiB over the 1.00 GiB card"
+    assert verdict(1 << 30, 1 << 30, 0) == "fits"
+    assert verdict(1 << 20, 1 << 30, 2) == "2 allocator retries after warm-up"
 
 
 def test_fit_probe_time_limit_ends_the_probe_not_the_search(tmp_path):

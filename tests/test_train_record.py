@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -103,7 +104,8 @@ def test_report_shows_each_replan_compile_against_the_first():
     first = cells["first step by phase (slowest rank)"]
     assert first["time to the final plan"] == [f"{1.0 + 20 + 10 + 3 + 5:.2f} s"]
     replans = replan_phases_table(rec)
-    assert [c.header for c in replans.columns[1:]] == ["zbuf step 1 (rank 1)", "zbuf step 3 (rank 0)"]
+    # steps numbered from 1, as the console numbers them (the record's 1 and 3)
+    assert [c.header for c in replans.columns[1:]] == ["zbuf step 2 (rank 1)", "zbuf step 4 (rank 0)"]
     rows = cells["re-plan compiles by phase (slowest rank)"]
     assert rows["step (compile + run)"] == ["10.00 s", "5.00 s"]
     assert rows["compile (step less its run)"] == ["7.00 s", "2.40 s"]
@@ -249,7 +251,57 @@ def test_summary_table_recompute_rows_follow_the_mode():
         dict(g, recompute=auto) for g in SCHEDULE["graphs"]]})]))
     assert "blocks kept/selective/recomputed │ 1/2/1" in text, text
     assert "activations kept / recomputed │ 3.00 GiB / 1.00 GiB" in text, text
-    assert "recomputed FLOP per step │ 5.00 T of 40.00 T" in text, text
+    assert "recomputed TFLOP per step │ 5.00 of 40.00" in text, text
+
+
+def test_the_plan_in_force_is_reported_and_the_replaced_one_apart(tmp_path):
+    """Issue 37: ``--ac auto``'s summary and recompute.png added the measured step's plan (every
+    block recomputed) to the re-planned one (every block kept): "4/0/4" for a 4-block model."""
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    measured = _recompute_stats("auto", 0, 0, 4, 3 << 20, 2e9)
+    grown = _recompute_stats("auto", 4, 0, 0, 34 << 20, 0.0)
+    graphs = [dict(g, graph_id=g["graph_id"] + 2 * plan, plan=plan, recompute=stats,
+                   budget_bytes=(3 << 20) * (1 + 9 * plan))
+              for plan, stats in ((0, measured), (1, grown)) for g in SCHEDULE["graphs"]]
+    rec = _record([_engine("zbuf", times, losses, schedule={"graphs": graphs})])
+    summary = rec["engines"][0]["summary"]
+    assert summary["recompute"]["regions_kept"] == 4 and summary["recompute"]["regions"] == 4
+    assert summary["recompute"]["kept_bytes"] == 34 << 20
+    assert summary["schedule_budget_bytes"] == 30 << 20  # the plan in force's
+    assert [r["regions_recomputed"] for r in summary["recompute_replaced"]] == [4]
+    text = _table_text(rec)
+    assert "blocks kept/selective/recomputed │ 4/0/0" in text, text
+    assert "activations kept / recomputed │ 34.00 MiB / 1.00 GiB" in text, text
+    assert "before the re-plan: blocks │ 0/0/4" in text, text
+    assert "before the re-plan: kept / recomputed │ 3.00 MiB / 1.00 GiB" in text, text
+    headers = [c.header for c in schedule_table(rec).columns[1:]]
+    assert headers == ["zbuf forward #0 (replaced)", "zbuf backward #1 (replaced)",
+                       "zbuf forward #2", "zbuf backward #3"], headers
+    figs = _figures(rec, tmp_path)
+    ax = figs["recompute.png"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "zbuf\nmeasured step\n(replaced)", "zbuf\nfinal plan"]
+    kept = [p.get_height() for p in ax.patches[:2]]  # "kept for backward", in GiB
+    assert kept == [3 / 1024, 34 / 1024], kept
+
+
+def _figures(record, out_dir):
+    """The figures make_plots draws, by file name, before they are closed."""
+    import zbuf.train.report as report
+
+    figs = {}
+
+    def keep(fig, path):
+        figs[os.path.basename(path)] = fig
+        return path
+
+    orig = report._save
+    report._save = keep
+    try:
+        report.make_plots(record, str(out_dir))
+    finally:
+        report._save = orig
+    return figs
 
 
 def test_recompute_in_summary_table_plot_and_merge(tmp_path, capsys, monkeypatch):
@@ -289,7 +341,101 @@ def test_recompute_in_summary_table_plot_and_merge(tmp_path, capsys, monkeypatch
     labels = [c.plain if hasattr(c, "plain") else str(c) for c in table.columns[0]._cells]
     assert "recomputed FLOPs" in labels and "blocks selective" in labels
     assert table.columns[1]._cells[labels.index("blocks selective")] == "2"
-    assert table.columns[1]._cells[labels.index("recomputed FLOPs")] == "5.000 T"
+    # one unit for every FLOP count of the table (it mixed "67,108,864" and "0.003 T")
+    assert table.columns[1]._cells[labels.index("recomputed FLOPs")] == "5.00 TFLOP"
+    assert table.columns[1]._cells[labels.index("forward FLOPs")] == "40.00 TFLOP"
     assert any(p.endswith("recompute.png") for p in make_plots(merged, str(tmp_path / "plots")))
     # Records of one engine and one mode still refuse to merge twice.
     assert main(["bench", "--merge", str(paths[1]), str(paths[1]), "--out", str(out)]) == 2
+
+
+def test_comparison_table_baseline_reads_one_and_columns_name_the_device():
+    """Issue 37: FSDP2's own row read "to the final plan 1.190x" in the table relative to FSDP2
+    (its set-up against its first step alone); a CPU run's columns said tok/s/GPU and peak
+    device mem over host memory."""
+    from zbuf.train.progress import comparison_table
+
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    engines = [_engine("zbuf", times, losses), _engine("fsdp2", times, losses)]
+    engines[0]["steps"][2]["replanned"] = [True, True]
+    rec = _record(engines)
+    table = comparison_table(rec)
+    columns = {c.header: list(c._cells) for c in table.columns}
+    assert columns["engine"] == ["zbuf", "fsdp2"]
+    assert all(cells[1] == "1.000x" for header, cells in columns.items() if header != "engine")
+    assert columns["to the final plan"][0] == f"{(1 + 3 + 1 + 1) / (1 + 3):.3f}x"
+    assert "tok/s/GPU" in columns and "peak device mem" in columns
+    assert "| tok/s/GPU |" in markdown(rec) and "| peak device mem |" in markdown(rec)
+    cpu = dict(rec, environment={"device_type": "cpu", "torch": "2.11.0"})
+    headers = [c.header for c in comparison_table(cpu).columns]
+    assert headers == ["engine", "step time", "tok/s/rank", "peak RSS", "first step",
+                       "to the final plan"], headers
+    assert "| tok/s/rank |" in markdown(cpu) and "| peak RSS |" in markdown(cpu)
+    assert "GPU" not in markdown(cpu).split("\n| engine")[1] and "device" not in \
+        markdown(cpu).split("\n| engine")[1]
+
+
+def test_terminal_tables_at_80_and_160_columns():
+    """Issue 37: the summary title wrapped mid-phrase at 80 and 160 columns; "1 ranks"; the
+    schedule table cut values at 80 columns ("13494faf321…")."""
+    from rich.console import Console
+
+    from zbuf.train.progress import print_table, summary_table
+    from zbuf.train.report import _title
+
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    graphs = [dict(g, graph_id=i, fingerprint=f"{i:x}" * 16, recompute=_recompute_stats(
+        "auto", 1, 2, 1, 3 << 30, 5e12)) for i, g in enumerate(SCHEDULE["graphs"] * 3)]
+    rec = _record([_engine("zbuf", times, losses, schedule={"graphs": graphs})])
+    for width in (80, 160):
+        console = Console(width=width, record=True)
+        print_table(console, summary_table(rec))
+        title = console.export_text().splitlines()[0].strip()
+        assert title == "zbuf bench: qwen3-0.6b, 2 ranks, 1 x 1024 tokens/rank, 4 measured " \
+                        "steps", title
+    console = Console(width=80, record=True)
+    print_table(console, schedule_table(rec))
+    text = console.export_text()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines()), text
+    for g in graphs:
+        assert f" {g['fingerprint']} " in text, g["fingerprint"]
+    assert "(continued)" in text  # six graphs do not fit 80 columns: two tables or more
+    one = dict(rec, world_size=1)
+    assert "1 rank," in _title(one, "Loss") and "1 ranks" not in _title(one, "Loss")
+    console = Console(width=160, record=True)
+    print_table(console, summary_table(one))
+    assert "1 rank," in console.export_text() and "1 ranks" not in console.export_text()
+    assert "1 rank," in markdown(one)
+
+
+def test_plots_number_steps_as_the_console_and_keep_every_line_visible(tmp_path):
+    """Issue 37: plots showed steps 0-29 of a run the console showed as 1-30; the step-time axis
+    read "6x10^3", not ms; both engines' pool high-water lines were the same grey; a legend
+    covered the backward graph's curve; identical loss curves hid one another."""
+    import matplotlib.colors as mcolors
+
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    engines = [_engine(name, [t * 6 for t in times], losses, pool=True, schedule=SCHEDULE)
+               for name in ("zbuf", "zbuf-eager")]
+    engines[1]["pool"]["high_water_bytes"] = 32 << 20
+    figs = _figures(_record(engines), tmp_path)
+    loss = figs["loss.png"].axes[0]
+    assert [list(line.get_xdata()) for line in loss.lines] == [[1, 2, 3, 4, 5, 6]] * 2
+    styles = {(line.get_linestyle(), line.get_marker()) for line in loss.lines}
+    assert len(styles) == 2, styles  # the same numbers, two lines that both show
+    step = figs["step_time.png"].axes[0]
+    figs["step_time.png"].canvas.draw()
+    ticks = [t.get_text() for t in step.get_yticklabels(which="both") if t.get_text()]
+    assert ticks and all("10^" not in t and "times" not in t for t in ticks), ticks
+    assert "6,000" in ticks and "10,000" in ticks, ticks  # 6 to 18 s, in ms
+    pool = figs["memory.png"].axes[1]
+    charged = [line for line in pool.lines if line.get_label().endswith(": charged")]
+    high = [line for line in pool.lines if line.get_label().endswith(": high water")]
+    assert len(high) == 2
+    assert mcolors.to_hex(high[0].get_color()) != mcolors.to_hex(high[1].get_color())
+    for c, h in zip(charged, high):
+        assert mcolors.to_hex(c.get_color()) == mcolors.to_hex(h.get_color())
+    for ax in figs["schedule_memory.png"].axes:
+        figs["schedule_memory.png"].canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1, ax.get_title()  # beside, not over

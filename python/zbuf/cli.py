@@ -23,7 +23,7 @@ import sys
 import types
 from typing import Optional
 
-from .train.config import AC_CHOICES, Engine, Task, TrainConfig
+from .train.config import AC_CHOICES, FIT_STEPS, Engine, Task, TrainConfig
 from .train.errors import ConfigError
 from .train.options import POSITIVE_INT, SECONDS, cli_option
 
@@ -127,7 +127,8 @@ def _add_config_options(p: argparse.ArgumentParser, command: str) -> None:
             kwargs["metavar"] = opt.metavar
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kwargs["default"] = getattr(default, "value", default)
-        group(opt.group).add_argument(flag, dest=f.name, help=opt.help, **kwargs)
+        group(opt.group).add_argument(flag, dest=f.name, help=opt.help_for.get(command, opt.help),
+                                      **kwargs)
         if f.name == "ac":
             group(opt.group).add_argument("--no-ac", dest="ac", action="store_const",
                                           const="off", help="no activation checkpointing (same "
@@ -169,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "steps", description="Find the largest micro-batch that "
                          "trains without OOM and without allocator retries after warm-up on a "
                          "card of --gpu-memory, as rank 0 of --simulate-world ranks: a bisection "
-                         "of simulated runs, each probe its own process with a time limit "
-                         "(default --steps 5 per probe, warm-up included).")
+                         "of simulated runs, each probe its own process with a time limit.")
     _add_engine(fit)
     fit.add_argument("--max-micro-batch", type=_reader(POSITIVE_INT, "--max-micro-batch"),
                      default=64, metavar="N", help="largest micro-batch tried (default 64)")
@@ -202,8 +202,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         else:
             preset = args.model
     runs = args.engines if args.command == "bench" else ((Engine(args.engine), None),)
-    if args.command == "fit":  # a probe is short: a few warm-up and measured steps
-        args.steps = args.steps or 5
+    if args.command == "fit":
+        args.steps = args.steps or FIT_STEPS
         args.out = args.out or "zbuf-fit.json"
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
               if cli_option(f) is not None and hasattr(args, f.name)}

@@ -426,6 +426,36 @@ class BlockFrames:
             self._frames[level] = frame
         return frame
 
+    def schedule(self) -> dict[str, Any]:
+        """The runtime schedule as a run record holds it (JSON values): what the frames gather
+        and hold, under the names the whole graph's schedule records use for the same things
+        (``budget_bytes``, ``peak_live_gathered_bytes``, ``live_gathered_profile``), the levels
+        in force and the blocks kept for backward, by the blocks' first-call order.
+
+        The profile is the plan's, per block call, forward then backward: the block's weights,
+        the next block's gathered ahead ([Note: two blocks live] in zbuf/block_prefetch.py), and
+        the blocks kept for backward, held from their forward call to their backward one (the
+        parameters outside the blocks, gathered one at a time, are ``outer_bytes``)."""
+        plan = self.plan
+        kept = [b in self.kept for b in self.called]
+        n, block = len(kept), plan.block_bytes
+        ahead = block if plan.prefetch else 0
+        forward = [block * (sum(kept[:i]) + 1) + (ahead if i + 1 < n else 0) for i in range(n)]
+        # backward: a kept block's weights are there already; another gathers again, and the
+        # block before it is gathered ahead unless it is kept
+        backward = [block * (sum(kept[:j + 1]) + (not kept[j]))
+                    + (ahead if j > 0 and not kept[j - 1] else 0) for j in reversed(range(n))]
+        profile = forward + backward
+        return {"structure": "blocks", "blocks": n, "block_bytes": block,
+                "outer_bytes": plan.outer_bytes, "budget_bytes": plan.memory_bytes,
+                "prefetch": plan.prefetch,
+                "peak_live_gathered_bytes": max(profile + [plan.outer_bytes]),
+                "live_gathered_profile": profile,
+                "pool_bytes": plan.pool_bytes + sum(kept) * block,  # as BlockReplanner sets it
+                "frames_compiled": self.graphs_compiled,
+                "levels": [LEVELS[self.levels.get(b, 0)] for b in self.called],
+                "kept_for_backward": kept}
+
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
         return self._frame_level(level) in self._frames

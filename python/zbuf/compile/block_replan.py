@@ -153,6 +153,9 @@ class BlockReplanner:
         """The levels in force, by first-call order (None: every block at level 0)."""
         self.room_bytes = 0
         """The room for kept activations the plan in force was made in."""
+        self.replaced: list[RecomputeStats] = []
+        """The levels each re-plan replaced, oldest first (step 0's: every block at level 0),
+        for the run's record, which reports them apart from the levels in force."""
 
     # -- what StepMemory reads ----------------------------------------------------------------
 
@@ -224,15 +227,19 @@ class BlockReplanner:
         cap = min(int(self.options.persist_fraction * room_bytes), weights_room)
         return blocks_to_keep(len(self.frames.called), self.frames.plan.block_bytes, cap)
 
-    def _apply(self, plan: Optional[RecomputePlan], kept_blocks: int) -> Optional[Replan]:
+    def _apply(self, plan: Optional[RecomputePlan], kept_blocks: int,
+               before: Optional[RecomputeStats]) -> Optional[Replan]:
         """Make ``plan``'s levels and the last ``kept_blocks`` blocks' weights the frames';
-        None when nothing changes."""
+        None when nothing changes. ``before``: the levels in force when the decision began
+        (``recompute_stats``), kept in ``replaced`` if the levels change."""
         frames = self.frames
         order = list(frames.called)
         levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
         kept = frozenset(order[len(order) - kept_blocks:]) if kept_blocks else frozenset()
         if levels == frames.levels and kept == frames.kept:
             return None
+        if levels != frames.levels and before is not None:
+            self.replaced.append(before)
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
         self.plan = plan if levels else None
@@ -253,12 +260,13 @@ class BlockReplanner:
             return None
         self.grown = True
         self.frames.prefetch.check_next_forward()  # changed or not: see the Note
+        before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
         plan = self._levels(room)
         spent = 0 if plan is None else plan.kept_bytes
         if plan is not None and not any(plan.levels):
             plan = None
-        return self._apply(plan, self._blocks_kept(room_bytes, room - spent))
+        return self._apply(plan, self._blocks_kept(room_bytes, room - spent), before)
 
     def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
         """At the steady step, once: if what is kept no longer fits the room measured there,
@@ -268,6 +276,7 @@ class BlockReplanner:
             return None
         self.settled = True
         self.frames.prefetch.check_next_forward()
+        before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
         activations = self.kept_activation_bytes
         if activations + self.kept_bytes <= room:
@@ -275,6 +284,6 @@ class BlockReplanner:
         if activations <= room:
             kept = blocks_to_keep(len(self.frames.kept), self.frames.plan.block_bytes,
                                   room - activations)
-            return self._apply(self.plan, kept)
+            return self._apply(self.plan, kept, before)
         plan = self._levels(room)
-        return self._apply(plan if plan is not None and any(plan.levels) else None, 0)
+        return self._apply(plan if plan is not None and any(plan.levels) else None, 0, before)

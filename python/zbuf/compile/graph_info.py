@@ -216,9 +216,18 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
+_REGION_OP = torch.ops.higher_order.invoke_subgraph
+
+
 def node_flops(node: torch.fx.Node) -> float:
-    """Matmul and attention FLOPs of a node (0 for everything else)."""
+    """Matmul and attention FLOPs of a node (0 for everything else); a region call
+    ([Note: region bodies] in region_graphs.py) counts what its body's nodes do, as
+    ``node_seconds`` does (counted as 0, a step of blocks compiled once showed only its output
+    head's FLOPs)."""
     t = node.target
+    if t is _REGION_OP:
+        body = getattr(node.graph.owning_module, node.args[0].target)
+        return sum(node_flops(n) for n in body.graph.nodes)
     try:
         if t is aten.mm.default:
             (m, k), (_, n) = _shape(node.args[0]), _shape(node.args[1])
@@ -241,9 +250,6 @@ def node_flops(node: torch.fx.Node) -> float:
     except (TypeError, ValueError):
         return 0.0
     return 0.0
-
-
-_REGION_OP = torch.ops.higher_order.invoke_subgraph
 
 
 def node_seconds(node: torch.fx.Node, options: CompileOptions) -> float:

@@ -116,13 +116,15 @@ class Replanner:
         """The weights forward keeps for backward ([Note: weights kept at run time] in
         zbuf/kept_weights.py), in the order they were chosen."""
         self._kept_pools: set[int] = set()  # pool ids whose keep-set this re-planner set
-        self._first_graph = 0  # graph_id of the first record of the current plan
+        self.plan_starts: list[int] = [0]
+        """graph_id of each plan's first record, in order: the last one starts the current
+        plan, the others the plans it replaced (a run's record tells them apart)."""
 
     # -- the current plan ---------------------------------------------------------------------
 
     def records(self) -> list[ScheduleRecord]:
         """Schedule records of the model's graphs under the current plan."""
-        return [r for r in schedule_report(self.model) if r.graph_id >= self._first_graph]
+        return [r for r in schedule_report(self.model) if r.graph_id >= self.plan_starts[-1]]
 
     def planned_budget(self) -> Optional[int]:
         """The smallest budget any current graph was planned within (None: none gathers)."""
@@ -318,7 +320,8 @@ class Replanner:
             self.options = dataclasses.replace(o, free_memory_bytes=free)
         else:
             self.options = dataclasses.replace(o, budget_bytes=budget_bytes)
-        self._first_graph = max((r.graph_id for r in schedule_report(self.model)), default=-1) + 1
+        self.plan_starts.append(
+            max((r.graph_id for r in schedule_report(self.model)), default=-1) + 1)
         fresh = torch.compile(self.model, backend="zbuf", options=dataclasses.asdict(self.options),
                               fullgraph=self.fullgraph, dynamic=self.dynamic)
         # The wrapper's Dynamo context follows its plan (torch reads it for pickling and AOT).

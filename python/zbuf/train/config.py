@@ -23,6 +23,8 @@ __all__ = ["ConfigError", "Engine", "OPTIMIZERS", "RUN_DEFINING", "Task", "Train
            "format_bytes", "AC_CHOICES"]
 
 WITH_FIT = ("train", "bench", "fit")
+FIT_STEPS = 5
+"""``zbuf fit``'s steps per probe: a probe is short, a few warm-up and measured steps."""
 """The options ``zbuf fit`` shares with train and bench: the model, the step and the card."""
 
 AC_CHOICES = ("off", "full", "selective", "auto")
@@ -119,12 +121,16 @@ class TrainConfig:
     """Tokens per sequence; default 64 on CPU, 2048 on GPU."""
     steps: Optional[int] = option(
         help="steps per engine, warm-up included (default 30)", group="training",
-        check=POSITIVE_INT, commands=WITH_FIT)
+        check=POSITIVE_INT, commands=WITH_FIT,
+        help_for={"fit": f"steps per probe, warm-up included (default {FIT_STEPS}: 2 warm-up "
+                         f"+ 3 measured)"})
     """Optimizer steps per engine, warm-up included; default 30 (bench: 10 warm-up + 20
     measured; the CPU demo's loss falls from 5.6 to about 2.9 in 30 steps)."""
     warmup: Optional[int] = option(
         help="steps left out of the timing statistics (default: train 3, bench 10, at most "
-             "half of --steps)", group="training", check=NON_NEGATIVE_INT, commands=WITH_FIT)
+             "half of --steps)", group="training", check=NON_NEGATIVE_INT, commands=WITH_FIT,
+        help_for={"fit": "steps of each probe left out of its measurement (default: half of "
+                         "--steps, at most 3: 2 of the default 5)"})
     """Leading steps left out of the step-time statistics (compile and allocator warm-up);
     default 3 for train, 10 for bench, and never more than half of ``steps``."""
     ac: Optional[str] = option(
@@ -191,7 +197,9 @@ class TrainConfig:
     """Ranks to launch; default every visible GPU, or 2 on CPU. Under torchrun: its world size."""
     out: Optional[str] = option(
         help="JSON record (default zbuf-train.json, zbuf-bench.json or zbuf-fit.json; bench "
-             "writes its markdown table next to it as .md)", group="output", metavar="RUN.json", commands=WITH_FIT)
+             "writes its markdown table next to it as .md)", group="output", metavar="RUN.json",
+        commands=WITH_FIT, help_for={"fit": "JSON record of the search, every probe in it "
+                                            "(default zbuf-fit.json)"})
     """Where the JSON record goes; default ``zbuf-train.json`` / ``zbuf-bench.json``."""
     dtype: str = option(
         "auto", help="compute dtype; master weights stay fp32 (default: bf16 on GPU, fp32 on "

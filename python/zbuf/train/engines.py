@@ -20,6 +20,7 @@ blocks, the rest eager ([Note: one Dynamo frame per block] in zbuf/compile/block
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Callable, NamedTuple, Optional
 
@@ -30,6 +31,7 @@ from torch import nn
 from .. import models
 from .. import shard as zshard
 from ..compile import compiled_model as zcompiled
+from ..compile.block_frames import block_frames_of
 from ..compile import schedule_report as zschedule_report
 from ..pool import GatherBufferPool
 from ..step_memory import StepMemory
@@ -277,8 +279,23 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
         return compiled(batch.tokens, batch.targets)
 
     def schedule_report() -> Optional[dict]:
+        frames = block_frames_of(whole)
+        if frames is not None:  # no graph holds the step: the frames' runtime schedule does
+            replanner = getattr(zcompiled.step_memory_of(compiled), "replanner", None)
+            replaced = getattr(replanner, "replaced", [])
+            return {"graphs": [], "blocks": dict(frames.schedule(), recompute_replaced=[
+                r.to_dict() for r in replaced])}
         records = zschedule_report(model) or zschedule_report(whole) or zschedule_report(None)
-        return {"graphs": to_jsonable(records)} if records else None
+        if not records:
+            return None
+        graphs = to_jsonable(records)
+        # Each graph's plan (0: the measured step's; the last: the plan in force), so a record
+        # reports the plan that ran last apart from those a re-plan replaced.
+        replanner = getattr(zcompiled.step_memory_of(compiled), "replanner", None)
+        starts = getattr(replanner, "plan_starts", [0])
+        for g in graphs:
+            g["plan"] = bisect.bisect_right(starts, g["graph_id"]) - 1
+        return {"graphs": graphs}
 
     return EngineSetup(step_loss, model, optimizer, pool, schedule_report,
                        zcompiled.step_memory_of(compiled))

@@ -19,7 +19,9 @@ grows with the micro-batch, which it does for every engine here (activations are
 On CPU the card is a stand-in: no allocator refuses memory there, so a probe fits when rank 0's
 peak resident memory (what the record calls peak RSS: torch's runtime, the model's shards, their
 gradients and optimizer state, the activations) stays within ``--gpu-memory``. That keeps the
-search and its bounds testable without a GPU; the number means "fits in this much host memory".
+search and its bounds testable without a GPU; the number means "fits in this much host memory",
+and the output calls it peak RSS and says so (a probe of a 2.4M-parameter model reads about
+800 MiB, most of it torch's own).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, NamedTuple, Optional
 
 from .config import TrainConfig, format_bytes
 
-__all__ = ["Probe", "FitResult", "probe", "fit", "FIT_SCHEMA"]
+__all__ = ["Probe", "FitResult", "probe", "verdict", "fit", "FIT_SCHEMA"]
 
 FIT_SCHEMA = "zbuf.fit/1"
 
@@ -49,7 +51,8 @@ class Probe(NamedTuple):
     why: str
     """"fits", or what failed: out of memory, retries after warm-up, over the card, timeout."""
     peak_bytes: Optional[int]
-    """Rank 0's peak device memory (CUDA: reserved + pool high water; CPU: peak RSS)."""
+    """Rank 0's peak device memory (CUDA: reserved + pool high water; CPU: the process's peak
+    resident set, torch's runtime included: [Note: fitting a micro-batch])."""
     headroom_bytes: Optional[int]
     """The card less ``peak_bytes``."""
     retries_warmup: Optional[int]
@@ -120,14 +123,19 @@ def probe(cfg: TrainConfig, micro_batch: int, timeout_s: float) -> Probe:
     times = sorted(s["time_s"] for s in eng["steps"][eng["warmup_steps"]:])
     median = times[len(times) // 2] if times else None
     card = cfg.gpu_memory
-    if measured:
-        why = f"{measured} allocator retries after warm-up"
-    elif peak > card:
-        why = f"peak {format_bytes(peak)} is over the card"
-    else:
-        why = "fits"
+    why = verdict(peak, card, measured)
     return Probe(micro_batch, why == "fits", why, peak, card - peak, warm, measured, median,
                  seconds)
+
+
+def verdict(peak_bytes: int, card_bytes: int, retries_measured: int) -> str:
+    """"fits", or why a probe that finished does not ([Note: fitting a micro-batch])."""
+    if retries_measured:
+        return f"{retries_measured} allocator retries after warm-up"
+    if peak_bytes > card_bytes:  # by how much: rounded, "peak 1.00 GiB" is over a 1.00 GiB card
+        return (f"peak {format_bytes(peak_bytes)} is {format_bytes(peak_bytes - card_bytes)} "
+                f"over the {format_bytes(card_bytes)} card")
+    return "fits"
 
 
 def fit(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_batch: int = 1,
@@ -179,6 +187,10 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
         if cfg.simulate_world is None or cfg.gpu_memory is None:
             raise ConfigError("zbuf fit needs the world size and the card: --simulate-world N "
                               "--gpu-memory SIZE, e.g. --simulate-world 8 --gpu-memory 80GiB")
+        if min_micro_batch > max_micro_batch:
+            raise ConfigError(f"--min-micro-batch {min_micro_batch} is above --max-micro-batch "
+                              f"{max_micro_batch}: the search runs from the first up to the "
+                              f"second; give a minimum no larger than the maximum")
         if cfg.micro_batch is not None or cfg.global_batch is not None:
             raise ConfigError("zbuf fit searches the micro-batch: drop --micro-batch / "
                               "--global-batch (bound the search with --max-micro-batch)")
@@ -190,15 +202,21 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
                   f"{cfg.engines[0].value}, rank 0 of {cfg.nproc} (simulated), card "
                   f"{format_bytes(cfg.gpu_memory)}, seq {cfg.seq_len}, AC {cfg.ac}, "
                   f"{cfg.warmup} warm-up + {cfg.steps - cfg.warmup} measured steps per probe",
-                  highlight=False, markup=False)
+                  highlight=False, markup=False, soft_wrap=True)
+    cpu = cfg.device != "cuda"
+    if cpu:  # no card to measure: say what the number is
+        console.print("on CPU the card is a stand-in: peak RSS is the probe process's peak "
+                      "resident memory (torch's runtime included), which must stay within the "
+                      "card", highlight=False, markup=False, soft_wrap=True)
 
     def show(p: Probe) -> None:
         peak = format_bytes(p.peak_bytes) if p.peak_bytes is not None else "-"
         room = format_bytes(p.headroom_bytes) if p.headroom_bytes is not None else "-"
         retries = "-" if p.retries_warmup is None else f"{p.retries_warmup}/{p.retries_measured}"
         step = "-" if p.step_time_s is None else f"{p.step_time_s * 1e3:,.0f} ms"
-        console.print(f"  micro-batch {p.micro_batch:>4}: {'fits' if p.fits else 'no  '}  peak "
-                      f"{peak:>11}  headroom {room:>11}  retries warm-up/measured {retries:>5}  "
+        console.print(f"  micro-batch {p.micro_batch:>4}: {'fits' if p.fits else 'no  '}  "
+                      f"{'peak RSS' if cpu else 'peak'} {peak:>11}  headroom {room:>11}  "
+                      f"retries warm-up/measured {retries:>5}  "
                       f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}",
                       highlight=False, markup=False, soft_wrap=True)
 

@@ -116,6 +116,9 @@ class CliOption:
     metavar: Optional[str] = None
     commands: tuple[str, ...] = ("train", "bench")
     """The subcommands that have this option."""
+    help_for: dict = dataclasses.field(default_factory=dict)
+    """Command -> its own help, where the option means or defaults to something else there
+    (``zbuf fit``'s probes run 5 steps, not 30)."""
     argparse: dict = dataclasses.field(default_factory=dict)
     """Anything else ``add_argument`` takes (``action``, ``nargs``, ``const``)."""
 

@@ -52,11 +52,13 @@ from typing import Any, Optional
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
+from .fit import FIT_SCHEMA
 from .simulate import SIMULATED_NOTE
 
-__all__ = ["SCHEMA", "ac_text", "hardware_text", "budget_notices", "summarize", "make_record",
-           "write_record", "load_record", "markdown", "phases_markdown", "slowest_phases",
-           "merge_records", "run_label", "simulated_text"]
+__all__ = ["SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text",
+           "budget_notices", "summarize", "make_record", "write_record", "load_record",
+           "markdown", "phases_markdown", "slowest_phases", "merge_records", "run_label",
+           "simulated_text"]
 
 SCHEMA = "zbuf.run/1"
 
@@ -183,6 +185,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
     median = statistics.median(times)
     tps_gpu = cfg.micro_batch * cfg.seq_len / median
     mfu = (flops_per_token * tps_gpu / peak_flops) if flops_per_token and peak_flops else None
+    final, replaced = plans(result.get("schedule"))
     return {
         "measured_steps": len(measured),
         "warmup_steps": warmup,
@@ -209,11 +212,11 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "alloc_retries_after_step_2_per_rank": _retries_after(steps, 2),
         "phase_peak_bytes": _phase_peaks(measured),
         "step_memory": _step_memory_summary(result.get("step_memory"), steps),
-        "schedule_budget_bytes": _find(result.get("schedule"), ("budget_bytes",)),
-        "schedule_peak_live_bytes": _find(result.get("schedule"),
-                                          ("peak_live_bytes", "peak_live_gathered_bytes")),
-        "recompute": (_recompute(result.get("schedule"))
-                      or _block_recompute(result.get("step_memory"))),
+        "schedule_budget_bytes": _find(final, ("budget_bytes",)),
+        "schedule_peak_live_bytes": _find(final, ("peak_live_bytes", "peak_live_gathered_bytes")),
+        "recompute": _recompute(final["graphs"]) or _block_recompute(result.get("step_memory")),
+        "recompute_replaced": ([r for r in map(_recompute, replaced) if r]
+                               or final.get("blocks", {}).get("recompute_replaced", [])),
         "compile_phases": slowest_phases(result),
     }
 
@@ -227,10 +230,23 @@ def _time_to_final_plan(result: dict[str, Any], steps: list[dict[str, Any]]) -> 
     return result.get("setup_seconds", 0.0) + sum(s["time_s"] for s in steps if s["step"] <= last)
 
 
-def _recompute(schedule: Optional[dict]) -> Optional[dict[str, Any]]:
-    """What the compiled step kept for backward and recomputes (a zbuf schedule's recompute
+def plans(schedule: Optional[dict]) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+    """A zbuf schedule split by plan: the one in force when the record was written (its graphs
+    and any block frames' schedule, as a schedule), and the graphs of each plan a re-plan
+    replaced, oldest first. Graphs without a plan number (records before plans were numbered)
+    count as the plan in force."""
+    graphs = [g for g in (schedule or {}).get("graphs", []) if isinstance(g, dict)]
+    last = max((g.get("plan", 0) for g in graphs), default=0)
+    final = {"graphs": [g for g in graphs if g.get("plan", 0) == last]}
+    if (schedule or {}).get("blocks"):
+        final["blocks"] = schedule["blocks"]
+    return final, [[g for g in graphs if g.get("plan", 0) == k] for k in range(last)]
+
+
+def _recompute(graphs: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What one plan's compiled step kept for backward and recomputes (its graphs' recompute
     stats, summed over its forward/backward pairs: each pair's two records carry the same)."""
-    graphs = [g for g in (schedule or {}).get("graphs", [])
+    graphs = [g for g in graphs
               if g.get("kind") == "forward" and isinstance(g.get("recompute"), dict)]
     if not graphs:
         return None
@@ -307,7 +323,14 @@ def write_record(record: dict[str, Any], path: str) -> None:
 
 
 def load_record(path: str) -> dict[str, Any]:
-    """The record at ``path``; ``ValueError`` naming the file and what is wrong with it."""
+    """The record at ``path``; ``ValueError`` naming the file and what is wrong with it
+    (``FileNotFoundError`` when there is none)."""
+    if os.path.isdir(path):
+        found = [n for n in ("zbuf-train.json", "zbuf-bench.json")
+                 if os.path.isfile(os.path.join(path, n))]
+        example = os.path.join(path, found[0] if found else "zbuf-train.json")
+        raise ValueError(f"{path} is a directory; give the run record's file, e.g. zbuf report "
+                         f"{example}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -317,10 +340,20 @@ def load_record(path: str) -> dict[str, Any]:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         where = f"{e.msg}: line {e.lineno}, column {e.colno}"  # e.msg may end in "at"
-        if not text.rstrip().endswith("}"):  # every record is one object
+        # Every record is one object: a file that starts one and does not end it was cut off;
+        # one that does not start with "{" was never a record ("not json {" read as truncated).
+        if not text.lstrip().startswith("{"):
+            raise ValueError(f"{path} is not a zbuf run record: not JSON ({where}); write one "
+                             f"with zbuf train --out or zbuf bench --out") from None
+        if not text.rstrip().endswith("}"):
             where = f"the file ends before the JSON does, so it is truncated ({where})"
         raise ValueError(f"{path} is not valid JSON: {where}; run again, or restore the file") \
             from None
+    if isinstance(record, dict) and record.get("schema") == FIT_SCHEMA:
+        raise ValueError(f"{path} is a zbuf fit record, not a run record: its search found "
+                         f"{record.get('micro_batch')} the largest micro-batch that fits (each "
+                         f"probe is in the file); zbuf report plots the records of zbuf train "
+                         f"--out and zbuf bench --out")
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a zbuf run record (expected schema {SCHEMA!r}); "
                          f"write one with zbuf train --out or zbuf bench --out")
@@ -342,13 +375,27 @@ def ac_text(cfg: dict[str, Any]) -> str:
     return {True: "full", False: "off"}.get(ac, ac)  # records written before the modes: bools
 
 
+def ranks_text(n: int) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
+def per_device_words(record: dict[str, Any]) -> tuple[str, str]:
+    """What a rank runs on and what its peak memory is, for column names: ("GPU", "peak device
+    mem") on CUDA; ("rank", "peak RSS") on CPU, where the peak is the process's resident set."""
+    if record["environment"].get("device_type") == "cuda":
+        return "GPU", "peak device mem"
+    return "rank", "peak RSS"
+
+
 def markdown(record: dict[str, Any]) -> str:
     """The benchmark table: one row per engine, versions and hardware in the header."""
     env, cfg = record["environment"], record["config"]
     hw = hardware_text(env)
+    unit, memory = per_device_words(record)
     lines = [
         f"## {record['model']['name']}: micro-batch {cfg['micro_batch']} x seq {cfg['seq_len']}, "
-        f"{record['world_size']} ranks, AC {ac_text(cfg)}, {cfg['dtype']}, "
+        f"{ranks_text(record['world_size'])}, AC {ac_text(cfg)}, {cfg['dtype']}, "
         f"{cfg.get('optimizer', 'adamw')}"
         + (f", mem-frac {cfg['mem_frac']}" if cfg.get("mem_frac") else ""),
         "",
@@ -357,7 +404,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"{env.get('zbuf_commit') or env.get('zbuf') or '?'}. Steps: {cfg['warmup']} warm-up + "
         f"{cfg['steps'] - cfg['warmup']} measured.",
         "",
-        "| engine | step median (s) | min | max | tok/s/GPU | MFU | peak device mem | "
+        f"| engine | step median (s) | min | max | tok/s/{unit} | MFU | {memory} | "
         "alloc retries/rank | first step (s) | final loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]

@@ -6,13 +6,15 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
 - ``step_time.png``: step time per step per engine; the warm-up steps are shaded.
 - ``memory.png``: device memory per step per engine (allocator reserved + pool, or RSS on
   CPU), with the zbuf pool's occupancy drawn dashed.
-- ``recompute.png`` (zbuf runs): activations kept for backward and recomputed, in bytes, and
+- ``recompute.png`` (zbuf runs; under block frames, ``--ac auto`` ones, the only mode whose
+  frames measure what they keep): activations kept for backward and recomputed, in bytes, and
   the FLOPs backward re-runs against the forward's, with the blocks kept / selective /
-  recomputed.
+  recomputed; the plan in force, and each plan a re-plan replaced, pale and hatched.
 - ``schedule_memory.png`` (zbuf runs): per compiled graph, live gathered bytes over the graph's
   nodes against the budget and the projected activations when the schedule report carries the
   per-node profiles, otherwise budget / peak live gathered / activation peak / persistent bytes
-  per graph as bars.
+  per graph as bars; under block frames (``--compile-structure blocks``), the planned live
+  gathered bytes per block call, forward then backward.
 - ``compile_phases.png``: the first step of each engine as a stacked bar of its phases (Dynamo,
   AOT, zbuf passes, Inductor, kernel compile, first run; [Note: compile phases] in
   ``compile_phases.py``), for records that carry them.
@@ -28,6 +30,7 @@ records, the step-memory table.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -36,11 +39,11 @@ from rich.table import Table
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import format_bytes
-from .progress import print_error
-from .record import load_record, run_label, simulated_text, slowest_replans
+from .progress import flop_unit, print_error, print_table
+from .record import load_record, ranks_text, run_label, simulated_text, slowest_replans
 
-__all__ = ["make_plots", "schedule_table", "step_memory_table", "phases_table",
-           "replan_phases_table", "main"]
+__all__ = ["make_plots", "schedule_table", "block_schedule_table", "step_memory_table",
+           "phases_table", "replan_phases_table", "main"]
 
 _GIB = float(1 << 30)
 
@@ -60,7 +63,7 @@ def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _title(record: dict[str, Any], what: str) -> str:
     cfg = record["config"]
-    return (f"{what}: {record['model']['name']}, {record['world_size']} ranks"
+    return (f"{what}: {record['model']['name']}, {ranks_text(record['world_size'])}"
             + (" (simulated)" if record.get("simulated") else "") +
             f", {cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
 
@@ -73,12 +76,21 @@ def _byte_unit(top: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def _flop_unit(top: float) -> tuple[float, str]:
-    """(scale, name) of the decimal unit that shows ``top`` FLOP as a number >= 1."""
-    for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
-        if top >= scale:
-            return scale, name
-    return 1.0, "FLOP"
+def _steps(eng: dict[str, Any]) -> list[int]:
+    """An engine's steps numbered as the console numbers them: from 1 (the record counts from
+    0; plots showed steps 0-29 of a run the console showed as 1-30)."""
+    return [s["step"] + 1 for s in eng["steps"]]
+
+
+_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
+"""Line style and marker per engine, in turn: engines whose curves are identical (FSDP2 and DDP
+train the same numbers) still show every line, dashes and hollow markers over one another."""
+
+
+def _engine_style(i: int) -> dict[str, Any]:
+    line, marker = _STYLES[i % len(_STYLES)]
+    return {"linestyle": line, "marker": marker, "markersize": 4, "markerfacecolor": "none",
+            "linewidth": 1.6 if i == 0 else 1.2}
 
 
 def _plain_ticks(ax) -> None:
@@ -96,9 +108,9 @@ def _save(fig, path: str) -> str:
 def _loss_plot(record, out_dir) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]], [s["loss"] for s in eng["steps"]],
-                marker=".", label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["loss"] for s in eng["steps"]], label=run_label(eng),
+                **_engine_style(i))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over ranks)")
     ax.set_title(_title(record, "Training loss"))
@@ -111,17 +123,33 @@ def _step_time_plot(record, out_dir) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     shaded = False
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]], [s["time_s"] * 1e3 for s in eng["steps"]],
-                marker=".", label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["time_s"] * 1e3 for s in eng["steps"]], label=run_label(eng),
+                **_engine_style(i))
         # A resumed run starts at its checkpoint's step; its warm-up starts there too.
-        start = eng.get("start_step", 0)
+        start = eng.get("start_step", 0) + 1
         warmup = eng.get("warmup_steps", record["config"]["warmup"])
         if warmup:
             ax.axvspan(start - 0.5, start + warmup - 0.5, color="grey", alpha=0.15,
                        label=None if shaded else "warm-up (not measured)")
             shaded = True
     ax.set_yscale("log")
+    # Milliseconds as numbers: within a decade log scale labelled its minor ticks "6x10^3";
+    # over a decade or two it left the steady steps (200 ms under a 4 s first step) with no
+    # label, so the minor ticks at 2 and 5 of each decade get one too.
+    from matplotlib.ticker import FuncFormatter
+
+    def ms(v: float) -> str:
+        return f"{v:,.0f}" if v >= 10 else f"{v:g}"
+
+    span = ax.dataLim.y1 / ax.dataLim.y0 if ax.dataLim.y0 > 0 else float("inf")
+
+    def minor(v: float, _) -> str:
+        mantissa = round(v / 10 ** math.floor(math.log10(v)))
+        return ms(v) if span < 10 or (span < 100 and mantissa in (2, 5)) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: ms(v)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, slowest rank, log scale)")
     ax.set_title(_title(record, "Step time"))
@@ -137,10 +165,9 @@ def _memory_plot(record, out_dir) -> str:
     fig, axes = plt.subplots(2 if pooled else 1, 1, figsize=(8, 7 if pooled else 4.5),
                              squeeze=False)
     ax = axes[0, 0]
-    for eng in _ok(record):
-        ax.plot([s["step"] for s in eng["steps"]],
-                [s["device_bytes"] / _GIB for s in eng["steps"]], marker=".",
-                label=run_label(eng))
+    for i, eng in enumerate(_ok(record)):
+        ax.plot(_steps(eng), [s["device_bytes"] / _GIB for s in eng["steps"]],
+                label=run_label(eng), **_engine_style(i))
     ax.set_xlabel("step")
     ax.set_ylabel(("allocator reserved + pool" if cuda else "resident set") + ", GiB")
     ax.set_title(_title(record, "Device memory" if cuda else "Host memory (CPU run)"))
@@ -149,13 +176,12 @@ def _memory_plot(record, out_dir) -> str:
     ax.legend(fontsize="small")
     if pooled:
         ax = axes[1, 0]
-        for eng in pooled:
-            ax.plot([s["step"] for s in eng["steps"]],
-                    [s["pool_bytes"] / (1 << 20) for s in eng["steps"]], marker=".",
-                    label=f"{run_label(eng)}: charged")
+        for i, eng in enumerate(pooled):
+            line, = ax.plot(_steps(eng), [s["pool_bytes"] / (1 << 20) for s in eng["steps"]],
+                            label=f"{run_label(eng)}: charged", **_engine_style(i))
             hw = (eng.get("pool") or {}).get("high_water_bytes")
-            if hw:
-                ax.axhline(hw / (1 << 20), linestyle="--", color="grey",
+            if hw:  # in its engine's colour: two engines' lines were the same grey
+                ax.axhline(hw / (1 << 20), linestyle="--", color=line.get_color(), alpha=0.6,
                            label=f"{run_label(eng)}: high water")
         ax.set_xlabel("step")
         ax.set_ylabel("MiB (max over ranks)")
@@ -246,7 +272,8 @@ def replan_phases_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="re-plan compiles by phase (slowest rank)")
     table.add_column("")
     for eng, _, r in columns:
-        table.add_column(f"{run_label(eng)} step {r['step']} (rank {r['rank']})", justify="right")
+        table.add_column(f"{run_label(eng)} step {r['step'] + 1} (rank {r['rank']})",
+                         justify="right")
     for name in PHASES:
         table.add_row(PHASE_LABELS[name], *[f"{r['phases'].get(name, 0.0):.2f} s"
                                             for *_, r in columns])
@@ -270,6 +297,12 @@ def _graphs(eng: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def _blocks(eng: dict[str, Any]) -> list[dict[str, Any]]:
+    """A block frames run's runtime schedule, as a list of one (none for other runs)."""
+    blocks = (eng.get("schedule") or {}).get("blocks")
+    return [blocks] if isinstance(blocks, dict) else []
+
+
 def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
     for n in names:
         v = g.get(n)
@@ -280,13 +313,14 @@ def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
 
 def _schedule_plot(record, out_dir) -> Optional[str]:
     plt = _plt()
-    scheduled = [(eng, g) for eng in _ok(record) for g in _graphs(eng)]
+    # A block frames run's runtime schedule is drawn as a graph's: per block call
+    scheduled = [(eng, g) for eng in _ok(record) for g in _graphs(eng) + _blocks(eng)]
     if not scheduled:
         return None
     profiles = [(eng, g, _profile(g, "live_gathered_profile", "live_gathered_bytes_per_node",
                                   "profile")) for eng, g in scheduled]
     if all(p is not None for _, _, p in profiles):
-        fig, axes = plt.subplots(len(profiles), 1, figsize=(9, 3.2 * len(profiles)),
+        fig, axes = plt.subplots(len(profiles), 1, figsize=(11, 3.2 * len(profiles)),
                                  squeeze=False)
         for ax, (eng, g, live) in zip(axes[:, 0], profiles):
             act = _profile(g, "activation_profile", "activation_bytes_per_node")
@@ -297,22 +331,38 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
             budget_on_scale = budget <= 4 * data_top
             top = max(data_top, budget) if budget_on_scale else data_top
             scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
+            blocks = g.get("structure") == "blocks"
             ax.fill_between(range(len(live)), [v / scale for v in live], step="mid", alpha=0.5,
-                            label="live gathered bytes")
+                            label="live gathered bytes" + (" (planned)" if blocks else ""))
             if act is not None:
                 ax.plot(range(len(act)), [v / scale for v in act], color="tab:green",
                         label="projected activations")
             if budget_on_scale:
                 ax.axhline(budget / scale, color="tab:red", linestyle="--", label="gather budget")
+            else:  # a legend entry, not text on the axes: it stays off the data
+                ax.plot([], [], linestyle="none", marker="^", color="tab:red",
+                        label=f"gather budget {budget / _GIB:.2f} GiB (off scale)")
+            if blocks:
+                n = g["blocks"]
+                ax.axvline(n - 0.5, color="grey", linewidth=1)
+                if n <= 12:  # one tick per call while they stay readable
+                    ax.set_xticks(range(2 * n), [f"fwd {i + 1}" for i in range(n)]
+                                  + [f"bwd {n - i}" for i in range(n)], fontsize="small")
+                ax.set_title(f"{run_label(eng)}: block frames, {g['blocks']} blocks, "
+                             f"{sum(g['kept_for_backward'])} kept for backward")
+                ax.set_xlabel("block call (forward, then backward)")
             else:
-                ax.text(0.01, 0.04, f"gather budget {budget / _GIB:.2f} GiB (off scale)",
-                        transform=ax.transAxes, va="bottom", color="tab:red", fontsize="small")
-            ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
-                         f"({g.get('kind', '?')}), {len(live)} nodes")
-            ax.set_xlabel("graph node (execution order)")
+                last = max(h.get("plan", 0) for h in _graphs(eng))
+                ax.set_title(f"{run_label(eng)}: graph {g.get('graph_id', '?')} "
+                             f"({g.get('kind', '?')}), {len(live)} nodes"
+                             + (", replaced by a re-plan" if g.get("plan", 0) < last else ""))
+                ax.set_xlabel("graph node (execution order)")
             ax.set_ylabel(unit)
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+            # beside the axes, never over a curve (it hid the backward graph's)
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      borderaxespad=0)
     else:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         fields = [("budget_bytes", "gather budget"),
@@ -320,7 +370,8 @@ def _schedule_plot(record, out_dir) -> Optional[str]:
                   ("activation_peak_bytes", "activation peak"),
                   ("persistent_bytes", "kept for backward")]
         width = 0.8 / len(fields)
-        labels = [f"{run_label(eng)}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
+        labels = [f"{run_label(eng)}\nblock frames" if g.get("structure") == "blocks" else
+                  f"{run_label(eng)}\n{g.get('kind', '?')} #{g.get('graph_id', '?')}"
                   for eng, g in scheduled]
         for i, (key, name) in enumerate(fields):
             ax.bar([j + i * width for j in range(len(scheduled))],
@@ -350,7 +401,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         return None
     plt = _plt()
     cuda = record["environment"].get("device_type") == "cuda"
-    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
+    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 5.4 * len(engines)), squeeze=False)
     data_top = max([v for e in engines for s in e["steps"]
                     for k in ("forward_peak_bytes", "backward_peak_bytes",
                               "optimizer_peak_bytes", "pool_held_bytes")
@@ -364,7 +415,7 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
     scale, unit = (_GIB, "GiB") if top >= _GIB else (float(1 << 20), "MiB")
     for row, eng in enumerate(engines):
         steps = eng["steps"]
-        x = [s["step"] for s in steps]
+        x = _steps(eng)
         ax = axes[row, 0]
         for key, label, style, color in (
                 ("forward_peak_bytes", "forward peak", "-", "tab:blue"),
@@ -382,22 +433,24 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
                 ax.step(x, [None if b is None else b / scale for b in budget], where="mid",
                         color="tab:red", label="gather budget (planned, then re-planned)")
             else:
-                text = " -> ".join(f"{b / _GIB:.2f}" for b in dict.fromkeys(
+                # each in its own unit: a 5 MiB plan read "0.00 -> 20.00 GiB"
+                text = " -> ".join(format_bytes(b) for b in dict.fromkeys(
                     b for b in budget if b is not None))
                 # a legend entry, not text on the axes: it stays off the lines
                 ax.plot([], [], linestyle="none", marker="^", color="tab:red",
-                        label=f"gather budget {text} GiB (off scale)")
-            for s in steps:
-                if any(s.get("replanned") or []):
-                    ax.axvline(s["step"], color="tab:red", alpha=0.3, linestyle="--",
-                               label="re-plan")
+                        label=f"gather budget {text} (off scale)")
+            replans = [step for step, s in zip(x, steps) if any(s.get("replanned") or [])]
+            for i, step in enumerate(replans):  # one legend entry for them all
+                ax.axvline(step, color="tab:red", alpha=0.3, linestyle="--",
+                           label=None if i else "re-plan")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (max over ranks)")
         ax.set_ylim(bottom=0)
         what = "torch allocated" if cuda else "tracked tensors (CPU stand-in)"
         ax.set_title(f"{run_label(eng)}: phase peaks ({what}) and the pool")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        # below the axes, never over the lines (it hid the pool's)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
         ax = axes[row, 1]
         ranks = len(steps[0]["alloc_retries"])
         for r in range(ranks):
@@ -410,56 +463,72 @@ def _step_memory_plot(record, out_dir) -> Optional[str]:
         twin = ax.twinx()
         width = 0.8 / max(1, ranks)
         for r in range(ranks):
-            twin.bar([s["step"] - 0.4 + (r + 0.5) * width for s in steps],
+            twin.bar([step - 0.4 + (r + 0.5) * width for step in x],
                      [(s.get("pool_yielded_bytes") or [0] * ranks)[r] / scale for s in steps],
                      width, alpha=0.35, label=f"rank {r}: pool lent to the optimizer")
         twin.set_ylabel(unit)
         lines = ax.get_legend_handles_labels()
         bars = twin.get_legend_handles_labels()
-        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper left")
+        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper center",
+                  bbox_to_anchor=(0.5, -0.15), ncol=2)  # below, as the left one: off the bars
         ax.set_title(f"{run_label(eng)}: allocator retries and pool lending, per rank")
     return _save(fig, os.path.join(out_dir, "step_memory.png"))
 
 
 def _recompute_plot(record, out_dir) -> Optional[str]:
     """Per zbuf run: the activations its compiled step keeps for backward and recomputes
-    (bytes), and the FLOPs backward re-runs against the forward's."""
-    runs = [(eng, eng["summary"]["recompute"]) for eng in _ok(record)
-            if (eng.get("summary") or {}).get("recompute")]
+    (bytes), and the FLOPs backward re-runs against the forward's; the plan in force in full
+    colour, each plan a re-plan replaced before it, hatched and pale (history, not a part)."""
+    runs = []  # (x label, recompute stats, replaced)
+    for eng in _ok(record):
+        summary = eng.get("summary") or {}
+        if not summary.get("recompute"):
+            continue
+        replaced = summary.get("recompute_replaced") or []
+        for i, r in enumerate(replaced):
+            runs.append((f"{run_label(eng)}\n{'measured step' if i == 0 else 're-plan ' + str(i)}"
+                         "\n(replaced)", r, True))
+        runs.append((run_label(eng) + ("\nfinal plan" if replaced else ""),
+                     summary["recompute"], False))
     if not runs:
         return None
     plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
-    names = [run_label(eng) for eng, _ in runs]
-    xs = range(len(runs))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6))
+    names = [name for name, _, _ in runs]
     width = 0.38
-    bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"]) for _, r in runs))
-    left.bar([x - width / 2 for x in xs], [r["kept_bytes"] / bscale for _, r in runs], width,
-             label="kept for backward")
-    left.bar([x + width / 2 for x in xs], [r["recomputed_bytes"] / bscale for _, r in runs],
-             width, label="recomputed in backward")
-    left.set_xticks(list(xs), names, fontsize="small")
+
+    def bars(ax, key, offset, scale, label, color):
+        for x, (_, r, old) in enumerate(runs):
+            # the legend shows the plan in force's colours (the last bar is always one)
+            ax.bar(x + offset, r[key] / scale, width, color=color, alpha=0.35 if old else 1.0,
+                   hatch="//" if old else None, edgecolor=color,
+                   label=label if x == len(runs) - 1 else None)
+
+    bscale, bunit = _byte_unit(max(max(r["kept_bytes"], r["recomputed_bytes"])
+                                   for _, r, _ in runs))
+    bars(left, "kept_bytes", -width / 2, bscale, "kept for backward", "tab:blue")
+    bars(left, "recomputed_bytes", width / 2, bscale, "recomputed in backward", "tab:orange")
+    left.set_xticks(range(len(runs)), names, fontsize="small")
     left.set_ylabel(f"activations, {bunit} per rank")
     _plain_ticks(left)
     left.set_title("Activations kept and recomputed")
     left.legend(fontsize="small")
     left.grid(alpha=0.3, axis="y")
-    fscale, funit = _flop_unit(max(max(r["forward_flops"], r["recomputed_flops"])
-                                   for _, r in runs))
-    right.bar([x - width / 2 for x in xs], [r["forward_flops"] / fscale for _, r in runs], width,
-              label="forward")
-    right.bar([x + width / 2 for x in xs], [r["recomputed_flops"] / fscale for _, r in runs],
-              width, label="recomputed in backward")
-    for x, (_, r) in zip(xs, runs):
-        right.annotate(f"{r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}",
-                       (x, 0), textcoords="offset points", xytext=(0, 3), ha="center",
-                       fontsize="x-small")
-    right.set_xticks(list(xs), names, fontsize="small")
+    fscale, funit = flop_unit(max(max(r["forward_flops"], r["recomputed_flops"])
+                                  for _, r, _ in runs))
+    bars(right, "forward_flops", -width / 2, fscale, "forward", "tab:blue")
+    bars(right, "recomputed_flops", width / 2, fscale, "recomputed in backward", "tab:orange")
+    right.set_xticks(range(len(runs)), [  # block counts where there are checkpointed blocks
+        f"{name}\nblocks {r['regions_kept']}/{r['regions_selective']}/{r['regions_recomputed']}"
+        if r.get("regions") else name for name, r, _ in runs], fontsize="small")
     right.set_ylabel(f"matmul + attention {funit} per step per rank")
     _plain_ticks(right)
-    right.set_title("FLOPs (blocks kept/selective/recomputed)")
+    right.set_title("FLOPs" + (" (blocks kept/selective/recomputed)"
+                               if any(r.get("regions") for _, r, _ in runs) else ""))
     right.legend(fontsize="small")
     right.grid(alpha=0.3, axis="y")
+    for ax in (left, right):  # room above the bars for the legend, which then covers none
+        ax.set_ylim(0, 1.3 * max([p.get_height() for p in ax.patches] + [1e-9]))
     fig.suptitle(_title(record, "Activation recompute"), fontsize="medium")
     return _save(fig, os.path.join(out_dir, "recompute.png"))
 
@@ -538,7 +607,7 @@ def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
             ("measured limit (torch + pool)", measured("limit_bytes")),
             ("gather budget, planned", measured("planned_budget_bytes")),
             ("gather budget, measured", measured("budget_bytes")),
-            ("re-planned", lambda e: ",".join(str(s["step"]) for s in e["steps"]
+            ("re-planned at step", lambda e: ",".join(str(s["step"] + 1) for s in e["steps"]
                                               if any(s.get("replanned") or [])) or "no"),
             ("re-plan compiled", lambda e: _recompiled_text(e.get("step_memory") or {})),
             ("weights kept for backward (run time)", _kept_text),
@@ -562,8 +631,10 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
     table = Table(title="zbuf gather schedule, one column per compiled graph")
     table.add_column("")
     for eng, g in graphs:
-        table.add_column(f"{run_label(eng)} {g.get('kind', '?')} #{g.get('graph_id', '?')}",
-                         justify="right")
+        # A re-plan's graphs replace the earlier plan's: those ran before it, and say so.
+        last = max(h.get("plan", 0) for h in _graphs(eng))
+        table.add_column(f"{run_label(eng)} {g.get('kind', '?')} #{g.get('graph_id', '?')}"
+                         + (" (replaced)" if g.get("plan", 0) < last else ""), justify="right")
     rows = [("graph nodes", "num_nodes"), ("gathered parameters", "gathers"),
             ("collectives", "collectives"), ("coalesced groups", "coalesced_groups"),
             ("prefetched", "prefetched"), ("re-gathers", "regathers"),
@@ -588,6 +659,8 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
                  ("activations recomputed", "recompute.recomputed_bytes"),
                  ("forward FLOPs", "recompute.forward_flops"),
                  ("recomputed FLOPs", "recompute.recomputed_flops")]
+    scale, unit = flop_unit(max([(g.get("recompute") or {}).get("forward_flops") or 0
+                                 for _, g in graphs]))
     for label, key in rows:
         cells = []
         for _, g in graphs:
@@ -596,14 +669,12 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
                 v = (g.get("recompute") or {}).get(key.split(".", 1)[1])
                 if key.endswith("activation_budget_bytes") and v == 0:
                     v = None  # only "auto" plans against a budget
-            if key.endswith("_flops") and v is not None:
-                cells.append(f"{v / 1e12:,.3f} T" if v >= 1e9 else f"{v:,.0f}")
-                continue
-
             if v is None:
                 cells.append("-")
             elif key.endswith("_bytes"):
                 cells.append(format_bytes(v))
+            elif key.endswith("_flops"):
+                cells.append(f"{v / scale:,.2f} {unit}")
             elif key.endswith("_seconds"):
                 cells.append(f"{v * 1e3:.1f} ms")
             else:
@@ -612,15 +683,53 @@ def schedule_table(record: dict[str, Any]) -> Optional[Table]:
     return table
 
 
+def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
+    """A block frames run's runtime schedule ([Note: one Dynamo frame per block] in
+    zbuf/compile/block_frames.py), one column per engine; None without one."""
+    runs = [(eng, b) for eng in _ok(record) for b in _blocks(eng)]
+    if not runs:
+        return None
+    table = Table(title="zbuf block frames: the runtime gather schedule")
+    table.add_column("")
+    for eng, _ in runs:
+        table.add_column(run_label(eng), justify="right")
+
+    def levels(b):
+        return "/".join(str(b["levels"].count(name)) for name in ("keep", "selective",
+                                                                   "recompute"))
+
+    rows = [("blocks", lambda b: str(b["blocks"])),
+            ("one block's weights", lambda b: format_bytes(b["block_bytes"])),
+            ("parameters outside the blocks", lambda b: format_bytes(b["outer_bytes"])),
+            ("gathered one block ahead", lambda b: "yes" if b["prefetch"] else "no"),
+            ("gather budget", lambda b: format_bytes(b["budget_bytes"])),
+            ("peak live gathered (planned)",
+             lambda b: format_bytes(b["peak_live_gathered_bytes"])),
+            ("pool budget", lambda b: format_bytes(b["pool_bytes"])),
+            ("blocks kept/selective/recomputed", levels),
+            ("blocks kept for backward", lambda b: str(sum(b["kept_for_backward"]))),
+            ("frames compiled", lambda b: str(b["frames_compiled"]))]
+    for label, fn in rows:
+        table.add_row(label, *[fn(b) for _, b in runs])
+    return table
+
+
 def main(path: str, out_dir: Optional[str] = None) -> int:
     try:
         record = load_record(path)
-        out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
-                                          os.path.splitext(os.path.basename(path))[0] + "-report")
-        paths = make_plots(record, out_dir)
     except FileNotFoundError:
         print_error("report", f"no such file: {path}")
         return 2
+    except ValueError as e:
+        print_error("report", str(e))
+        return 2
+    except OSError as e:  # read, not written: it is the record that cannot be read
+        print_error("report", f"cannot read {path}: {e.strerror}")
+        return 2
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                      os.path.splitext(os.path.basename(path))[0] + "-report")
+    try:
+        paths = make_plots(record, out_dir)
     except ValueError as e:
         print_error("report", str(e))
         return 2
@@ -637,18 +746,18 @@ def main(path: str, out_dir: Optional[str] = None) -> int:
         console.print(sim, highlight=False, markup=False, soft_wrap=True)
     phases = phases_table(record)
     if phases is not None:
-        console.print(phases)
+        print_table(console, phases)
     replans = replan_phases_table(record)
     if replans is not None:
-        console.print(replans)
-    table = schedule_table(record)
-    if table is not None:
-        console.print(table)
-    else:
+        print_table(console, replans)
+    schedules = [t for t in (schedule_table(record), block_schedule_table(record)) if t]
+    for table in schedules:
+        print_table(console, table)
+    if not schedules:
         console.print("no zbuf schedule in this record (engines without the zbuf compiler)")
     memory = step_memory_table(record)
     if memory is not None:
-        console.print(memory)
+        print_table(console, memory)
     for p in paths:
         console.print(f"wrote {p}", highlight=False, soft_wrap=True)  # a path, whole
     return 0

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from .config import ConfigError, TrainConfig, check_output_path, format_bytes
 from .launcher import Interrupted, launch_group, under_torchrun
-from .progress import comparison_table, print_error, summary_table
+from .progress import comparison_table, print_error, print_table, summary_table
 from .record import make_record, markdown, merge_records, simulated_text, write_record
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
 
@@ -339,7 +339,7 @@ def _finish(command: str, cfg: TrainConfig, env: dict, engines: list[dict], peak
     record = make_record(command, cfg, env, engines, peak)
     write_record(record, cfg.out)
     if any(e.get("summary") for e in engines):  # else a table of dashes: the error said it all
-        console.print(summary_table(record))
+        print_table(console, summary_table(record))
     table = comparison_table(record)
     if table is not None:
         console.print(table)
@@ -381,7 +381,7 @@ def merge(paths: list[str], out: str, console: Console | None = None) -> int:
     md_path = os.path.splitext(out)[0] + ".md"
     with open(md_path, "w") as f:
         f.write(markdown(record))
-    console.print(summary_table(record))
+    print_table(console, summary_table(record))
     table = comparison_table(record)
     if table is not None:
         console.print(table)
