@@ -144,9 +144,9 @@ def _started(args, where, name, env=None) -> Started:
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory):
-    """The two one-rank runs of the tests below, started together: each is one worker process
-    (and a launcher waiting on it), so CI's two cores take both in about the time of one (13-14 s
-    each, one after the other).
+    """The one-rank runs of the tests below, started together: each is one worker process (and a
+    launcher waiting on it), so CI's two cores take them in little more than the time of one
+    (13-14 s each, one after the other).
 
     Returns ``{name: (completed process, record path)}``."""
     where = tmp_path_factory.mktemp("one_rank")
@@ -156,6 +156,8 @@ def one_rank_runs(tmp_path_factory):
                                            "ZBUF_FAULT_SIGNAL": "OOM"}),
         "floor": _started(["train", "--steps", "2", "--gather-budget", "1", "--nproc", "1",
                            "--out", str(where / "floor.json")], where, "floor"),
+        "no-fit": _started(["train", "--steps", "2", "--gpu-memory", "30MiB", "--nproc", "1",
+                            "--out", str(where / "no-fit.json")], where, "no-fit"),
     }
     try:
         return {name: (s.result(timeout=400), where / f"{name}.json") for name, s in started.items()}
@@ -180,6 +182,22 @@ def test_a_step_that_runs_out_of_memory_keeps_where_it_failed_in_the_record(one_
     kinds = [g["kind"] for g in eng["schedule"]["graphs"]]
     assert "forward" in kinds, kinds  # the plan that ran is in the record
     assert eng["step_memory"]["measured"] is None  # failed before the measured step closed
+
+
+def test_a_plan_that_does_not_fit_is_one_line_naming_the_options(one_rank_runs):
+    # [Note: a plan that does not fit, on the command line] in zbuf/train/refusals.py: not 83
+    # lines of Dynamo traceback and exit 1, but the numbers and the options to change, exit 2,
+    # and no record of a run that never trained a step (issue 37, items 1 and 11).
+    res, out = one_rank_runs["no-fit"]
+    assert res.returncode == 2, _why(res, out)
+    assert "Traceback" not in res.stderr and "TORCHDYNAMO" not in res.stderr, res.stderr
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, res.stderr
+    assert errors[0].startswith("zbuf train: error: the forward graph's plan needs "), errors
+    for part in ("MiB but every rank has", "--micro-batch (now 8)", "--seq-len (now 64)",
+                 "--ac full or --ac auto (now off)", "a larger --gpu-memory"):
+        assert part in errors[0], errors[0]
+    assert not out.exists()
 
 
 def _assert_clean_teardown(res, torch_keeps=False):

@@ -635,6 +635,25 @@ def test_a_plan_above_the_agreed_memory_is_refused_before_it_runs():
     ok(tokens).sum().backward()
 
 
+def test_zbuf_compile_raises_the_refusal_itself_not_dynamos_wrapper():
+    """[Note: a refusal surfaces as itself] in zbuf/compile/dynamo_settings.py: through
+    ``zbuf.compile`` the refusal is a ``PlanExceedsMemoryError``, not Dynamo's
+    ``BackendCompilerFailed`` around it (issue 37, item 1), and carries its numbers."""
+    from zbuf.compile import PlanExceedsMemoryError
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(Net())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    cm = zbuf.compile(model, fullgraph=True, inner="aot_eager", free_memory_bytes=largest // 2)
+    tokens, _ = _batches(1)[0]
+    with pytest.raises(PlanExceedsMemoryError, match="forward graph's plan needs") as info:
+        cm(tokens)
+    err = info.value
+    assert err.what == "the forward graph's plan" and err.short_of == "activations"
+    assert err.needs_bytes > err.memory_bytes > 0
+
+
 def test_the_shards_are_not_counted_as_activations_beside_the_agreed_memory():
     """[Note: the model's state is not an activation]: the agreed free memory is what is free
     beside the shards, so a plan is checked without them; each gradient shard counts once, in

@@ -175,7 +175,24 @@ def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
 
 class PlanExceedsMemoryError(MemoryError):
     """A graph's plan projects more memory than every rank agreed it may use ([Note: no plan
-    above its memory]); raised at compile time, before the plan ever runs."""
+    above its memory]); raised at compile time, before the plan ever runs.
+
+    Beside the message, which words the fix for a ``zbuf.compile`` caller, the numbers, for a
+    caller that names its own knobs (``zbuf train`` names its options, [Note: a plan that does
+    not fit, on the command line] in zbuf/train/refusals.py): ``what`` needs ``needs_bytes``
+    where every rank agreed on ``memory_bytes``; ``short_of`` says what takes the room, one of
+    ``SHORT_OF``."""
+
+    SHORT_OF = ("activations", "optimizer", "block weights")
+    """``"activations"``: a step's activations and gathered weights (a smaller batch,
+    checkpointing or more ranks helps); ``"optimizer"``: the optimizer step's temporaries;
+    ``"block weights"``: one block's gathered weights under ``structure='blocks'``."""
+
+    def __init__(self, message: str, *, what: str = "the plan", needs_bytes: int = 0,
+                 memory_bytes: int = 0, short_of: str = "activations") -> None:
+        super().__init__(message)
+        self.what, self.needs_bytes, self.memory_bytes = what, needs_bytes, memory_bytes
+        self.short_of = short_of
 
 
 def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
@@ -207,7 +224,8 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
         f"(free memory less {reserve_bytes / 2**20:.1f} MiB of other graphs' gradients and the "
         f"margin_fraction); refusing to run a plan that cannot fit. "
         f"Lower the micro-batch or sequence length, checkpoint more of the model "
-        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
+        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks",
+        what=f"the {kind} graph's plan", needs_bytes=peak_bytes, memory_bytes=memory)
 
 
 def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) -> None:
@@ -221,7 +239,8 @@ def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) 
         f"zbuf: {optimizer}'s step needs {temporary_bytes / 2**20:.1f} MiB of temporaries but "
         f"every rank agreed on {free_bytes / 2**20:.1f} MiB free beside the model's state; "
         f"refusing a step that cannot fit. Use fused=True (no parameter-sized temporaries), "
-        f"or shard over more ranks")
+        f"or shard over more ranks", what=f"{optimizer}'s step", needs_bytes=temporary_bytes,
+        memory_bytes=free_bytes, short_of="optimizer")
 
 
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,

@@ -22,6 +22,7 @@ from .config import ConfigError, TrainConfig, check_output_path, format_bytes
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, simulated_text, write_record
+from .refusals import checkpoint_refusal, plan_refusal
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
 
 __all__ = ["run", "merge", "prepare"]
@@ -97,8 +98,7 @@ def _resume_point(cfg: TrainConfig) -> int:
     try:
         info = resume_point(cfg.save_resume_policy())
     except CheckpointError as e:
-        text = str(e)
-        raise ConfigError(text if text.startswith("--") else f"--resume: {text}") from None
+        raise ConfigError(checkpoint_refusal(e)) from None
     if info is None:
         return 0
     if info.step > cfg.steps:
@@ -143,7 +143,7 @@ def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
 
-def _spawned(cfg: TrainConfig, index: int,
+def _spawned(command: str, cfg: TrainConfig, index: int,
              console: Console) -> tuple[dict, int, list[str]]:
     """Run one engine (run ``index`` of ``cfg.runs()``) in a fresh worker group; (partial
     record, exit code, how the ranks ended: one line per distinct cause, [Note: one line per
@@ -154,7 +154,7 @@ def _spawned(cfg: TrainConfig, index: int,
         threads = max(1, (os.cpu_count() or 2) // cfg.processes)
         with open(spec_path, "w") as f:
             json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
-                       "threads": threads}, f)
+                       "threads": threads, "command": command}, f)
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -238,7 +238,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     peak = None
     status = 0
     for index, label in enumerate(cfg.run_labels()):
-        partial, code, causes = _spawned(cfg, index, console)
+        partial, code, causes = _spawned(command, cfg, index, console)
         env = partial.get("environment", env)
         peak = partial.get("peak_flops", peak)
         engines_out.extend(partial["engines"])
@@ -246,7 +246,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
             print_error(command, f"{causes[0]}; all workers stopped")
             status = 130
             break
-        if code == 2:  # the workers refused the input (a checkpoint); rank 0 said why, once
+        if code == 2:  # the workers refused the input (refusals.py); rank 0 said why, once
             status = 2
             if not bench:
                 break
@@ -257,6 +257,10 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                 print_error(command, f"  also {line}")
             if not bench:
                 break
+    if status == 2 and not any(e.get("steps") for e in engines_out):
+        # Refused before any step finished: nothing ran that a record could hold, and --out
+        # (perhaps an earlier run's record) stays as it was.
+        return 2
     if not env:  # no worker reported: describe the machine the run was for, from here
         import torch
 
@@ -296,6 +300,7 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
                     argv: Optional[list[str]] = None) -> int:
     from .. import faults
     from ..checkpoint import CheckpointError
+    from ..compile import PlanExceedsMemoryError
     from .worker import run_engines
 
     rank = int(os.environ["RANK"])
@@ -305,9 +310,10 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
             with faults.supervised():  # releases the pools and the process group on every way out
                 partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
                                       stopped_path=stopped)
-        except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
+        except (CheckpointError, PlanExceedsMemoryError) as e:  # alike on every rank: once
             if rank == 0:
-                print_error(command, f"{type(e).__name__}: {e}")
+                print_error(command, checkpoint_refusal(e) if isinstance(e, CheckpointError)
+                            else plan_refusal(cfg, e))
             return 2
         except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
             if rank != 0 or e.code not in (130, 143):

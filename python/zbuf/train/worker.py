@@ -23,11 +23,13 @@ import torch.distributed as dist
 
 from .. import faults
 from ..checkpoint import CheckpointError
+from ..compile import PlanExceedsMemoryError
 from .config import TrainConfig
 from .launcher import die_with_parent
 from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
 from .progress import NullProgress, TrainProgress
+from .refusals import checkpoint_refusal, plan_refusal
 from .simulate import init_fake_group
 
 __all__ = ["run_engines", "main"]
@@ -141,15 +143,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         return faults.INTERRUPTED_EXIT_CODE
     except SystemExit as e:  # supervised(): Ctrl-C (130), SIGTERM from the launcher (143)
         return e.code if isinstance(e.code, int) else 1
-    except CheckpointError as e:
-        # Every rank raises the same error (checkpoint.py agrees on verdicts): one clean
-        # message, no traceback; a bad checkpoint is the user's input, so status 2.
+    except (CheckpointError, PlanExceedsMemoryError) as e:
+        # Every rank raises the same error (checkpoint.py agrees on verdicts; a plan's inputs
+        # are rank-agreed): one line, no traceback; it is the user's input, so status 2
+        # (refusals.py).
+        text = checkpoint_refusal(e) if isinstance(e, CheckpointError) else \
+            plan_refusal(cfg.for_run(spec["runs"][0]), e)
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
-            f.write(str(e))
+            f.write(text)
         if rank == 0:
             from .progress import print_error
 
-            print_error("train", f"{type(e).__name__}: {e}")
+            print_error(spec["command"], text)
         return 2
     except BaseException:  # noqa: BLE001 - the launcher prints it, once ([Note: one line per cause])
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
