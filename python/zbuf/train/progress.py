@@ -14,19 +14,12 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
 
 from .config import Engine, format_bytes
+from .errors import print_error  # noqa: F401 - re-exported: the callers' name for it
 from .record import run_label
 
 __all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table", "print_error"]
-
-
-def print_error(command: str, message: str) -> None:
-    """``zbuf <command>: error: <message>`` on stderr, unwrapped and without markup parsing (a
-    message may hold paths and brackets)."""
-    Console(stderr=True, soft_wrap=True).print(
-        Text.assemble((f"zbuf {command}: error: ", "bold red"), str(message)))
 
 
 class NullProgress:
