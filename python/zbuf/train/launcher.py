@@ -62,6 +62,16 @@ _LAUNCHER_PID = "ZBUF_LAUNCHER_PID"
 class Interrupted(Exception):
     """The launcher got SIGINT / SIGTERM; workers have been stopped."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process it ended: 130 for SIGINT (Ctrl-C),
+        143 for SIGTERM (what supervisors and ``kill`` expect)."""
+        return 128 + self.signum
+
 
 class GroupResult(NamedTuple):
     returncodes: list[int]
@@ -186,7 +196,7 @@ def die_with_parent() -> None:
 
 
 def _raise_interrupted(signum, frame):
-    raise Interrupted(signal.Signals(signum).name)
+    raise Interrupted(signum)
 
 
 def _own_failure(code: Optional[int]) -> bool:

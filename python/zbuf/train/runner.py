@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from typing import Any, Optional
@@ -26,6 +27,9 @@ from .refusals import checkpoint_refusal, plan_refusal
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
 
 __all__ = ["run", "merge", "prepare"]
+
+_INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""Exit statuses of a run a signal stopped: 130 (Ctrl-C), 143 (SIGTERM)."""
 
 
 def _machine(cfg: TrainConfig) -> tuple[bool, int]:
@@ -161,10 +165,14 @@ def _spawned(command: str, cfg: TrainConfig, index: int,
         try:
             group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.processes, env=env)
         except Interrupted as e:  # every worker has stopped; rank 0 left the steps it did
-            return _interrupted_partial(cfg, index, partial_path), 130, [f"interrupted ({e})"]
+            return (_interrupted_partial(cfg, index, partial_path), e.exit_code,
+                    [f"interrupted ({e})"])
         rank = group.failed_rank
-        if rank is not None and group.returncodes[rank] == 130:  # Ctrl-C reached the ranks only
-            return _interrupted_partial(cfg, index, partial_path), 130, ["interrupted (SIGINT)"]
+        stops = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+        if rank is not None and group.returncodes[rank] in stops:  # it reached the ranks only
+            code = group.returncodes[rank]
+            return _interrupted_partial(cfg, index, partial_path), code, \
+                [f"interrupted ({stops[code]})"]
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0, []
@@ -207,7 +215,7 @@ def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
 def run(command: str, cfg: TrainConfig, console: Console | None = None,
         argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
-    interrupt. ``argv``: the command's arguments (``train ...``), for the resume hint of an
+    SIGINT (Ctrl-C), 143 on SIGTERM. ``argv``: the command's arguments (``train ...``), for the resume hint of an
     interrupted run."""
     console = console or Console()
     bench = command == "bench"
@@ -242,9 +250,9 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
         env = partial.get("environment", env)
         peak = partial.get("peak_flops", peak)
         engines_out.extend(partial["engines"])
-        if code == 130:
+        if code in _INTERRUPTED:
             print_error(command, f"{causes[0]}; all workers stopped")
-            status = 130
+            status = code
             break
         if code == 2:  # the workers refused the input (refusals.py); rank 0 said why, once
             status = 2
@@ -270,7 +278,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
         env = environment(device)
         peak = peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype)
     code = _finish(command, cfg, env, engines_out, peak, console) or status
-    if status == 130:
+    if status in _INTERRUPTED:
         _resume_hint(cfg, argv, console)
     return code
 
