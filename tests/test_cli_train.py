@@ -422,12 +422,16 @@ def test_resume_under_torchrun_with_a_hugging_face_model_is_bit_exact(tmp_path, 
                 str(resumed_dir)]
     res = _run(common + one_rank + ["--resume", "--out", str(tmp_path / "bad.json")])
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "CheckpointCorruptError" in res.stderr and "Traceback" not in res.stderr
+    said = " ".join(res.stderr.split())
+    assert "zbuf train: error: --resume: step_00000006 in " in said and "Traceback" not in said
     # said once (rank 0's message), not again as "engine zbuf failed (exit 2): ranks 0-1 ...",
     # and no summary table of dashes claiming measured steps
-    assert res.stderr.count("CheckpointCorruptError") == 1, res.stderr
+    assert said.count("is damaged (__1_0.distcp is corrupted") == 1, res.stderr
     assert "failed (exit 2)" not in res.stderr and "measured step" not in res.stdout, res.stdout
-    assert "--resume-from step_00000003" in " ".join(res.stderr.split()), res.stderr
+    back = " ".join(["zbuf", *common, *one_rank, "--out", str(tmp_path / "bad.json"),
+                     "--resume-from", "step_00000003"])
+    assert said.endswith(f"To resume from the previous checkpoint step_00000003: {back}"), said
+    assert not (tmp_path / "bad.json").exists()  # no record of a run that never started
     out = tmp_path / "back.json"
     res = _run(common + one_rank + ["--resume-from", "step_00000003", "--out", str(out)])
     assert res.returncode == 0, _why(res, out)
@@ -470,6 +474,21 @@ def test_checkpoints_belong_to_one_run(tmp_path, capsys):
         assert part in err, err
     err = refused(["--steps", "8", "--resume", "--seed", "1", "--lr", "0.001", "--allow-change", "lr"])
     assert "--seed 0 there, 1 here" in err and "--lr" not in err.split("other settings:")[1], err
+    assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000005"]
+    assert not (tmp_path / "b.json").exists()
+    # A damaged newest checkpoint: refused, naming it, what is wrong and the whole command that
+    # resumes from the one before, not "zbuf train ..." (issue 37, items 2 and 11); nothing
+    # deleted, no record written.
+    for f in (ck / "step_00000005").iterdir():
+        f.unlink()
+    args = ["--steps", "8", "--resume"]
+    err = refused(args)
+    assert err.startswith("zbuf train: error: --resume: step_00000005 in "), err
+    assert "is damaged (it is empty); nothing was loaded or deleted" in err, err
+    back = " ".join(["zbuf", *base, *args[:-1], "--out", str(tmp_path / "b.json"),
+                     "--resume-from", "step_00000004"])
+    assert err.endswith(f"To resume from the previous checkpoint step_00000004: {back}"), err
+    assert "..." not in err and "zbuf." not in err and "Error" not in err, err
     assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000005"]
     assert not (tmp_path / "b.json").exists()
     helptext = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())

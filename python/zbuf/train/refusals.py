@@ -13,7 +13,10 @@ inputs are rank-agreed), so rank 0 says it once.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from .config import TrainConfig, format_bytes
+from .save_resume import way_back
 
 __all__ = ["plan_refusal", "checkpoint_refusal"]
 
@@ -36,9 +39,14 @@ def plan_refusal(cfg: TrainConfig, error) -> str:
             f"{fixes[-1]}")
 
 
-def checkpoint_refusal(error) -> str:
+def checkpoint_refusal(error, resume_from: Optional[Callable[[str], str]] = None) -> str:
     """The line for a ``CheckpointError``: its message, led by the option it concerns. A message
     of ``zbuf.train.save_resume`` already names its option (``--resume: ...``); the checkpoint
-    protocol's own (a damaged file found while loading) concern ``--resume``."""
+    protocol's own concern ``--resume``. ``resume_from``: checkpoint name -> the whole command
+    line that resumes from it, for a damaged newest checkpoint's way back (never ``zbuf train
+    ...``: a line to copy as it is)."""
+    back = getattr(error, "way_back", None)
+    if back is not None and resume_from is not None:
+        return f"{error.problem}. {way_back(back, resume_from(back))}"
     text = str(error)
     return text if text.startswith("--") else f"--resume: {text}"

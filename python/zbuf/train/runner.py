@@ -26,7 +26,7 @@ from .record import make_record, markdown, merge_records, simulated_text, write_
 from .refusals import checkpoint_refusal, plan_refusal
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
 
-__all__ = ["run", "merge", "prepare"]
+__all__ = ["run", "merge", "prepare", "resume_command", "resume_from_command"]
 
 _INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 """Exit statuses of a run a signal stopped: 130 (Ctrl-C), 143 (SIGTERM)."""
@@ -80,7 +80,7 @@ def _emulated_card(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _resume_point(cfg: TrainConfig) -> int:
+def _resume_point(cfg: TrainConfig, argv: Optional[list[str]]) -> int:
     """Check the checkpoint options against the file system before any worker starts; the step
     a ``--resume`` run will continue from (0: a fresh start). ``ConfigError`` if they cannot
     work: a directory that cannot be created or written, another run's checkpoints or settings
@@ -102,7 +102,8 @@ def _resume_point(cfg: TrainConfig) -> int:
     try:
         info = resume_point(cfg.save_resume_policy())
     except CheckpointError as e:
-        raise ConfigError(checkpoint_refusal(e)) from None
+        launcher = _TORCHRUN if under_torchrun() else "zbuf"
+        raise ConfigError(checkpoint_refusal(e, resume_from_command(argv, launcher))) from None
     if info is None:
         return 0
     if info.step > cfg.steps:
@@ -128,10 +129,16 @@ def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
                                                               "finished")]}
 
 
-def resume_command(argv: list[str], launcher: str = "zbuf") -> str:
+_TORCHRUN = "torchrun <your torchrun options> -m zbuf.cli"
+"""The launcher of a resume command under torchrun, whose own options are not known here: the
+user puts theirs back."""
+
+
+def resume_command(argv: list[str], launcher: str = "zbuf",
+                   resume_from: Optional[str] = None) -> str:
     """The command line that continues a run started with ``launcher argv...`` (``launcher``
     as written, unquoted): the same options, with ``--resume`` (in place of a
-    ``--resume-from``, which would go back to that step)."""
+    ``--resume-from``, which would go back to that step), or ``--resume-from resume_from``."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -140,15 +147,24 @@ def resume_command(argv: list[str], launcher: str = "zbuf") -> str:
             skip = True
         elif not arg.startswith("--resume-from=") and arg != "--resume":
             out.append(arg)
-    return f"{launcher} {shlex.join([*out, '--resume'])}"
+    tail = ["--resume-from", resume_from] if resume_from is not None else ["--resume"]
+    return f"{launcher} {shlex.join([*out, *tail])}"
+
+
+def resume_from_command(argv: Optional[list[str]], launcher: str = "zbuf"):
+    """Checkpoint name -> the command that resumes from it (``refusals.checkpoint_refusal``);
+    None without the command's arguments (``run`` called from Python)."""
+    if not argv:
+        return None
+    return lambda name: resume_command(argv, launcher, resume_from=name)
 
 
 def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
 
-def _spawned(command: str, cfg: TrainConfig, index: int,
-             console: Console) -> tuple[dict, int, list[str]]:
+def _spawned(command: str, cfg: TrainConfig, index: int, console: Console,
+             argv: Optional[list[str]]) -> tuple[dict, int, list[str]]:
     """Run one engine (run ``index`` of ``cfg.runs()``) in a fresh worker group; (partial
     record, exit code, how the ranks ended: one line per distinct cause, [Note: one line per
     cause] in ``launcher``)."""
@@ -158,7 +174,7 @@ def _spawned(command: str, cfg: TrainConfig, index: int,
         threads = max(1, (os.cpu_count() or 2) // cfg.processes)
         with open(spec_path, "w") as f:
             json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
-                       "threads": threads, "command": command}, f)
+                       "threads": threads, "command": command, "argv": argv}, f)
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -221,7 +237,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     bench = command == "bench"
     try:
         cfg = prepare(cfg, bench=bench)
-        start = _resume_point(cfg)
+        start = _resume_point(cfg, argv)
         crowded = None if cfg.device == "cuda" or under_torchrun() else cpu_oversubscription(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
@@ -246,7 +262,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     peak = None
     status = 0
     for index, label in enumerate(cfg.run_labels()):
-        partial, code, causes = _spawned(command, cfg, index, console)
+        partial, code, causes = _spawned(command, cfg, index, console, argv)
         env = partial.get("environment", env)
         peak = partial.get("peak_flops", peak)
         engines_out.extend(partial["engines"])
@@ -320,8 +336,8 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
                                       stopped_path=stopped)
         except (CheckpointError, PlanExceedsMemoryError) as e:  # alike on every rank: once
             if rank == 0:
-                print_error(command, checkpoint_refusal(e) if isinstance(e, CheckpointError)
-                            else plan_refusal(cfg, e))
+                print_error(command, checkpoint_refusal(e, resume_from_command(argv, _TORCHRUN))
+                            if isinstance(e, CheckpointError) else plan_refusal(cfg, e))
             return 2
         except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
             if rank != 0 or e.code not in (130, 143):
@@ -330,17 +346,14 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
             if not os.path.exists(stopped):  # stopped before a step finished: say so
                 print_error(command, f"interrupted ({how}) before a step finished; no record "
                                      f"written to {cfg.out}")
-                _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
-                                                          "zbuf.cli")
+                _resume_hint(cfg, argv, console, launcher=_TORCHRUN)
                 return e.code
             with open(stopped) as f:
                 partial = json.load(f)
             print_error(command, f"interrupted ({how}); the record holds the steps done")
             _finish(command, cfg, partial["environment"], partial["engines"],
                     partial["peak_flops"], console)
-            # torchrun's own options are not known here: the user puts theirs back
-            _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
-                                                      "zbuf.cli")
+            _resume_hint(cfg, argv, console, launcher=_TORCHRUN)
             return e.code
     if rank != 0:
         return 0

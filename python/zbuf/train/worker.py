@@ -30,6 +30,7 @@ from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
 from .progress import NullProgress, TrainProgress
 from .refusals import checkpoint_refusal, plan_refusal
+from .runner import resume_from_command
 from .simulate import init_fake_group
 
 __all__ = ["run_engines", "main"]
@@ -147,8 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         # Every rank raises the same error (checkpoint.py agrees on verdicts; a plan's inputs
         # are rank-agreed): one line, no traceback; it is the user's input, so status 2
         # (refusals.py).
-        text = checkpoint_refusal(e) if isinstance(e, CheckpointError) else \
-            plan_refusal(cfg.for_run(spec["runs"][0]), e)
+        text = checkpoint_refusal(e, resume_from_command(spec["argv"])) \
+            if isinstance(e, CheckpointError) else plan_refusal(cfg.for_run(spec["runs"][0]), e)
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
             f.write(text)
         if rank == 0:
