@@ -491,6 +491,19 @@ def test_checkpoints_belong_to_one_run(tmp_path, capsys):
     assert "..." not in err and "zbuf." not in err and "Error" not in err, err
     assert sorted(os.listdir(ck)) == ["step_00000004", "step_00000005"]
     assert not (tmp_path / "b.json").exists()
+    # Taking the way back keeps the damaged directory (moved aside) and the first record: the
+    # resumed run writes its own beside it and says so (issue 37, item 3).
+    before = out.read_bytes()
+    res = _run(base + ["--steps", "6", "--save-every", "2", "--resume-from", "step_00000004",
+                       "--out", str(out)])
+    assert res.returncode == 0, _why(res)
+    resumed = tmp_path / "a.from-step-4.json"
+    said = " ".join(res.stdout.split())
+    assert f"{out} keeps the record it holds, and this run's record goes to {resumed}" in said
+    assert f"zbuf report {resumed}" in said, said
+    assert out.read_bytes() == before
+    assert [s["step"] for s in json.loads(resumed.read_text())["engines"][0]["steps"]] == [4, 5]
+    assert (ck / "superseded" / "step_00000005").is_dir()
     helptext = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "--resume-from step_N" in helptext and "damaged" in helptext and "--allow-change" in helptext
 
@@ -579,6 +592,17 @@ def test_interrupt_leaves_no_orphans_and_a_record(tmp_path, how):
                            "--out", str(tmp_path / "cut.json"), "--resume"])
         assert f"resume with: {resume}" in rest, rest
         assert "latest checkpoint: " + str(tmp_path / "ck" / "step_0000") in rest, rest
+        # Every rank's steps and the pool, not rank 0's alone and dashes; plotted, marked
+        # interrupted (issue 37, item 3). Under torchrun no process sees the others' files.
+        ranks = [0] if torchrun else [0, 1]
+        assert [r["rank"] for r in eng["per_rank"]] == ranks, eng["per_rank"]
+        assert all(len(s["alloc_retries"]) == len(ranks) for s in eng["steps"])
+        assert eng["summary"]["pool"] and eng["summary"]["alloc_retries_per_rank"] == [0] * len(ranks)
+        if how == "ctrl-c":
+            from zbuf.cli import main
+
+            assert main(["report", str(tmp_path / "cut.json"), "-o", str(tmp_path / "plots")]) == 0
+            assert {"loss.png", "step_time.png", "memory.png"} <= set(os.listdir(tmp_path / "plots"))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

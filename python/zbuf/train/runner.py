@@ -20,6 +20,7 @@ from typing import Any, Optional
 from rich.console import Console
 
 from .config import ConfigError, TrainConfig, check_output_path, format_bytes
+from .interrupted import read_stopped
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, simulated_text, write_record
@@ -113,6 +114,24 @@ def _resume_point(cfg: TrainConfig, argv: Optional[list[str]]) -> int:
     return info.step
 
 
+def _resumed_out(out: str, start: int) -> str:
+    """Where the record of a run resumed at step ``start`` goes when ``out`` exists.
+
+    [Note: a resumed run's record]
+    The command that resumes a run is the one that started it plus ``--resume`` (the hint an
+    interrupted run prints), so it names the same ``--out``: the resumed run overwrote the
+    record of the steps before the interruption, and steps 1-70 of a run resumed there were in
+    no record. A resumed run whose ``--out`` exists writes beside it instead, to
+    ``<name>.from-step-<start>.json`` (``.from-step-<start>-2.json`` when that exists too), and
+    says so; the two records together hold every step."""
+    stem, ext = os.path.splitext(out)
+    candidate, n = f"{stem}.from-step-{start}{ext or '.json'}", 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{stem}.from-step-{start}-{n}{ext or '.json'}"
+    return candidate
+
+
 def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str, Any]:
     engine, mode = cfg.runs()[index]
     return {"engine": engine.value, "label": cfg.run_labels()[index], "ac": mode,
@@ -120,11 +139,11 @@ def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str,
 
 
 def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
-    """What rank 0 wrote of an interrupted run ([Note: interrupted runs] in ``loop``), or a
-    record entry saying it stopped before a step finished."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    """What the ranks wrote of an interrupted run ([Note: every rank's stopped steps] in
+    ``interrupted``), or a record entry saying it stopped before a step finished."""
+    partial = read_stopped(path, cfg.processes)
+    if partial is not None:
+        return partial
     return {"engines": [_failure(cfg, index, "interrupted", "interrupted before any step "
                                                               "finished")]}
 
@@ -207,10 +226,10 @@ def _spawned(command: str, cfg: TrainConfig, index: int, console: Console,
         code = group.returncodes[rank]
         if code == 1 and texts.get(rank):  # a Python exception: its traceback, once
             print(texts[rank].rstrip(), file=sys.stderr, flush=True)
-        partial = {"engines": [_failure(cfg, index, "failed", msg)]}
-        if os.path.exists(partial_path):  # rank 0 kept the steps it did ([Note: interrupted runs])
-            with open(partial_path) as f:
-                partial = json.load(f)
+        partial = read_stopped(partial_path, cfg.processes)  # [Note: interrupted runs] in loop
+        if partial is None:
+            partial = {"engines": [_failure(cfg, index, "failed", msg)]}
+        else:
             partial["engines"][-1].update(status="failed", error=msg)
         return partial, code if code > 0 else 1, causes
 
@@ -251,6 +270,12 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                           f"at step {start} = --steps; nothing to train (raise --steps to "
                           f"continue)", highlight=False, markup=False)
         return 0
+    if start and os.path.exists(cfg.out):  # [Note: a resumed run's record]
+        kept, cfg = cfg.out, dataclasses.replace(cfg, out=_resumed_out(cfg.out, start))
+        if not under_torchrun() or os.environ.get("RANK") == "0":
+            console.print(f"zbuf {command}: note: resuming at step {start}; {kept} keeps the "
+                          f"record it holds, and this run's record goes to {cfg.out}",
+                          highlight=False, markup=False, soft_wrap=True)
     if under_torchrun():
         return _run_in_process(command, cfg, console, argv)
     if crowded is not None:  # [Note: CPU ranks and cores] in resources
@@ -281,10 +306,14 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                 print_error(command, f"  also {line}")
             if not bench:
                 break
-    if status == 2 and not any(e.get("steps") for e in engines_out):
-        # Refused before any step finished: nothing ran that a record could hold, and --out
-        # (perhaps an earlier run's record) stays as it was.
-        return 2
+    if status in (2, *_INTERRUPTED) and not any(e.get("steps") for e in engines_out):
+        # Refused or stopped before any step finished: nothing ran that a record could hold,
+        # and --out (perhaps an earlier run's record) stays as it was.
+        if status != 2:
+            console.print(f"no step finished; no record written to {cfg.out}", highlight=False,
+                          markup=False, soft_wrap=True)
+            _resume_hint(cfg, argv, console)
+        return status
     if not env:  # no worker reported: describe the machine the run was for, from here
         import torch
 

@@ -25,6 +25,7 @@ from .. import faults
 from ..checkpoint import CheckpointError
 from ..compile import PlanExceedsMemoryError
 from .config import TrainConfig
+from .interrupted import rank_path
 from .launcher import die_with_parent
 from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
@@ -69,7 +70,7 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
                 stopped_path: Optional[str] = None) -> dict[str, Any]:
     """Run ``cfg``'s runs of these indices (``TrainConfig.runs``) one after another on this rank;
-    returns the partial record (all ranks). ``stopped_path``: where rank 0 writes the partial
+    returns the partial record (all ranks). ``stopped_path``: where the ranks write the partial
     record of the steps done when Ctrl-C or SIGTERM stops it ([Note: interrupted runs] in
     ``loop``)."""
     device = init_distributed(cfg)
@@ -104,11 +105,13 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
 
 def _stopped_writer(cfg: TrainConfig, device: torch.device, done: list[dict],
                     path: Optional[str]) -> Optional[Callable[[dict], None]]:
-    """Rank 0's ``on_stop``: the runs done and the interrupted or failed one, as a partial record
-    at ``path`` ([Note: interrupted runs] in ``loop``). The rank is stopping: a second Ctrl-C, or
+    """A rank's ``on_stop``: the runs done and the interrupted or failed one, as a partial record
+    at ``path`` (rank 0) or ``interrupted.rank_path(path, rank)`` (the others, for the launcher
+    to join: [Note: interrupted runs] in ``loop``). The rank is stopping: a second Ctrl-C, or
     the launcher's SIGTERM, must not cut the file short, so both are ignored from here on."""
-    if path is None or dist.get_rank() != 0:
+    if path is None:
         return None
+    path = rank_path(path, dist.get_rank())
 
     def write(result: dict) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
