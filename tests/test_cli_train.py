@@ -633,7 +633,10 @@ def test_ctrl_c_that_a_finaliser_swallowed_before_a_peer_stopped_leaves_the_reco
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     rest = res.stdout + res.stderr
     assert res.returncode == 1, rest  # torchrun's own status: its ranks stopped
-    assert "Exception ignored" in rest and "KeyboardInterrupt" in rest, rest  # it was swallowed
+    assert "a finaliser swallowed rank 0's Ctrl-C" in rest, rest  # it was swallowed
+    # and Python's "Exception ignored" traceback of it is not shown ([Note: what a stop leaves
+    # unsaid] in zbuf/faults.py)
+    assert "Exception ignored" not in rest, rest
     assert "another rank died" not in rest and "status 75" not in rest, rest
     # rank 1's exit makes torchrun SIGTERM rank 0, which may land first: either stop, said so
     assert "error: interrupted (SIG" in rest and "the record holds the steps done" in rest, rest

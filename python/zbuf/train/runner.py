@@ -357,7 +357,8 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
     from .worker import run_engines
 
     rank = int(os.environ["RANK"])
-    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
+    # [Note: what a stop leaves unsaid] in zbuf/faults.py
+    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp, faults.unsaid_stop_noise():
         stopped = os.path.join(tmp, "interrupted.json")  # [Note: interrupted runs] in loop
         try:
             with faults.supervised():  # releases the pools and the process group on every way out

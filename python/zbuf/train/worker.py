@@ -170,4 +170,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    faults.end_process(main())  # [Note: worker teardown order]
+    with faults.unsaid_stop_noise():  # to the end of the rank: [Note: what a stop leaves unsaid]
+        code = main()
+    faults.end_process(code)  # [Note: worker teardown order]
