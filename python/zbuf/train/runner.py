@@ -250,8 +250,8 @@ def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
 def run(command: str, cfg: TrainConfig, console: Console | None = None,
         argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
-    SIGINT (Ctrl-C), 143 on SIGTERM. ``argv``: the command's arguments (``train ...``), for the resume hint of an
-    interrupted run."""
+    SIGINT (Ctrl-C), 143 on SIGTERM. ``argv``: the command's arguments (``train ...``), for the
+    commands that resume a run."""
     console = console or Console()
     bench = command == "bench"
     try:
