@@ -26,8 +26,9 @@ from .progress import comparison_table, print_error, summary_table
 from .record import make_record, markdown, merge_records, simulated_text, write_record
 from .refusals import checkpoint_refusal, plan_refusal
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
+from .resume_commands import TORCHRUN, resume_command, resume_from_command
 
-__all__ = ["run", "merge", "prepare", "resume_command", "resume_from_command"]
+__all__ = ["run", "merge", "prepare"]
 
 _INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 """Exit statuses of a run a signal stopped: 130 (Ctrl-C), 143 (SIGTERM)."""
@@ -103,7 +104,7 @@ def _resume_point(cfg: TrainConfig, argv: Optional[list[str]]) -> int:
     try:
         info = resume_point(cfg.save_resume_policy())
     except CheckpointError as e:
-        launcher = _TORCHRUN if under_torchrun() else "zbuf"
+        launcher = TORCHRUN if under_torchrun() else "zbuf"
         raise ConfigError(checkpoint_refusal(e, resume_from_command(argv, launcher))) from None
     if info is None:
         return 0
@@ -146,36 +147,6 @@ def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
         return partial
     return {"engines": [_failure(cfg, index, "interrupted", "interrupted before any step "
                                                               "finished")]}
-
-
-_TORCHRUN = "torchrun <your torchrun options> -m zbuf.cli"
-"""The launcher of a resume command under torchrun, whose own options are not known here: the
-user puts theirs back."""
-
-
-def resume_command(argv: list[str], launcher: str = "zbuf",
-                   resume_from: Optional[str] = None) -> str:
-    """The command line that continues a run started with ``launcher argv...`` (``launcher``
-    as written, unquoted): the same options, with ``--resume`` (in place of a
-    ``--resume-from``, which would go back to that step), or ``--resume-from resume_from``."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--resume-from":
-            skip = True
-        elif not arg.startswith("--resume-from=") and arg != "--resume":
-            out.append(arg)
-    tail = ["--resume-from", resume_from] if resume_from is not None else ["--resume"]
-    return f"{launcher} {shlex.join([*out, *tail])}"
-
-
-def resume_from_command(argv: Optional[list[str]], launcher: str = "zbuf"):
-    """Checkpoint name -> the command that resumes from it (``refusals.checkpoint_refusal``);
-    None without the command's arguments (``run`` called from Python)."""
-    if not argv:
-        return None
-    return lambda name: resume_command(argv, launcher, resume_from=name)
 
 
 def _last_line(text: str) -> str:
@@ -366,7 +337,7 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
                                       stopped_path=stopped)
         except (CheckpointError, PlanExceedsMemoryError) as e:  # alike on every rank: once
             if rank == 0:
-                print_error(command, checkpoint_refusal(e, resume_from_command(argv, _TORCHRUN))
+                print_error(command, checkpoint_refusal(e, resume_from_command(argv, TORCHRUN))
                             if isinstance(e, CheckpointError) else plan_refusal(cfg, e))
             return 2
         except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
@@ -376,14 +347,14 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
             if not os.path.exists(stopped):  # stopped before a step finished: say so
                 print_error(command, f"interrupted ({how}) before a step finished; no record "
                                      f"written to {cfg.out}")
-                _resume_hint(cfg, argv, console, launcher=_TORCHRUN)
+                _resume_hint(cfg, argv, console, launcher=TORCHRUN)
                 return e.code
             with open(stopped) as f:
                 partial = json.load(f)
             print_error(command, f"interrupted ({how}); the record holds the steps done")
             _finish(command, cfg, partial["environment"], partial["engines"],
                     partial["peak_flops"], console)
-            _resume_hint(cfg, argv, console, launcher=_TORCHRUN)
+            _resume_hint(cfg, argv, console, launcher=TORCHRUN)
             return e.code
     if rank != 0:
         return 0

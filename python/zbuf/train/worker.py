@@ -31,7 +31,7 @@ from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
 from .progress import NullProgress, TrainProgress
 from .refusals import checkpoint_refusal, plan_refusal
-from .runner import resume_from_command
+from .resume_commands import resume_from_command
 from .simulate import init_fake_group
 
 __all__ = ["run_engines", "main"]
