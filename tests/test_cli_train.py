@@ -194,7 +194,8 @@ def test_a_plan_that_does_not_fit_is_one_line_naming_the_options(one_rank_runs):
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, res.stderr
     assert errors[0].startswith("zbuf train: error: the forward graph's plan needs "), errors
-    for part in ("MiB but every rank has", "--micro-batch (now 8)", "--seq-len (now 64)",
+    for part in ("MiB but every rank has", "MiB for it (of --gpu-memory 30.00 MiB, less the "
+                 "model's state and a margin)", "--micro-batch (now 8)", "--seq-len (now 64)",
                  "--ac full or --ac auto (now off)", "a larger --gpu-memory"):
         assert part in errors[0], errors[0]
     assert not out.exists()

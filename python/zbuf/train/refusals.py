@@ -34,9 +34,12 @@ def plan_refusal(cfg: TrainConfig, error) -> str:
         if cfg.ac in ("off", "selective"):
             fixes.append(f"checkpoint activations with --ac full or --ac auto (now {cfg.ac})")
         fixes.append(room)
+    card = (f"of --gpu-memory {format_bytes(cfg.gpu_memory)}" if cfg.gpu_memory is not None
+            else "of the GPU's free memory" if cfg.device == "cuda" else
+            "of the host's free memory")
     return (f"{error.what} needs {format_bytes(error.needs_bytes)} but every rank has "
-            f"{format_bytes(error.memory_bytes)} for it; {', '.join(fixes[:-1])}, or "
-            f"{fixes[-1]}")
+            f"{format_bytes(error.memory_bytes)} for it ({card}, less the model's state and a "
+            f"margin); {', '.join(fixes[:-1])}, or {fixes[-1]}")
 
 
 def checkpoint_refusal(error, resume_from: Optional[Callable[[str], str]] = None) -> str:
