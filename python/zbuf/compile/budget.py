@@ -58,11 +58,17 @@ def _host_bytes(kind: str) -> int:
 
 
 def local_free_bytes(device: torch.device) -> int:
-    """Memory this rank could still allocate (CPU: available host memory).
+    """Memory this rank could still allocate (CPU: its share of the available host memory).
 
     CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
     out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
     nothing of that cap, and a budget planned past it would turn into allocator retries.
+
+    [Note: ranks share the host]
+    CPU ranks on one host allocate from the same memory, so each plans with its share of what
+    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
+    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
+    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -70,7 +76,7 @@ def local_free_bytes(device: torch.device) -> int:
         available = free + torch.cuda.memory_reserved(device) - allocated
         cap = torch.cuda.get_per_process_memory_fraction(device) * total
         return max(0, int(min(available, cap - allocated)))
-    return _host_bytes("free")
+    return _host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _total_bytes(device: torch.device) -> int:

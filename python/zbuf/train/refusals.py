@@ -23,23 +23,27 @@ __all__ = ["plan_refusal", "checkpoint_refusal"]
 
 def plan_refusal(cfg: TrainConfig, error) -> str:
     """The line for a ``PlanExceedsMemoryError`` of a run of ``cfg`` (resolved, one run's)."""
-    room = ("give each rank more memory (a larger --gpu-memory)" if cfg.gpu_memory is not None
-            else "shard over more ranks")
+    # More room: a larger emulated card, or more GPUs to shard the model's state over (CPU
+    # ranks share one host's memory: more of them leave each less, [Note: ranks share the host]
+    # in zbuf/compile/budget.py).
+    room = ["give each rank more memory (a larger --gpu-memory)"] if cfg.gpu_memory is not None \
+        else ["shard over more GPUs"] if cfg.device == "cuda" else []
     if error.short_of == "optimizer":
-        fixes = [f"use --optimizer adamw-fused (now {cfg.optimizer})", room]
+        fixes = [f"use --optimizer adamw-fused (now {cfg.optimizer})", *room]
     elif error.short_of == "block weights":
-        fixes = ["use --compile-structure graph", room]
+        fixes = ["use --compile-structure graph", *room]
     else:
         fixes = [f"lower --micro-batch (now {cfg.micro_batch}) or --seq-len (now {cfg.seq_len})"]
         if cfg.ac in ("off", "selective"):
             fixes.append(f"checkpoint activations with --ac full or --ac auto (now {cfg.ac})")
-        fixes.append(room)
+        fixes.extend(room)
+    advice = fixes[0] if len(fixes) == 1 else f"{', '.join(fixes[:-1])}, or {fixes[-1]}"
     card = (f"of --gpu-memory {format_bytes(cfg.gpu_memory)}" if cfg.gpu_memory is not None
             else "of the GPU's free memory" if cfg.device == "cuda" else
-            "of the host's free memory")
+            "of its share of the host's free memory")
     return (f"{error.what} needs {format_bytes(error.needs_bytes)} but every rank has "
             f"{format_bytes(error.memory_bytes)} for it ({card}, less the model's state and a "
-            f"margin); {', '.join(fixes[:-1])}, or {fixes[-1]}")
+            f"margin); {advice}")
 
 
 def checkpoint_refusal(error, resume_from: Optional[Callable[[str], str]] = None) -> str:
