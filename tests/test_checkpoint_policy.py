@@ -6,6 +6,8 @@ test_checkpoint.py.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -171,6 +173,39 @@ def test_resume_from_an_older_checkpoint_when_the_newest_is_damaged(tmp_path, ca
     (root / "step_00000008" / ckpt.files.MANIFEST_NAME).write_text("{ cut")
     with pytest.raises(ckpt.CheckpointCorruptError, match="--resume-from step_00000006"):
         _policy(root, resume=True).begin(model, opt)
+
+
+def test_resume_refuses_a_damaged_newest_checkpoint_and_deletes_nothing(tmp_path):
+    """Issue 37, item 2: with every file of the newest checkpoint deleted, ``--resume`` went on
+    from the one before in silence, and its save of that step then deleted the damaged
+    directory. Now it is refused, naming the step, what is wrong and the way back; resuming from
+    there moves the damaged directory aside, whole."""
+    root = tmp_path / "ck"
+    _run(_policy(root, save_every=2, keep_last=3), 6)
+    newest = root / "step_00000006"
+    kept = newest / "note.txt"  # what a user left there is not zbuf's to delete
+    for f in newest.iterdir():
+        f.unlink()
+    kept.write_text("mine")
+    model, opt = _make()
+    with pytest.raises(ckpt.CheckpointCorruptError) as e:
+        _policy(root, resume=True).begin(model, opt)
+    msg = " ".join(str(e.value).split())
+    assert msg.startswith("--resume: step_00000006 in ") and "is damaged (it has no " in msg, msg
+    assert "nothing was loaded or deleted" in msg and "--resume-from step_00000004" in msg, msg
+    assert e.value.way_back == "step_00000004" and "--resume-from" not in e.value.problem
+    # A fresh start sees it as a checkpoint too; a file of the newest missing is refused alike.
+    with pytest.raises(ckpt.CheckpointMismatchError, match="step_00000006"):
+        _policy(root).begin(model, opt)
+    next((root / "step_00000004").glob("*.distcp")).unlink()
+    shutil.move(root / "step_00000002", tmp_path / "aside")
+    with pytest.raises(ckpt.CheckpointCorruptError, match="distcp is missing") as e:
+        _policy(root, resume=True, resume_from="4").begin(model, opt)
+    assert e.value.way_back is None and "No earlier checkpoint is left" in str(e.value)
+    shutil.move(tmp_path / "aside", root / "step_00000002")
+    run, _, _ = _run(_policy(root, resume=True, resume_from="2", save_every=2, keep_last=3), 8)
+    assert run.start_step == 2 and _steps(root) == [4, 6, 8]
+    assert (root / "superseded" / "step_00000006" / "note.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize(

@@ -269,6 +269,24 @@ def test_help_does_not_import_torch():
         sorted(m for m in imported if m.startswith("torch"))[:5]
 
 
+@pytest.mark.parametrize("args", [
+    ["train", "--preset", "qwen9"],
+    ["bench", "--engines", "fsdp2", "--gather-budget", "1GiB"],
+    ["train", "--micro-batch", "2", "--global-batch", "8"],
+])
+def test_a_bad_option_is_refused_without_importing_torch(args):
+    # A refusal that needs no machine took 4-10 s (--preset qwen9: 8.5 s), torch imported
+    # first; now it comes before (issue 37, item 13).
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "zbuf.cli", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    said = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(said) == 1 and said[0].startswith(f"zbuf {args[0]}: error: "), said
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert "torch" not in imported, sorted(m for m in imported if m.startswith("torch"))[:5]
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """Fails the test if the run gets as far as starting workers."""

@@ -635,6 +635,38 @@ def test_a_plan_above_the_agreed_memory_is_refused_before_it_runs():
     ok(tokens).sum().backward()
 
 
+def test_zbuf_compile_raises_the_refusal_itself_not_dynamos_wrapper():
+    """[Note: a refusal surfaces as itself] in zbuf/compile/dynamo_settings.py: through
+    ``zbuf.compile`` the refusal is a ``PlanExceedsMemoryError``, not Dynamo's
+    ``BackendCompilerFailed`` around it (issue 37, item 1), and carries its numbers."""
+    from zbuf.compile import PlanExceedsMemoryError
+    from zbuf.shard import shard
+
+    torch.manual_seed(0)
+    model = shard(Net())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    cm = zbuf.compile(model, fullgraph=True, inner="aot_eager", free_memory_bytes=largest // 2)
+    tokens, _ = _batches(1)[0]
+    with pytest.raises(PlanExceedsMemoryError, match="forward graph's plan needs") as info:
+        cm(tokens)
+    err = info.value
+    assert err.what == "the forward graph's plan" and err.short_of == "activations"
+    assert err.needs_bytes > err.memory_bytes > 0
+
+
+def test_cpu_ranks_plan_with_their_share_of_the_host(monkeypatch):
+    """[Note: ranks share the host] in zbuf/compile/budget.py: two CPU ranks on one host each
+    planned with all of its free memory, so ``zbuf train --micro-batch 4096`` was killed by the
+    kernel mid-step instead of refused (issue 37, item 1)."""
+    from zbuf.compile import budget
+
+    monkeypatch.setattr(budget, "_host_bytes", lambda kind: 1000)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert budget.local_free_bytes(torch.device("cpu")) == 500
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert budget.local_free_bytes(torch.device("cpu")) == 1000
+
+
 def test_the_shards_are_not_counted_as_activations_beside_the_agreed_memory():
     """[Note: the model's state is not an activation]: the agreed free memory is what is free
     beside the shards, so a plan is checked without them; each gradient shard counts once, in

@@ -5,7 +5,7 @@
 Error messages are found statically: string literals (f-string parts included) inside ``raise``
 statements, inside calls of ``*Error`` / ``*Exception`` / ``*Warning`` classes, ``warn`` and
 ``print_error``, and in functions whose name says they build a message (``*message*``,
-``*difference*``, ``_way_back``).
+``*difference*``, ``_damaged``, ``way_back``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zbuf
 SOURCES = Path(zbuf.__file__).parent
 NAME = re.compile(r"\bzbuf\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 MESSAGE_CALLS = re.compile(r"(Error|Exception|Warning)$|^(warn|print_error)$")
-MESSAGE_FUNCTIONS = re.compile(r"message|difference|^_way_back$")
+MESSAGE_FUNCTIONS = re.compile(r"message|difference|^_damaged$|^way_back$")
 
 
 def _strings(node: ast.AST):

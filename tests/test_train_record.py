@@ -439,3 +439,37 @@ def test_plots_number_steps_as_the_console_and_keep_every_line_visible(tmp_path)
         figs["schedule_memory.png"].canvas.draw()
         legend = ax.get_legend().get_window_extent()
         assert legend.x0 >= ax.get_window_extent().x1, ax.get_title()  # beside, not over
+
+
+def _one_rank(eng, rank, steps):
+    """``eng`` as the rank ``rank`` of a stopped run would have written it: its own rows only
+    (per-rank fields one value long), ``per_rank`` one entry numbered 0 (``loop._combine``)."""
+    one = dict(eng, status="interrupted", per_rank=[dict(eng["per_rank"][rank], rank=0)])
+    one["steps"] = [dict(s, alloc_retries=[s["alloc_retries"][rank]],
+                         time_s=s["time_s"] + rank, device_bytes=s["device_bytes"] + rank)
+                    for s in eng["steps"][:steps]]
+    return one
+
+
+def test_an_interrupted_run_joins_every_rank_and_plots_what_it_did(tmp_path):
+    """Issue 37, item 3: the record of an interrupted run held rank 0 alone (one retry value for
+    two ranks), and ``zbuf report`` refused it; now the launcher joins each rank's stopped steps
+    ([Note: every rank's stopped steps] in zbuf/train/interrupted.py) and the report plots them."""
+    from zbuf.train.interrupted import rank_path, read_stopped
+
+    full = _engine("zbuf-eager", [3, 1, 1, 1], [5, 4, 3, 2], pool=True)
+    path = str(tmp_path / "partial.json")
+    for rank, steps in ((0, 4), (1, 3)):  # rank 1 stopped a step earlier
+        with open(rank_path(path, rank), "w") as f:
+            json.dump({"environment": {}, "peak_flops": None,
+                       "engines": [_one_rank(full, rank, steps)]}, f)
+    eng = read_stopped(path, world=2)["engines"][-1]
+    assert [s["step"] for s in eng["steps"]] == [0, 1, 2]  # the steps every rank finished
+    assert [s["alloc_retries"] for s in eng["steps"]] == [[0, 0], [0, 1], [0, 2]]
+    assert [s["time_s"] for s in eng["steps"]] == [4, 2, 2]  # the slowest rank's
+    assert [r["rank"] for r in eng["per_rank"]] == [0, 1] and eng["pool"] == full["pool"]
+    rec = _record([eng])
+    assert rec["engines"][0]["summary"]["alloc_retries_per_rank"] == [0, 2]
+    names = sorted(p.rsplit("/", 1)[1] for p in make_plots(rec, str(tmp_path / "plots")))
+    assert names == ["loss.png", "memory.png", "step_time.png"], names
+    assert read_stopped(str(tmp_path / "none.json"), world=2) is None

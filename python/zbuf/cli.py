@@ -24,7 +24,7 @@ import types
 from typing import Optional
 
 from .train.config import AC_CHOICES, FIT_STEPS, Engine, Task, TrainConfig
-from .train.errors import ConfigError
+from .train.errors import ConfigError, print_error
 from .train.options import POSITIVE_INT, SECONDS, cli_option
 
 __all__ = ["main", "build_parser"]
@@ -221,14 +221,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .train.report import main as report_main
 
         return report_main(args.record, args.out_dir)
-    from .train.progress import print_error
-    from .train.runner import merge, run
-
     if args.command == "bench" and args.merge:
+        from .train.runner import merge
+
         return merge(args.merge, args.out or "zbuf-bench.json")
 
     try:
         cfg = config_from_args(args)
+        # The checks that need no machine, before anything imports torch (seconds): a bad
+        # option is refused in a fraction of a second (issue 37, item 13).
+        cfg.validate()
     except ConfigError as e:
         print_error(args.command, str(e))
         return 2
@@ -237,6 +239,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return fit_main(cfg, max_micro_batch=args.max_micro_batch, timeout_s=args.probe_timeout,
                         min_micro_batch=args.min_micro_batch)
+    from .train.runner import run
+
     return run(args.command, cfg, argv=list(sys.argv[1:] if argv is None else argv))
 
 

@@ -58,10 +58,12 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import logging
 import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -82,6 +84,7 @@ __all__ = [
     "fault_point",
     "raise_swallowed_stop",
     "stop_delivered",
+    "unsaid_stop_noise",
 ]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -148,9 +151,12 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.stopping = False
+        """A stop was noted at some time, delivered or not ([Note: what a stop leaves unsaid])."""
 
     def raise_for(self, signum: int) -> None:
         self.signum = signum
+        self.stopping = True
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
@@ -170,6 +176,65 @@ def stop_delivered() -> None:
     """The stop reached the code that handles it: a later step boundary must not raise it
     again (a caller may catch a Ctrl-C and go on)."""
     _STOP_REQUEST.signum = None
+
+
+_TORCH_STOP_NOISE = ("ChromiumEventLogger: ", "Error detected in ")
+"""How the messages of [Note: what a stop leaves unsaid] begin: torch's compile-event logger
+(``torch._dynamo.utils``), and anomaly detection's "Error detected in <op>Backward" warning."""
+
+
+class _StopNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_STOP_REQUEST.stopping and str(record.msg).startswith(_TORCH_STOP_NOISE[0]))
+
+
+@contextlib.contextmanager
+def unsaid_stop_noise() -> Iterator[None]:
+    """Within: what torch says about the unwinding a Ctrl-C or SIGTERM causes is dropped, once
+    the stop is noted ([Note: what a stop leaves unsaid]). For a process that ends when it is
+    stopped (a ``zbuf train`` rank): one that catches the stop and goes on still has it noted.
+
+    [Note: what a stop leaves unsaid]
+    A Ctrl-C during the first step's compile unwinds through torch's tracing, and torch then
+    complained after zbuf's own "interrupted" line: its compile-event logger warns
+    "ChromiumEventLogger: Start event not in stack, ignoring" (or "Detected overlapping events,
+    fixing stack": the events ended out of order), and AOT's trace of the joint graph, which
+    runs under anomaly detection, prints "Error detected in InvokeSubgraphAutogradOpBackward.
+    Traceback of forward call that caused the error" with a stack (issue 37, item 16). Neither is
+    about the run, and some come late (a compile event ended when the stopped frames are freed,
+    after the stop was handled). Nor is Python's "Exception ignored in: <function ...>" with the
+    traceback of a ``KeyboardInterrupt`` (or the ``SystemExit`` of a SIGTERM) that landed in a
+    finaliser: the stop is noted and raised again at the next step boundary ([Note: a stop a
+    finaliser swallowed]). So within this context (a ``zbuf train`` rank's life), and only once a
+    stop was noted (``_StopRequest.stopping``), those messages and no others are dropped: a
+    filter on ``torch._dynamo.utils``' logger, a ``warnings.showwarning`` and a
+    ``sys.unraisablehook`` that pass everything else on. All are gone when the context ends;
+    the same messages in any other case show."""
+    logger = logging.getLogger("torch._dynamo.utils")
+    noise = _StopNoise()
+    logger.addFilter(noise)
+    hook = sys.unraisablehook
+
+    def unraisable(what) -> None:  # the stop itself, swallowed by a finaliser: raised again
+        if not (_STOP_REQUEST.stopping and isinstance(what.exc_value, (KeyboardInterrupt,
+                                                                       SystemExit))):
+            hook(what)
+
+    sys.unraisablehook = unraisable
+    try:
+        with warnings.catch_warnings():  # restores showwarning on the way out
+            shown = warnings.showwarning
+
+            def show(message, category, *args, **kwargs):
+                if _STOP_REQUEST.stopping and str(message).startswith(_TORCH_STOP_NOISE[1]):
+                    return
+                shown(message, category, *args, **kwargs)
+
+            warnings.showwarning = show
+            yield
+    finally:
+        logger.removeFilter(noise)
+        sys.unraisablehook = hook
 
 # Substrings of the errors gloo, NCCL and the c10d store raise when a peer is gone or too slow.
 _PEER_FAILURE_MARKERS = (

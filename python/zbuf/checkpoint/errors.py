@@ -20,7 +20,18 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """The checkpoint's files are damaged (truncated, corrupted, missing); nothing was loaded."""
+    """The checkpoint's files are damaged (truncated, corrupted, missing); nothing was loaded.
+
+    ``problem``: what is wrong, without the advice of the message (a caller words its own);
+    ``way_back``: the name of the run's previous complete checkpoint (``step_00000003``) when
+    ``zbuf train --resume`` refused its newest one, for the command that resumes from it; None
+    otherwise."""
+
+    def __init__(self, message: str, *, problem: str | None = None,
+                 way_back: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = problem if problem is not None else message
+        self.way_back = way_back
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

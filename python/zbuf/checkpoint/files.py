@@ -42,6 +42,7 @@ __all__ = [
     "STEP_DIR_PATTERN",
     "checkpoint_path",
     "list_checkpoints",
+    "damaged_checkpoints",
     "latest_checkpoint",
     "tmp_dir_for",
     "old_dir_for",
@@ -112,6 +113,24 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
         if step not in found or not entry.name.startswith("."):
             found[step] = entry
     return sorted(found.items())
+
+
+def damaged_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path, str]]:
+    """``step_<N>`` directories under ``root`` that are not complete checkpoints, as ``(step,
+    path, what is wrong)``, oldest first. A save never leaves one ([Note: atomic checkpoint
+    commit]: an unfinished save is a hidden ``.<name>.tmp``), so each is a checkpoint damaged
+    after its save (its manifest deleted), or a directory zbuf did not write."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = STEP_DIR_PATTERN.match(entry.name)
+        if m and entry.is_dir() and not is_complete(entry):
+            what = "it is empty" if not any(entry.iterdir()) else \
+                f"it has no {MANIFEST_NAME}, the file a save writes last"
+            found.append((int(m.group(1)), entry, what))
+    return sorted(found)
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:

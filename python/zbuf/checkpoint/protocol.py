@@ -324,7 +324,8 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     try:
         manifest = files.read_manifest(resolved)
     except ValueError as e:
-        raise CheckpointCorruptError(f"cannot read the checkpoint at {resolved}: {e}") from None
+        raise CheckpointCorruptError(f"cannot read the checkpoint at {resolved}: {e}",
+                                     problem=str(e)) from None
     return _info(resolved, manifest, None)
 
 
@@ -410,8 +411,8 @@ def load_checkpoint(
                 f"rank {r}: {p}" for r, p in found)
             raise CheckpointCorruptError(
                 f"the checkpoint at {resolved} is damaged, nothing was loaded: {detail}. Load an "
-                f"earlier checkpoint (zbuf.list_checkpoints(root) lists them) or re-save this one"
-            )
+                f"earlier checkpoint (zbuf.list_checkpoints(root) lists them) or re-save this one",
+                problem=detail)
 
         mismatches = _check_model(manifest, inv, metadata)
         if optimizer is not None:

@@ -342,7 +342,9 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
             f"zbuf: structure='blocks' needs {need / 2**20:.1f} MiB of gathered weights "
             f"(one block's and the parameters outside the blocks) but every rank agreed on "
             f"{memory / 2**20:.1f} MiB; shard over more ranks, or use structure='graph', whose "
-            f"planner can release each weight inside a block")
+            f"planner can release each weight inside a block",
+            what="one block's gathered weights", needs_bytes=need, memory_bytes=memory,
+            short_of="block weights")
     return FramePlan(block, outer_bytes, memory,
                      options.prefetch and 2 * block + outer_bytes <= memory, len(stacks_weights))
 

@@ -58,11 +58,17 @@ def _host_bytes(kind: str) -> int:
 
 
 def local_free_bytes(device: torch.device) -> int:
-    """Memory this rank could still allocate (CPU: available host memory).
+    """Memory this rank could still allocate (CPU: its share of the available host memory).
 
     CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
     out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
     nothing of that cap, and a budget planned past it would turn into allocator retries.
+
+    [Note: ranks share the host]
+    CPU ranks on one host allocate from the same memory, so each plans with its share of what
+    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
+    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
+    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -70,7 +76,7 @@ def local_free_bytes(device: torch.device) -> int:
         available = free + torch.cuda.memory_reserved(device) - allocated
         cap = torch.cuda.get_per_process_memory_fraction(device) * total
         return max(0, int(min(available, cap - allocated)))
-    return _host_bytes("free")
+    return _host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _total_bytes(device: torch.device) -> int:
@@ -175,7 +181,24 @@ def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
 
 class PlanExceedsMemoryError(MemoryError):
     """A graph's plan projects more memory than every rank agreed it may use ([Note: no plan
-    above its memory]); raised at compile time, before the plan ever runs."""
+    above its memory]); raised at compile time, before the plan ever runs.
+
+    Beside the message, which words the fix for a ``zbuf.compile`` caller, the numbers, for a
+    caller that names its own knobs (``zbuf train`` names its options, [Note: a plan that does
+    not fit, on the command line] in zbuf/train/refusals.py): ``what`` needs ``needs_bytes``
+    where every rank agreed on ``memory_bytes``; ``short_of`` says what takes the room, one of
+    ``SHORT_OF``."""
+
+    SHORT_OF = ("activations", "optimizer", "block weights")
+    """``"activations"``: a step's activations and gathered weights (a smaller batch,
+    checkpointing or more ranks helps); ``"optimizer"``: the optimizer step's temporaries;
+    ``"block weights"``: one block's gathered weights under ``structure='blocks'``."""
+
+    def __init__(self, message: str, *, what: str = "the plan", needs_bytes: int = 0,
+                 memory_bytes: int = 0, short_of: str = "activations") -> None:
+        super().__init__(message)
+        self.what, self.needs_bytes, self.memory_bytes = what, needs_bytes, memory_bytes
+        self.short_of = short_of
 
 
 def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
@@ -207,7 +230,8 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
         f"(free memory less {reserve_bytes / 2**20:.1f} MiB of other graphs' gradients and the "
         f"margin_fraction); refusing to run a plan that cannot fit. "
         f"Lower the micro-batch or sequence length, checkpoint more of the model "
-        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks")
+        f"(recompute='auto' or the model's own checkpointing), or shard over more ranks",
+        what=f"the {kind} graph's plan", needs_bytes=peak_bytes, memory_bytes=memory)
 
 
 def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) -> None:
@@ -221,7 +245,8 @@ def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) 
         f"zbuf: {optimizer}'s step needs {temporary_bytes / 2**20:.1f} MiB of temporaries but "
         f"every rank agreed on {free_bytes / 2**20:.1f} MiB free beside the model's state; "
         f"refusing a step that cannot fit. Use fused=True (no parameter-sized temporaries), "
-        f"or shard over more ranks")
+        f"or shard over more ranks", what=f"{optimizer}'s step", needs_bytes=temporary_bytes,
+        memory_bytes=free_bytes, short_of="optimizer")
 
 
 def graph_budget(options: CompileOptions, device: torch.device, activation_peak: int,

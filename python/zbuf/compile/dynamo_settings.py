@@ -19,6 +19,15 @@ step, not twice as in eager); tensors and gradients are not. zbuf turns the flag
 traces the callables zbuf itself compiles (``zbuf.compile``'s model, its re-planned model, the
 block frames), never process-wide: a plain ``torch.compile(model, backend="zbuf")`` traces under
 the caller's settings, and a caller who wants the same sets the flag around the call.
+
+[Note: a refusal surfaces as itself]
+Dynamo wraps whatever a backend raises in ``BackendCompilerFailed``, so a plan that cannot fit
+reached a ``zbuf.compile`` caller as a Dynamo error whose last line says to set
+``TORCHDYNAMO_VERBOSE=1`` (and ``zbuf train`` showed 83 lines of traceback ending there): the
+refusal, its numbers and its fix were buried in the middle. The callables zbuf compiles itself
+re-raise a ``PlanExceedsMemoryError`` as itself, so ``except PlanExceedsMemoryError`` works and
+the message is the last line. A plain ``torch.compile(model, backend="zbuf")`` is Dynamo's to
+report: there the refusal is the ``BackendCompilerFailed``'s ``inner_exception``.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import functools
 from typing import Any, Callable, TypeVar
 
 import torch._dynamo
+from torch._dynamo.exc import BackendCompilerFailed
+
+from .budget import PlanExceedsMemoryError
 
 __all__ = ["traced_as_zbuf"]
 
@@ -36,7 +48,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def traced_as_zbuf(compiled: _F) -> _F:
     """``compiled`` (a callable ``torch.compile`` returned), entered under the Dynamo settings of
     [Note: forward side effects under checkpoint] for the length of each call; the caller's
-    setting is back after it, also when calls nest (a block frame's recompute in backward)."""
+    setting is back after it, also when calls nest (a block frame's recompute in backward). A
+    plan refused while compiling is raised as itself ([Note: a refusal surfaces as itself])."""
     config = torch._dynamo.config
 
     @functools.wraps(compiled)
@@ -45,6 +58,10 @@ def traced_as_zbuf(compiled: _F) -> _F:
         config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         try:
             return compiled(*args, **kwargs)
+        except BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, PlanExceedsMemoryError):
+                raise e.inner_exception from None
+            raise
         finally:
             config.skip_fwd_side_effects_in_bwd_under_checkpoint = prior
 

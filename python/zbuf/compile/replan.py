@@ -198,7 +198,8 @@ class Replanner:
             f"resident: the optimizer's state, kept gradients) but every rank may use "
             f"{usable_bytes / gib:.2f} GiB; the next step would run out of memory, so it is "
             f"refused before it runs. Lower the micro-batch or sequence length, checkpoint more "
-            f"of the model, or shard over more ranks")
+            f"of the model, or shard over more ranks", what=f"the measured step {step}",
+            needs_bytes=peak_bytes, memory_bytes=usable_bytes)
 
     # -- re-planning --------------------------------------------------------------------------
 

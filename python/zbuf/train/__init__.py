@@ -10,7 +10,10 @@
 - ``save_resume``: when a run saves checkpoints and resumes from them (``SaveResumePolicy``).
 - ``metrics``: fair device memory, allocator retries, MFU, versions.
 - ``launcher``: torchrun-compatible worker processes that never outlive the launcher.
-- ``worker``: a rank's entry point; ``runner``: train / bench orchestration.
+- ``worker``: a rank's entry point; ``runner``: train / bench orchestration; ``interrupted``:
+  the record of a stopped run, every rank's steps joined; ``refusals``: the one line for input
+  the ranks refuse (a damaged checkpoint, a plan that does not fit); ``resume_commands``: the
+  command lines that resume a run.
 - ``record``: the JSON record and the markdown table; ``progress``: live bar and tables;
   ``report``: plots.
 """

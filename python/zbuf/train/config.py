@@ -392,7 +392,6 @@ class TrainConfig:
         if self.allow_change and not self.resume:
             raise ConfigError("--allow-change applies to --resume (or --resume-from); a new run "
                               "has no checkpoint to differ from")
-        self._policy(run=None)
         if self.checkpoint_dir is not None:
             other = [e.value for e in self.engines if not e.uses_zbuf]
             if other:
@@ -400,6 +399,7 @@ class TrainConfig:
                     f"--checkpoint-dir saves zbuf's sharded checkpoints; engine(s) "
                     f"{', '.join(other)} cannot use them. Use --engine zbuf or zbuf-eager, or "
                     f"drop the checkpoint options")
+        self._policy(run=None)  # last: it imports torch ([Note: lazy import] in zbuf/__init__.py)
 
     def save_resume_policy(self):
         """The ``save_resume.SaveResumePolicy`` of these (resolved) options."""

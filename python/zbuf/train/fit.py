@@ -92,7 +92,7 @@ def probe(cfg: TrainConfig, micro_batch: int, timeout_s: float) -> Probe:
         spec, partial = os.path.join(tmp, "spec.json"), os.path.join(tmp, "partial.json")
         with open(spec, "w") as f:
             json.dump({"config": run.to_json(), "runs": [0], "partial": partial,
-                       "threads": os.cpu_count() or 1}, f)
+                       "threads": os.cpu_count() or 1, "command": "fit", "argv": None}, f)
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         with open(os.path.join(tmp, "log"), "w+") as log:
             proc = subprocess.Popen([sys.executable, "-m", "zbuf.train.worker", spec], env=env,

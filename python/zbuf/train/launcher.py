@@ -9,7 +9,8 @@ picks (no free-port race) and every rank connects to it as a client.
 
 [Note: no orphans]
 - Ctrl-C in a terminal sends SIGINT to the whole foreground process group: workers stop at once
-  (``KeyboardInterrupt``, exit 130) and the launcher waits for them.
+  (``KeyboardInterrupt``, exit 130) and the launcher waits for them ([Note: a Ctrl-C is the
+  workers' too]).
 - SIGINT or SIGTERM sent to the launcher alone: it sends SIGTERM to every live worker, waits up to
   ``grace`` seconds, then SIGKILLs what is left, and reaps all of them before exiting.
 - Started with SIGINT ignored (``cmd &`` in a script): the launcher and its workers keep
@@ -21,6 +22,15 @@ picks (no free-port race) and every rank connects to it as a client.
 - A worker that fails: its peers would block in their next collective, so the launcher stops
   them and reports the failed rank ([Note: which rank failed]), one line per cause ([Note: one
   line per cause]).
+
+[Note: a Ctrl-C is the workers' too]
+After SIGINT the launcher waits up to ``grace`` seconds for the workers to stop on their own
+before it sends SIGTERM. It used to send SIGTERM at once, though a terminal's Ctrl-C had
+reached the workers too: the SIGTERM landed in a rank still unwinding its Ctrl-C, in a
+finaliser ("Exception ignored ... SystemExit: 143") or inside torch's tracing, where one rank
+aborted in native code ("trying to set the current FakeTensorMode, but one already exists",
+140 lines) when the Ctrl-C came during the first compile (issue 37, item 16). A SIGINT sent to
+the launcher alone costs that wait before its workers are stopped; SIGTERM stops them at once.
 
 [Note: which rank failed]
 A rank that dies takes its sockets with it, so its peers' next collective fails at once and they
@@ -61,6 +71,16 @@ _LAUNCHER_PID = "ZBUF_LAUNCHER_PID"
 
 class Interrupted(Exception):
     """The launcher got SIGINT / SIGTERM; workers have been stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process it ended: 130 for SIGINT (Ctrl-C),
+        143 for SIGTERM (what supervisors and ``kill`` expect)."""
+        return 128 + self.signum
 
 
 class GroupResult(NamedTuple):
@@ -186,7 +206,7 @@ def die_with_parent() -> None:
 
 
 def _raise_interrupted(signum, frame):
-    raise Interrupted(signal.Signals(signum).name)
+    raise Interrupted(signum)
 
 
 def _own_failure(code: Optional[int]) -> bool:
@@ -231,6 +251,7 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
                 **{_LAUNCHER_PID: str(os.getpid())})
     procs: list[subprocess.Popen] = []
     relay = _StderrRelay()
+    stopped_by: Optional[int] = None
     # SIGTERM always stops the group; SIGINT only when this process was not started with it
     # ignored ([Note: an ignored SIGINT stays ignored] in zbuf/faults.py).
     handled = [signal.SIGTERM] + \
@@ -244,12 +265,19 @@ def launch_group(argv: list[str], nproc: int, *, env: Optional[dict[str, str]] =
             relay.follow(rank, procs[-1].stderr)
         failed = _failed_rank(procs, cause_wait)
         return GroupResult([_stop(p, grace) for p in procs], failed)
+    except Interrupted as e:
+        stopped_by = e.signum
+        raise
     finally:
         # Runs on success (no-op: all exited), on failure and on Interrupted alike. A second
         # Ctrl-C must not cut the clean-up short (that is how orphans happen); it is bounded by
         # ``grace`` anyway.
         for s in old:
             signal.signal(s, signal.SIG_IGN)
+        if stopped_by == signal.SIGINT:  # [Note: a Ctrl-C is the workers' too]
+            deadline = time.monotonic() + grace
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -21,9 +21,12 @@ them; their durations go to the record's ``checkpoints`` list.
 [Note: interrupted runs]
 Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SystemExit``) during the steps keeps what finished:
 ``run_engine`` hands ``on_stop`` a result of status ``"interrupted"`` holding the rows of
-the steps this rank finished, then lets the interruption go on. Its peers are being stopped at
-the same moment, so no collective gathers their rows: the record holds rank 0's times and
-memory (the loss of each finished step is already the mean over ranks), ``per_rank`` one entry.
+the steps this rank finished, with the pool, the plans in force and the step-memory decisions
+made so far, then lets the interruption go on. Its peers are being stopped at the same moment,
+so no collective gathers their rows: every rank hands its own, and the launcher joins them
+(``zbuf.train.interrupted``; under torchrun, where no process sees the others' files, the
+record holds rank 0's times and memory, ``per_rank`` one entry). The loss of each finished step
+is already the mean over ranks.
 A Ctrl-C reaches every rank at once, and a peer that stops first fails this rank's collective
 before its own ``KeyboardInterrupt`` arrives (which may then land while the result is written):
 a peer failure is handled alike, and the write is retried once if the rank's own interrupt cuts
@@ -210,11 +213,12 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 first_line = str(e).splitlines()[0] if str(e) else ""
                 result["failed_at"] = {"step": step, "phase": meter.phase,
                                        "error": f"{type(e).__name__}: {first_line}"}
-                try:  # best effort: what the failed step leaves must not hide its own error
-                    result.update(schedule=setup.schedule_report(), step_memory=(
-                        step_memory.report() if step_memory is not None else None))
-                except Exception as extra:  # noqa: BLE001
-                    result["failed_at"]["unreported"] = f"{type(extra).__name__}: {extra}"
+            try:  # best effort: what the stopped step leaves must not hide why it stopped
+                result.update(pool=probe.pool_stats(), schedule=setup.schedule_report(),
+                              step_memory=(step_memory.report() if step_memory is not None
+                                           else None))
+            except Exception as extra:  # noqa: BLE001
+                result.get("failed_at", result)["unreported"] = f"{type(extra).__name__}: {extra}"
             on_stop(result)
 
         try:

@@ -17,17 +17,11 @@ from rich.table import Table
 from rich.text import Text
 
 from .config import Engine, format_bytes
+from .errors import print_error  # noqa: F401 - re-exported: the callers' name for it
 from .record import per_device_words, ranks_text, run_label
 
 __all__ = ["NullProgress", "TrainProgress", "summary_table", "comparison_table", "print_error",
            "print_table", "flop_unit"]
-
-
-def print_error(command: str, message: str) -> None:
-    """``zbuf <command>: error: <message>`` on stderr, unwrapped and without markup parsing (a
-    message may hold paths and brackets)."""
-    Console(stderr=True, soft_wrap=True).print(
-        Text.assemble((f"zbuf {command}: error: ", "bold red"), str(message)))
 
 
 class NullProgress:

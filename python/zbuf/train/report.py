@@ -58,13 +58,17 @@ def _plt():
 
 
 def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in record["engines"] if e.get("status") == "ok" and e.get("steps")]
+    """The runs with steps to plot: those that completed, and an interrupted one's steps done."""
+    return [e for e in record["engines"]
+            if e.get("status") in ("ok", "interrupted") and e.get("steps")]
 
 
 def _title(record: dict[str, Any], what: str) -> str:
     cfg = record["config"]
+    stopped = any(e.get("status") == "interrupted" and e.get("steps") for e in record["engines"])
     return (f"{what}: {record['model']['name']}, {ranks_text(record['world_size'])}"
-            + (" (simulated)" if record.get("simulated") else "") +
+            + (" (simulated)" if record.get("simulated") else "")
+            + (" (interrupted)" if stopped else "") +
             f", {cfg['micro_batch']}x{cfg['seq_len']} tokens/rank")
 
 
@@ -536,7 +540,8 @@ def _recompute_plot(record, out_dir) -> Optional[str]:
 def make_plots(record: dict[str, Any], out_dir: str) -> list[str]:
     """Write every plot the record supports; returns the paths."""
     if not _ok(record):
-        raise ValueError("the record has no engine that completed; nothing to plot")
+        raise ValueError("the record has no engine that completed or was interrupted after a "
+                         "step; nothing to plot")
     os.makedirs(out_dir, exist_ok=True)
     paths = [_loss_plot(record, out_dir), _step_time_plot(record, out_dir),
              _memory_plot(record, out_dir)]

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from typing import Any, Optional
@@ -19,12 +20,18 @@ from typing import Any, Optional
 from rich.console import Console
 
 from .config import ConfigError, TrainConfig, check_output_path, format_bytes
+from .interrupted import read_stopped
 from .launcher import Interrupted, launch_group, under_torchrun
 from .progress import comparison_table, print_error, print_table, summary_table
 from .record import make_record, markdown, merge_records, simulated_text, write_record
+from .refusals import checkpoint_refusal, plan_refusal
 from .resources import check_cpu_memory, cpu_oversubscription, host_memory_bytes
+from .resume_commands import TORCHRUN, resume_command, resume_from_command
 
 __all__ = ["run", "merge", "prepare"]
+
+_INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""Exit statuses of a run a signal stopped: 130 (Ctrl-C), 143 (SIGTERM)."""
 
 
 def _machine(cfg: TrainConfig) -> tuple[bool, int]:
@@ -75,7 +82,7 @@ def _emulated_card(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _resume_point(cfg: TrainConfig) -> int:
+def _resume_point(cfg: TrainConfig, argv: Optional[list[str]]) -> int:
     """Check the checkpoint options against the file system before any worker starts; the step
     a ``--resume`` run will continue from (0: a fresh start). ``ConfigError`` if they cannot
     work: a directory that cannot be created or written, another run's checkpoints or settings
@@ -97,8 +104,8 @@ def _resume_point(cfg: TrainConfig) -> int:
     try:
         info = resume_point(cfg.save_resume_policy())
     except CheckpointError as e:
-        text = str(e)
-        raise ConfigError(text if text.startswith("--") else f"--resume: {text}") from None
+        launcher = TORCHRUN if under_torchrun() else "zbuf"
+        raise ConfigError(checkpoint_refusal(e, resume_from_command(argv, launcher))) from None
     if info is None:
         return 0
     if info.step > cfg.steps:
@@ -108,6 +115,24 @@ def _resume_point(cfg: TrainConfig) -> int:
     return info.step
 
 
+def _resumed_out(out: str, start: int) -> str:
+    """Where the record of a run resumed at step ``start`` goes when ``out`` exists.
+
+    [Note: a resumed run's record]
+    The command that resumes a run is the one that started it plus ``--resume`` (the hint an
+    interrupted run prints), so it names the same ``--out``: the resumed run overwrote the
+    record of the steps before the interruption, and steps 1-70 of a run resumed there were in
+    no record. A resumed run whose ``--out`` exists writes beside it instead, to
+    ``<name>.from-step-<start>.json`` (``.from-step-<start>-2.json`` when that exists too), and
+    says so; the two records together hold every step."""
+    stem, ext = os.path.splitext(out)
+    candidate, n = f"{stem}.from-step-{start}{ext or '.json'}", 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{stem}.from-step-{start}-{n}{ext or '.json'}"
+    return candidate
+
+
 def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str, Any]:
     engine, mode = cfg.runs()[index]
     return {"engine": engine.value, "label": cfg.run_labels()[index], "ac": mode,
@@ -115,36 +140,21 @@ def _failure(cfg: TrainConfig, index: int, status: str, error: str) -> dict[str,
 
 
 def _interrupted_partial(cfg: TrainConfig, index: int, path: str) -> dict:
-    """What rank 0 wrote of an interrupted run ([Note: interrupted runs] in ``loop``), or a
-    record entry saying it stopped before a step finished."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    """What the ranks wrote of an interrupted run ([Note: every rank's stopped steps] in
+    ``interrupted``), or a record entry saying it stopped before a step finished."""
+    partial = read_stopped(path, cfg.processes)
+    if partial is not None:
+        return partial
     return {"engines": [_failure(cfg, index, "interrupted", "interrupted before any step "
                                                               "finished")]}
-
-
-def resume_command(argv: list[str], launcher: str = "zbuf") -> str:
-    """The command line that continues a run started with ``launcher argv...`` (``launcher``
-    as written, unquoted): the same options, with ``--resume`` (in place of a
-    ``--resume-from``, which would go back to that step)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--resume-from":
-            skip = True
-        elif not arg.startswith("--resume-from=") and arg != "--resume":
-            out.append(arg)
-    return f"{launcher} {shlex.join([*out, '--resume'])}"
 
 
 def _last_line(text: str) -> str:
     return next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
 
-def _spawned(cfg: TrainConfig, index: int,
-             console: Console) -> tuple[dict, int, list[str]]:
+def _spawned(command: str, cfg: TrainConfig, index: int, console: Console,
+             argv: Optional[list[str]]) -> tuple[dict, int, list[str]]:
     """Run one engine (run ``index`` of ``cfg.runs()``) in a fresh worker group; (partial
     record, exit code, how the ranks ended: one line per distinct cause, [Note: one line per
     cause] in ``launcher``)."""
@@ -154,17 +164,21 @@ def _spawned(cfg: TrainConfig, index: int,
         threads = max(1, (os.cpu_count() or 2) // cfg.processes)
         with open(spec_path, "w") as f:
             json.dump({"config": cfg.to_json(), "runs": [index], "partial": partial_path,
-                       "threads": threads}, f)
+                       "threads": threads, "command": command, "argv": argv}, f)
         env = dict(os.environ)
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(threads))
         try:
             group = launch_group(["-m", "zbuf.train.worker", spec_path], cfg.processes, env=env)
         except Interrupted as e:  # every worker has stopped; rank 0 left the steps it did
-            return _interrupted_partial(cfg, index, partial_path), 130, [f"interrupted ({e})"]
+            return (_interrupted_partial(cfg, index, partial_path), e.exit_code,
+                    [f"interrupted ({e})"])
         rank = group.failed_rank
-        if rank is not None and group.returncodes[rank] == 130:  # Ctrl-C reached the ranks only
-            return _interrupted_partial(cfg, index, partial_path), 130, ["interrupted (SIGINT)"]
+        stops = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+        if rank is not None and group.returncodes[rank] in stops:  # it reached the ranks only
+            code = group.returncodes[rank]
+            return _interrupted_partial(cfg, index, partial_path), code, \
+                [f"interrupted ({stops[code]})"]
         if group.failed_rank is None and os.path.exists(partial_path):
             with open(partial_path) as f:
                 return json.load(f), 0, []
@@ -183,10 +197,10 @@ def _spawned(cfg: TrainConfig, index: int,
         code = group.returncodes[rank]
         if code == 1 and texts.get(rank):  # a Python exception: its traceback, once
             print(texts[rank].rstrip(), file=sys.stderr, flush=True)
-        partial = {"engines": [_failure(cfg, index, "failed", msg)]}
-        if os.path.exists(partial_path):  # rank 0 kept the steps it did ([Note: interrupted runs])
-            with open(partial_path) as f:
-                partial = json.load(f)
+        partial = read_stopped(partial_path, cfg.processes)  # [Note: interrupted runs] in loop
+        if partial is None:
+            partial = {"engines": [_failure(cfg, index, "failed", msg)]}
+        else:
             partial["engines"][-1].update(status="failed", error=msg)
         return partial, code if code > 0 else 1, causes
 
@@ -207,13 +221,13 @@ def prepare(cfg: TrainConfig, *, bench: bool) -> TrainConfig:
 def run(command: str, cfg: TrainConfig, console: Console | None = None,
         argv: Optional[list[str]] = None) -> int:
     """Exit status: 0 when every engine ran, 1 when one failed, 2 on a bad option, 130 on
-    interrupt. ``argv``: the command's arguments (``train ...``), for the resume hint of an
-    interrupted run."""
+    SIGINT (Ctrl-C), 143 on SIGTERM. ``argv``: the command's arguments (``train ...``), for the
+    commands that resume a run."""
     console = console or Console()
     bench = command == "bench"
     try:
         cfg = prepare(cfg, bench=bench)
-        start = _resume_point(cfg)
+        start = _resume_point(cfg, argv)
         crowded = None if cfg.device == "cuda" or under_torchrun() else cpu_oversubscription(cfg)
     except ConfigError as e:
         if not under_torchrun() or os.environ.get("RANK") == "0":
@@ -227,6 +241,12 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                           f"at step {start} = --steps; nothing to train (raise --steps to "
                           f"continue)", highlight=False, markup=False)
         return 0
+    if start and os.path.exists(cfg.out):  # [Note: a resumed run's record]
+        kept, cfg = cfg.out, dataclasses.replace(cfg, out=_resumed_out(cfg.out, start))
+        if not under_torchrun() or os.environ.get("RANK") == "0":
+            console.print(f"zbuf {command}: note: resuming at step {start}; {kept} keeps the "
+                          f"record it holds, and this run's record goes to {cfg.out}",
+                          highlight=False, markup=False, soft_wrap=True)
     if under_torchrun():
         return _run_in_process(command, cfg, console, argv)
     if crowded is not None:  # [Note: CPU ranks and cores] in resources
@@ -238,15 +258,15 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
     peak = None
     status = 0
     for index, label in enumerate(cfg.run_labels()):
-        partial, code, causes = _spawned(cfg, index, console)
+        partial, code, causes = _spawned(command, cfg, index, console, argv)
         env = partial.get("environment", env)
         peak = partial.get("peak_flops", peak)
         engines_out.extend(partial["engines"])
-        if code == 130:
+        if code in _INTERRUPTED:
             print_error(command, f"{causes[0]}; all workers stopped")
-            status = 130
+            status = code
             break
-        if code == 2:  # the workers refused the input (a checkpoint); rank 0 said why, once
+        if code == 2:  # the workers refused the input (refusals.py); rank 0 said why, once
             status = 2
             if not bench:
                 break
@@ -257,6 +277,14 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
                 print_error(command, f"  also {line}")
             if not bench:
                 break
+    if status in (2, *_INTERRUPTED) and not any(e.get("steps") for e in engines_out):
+        # Refused or stopped before any step finished: nothing ran that a record could hold,
+        # and --out (perhaps an earlier run's record) stays as it was.
+        if status != 2:
+            console.print(f"no step finished; no record written to {cfg.out}", highlight=False,
+                          markup=False, soft_wrap=True)
+            _resume_hint(cfg, argv, console)
+        return status
     if not env:  # no worker reported: describe the machine the run was for, from here
         import torch
 
@@ -266,7 +294,7 @@ def run(command: str, cfg: TrainConfig, console: Console | None = None,
         env = environment(device)
         peak = peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype)
     code = _finish(command, cfg, env, engines_out, peak, console) or status
-    if status == 130:
+    if status in _INTERRUPTED:
         _resume_hint(cfg, argv, console)
     return code
 
@@ -296,18 +324,21 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
                     argv: Optional[list[str]] = None) -> int:
     from .. import faults
     from ..checkpoint import CheckpointError
+    from ..compile import PlanExceedsMemoryError
     from .worker import run_engines
 
     rank = int(os.environ["RANK"])
-    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp:
+    # [Note: what a stop leaves unsaid] in zbuf/faults.py
+    with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp, faults.unsaid_stop_noise():
         stopped = os.path.join(tmp, "interrupted.json")  # [Note: interrupted runs] in loop
         try:
             with faults.supervised():  # releases the pools and the process group on every way out
                 partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
                                       stopped_path=stopped)
-        except CheckpointError as e:  # raised alike on every rank: say it once, no traceback
+        except (CheckpointError, PlanExceedsMemoryError) as e:  # alike on every rank: once
             if rank == 0:
-                print_error(command, f"{type(e).__name__}: {e}")
+                print_error(command, checkpoint_refusal(e, resume_from_command(argv, TORCHRUN))
+                            if isinstance(e, CheckpointError) else plan_refusal(cfg, e))
             return 2
         except SystemExit as e:  # Ctrl-C (130) or torchrun's SIGTERM (143), after release
             if rank != 0 or e.code not in (130, 143):
@@ -316,17 +347,14 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
             if not os.path.exists(stopped):  # stopped before a step finished: say so
                 print_error(command, f"interrupted ({how}) before a step finished; no record "
                                      f"written to {cfg.out}")
-                _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
-                                                          "zbuf.cli")
+                _resume_hint(cfg, argv, console, launcher=TORCHRUN)
                 return e.code
             with open(stopped) as f:
                 partial = json.load(f)
             print_error(command, f"interrupted ({how}); the record holds the steps done")
             _finish(command, cfg, partial["environment"], partial["engines"],
                     partial["peak_flops"], console)
-            # torchrun's own options are not known here: the user puts theirs back
-            _resume_hint(cfg, argv, console, launcher="torchrun <your torchrun options> -m "
-                                                      "zbuf.cli")
+            _resume_hint(cfg, argv, console, launcher=TORCHRUN)
             return e.code
     if rank != 0:
         return 0

@@ -32,9 +32,13 @@ dtype, learning rate, seed; ``TrainConfig.run_definition``), in the manifest
 - retention (``keep_last``) counts and deletes only checkpoints carrying this run's id: a
   checkpoint this run did not write is never deleted;
 - a run with ``save_every`` also saves at its final step, so a finished run can be continued;
+- ``--resume`` refuses a damaged newest checkpoint (a ``step_N`` directory without its manifest,
+  or with a file missing or cut short), naming it, what is wrong and the run's previous one: it
+  never falls back to an older one unasked, which would drop the steps after it in silence;
 - ``--resume-from step_N`` resumes from an older checkpoint of the run (the way back when the
-  newest is damaged); the run's checkpoints after it move to ``<dir>/superseded/``, so that a
-  later ``--resume`` continues this timeline instead of the abandoned one.
+  newest is damaged); the run's checkpoints after it, and damaged step directories after it,
+  move to ``<dir>/superseded/``, so that a later ``--resume`` continues this timeline instead of
+  the abandoned one, and no save of this run replaces them.
 
 ``resume_point`` decides which checkpoint a run continues by reading files only, so the launcher
 checks the options before any worker starts (``zbuf.train.runner``) and rank 0 of the workers
@@ -55,9 +59,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
-from ..checkpoint import layout
+from ..checkpoint import files, layout
 
-__all__ = ["SaveResumePolicy", "CheckpointRun", "resume_point", "SUPERSEDED_DIR"]
+__all__ = ["SaveResumePolicy", "CheckpointRun", "resume_point", "way_back", "SUPERSEDED_DIR"]
 
 SUPERSEDED_DIR = "superseded"
 """Subdirectory of the checkpoint root where ``--resume-from`` moves the run's later checkpoints."""
@@ -141,7 +145,9 @@ class SaveResumePolicy:
                     decision = {"path": str(info.path), "run_id": info.run["id"]}
                     _set_aside_later(self, info)
             except ckpt.CheckpointError as e:
-                decision = {"error": str(e), "type": type(e).__name__}
+                decision = {"error": str(e), "type": type(e).__name__,
+                            "problem": getattr(e, "problem", None),
+                            "way_back": getattr(e, "way_back", None)}
             except OSError as e:  # setting checkpoints aside failed: every rank must hear it
                 decision = {"error": f"--resume-from: moving later checkpoints aside failed: {e}",
                             "type": "CheckpointError"}
@@ -149,14 +155,16 @@ class SaveResumePolicy:
         dist.broadcast_object_list(box, group_src=0, group=group)
         decision = box[0]
         if "error" in decision:
-            cls = getattr(ckpt, decision["type"], ckpt.CheckpointError)
-            raise cls(decision["error"])
+            if decision["type"] == "CheckpointCorruptError":
+                raise ckpt.CheckpointCorruptError(decision["error"], problem=decision["problem"],
+                                                  way_back=decision["way_back"])
+            raise getattr(ckpt, decision["type"], ckpt.CheckpointError)(decision["error"])
         if decision["path"] is None:
             return CheckpointRun(self, run_id=decision["run_id"], start_step=0, resumed_from=None)
         try:
             loaded = ckpt.load_checkpoint(decision["path"], model, optimizer)
         except ckpt.CheckpointCorruptError as e:
-            raise ckpt.CheckpointCorruptError(f"{e}{_way_back(self, Path(decision['path']))}") from None
+            raise _damaged(self, Path(decision["path"]), e.problem) from None
         return CheckpointRun(self, run_id=decision["run_id"], start_step=loaded.step,
                              resumed_from=loaded.path)
 
@@ -205,11 +213,13 @@ def resume_point(policy: SaveResumePolicy) -> Optional[ckpt.CheckpointInfo]:
         return None
     root = policy.directory
     found = ckpt.list_checkpoints(root)
+    damaged = files.damaged_checkpoints(root)
     if not policy.resume:
-        if found:
+        if found or damaged:
+            held = sorted([*found, *((s, p) for s, p, _ in damaged)])
             raise ckpt.CheckpointMismatchError(
                 f"--checkpoint-dir {root} already holds checkpoints "
-                f"({_names([p for _, p in found])}): a new run there would mix its checkpoints "
+                f"({_names([p for _, p in held])}): a new run there would mix its checkpoints "
                 f"with theirs. Pass --resume to continue the run they belong to, or give an "
                 f"empty --checkpoint-dir for a new run")
         return None
@@ -221,14 +231,25 @@ def resume_point(policy: SaveResumePolicy) -> Optional[ckpt.CheckpointInfo]:
             raise ckpt.CheckpointMismatchError(
                 f"--resume-from {policy.resume_from}: no complete checkpoint step_{want:08d} in "
                 f"{root} (complete ones: {have})")
+    elif damaged and (not found or damaged[-1][0] > found[-1][0]):
+        # The newest is damaged: resuming an older one unasked would silently drop the steps
+        # after it, and its next save would replace the damaged directory.
+        _, path, problem = damaged[-1]
+        raise _damaged(policy, path, problem)
     elif found:
         path = found[-1][1]
     else:
         return None
     try:
         info = ckpt.read_checkpoint_info(path)
+        # Every file there, whole: one stat each, before any worker starts (the workers check
+        # the CRCs when they load it, [Note: checkpoint integrity] in zbuf/checkpoint/files.py).
+        problems = files.check_files(info.path, files.read_manifest(info.path)["files"], 0, 1,
+                                     checksums=False)
     except ckpt.CheckpointCorruptError as e:
-        raise ckpt.CheckpointCorruptError(f"{e}{_way_back(policy, path)}") from None
+        raise _damaged(policy, path, e.problem) from None
+    if problems:
+        raise _damaged(policy, path, "; ".join(problems))
     _check_same_run(policy, info)
     return info
 
@@ -240,8 +261,8 @@ def _check_same_run(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> None
         raise ckpt.CheckpointMismatchError(
             f"--resume: {info.path} records no zbuf train run (it was saved by "
             f"zbuf.save_checkpoint directly, or by an older zbuf), so this run cannot tell "
-            f"whether it is its own. Load it with zbuf.load_checkpoint, or give another "
-            f"--checkpoint-dir for a new run")
+            f"whether it is its own, and resumes only its own. Give another --checkpoint-dir "
+            f"for a new run")
     theirs, ours = run.get("definition") or {}, policy.run or {}
     differ = [k for k in sorted(set(theirs) | set(ours))
               if theirs.get(k) != ours.get(k) and k not in policy.allow_change]
@@ -259,8 +280,11 @@ def _set_aside_later(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> Non
     if policy.resume_from is None:
         return
     run_id = info.run["id"]
+    # A damaged step directory after it goes too: this run's save of that step would replace
+    # it, deleting what zbuf cannot tell it wrote.
     later = [p for s, p in ckpt.list_checkpoints(policy.directory)
-             if s > info.step and _run_id(p) == run_id]
+             if s > info.step and _run_id(p) == run_id] + \
+        [p for s, p, _ in files.damaged_checkpoints(policy.directory) if s > info.step]
     if not later:
         return
     dest = Path(policy.directory) / SUPERSEDED_DIR
@@ -278,14 +302,25 @@ def _set_aside_later(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> Non
           f"now)", file=sys.stderr, flush=True)
 
 
-def _way_back(policy: SaveResumePolicy, damaged: Path) -> str:
-    """The CLI's way back from a damaged checkpoint: the previous complete one, if any."""
-    earlier = [p for s, p in ckpt.list_checkpoints(policy.directory)
-               if s < _step_of_name(damaged.name.removeprefix(".").removesuffix(".old"))]
+def _damaged(policy: SaveResumePolicy, damaged: Path, problem: str) -> ckpt.CheckpointCorruptError:
+    """The refusal to resume from a damaged checkpoint: which one, what is wrong, and the way
+    back, the run's previous complete checkpoint (``way_back``), if there is one."""
+    name = damaged.name.removeprefix(".").removesuffix(".old")
+    earlier = [p for s, p in ckpt.list_checkpoints(policy.directory) if s < _step_of_name(name)]
+    said = (f"--resume: {name} in {policy.directory} is damaged ({problem}); nothing was loaded "
+            f"or deleted")
     if not earlier:
-        return ". No earlier checkpoint is left in this directory"
-    return (f". To resume from the previous checkpoint instead: zbuf train ... --resume-from "
-            f"{earlier[-1].name}")
+        return ckpt.CheckpointCorruptError(
+            f"{said}. No earlier checkpoint is left there: give another --checkpoint-dir to start "
+            f"afresh", problem=problem)
+    back = earlier[-1].name
+    return ckpt.CheckpointCorruptError(f"{said}. {way_back(back)}", problem=said, way_back=back)
+
+
+def way_back(name: str, command: Optional[str] = None) -> str:
+    """The advice of a refused resume whose run has an earlier checkpoint ``name``: the option
+    that takes it, or the whole ``command`` line when the caller knows it (``zbuf train``)."""
+    return f"To resume from the previous checkpoint {name}: {command or f'--resume-from {name}'}"
 
 
 def _run_id(path: Path) -> Optional[str]:

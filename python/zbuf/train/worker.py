@@ -23,11 +23,15 @@ import torch.distributed as dist
 
 from .. import faults
 from ..checkpoint import CheckpointError
+from ..compile import PlanExceedsMemoryError
 from .config import TrainConfig
+from .interrupted import rank_path
 from .launcher import die_with_parent
 from .loop import run_engine
 from .metrics import environment, peak_flops_per_second
 from .progress import NullProgress, TrainProgress
+from .refusals import checkpoint_refusal, plan_refusal
+from .resume_commands import resume_from_command
 from .simulate import init_fake_group
 
 __all__ = ["run_engines", "main"]
@@ -66,7 +70,7 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
                 stopped_path: Optional[str] = None) -> dict[str, Any]:
     """Run ``cfg``'s runs of these indices (``TrainConfig.runs``) one after another on this rank;
-    returns the partial record (all ranks). ``stopped_path``: where rank 0 writes the partial
+    returns the partial record (all ranks). ``stopped_path``: where the ranks write the partial
     record of the steps done when Ctrl-C or SIGTERM stops it ([Note: interrupted runs] in
     ``loop``)."""
     device = init_distributed(cfg)
@@ -101,11 +105,13 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
 
 def _stopped_writer(cfg: TrainConfig, device: torch.device, done: list[dict],
                     path: Optional[str]) -> Optional[Callable[[dict], None]]:
-    """Rank 0's ``on_stop``: the runs done and the interrupted or failed one, as a partial record
-    at ``path`` ([Note: interrupted runs] in ``loop``). The rank is stopping: a second Ctrl-C, or
+    """A rank's ``on_stop``: the runs done and the interrupted or failed one, as a partial record
+    at ``path`` (rank 0) or ``interrupted.rank_path(path, rank)`` (the others, for the launcher
+    to join: [Note: interrupted runs] in ``loop``). The rank is stopping: a second Ctrl-C, or
     the launcher's SIGTERM, must not cut the file short, so both are ignored from here on."""
-    if path is None or dist.get_rank() != 0:
+    if path is None:
         return None
+    path = rank_path(path, dist.get_rank())
 
     def write(result: dict) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -141,15 +147,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         return faults.INTERRUPTED_EXIT_CODE
     except SystemExit as e:  # supervised(): Ctrl-C (130), SIGTERM from the launcher (143)
         return e.code if isinstance(e.code, int) else 1
-    except CheckpointError as e:
-        # Every rank raises the same error (checkpoint.py agrees on verdicts): one clean
-        # message, no traceback; a bad checkpoint is the user's input, so status 2.
+    except (CheckpointError, PlanExceedsMemoryError) as e:
+        # Every rank raises the same error (checkpoint.py agrees on verdicts; a plan's inputs
+        # are rank-agreed): one line, no traceback; it is the user's input, so status 2
+        # (refusals.py).
+        text = checkpoint_refusal(e, resume_from_command(spec["argv"])) \
+            if isinstance(e, CheckpointError) else plan_refusal(cfg.for_run(spec["runs"][0]), e)
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
-            f.write(str(e))
+            f.write(text)
         if rank == 0:
             from .progress import print_error
 
-            print_error("train", f"{type(e).__name__}: {e}")
+            print_error(spec["command"], text)
         return 2
     except BaseException:  # noqa: BLE001 - the launcher prints it, once ([Note: one line per cause])
         with open(f"{spec['partial']}.rank{rank}.err", "w") as f:
@@ -161,4 +170,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    faults.end_process(main())  # [Note: worker teardown order]
+    with faults.unsaid_stop_noise():  # to the end of the rank: [Note: what a stop leaves unsaid]
+        code = main()
+    faults.end_process(code)  # [Note: worker teardown order]
