@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
@@ -132,7 +131,8 @@ def _train_small_decoder(layers: int, ac) -> None:
     init = build_model(cfg)
     apply_activation_checkpointing(init, ac)
     model = shard(init)
-    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30)
+    cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30,
+                      compile_blocks_once=True)
     train_adamw(cm, model, token_batches(1))
 
 @pytest.mark.parametrize("ac", [False, True])
@@ -228,8 +228,8 @@ def test_schema_read_off_a_body_is_torchs(monkeypatch, ac):
 
 
 @pytest.mark.parametrize("options,regions", [
-    ({}, True),  # the default
-    ({"compile_blocks_once": False}, False),
+    ({}, False),  # the default: off ([Note: region bodies], step 0)
+    ({"compile_blocks_once": True}, True),
     ({"recompute": "auto"}, False),  # auto plans over the whole graph's checkpointed regions
 ])
 def test_when_blocks_compile_once(monkeypatch, options, regions):
@@ -347,93 +347,3 @@ def test_inductor_lowers_the_body_once():
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
     # Outer forward and backward, and the body's forward and backward: 4 lowerings, not 2 + 2N.
     assert len(compilation_time_metrics["GraphLowering.run"]) - before == 4
-
-
-# The model benches/region_checkpoint_peak_cpu.py measures, so the test asserts on what it reports.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches"))
-try:
-    from region_checkpoint_peak_cpu import CheckpointedStack, Mlp
-finally:
-    sys.path.pop(0)
-
-_TOKENS = torch.randint(0, 50, (8, 128), generator=torch.Generator().manual_seed(0))
-_BLOCK_OUTPUT = 8 * 128 * 64 * 4
-
-
-def _stack_step(compiled: str, every: int = 1):
-    """One step of a 6-block ``CheckpointedStack``, ``compiled`` "eager", "whole" or "once"
-    (blocks marked): its loss, its gradients and (compiled) its records."""
-    from zbuf.compile.report import clear_records
-
-    torch._dynamo.reset()
-    clear_records()
-    torch.manual_seed(0)
-    model = shard(CheckpointedStack(6, every))
-    run = model
-    if compiled == "once":
-        zbuf.compile.mark_repeated_blocks(model)
-    if compiled != "eager":
-        run = torch.compile(model, backend="zbuf",
-                            options=dict(inner="aot_eager", free_memory_bytes=1 << 30))
-    out = run(_TOKENS).float().square().mean()
-    out.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    return out.item(), grads, schedule_report(model) if compiled != "eager" else None
-
-
-def _assert_trains_like_eager(losses, grads):
-    for kind in ("whole", "once"):
-        assert losses[kind] == pytest.approx(losses["eager"], rel=1e-5), (kind, losses)
-        worst = max(rel_err(a, b) for a, b in zip(grads[kind], grads["eager"]))
-        assert worst <= 1e-5, (kind, worst)
-
-
-def test_blocks_compiled_once_under_a_users_checkpoint_recompute_in_their_body(monkeypatch):
-    """[Note: region bodies], step 0: the user's checkpoint moves into the body, whose backward
-    recomputes the block, so the outer backward re-runs no block's forward and holds only block
-    inputs. The backward activation peak is the whole graph's but for the block's gradients,
-    which a block call returns when it ends where the whole graph reduce-scatters each as it is
-    made (4.99 MB whole, 5.05 MB once: one weight's gradient above; 6.10 MB once before step 0,
-    when the outer backward re-ran each block call and held its saved activations through the
-    block's backward call; 2.9x whole up to 4fed11d, when it re-ran every block before the first
-    block's backward). Training matches eager zbuf."""
-    graphs, _ = _capture(monkeypatch)
-    losses, grads, peaks = {}, {}, {}
-    for kind in ("eager", "whole", "once"):
-        graphs.clear()
-        losses[kind], grads[kind], records = _stack_step(kind)
-        if records is not None:
-            fw, bw = records
-            peaks[kind] = (bw.activation_peak_bytes, fw.recompute.kept_bytes)
-    _assert_trains_like_eager(losses, grads)
-    (whole, _), (once, once_kept) = peaks["whole"], peaks["once"]
-    assert once_kept >= 6 * _BLOCK_OUTPUT, peaks  # every block's input is kept
-    block_grads = sum(p.numel() * p.element_size() for p in Mlp().parameters())
-    assert once <= whole + block_grads, (peaks, block_grads)
-    fw_graph, bw_graph = graphs
-    bw_calls = [n.args[1] for n in bw_graph.nodes if n.target is REGION]
-    assert len(bw_calls) == 6 and not any(c.startswith("partitioned_fw") for c in bw_calls)
-    saved = [n for n in bw_graph.nodes if n.op == "placeholder"
-             and not n.name.startswith(("primals", "tangents"))]
-    assert saved and all(n.meta["val"].nbytes == _BLOCK_OUTPUT for n in saved), saved
-
-
-def test_blocks_checkpointed_only_in_part_are_recomputed_only_where_checkpointed(monkeypatch):
-    """[Note: region bodies], step 0 applies to a body only when every call of it is under a
-    plain checkpoint: with every second block checkpointed, the blocks the user did not
-    checkpoint are not recomputed (the one body saves its activations; the checkpointed calls
-    are re-run by the outer backward, step 3), and training matches eager zbuf."""
-    graphs, _ = _capture(monkeypatch)
-    losses, grads = {}, {}
-    for kind in ("eager", "whole", "once"):
-        graphs.clear()
-        losses[kind], grads[kind], _ = _stack_step(kind, every=2)
-    _assert_trains_like_eager(losses, grads)
-    fw_graph, bw_graph = graphs
-    calls = [n for n in bw_graph.nodes if n.target is REGION]
-    assert sum(n.args[1].startswith("partitioned_bw") for n in calls) == 6
-    assert sum(n.args[1].startswith("partitioned_fw") for n in calls) == 3  # checkpointed: re-run
-    first = next(n for n in fw_graph.nodes if n.target is REGION)
-    body = getattr(fw_graph.owning_module, first.args[0].target)
-    results = body.graph.output_node().args[0]
-    assert any(r.op != "placeholder" for r in results[1:])  # activations saved, not recomputed

@@ -60,7 +60,7 @@ def _compiled_run(base, kind, in_backward, batches, inner="aot_eager"):
     model = shard(copy.deepcopy(base))
     opt = _optimizer(kind, model.parameters())
     cm = zbuf.compile(model, inner=inner, optimizer=opt, optimizer_in_backward=in_backward,
-                      fullgraph=True)
+                      fullgraph=True, structure="graph")  # the optimizer in backward's
     losses = _train(model, cm, opt, batches, in_backward=in_backward)
     memory = zbuf.compile.step_memory_of(cm)
     rows = list(memory.rows)

@@ -264,8 +264,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
     once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
-    if cfg.compile_structure is not None:  # else zbuf.compile picks ([Note: one path])
-        once["structure"] = cfg.compile_structure
+    once["structure"] = cfg.compile_structure
     once.update(_stand_in_card(model, cfg, device))
     compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
