@@ -430,7 +430,11 @@ def test_blocks_do_the_whole_graphs_work():
     for structure in ("graph", "blocks"):
         torch._dynamo.reset()
         model = shard(copy.deepcopy(init))
-        cm = zbuf.compile(model, inner="aot_eager", structure=structure, recompute="checkpointed")
+        # The whole graph with its blocks compiled once, as it was measured against; compiled
+        # block by block it recomputes one projection more (43 matmuls in backward).
+        once = {"compile_blocks_once": True} if structure == "graph" else {}
+        cm = zbuf.compile(model, inner="aot_eager", structure=structure, recompute="checkpointed",
+                          **once)
         for tokens in token_batches(2):  # counted: the second step, compiled by the first
             out = []
             forward = _matmuls_and_attention(

@@ -33,7 +33,7 @@ import torch
 from .eager_ops import EagerAllGather
 from .param import ShardSpec
 
-__all__ = ["Regather"]
+__all__ = ["Regather", "callers_hooks_active"]
 
 
 class _Live(NamedTuple):
@@ -116,3 +116,13 @@ class Regather:
         """A root forward ended (also by an exception): remove its pair."""
         if self._hook_stack:
             self._hook_stack.pop().__exit__(None, None, None)
+
+
+def callers_hooks_active() -> bool:
+    """Whether the innermost saved-tensor hooks are a caller's (a non-reentrant checkpoint, its
+    recompute, ``save_on_cpu``), not a root's eager re-gather: those stay in force for whatever
+    runs inside them ([Note: a block under the caller's checkpoint] in
+    compile/block_frames.py)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and not isinstance(getattr(hooks[0], "__self__", None), Regather)
+

@@ -58,7 +58,9 @@ non-reentrant checkpoint, whose saved-tensor hooks drop what the block saves and
 block in backward. The frames' own hooks (``SavedBlock``, [Note: two blocks live] in
 zbuf/block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
 autograd calls: every activation of every block was kept (qwen3-14b as rank 0 of 8 ran out of
-memory in step 0's forward). So a block called while any caller's hooks are active runs as
+memory in step 0's forward). So a block called while a caller's hooks are the innermost ones
+(``regather.callers_hooks_active``; the root's own eager re-gather hooks, around every forward
+of a sharded model, are not a caller's) runs as
 level 0 under the frames' own checkpoint does: no hooks of its own, the caller's own what the
 frame saves; its recompute (in backward, under the checkpoint's recompute hooks) gathers again,
 on demand (not prefetched: not yet measured within the pool's budget), or takes its forward gather
@@ -108,6 +110,7 @@ from torch.utils.checkpoint import checkpoint as eager_checkpoint
 from ..block_gather import BlockWeights
 from ..block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from ..param import ShardSpec
+from ..regather import callers_hooks_active
 from ..region_inputs import gathered_for_shards
 from ..shard import roots
 from ..step_phases import in_backward
@@ -142,12 +145,6 @@ def _frame_body(block: nn.Module, weights: tuple, args: tuple, kwargs: dict) -> 
     shards = tuple(p for _, p in block.named_parameters())
     with gathered_for_shards(shards, weights):
         return type(block)._zbuf_frame_base.__call__(block, *args, **kwargs)
-
-
-def _outer_saved_tensor_hooks() -> bool:
-    """Whether a caller's saved-tensor hooks are active: a non-reentrant checkpoint around the
-    block call (its forward, or its recompute in backward), or the caller's own hooks."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 def _frame_call(self, *args, **kwargs):
@@ -484,7 +481,7 @@ class BlockFrames:
 
     def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
              hold: bool, args: tuple, kwargs: dict) -> Any:
-        if _outer_saved_tensor_hooks():
+        if callers_hooks_active():
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
