@@ -37,10 +37,10 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from .config import TrainConfig, format_bytes
+from .record import FIT_SCHEMA
 
 __all__ = ["Probe", "FitResult", "probe", "verdict", "fit", "FIT_SCHEMA"]
 
-FIT_SCHEMA = "zbuf.fit/1"
 
 
 class Probe(NamedTuple):

@@ -52,15 +52,16 @@ from typing import Any, Optional
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
-from .fit import FIT_SCHEMA
 from .simulate import SIMULATED_NOTE
 
-__all__ = ["SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text",
+__all__ = ["SCHEMA", "FIT_SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text",
            "budget_notices", "summarize", "make_record", "write_record", "load_record",
            "markdown", "phases_markdown", "slowest_phases", "merge_records", "run_label",
            "simulated_text"]
 
 SCHEMA = "zbuf.run/1"
+FIT_SCHEMA = "zbuf.fit/1"
+"""What ``zbuf fit`` writes (train/fit.py): its search, not a run."""
 
 
 def _find(obj: Any, keys: tuple[str, ...], how=max) -> Optional[float]:
