@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 import zbuf.compile
 from zbuf.compile.block_frames import block_frames_of
-from zbuf.shard import shard
+from zbuf.shard import root_of, shard
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -181,8 +181,12 @@ def test_every_placement_trains_as_the_reference(placement, path):
     model, losses, ref_losses = _against_reference(placement, path)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     if path == "zbuf.compile":  # the default picks one frame per block for this model
-        assert block_frames_of(model) is not None
-        assert block_frames_of(model).graphs_compiled >= 1
+        frames = block_frames_of(model)
+        assert frames is not None and frames.graphs_compiled >= 1
+        # Two blocks live at most, forward and backward, the recompute's included: every gather
+        # of the step comes from the pool's budget.
+        stats = root_of(model).pool.stats()
+        assert stats.outside_allocations == 0 and stats.checked_out == 0, stats
 
 
 @pytest.mark.parametrize("placement", ("parent", "inside"))

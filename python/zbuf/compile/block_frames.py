@@ -63,8 +63,9 @@ memory in step 0's forward). So a block called while a caller's hooks are the in
 of a sharded model, are not a caller's) runs as
 level 0 under the frames' own checkpoint does: no hooks of its own, the caller's own what the
 frame saves; its recompute (in backward, under the checkpoint's recompute hooks) gathers again,
-on demand (not prefetched: not yet measured within the pool's budget), or takes its forward gather
-when the re-planner keeps the block's weights for backward. Caller's hooks that
+prefetching the block before it when that one ran under the caller's hooks too (two blocks
+live, as in forward), or takes its forward gather when the re-planner keeps the block's weights
+for backward. Caller's hooks that
 are not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: correct, at
 the bytes they move.
 
@@ -503,14 +504,17 @@ class BlockFrames:
     def _run_under_callers_hooks(self, slot: FrameSlot, block: nn.Module, frame: Callable,
                                  label: str, hold: bool, args: tuple, kwargs: dict) -> Any:
         """[Note: a block under the caller's checkpoint]"""
+        previous = self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
         if not in_backward():
             held = HeldGather()
             self._caller_checkpointed[id(block)] = held
             return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
                                      checkpointed=held)
         held = self._caller_checkpointed.pop(id(block), None)
+        # The block before it recomputes next when it ran under the caller's hooks too.
+        ahead = previous in self._caller_checkpointed and previous not in self.kept
         return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
-                                 checkpointed=held or HeldGather())
+                                 checkpointed=held or HeldGather(), prefetch_previous=ahead)
 
     def _estimated(self, estimate: LevelEstimate) -> None:
         """Keep the largest of each level's bytes and seconds over the level-0 frame's compiles
