@@ -385,7 +385,7 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     monkeypatch.setattr(budget, "local_free_bytes", lambda device: agreed)
     # Nothing for the measured step's plan to hold back ([Note: measure first, then spend]):
     # no persistence, no prefetch, so it is never grown.
-    cm = zbuf.compile(model, inner="aot_eager", persist=False, prefetch=False)
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", persist=False, prefetch=False)
     losses, _, _ = _train(model, cm, batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     fw, bw = schedule_report(model)
@@ -645,7 +645,7 @@ def test_zbuf_compile_raises_the_refusal_itself_not_dynamos_wrapper():
     torch.manual_seed(0)
     model = shard(Net())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
-    cm = zbuf.compile(model, fullgraph=True, inner="aot_eager", free_memory_bytes=largest // 2)
+    cm = zbuf.compile(model, structure="graph", fullgraph=True, inner="aot_eager", free_memory_bytes=largest // 2)
     tokens, _ = _batches(1)[0]
     with pytest.raises(PlanExceedsMemoryError, match="forward graph's plan needs") as info:
         cm(tokens)

@@ -209,7 +209,7 @@ def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eage
     counters.clear()
     steps = 4
     batches, ref_losses, ref_states, model, opt, sched = _training_setup(world, steps)
-    cm = zbuf.compile(model, inner=inner, optimizer=opt, compile_blocks_once=compile_blocks_once)
+    cm = zbuf.compile(model, structure="graph", inner=inner, optimizer=opt, compile_blocks_once=compile_blocks_once)
     sm = zbuf.compile.step_memory_of(cm)
     compiles, gathers = [], []
 
@@ -244,7 +244,7 @@ def _auto_case(rank, world):
     steps = 5
     batches, ref_losses, ref_states, model, opt, sched = _training_setup(
         world, steps, prepare=apply_activation_checkpointing)
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt, recompute="auto")
     sm = zbuf.compile.step_memory_of(cm)
     losses, states, rows = sm_tests._train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
                                                 keep={steps - 1})
@@ -263,11 +263,11 @@ def _worker(rank, world, with_inductor):
     # so ZBUF_POISON_RELEASES in the environment now would be read by nobody: set the flag.
     runtime.POISON_RELEASES = True
     out = {"ops": _ops_case(rank, world), "mismatch": _mismatch_case(rank, world),
-           "blocks_once": _grow_without_compile_case(rank, world, None),
+           "blocks_once": _grow_without_compile_case(rank, world, True),
            "whole": _grow_without_compile_case(rank, world, False),
            "auto": _auto_case(rank, world)}
     if with_inductor:  # Inductor's generated code around the held buffers (5-6 min on CI's CPU)
-        out["inductor"] = _grow_without_compile_case(rank, world, None, inner="inductor")
+        out["inductor"] = _grow_without_compile_case(rank, world, True, inner="inductor")
     return out
 
 

@@ -324,7 +324,7 @@ def _replan_case(rank, world, free_factor, ballast_factor=0.0):
     shards = _shard_bytes(model)
     _shrink_free_memory(int(free_factor * shards))
     opt, sched = _adamw(model.parameters())
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
     before = _GrowingState(opt, 2, int(ballast_factor * shards)) if ballast_factor else None
     losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
@@ -359,7 +359,7 @@ def _replan_auto_case(rank, world):
     model = zbuf.shard(copy.deepcopy(init))
     _shrink_free_memory(int(5.5 * _shard_bytes(model)))
     opt, sched = _adamw(model.parameters())
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt, recompute="auto")
     sm = zbuf.compile.step_memory_of(cm)
     losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,
                                        keep={1, 2})
@@ -395,7 +395,7 @@ def _lending_case(rank, world, lend):
     # The emulated device binds only at the optimizer step (the stand-in's forward and backward
     # peaks do not check it), so the plans get the free memory beside the shards as it was
     # before the optimizer's state: agreed with its state reserved, nothing would fit.
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt if lend else None,
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt if lend else None,
                       free_memory_bytes=capacity - shards)
     sm = zbuf.compile.step_memory_of(cm)
     try:
@@ -423,7 +423,7 @@ def _pool_refuses_case(rank, world):
     pool = model.__dict__["_zbuf_root"].pool
     _shrink_free_memory(1 << 34)  # roomy: what fails here is the pool's backend, not the plan
     opt, sched = _adamw(model.parameters(), fused=True)
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
     seen = {}
 
@@ -665,7 +665,7 @@ def test_a_step_that_cannot_fit_at_any_plan_is_refused_before_it_runs(monkeypatc
     init, cfg = _tiny(1)
     model = zbuf.shard(copy.deepcopy(init))
     opt, _ = _adamw(model.parameters())
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt)
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
     (tokens, targets), second = _batches(cfg.vocab_size, 1, 2)
     loss(cm, tokens, targets).backward()
@@ -764,7 +764,7 @@ def _auto_room(monkeypatch, spare_per_allocated: float):
     init, cfg = _tiny(1)
     model = zbuf.shard(copy.deepcopy(init))
     opt, _ = _adamw(model.parameters())
-    cm = zbuf.compile(model, inner="aot_eager", optimizer=opt, recompute="auto")
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt, recompute="auto")
     sm = zbuf.compile.step_memory_of(cm)
     for tokens, targets in _batches(cfg.vocab_size, 1, 2):
         loss(cm, tokens, targets).backward()

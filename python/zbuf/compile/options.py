@@ -73,14 +73,14 @@ class CompileOptions:
     coalesce_min_bytes: int = 32 << 20
     """Gathers at or above this size are never coalesced (they already saturate the link)."""
 
-    compile_blocks_once: bool = False
+    compile_blocks_once: bool | None = None
     """``structure="graph"``: compile each block of a repeated stack once inside the whole graph
     ([Note: compile repeated blocks once] in regions.py): ``zbuf.compile`` marks the blocks before
     tracing, their gathers stay in the outer graph and the planner keeps the whole-step view. Off
     by default: a block call under the caller's own checkpoint is refused with it ([Note: region
     bodies] in region_graphs.py), and the compile time it saves is the block structure's to save.
-    A plain ``torch.compile(m, backend="zbuf")`` needs ``zbuf.compile.mark_repeated_blocks(m)``
-    called first."""
+    ``None`` is the default, off. A plain ``torch.compile(m, backend="zbuf")`` needs
+    ``zbuf.compile.mark_repeated_blocks(m)`` called first."""
 
     structure: Structure | None = None
     """How ``zbuf.compile`` has Dynamo trace the model ([Note: one path] in compiled_model.py).
@@ -145,8 +145,8 @@ class CompileOptions:
             if not ok:
                 raise ValueError(f"zbuf compile option {msg}")
 
-        need(isinstance(self.compile_blocks_once, bool),
-             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool")
+        need(self.compile_blocks_once in (None, True, False),
+             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
         need(not (self.compile_blocks_once and self.recompute == "auto"),
              "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
              "the checkpointed regions of the whole graph, which a block compiled once hides; "
