@@ -125,10 +125,10 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _train(model, params_of, batches, seed=0):
-    opt = torch.optim.AdamW(params_of, lr=1e-2)
+def train_steps(model, opt, batches):
+    """One step per batch from seed 0 (dropout's draws): the losses."""
     losses = []
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     for tokens in batches:
         loss = _loss(model, tokens)
         loss.backward()
@@ -157,19 +157,11 @@ def _against_reference(placement: str, path: str, *, dtype=torch.float32, inner=
     init = Decoder(placement, dropout=dropout, preserve_rng_state=preserve_rng_state).to(dtype)
     batches = _batches()
     ref = copy.deepcopy(init)
-    ref_losses = _train(ref, ref.parameters(), batches)
+    ref_losses = train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     model = shard(copy.deepcopy(init))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cm = _compiled(path, model, opt, inner)
-    losses = []
-    torch.manual_seed(0)
-    for tokens in batches:
-        loss = _loss(cm, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return model, losses, ref_losses
+    return model, train_steps(cm, opt, batches), ref_losses
 
 
 PATHS = ("zbuf.compile", "zbuf.compile graph", "torch.compile")

@@ -22,24 +22,12 @@ pytestmark = pytest.mark.cuda
 PLACEMENTS = ("inside", "parent", "wrapper", "selective", "none")
 
 
-def _steps(model, opt, batches):
-    from test_user_checkpointing import _loss
-
-    losses = []
-    for tokens in batches:
-        loss = _loss(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def _worker(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     import zbuf.compile
     from test_user_checkpointing import VOCAB, Decoder
+    from test_user_checkpointing import train_steps as _steps
     from zbuf.shard import root_of, shard
 
     dev = torch.device("cuda", rank)
