@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 import zbuf.compile
+from zbuf.pool import GatherBufferPool
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.shard import root_of, shard
 
@@ -158,7 +159,7 @@ def _against_reference(placement: str, path: str, *, dtype=torch.float32, inner=
     batches = _batches()
     ref = copy.deepcopy(init)
     ref_losses = train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
-    model = shard(copy.deepcopy(init))
+    model = shard(copy.deepcopy(init), pool=GatherBufferPool())  # its counters this model's
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cm = _compiled(path, model, opt, inner)
     return model, train_steps(cm, opt, batches), ref_losses
