@@ -402,7 +402,7 @@ def test_level_0_keeps_only_the_blocks_inputs():
     block's inputs only), where the "checkpointed" mode's frame saves its region's inputs and
     whatever its partition keeps. Counted at the frames' saved-tensor hooks (SavedBlock.pack:
     what a frame saves that is not a gathered weight) and at the checkpoint's inputs."""
-    from zbuf import block_prefetch
+    from zbuf.compile import block_prefetch
     from zbuf.compile import block_frames
 
     def saved_bytes(recompute):

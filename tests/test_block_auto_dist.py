@@ -6,7 +6,7 @@ compile/block_replan.py). One launch per world size:
   smaller room settled into at step 3 (the first block recomputed again, the rest selective);
   losses and parameters match the unsharded fp32 reference at 1e-5 before and after both, and
   every rank plans the same levels and issues the same collectives;
-* blocks kept for backward ([Note: blocks kept for backward] in zbuf/block_prefetch.py): grown
+* blocks kept for backward ([Note: blocks kept for backward] in zbuf/compile/block_prefetch.py): grown
   into, settled out of, one block's gathers fewer per step while kept, parity throughout;
 * level 0 run as the "keep" frame under an eager checkpoint: the re-plan to every block kept
   compiles nothing, parity throughout, each gradient reduce-scattered once per step;

@@ -655,16 +655,16 @@ def test_zbuf_compile_raises_the_refusal_itself_not_dynamos_wrapper():
 
 
 def test_cpu_ranks_plan_with_their_share_of_the_host(monkeypatch):
-    """[Note: ranks share the host] in zbuf/compile/budget.py: two CPU ranks on one host each
+    """[Note: ranks share the host] in zbuf/memory.py: two CPU ranks on one host each
     planned with all of its free memory, so ``zbuf train --micro-batch 4096`` was killed by the
     kernel mid-step instead of refused (issue 37, item 1)."""
-    from zbuf.compile import budget
+    from zbuf import memory
 
-    monkeypatch.setattr(budget, "_host_bytes", lambda kind: 1000)
+    monkeypatch.setattr(memory, "host_bytes", lambda kind: 1000)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert budget.local_free_bytes(torch.device("cpu")) == 500
+    assert memory.local_free_bytes(torch.device("cpu")) == 500
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert budget.local_free_bytes(torch.device("cpu")) == 1000
+    assert memory.local_free_bytes(torch.device("cpu")) == 1000
 
 
 def test_the_shards_are_not_counted_as_activations_beside_the_agreed_memory():

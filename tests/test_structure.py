@@ -93,9 +93,10 @@ def _inside_def(tree: ast.Module, target) -> bool:
     return False
 
 
-def _cycles(edges) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    graph: dict[str, list[str]] = {m: [] for m in MODULES}
+def _cycles(edges, nodes=None) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan); the nodes: every module
+    unless given."""
+    graph: dict[str, list[str]] = {m: [] for m in (MODULES if nodes is None else nodes)}
     for a, b in edges:
         graph[a].append(b)
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -138,6 +139,29 @@ def test_import_graph_has_no_cycle():
                         if a in comp and b in comp)
         problems.append(f"cycle {comp}:\n    " + "\n    ".join(inside))
     assert not problems, "import cycles in python/zbuf:\n" + "\n".join(problems)
+
+
+def _package_of(module: str) -> str:
+    """``zbuf.compile.budget`` -> ``zbuf.compile``; a module at the root is its own room."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def test_packages_import_one_way():
+    """Arrows between packages (and the root's modules) run one way, deferred imports included:
+    a function-level import is still an arrow (at b734542 ``zbuf.compile`` and
+    ``zbuf.step_memory``, ``zbuf.compile`` and ``zbuf.block_prefetch`` imported each other, the
+    way back through imports inside functions)."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for (a, b), where in import_edges().items():
+        pa, pb = _package_of(a), _package_of(b)
+        if pa != pb and not _is_package(a):
+            arrows.setdefault((pa, pb), []).append(f"{a} -> {b} ({where}-level)")
+    problems = []
+    for comp in _cycles(arrows, nodes={p for e in arrows for p in e}):
+        inside = sorted(x for (a, b), xs in arrows.items() if a in comp and b in comp for x in xs)
+        problems.append(f"cycle {comp}:\n    " + "\n    ".join(inside))
+    assert not problems, "package-level import cycles in python/zbuf:\n" + "\n".join(problems)
 
 
 def test_the_walk_sees_function_level_imports():

@@ -32,6 +32,7 @@ reclaim hook would do on a real card of that size.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from typing import Optional
 
@@ -39,7 +40,7 @@ import torch
 
 from .pool import GatherBufferPool
 
-__all__ = ["MemoryEvents", "SharedMemory", "user_capacity_bytes"]
+__all__ = ["MemoryEvents", "SharedMemory", "user_capacity_bytes", "host_bytes", "local_free_bytes"]
 
 
 def user_capacity_bytes(device: torch.device) -> Optional[int]:
@@ -212,3 +213,37 @@ class SharedMemory:
         return {"capacity_bytes": self._capacity, "device_total_bytes": total,
                 "pool_share_bytes": self.pool_share_bytes(),
                 "allocator_fraction": (self._capacity - self.pool_share_bytes()) / total}
+
+
+def host_bytes(kind: str) -> int:
+    """The host's available (``"free"``) or total memory, bytes."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available if kind == "free" else vm.total)
+    except ImportError:
+        pages = os.sysconf("SC_AVPHYS_PAGES" if kind == "free" else "SC_PHYS_PAGES")
+        return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def local_free_bytes(device: torch.device) -> int:
+    """Memory this rank could still allocate (CPU: its share of the available host memory).
+
+    CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
+    out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
+    nothing of that cap, and a budget planned past it would turn into allocator retries.
+
+    [Note: ranks share the host]
+    CPU ranks on one host allocate from the same memory, so each plans with its share of what
+    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
+    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
+    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        cap = torch.cuda.get_per_process_memory_fraction(device) * total
+        return max(0, int(min(available, cap - allocated)))
+    return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -110,7 +110,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import MEASURED_BITS, agree_extremes, stable_budget, stable_bytes
-from .memory import SharedMemory
+from .memory import SharedMemory, local_free_bytes
 from .shard import roots
 from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
 
@@ -307,8 +307,6 @@ class StepMemory:
         self._host_limit = None
         if pool.device.type != "cuda":
             if host_free_bytes is None:
-                from .compile.budget import local_free_bytes
-
                 host_free_bytes = local_free_bytes(pool.device)
             self._host_limit = int(host_free_bytes) + self.meter.tracked_bytes()
         self.meter.on_close = self._row

@@ -17,8 +17,8 @@ differentiated and lowered once whatever N is.
 one compiled function, ``BlockFrames.frame`` (``torch.compile`` of ``_frame_body``):
 
 1. zbuf's runtime gathers the block's weights from the pool, the next block's launched one block
-   ahead, and re-gathers them for backward ([Note: two blocks live] in zbuf/block_prefetch.py;
-   [Note: block gathers] in zbuf/block_gather.py);
+   ahead, and re-gathers them for backward ([Note: two blocks live] in block_prefetch.py;
+   [Note: block gathers] in block_gather.py);
 2. the frame receives the full weights as inputs and parameter access inside it reads them,
    keyed by shard parameter ([Note: weights gathered by the caller] in zbuf/region_inputs.py), so
    no parameter id is a constant of the frame's graph and Dynamo guards on none: the second block
@@ -56,7 +56,7 @@ A user who checkpoints in the parent's loop (``checkpoint(block, x, ...)`` aroun
 call) or through ``apply_activation_checkpointing`` calls the block frame from inside a
 non-reentrant checkpoint, whose saved-tensor hooks drop what the block saves and recompute the
 block in backward. The frames' own hooks (``SavedBlock``, [Note: two blocks live] in
-zbuf/block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
+block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
 autograd calls: every activation of every block was kept (qwen3-14b as rank 0 of 8 ran out of
 memory in step 0's forward). So a block called while a caller's hooks are the innermost ones
 (``regather.callers_hooks_active``; the root's own eager re-gather hooks, around every forward
@@ -79,13 +79,13 @@ What the whole-graph plan gives and this structure does not (yet):
   per weight within a budget; ``FramePlan`` checks it against the rank-agreed memory instead
   (and turns prefetch off when two blocks do not fit);
 - weights are kept for backward a whole block at a time (the last blocks, [Note: blocks kept
-  for backward] in zbuf/block_prefetch.py), not per weight ranked by communication saved per
+  for backward] in block_prefetch.py), not per weight ranked by communication saved per
   byte; budgeted recompute per block, not per region of the whole graph, on the levels'
   estimates (not measured partitions);
 - reduce-scatters are issued synchronously by the frame's backward node (``ReduceOnce``), so
   they do not overlap the next block's backward compute on a GPU;
 - the order of block calls is checked across ranks in the first forward only ([Note: block
-  order check] in zbuf/block_prefetch.py), not on every run; the gathers outside the blocks are
+  order check] in block_prefetch.py), not on every run; the gathers outside the blocks are
   eager zbuf's, unchecked as there;
 - gathers are grouped by block only: a block's are one coalesced collective on NCCL (one per
   parameter on gloo, [Note: no coalesced gathers on gloo] in runtime.py), never split or merged
@@ -108,13 +108,13 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.checkpoint import checkpoint as eager_checkpoint
 
-from ..block_gather import BlockWeights
-from ..block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from ..param import ShardSpec
 from ..regather import callers_hooks_active
 from ..region_inputs import gathered_for_shards
 from ..shard import roots
 from ..step_phases import in_backward
+from .block_gather import BlockWeights
+from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from .budget import PlanExceedsMemoryError, graph_memory
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
@@ -295,7 +295,7 @@ class FramePartitioner(CustomPartitionerFn):
 
 class FramePlan(NamedTuple):
     """The gathered bytes block frames hold at once, checked against the rank-agreed memory
-    ([Note: two blocks live] in zbuf/block_prefetch.py)."""
+    ([Note: two blocks live] in block_prefetch.py)."""
 
     block_bytes: int
     """Pool bytes of the largest block's weights (block capacities of its buffers)."""
@@ -383,7 +383,7 @@ class BlockFrames:
         """id(block) -> its level when not 0 (producer: the re-planner; consumer: ``run``)."""
         self.kept: frozenset[int] = frozenset()
         """id(block) of the blocks whose forward gather is kept for backward ([Note: blocks
-        kept for backward] in zbuf/block_prefetch.py; producer: the re-planner; consumer:
+        kept for backward] in block_prefetch.py; producer: the re-planner; consumer:
         ``run``)."""
         self._caller_checkpointed: dict[int, HeldGather] = {}
         """id(block) -> its forward's gather when kept, of each block whose last forward ran
@@ -433,7 +433,7 @@ class BlockFrames:
         in force and the blocks kept for backward, by the blocks' first-call order.
 
         The profile is the plan's, per block call, forward then backward: the block's weights,
-        the next block's gathered ahead ([Note: two blocks live] in zbuf/block_prefetch.py), and
+        the next block's gathered ahead ([Note: two blocks live] in block_prefetch.py), and
         the blocks kept for backward, held from their forward call to their backward one (the
         parameters outside the blocks, gathered one at a time, are ``outer_bytes``)."""
         plan = self.plan

@@ -76,7 +76,7 @@ planner, and keeps weights a block at a time:
 5. What the levels leave of the room (capped by ``persist_fraction`` of it, as the whole
    graph's keep-set is) keeps gathered weights for backward, a whole block at a time: the last
    blocks forward calls keep their forward gather ([Note: blocks kept for backward] in
-   zbuf/block_prefetch.py), and the pool's budget grows by their bytes. Activations come first:
+   block_prefetch.py), and the pool's budget grows by their bytes. Activations come first:
    a kept activation saves recompute, a kept weight only a collective. Only ``persist=True``
    keeps weights (see ``BlockReplanner._blocks_kept`` for why not by default). This is data,
    not a compile, and every structure mode takes it (``"checkpointed"`` and ``"none"`` have no
@@ -89,7 +89,7 @@ whole-graph plans project theirs.
 Rank agreement: the plan is a function of the room (rank-agreed by StepMemory), the estimate
 (read off a graph of the same shapes on every rank, summed in graph order: [Note: budgeted
 recompute]) and the order of the block calls (the program's, checked across ranks in the first
-forward: [Note: block order check] in zbuf/block_prefetch.py). What could still differ is the
+forward: [Note: block order check] in block_prefetch.py). What could still differ is the
 estimate itself (a rank whose frame came out of a cache without partitioning; the frame level 0
 runs through compiles with AOTAutograd's cache off for this reason). The fallback of 1 is read
 off the same estimate, so every rank falls back at the same block call. A rank at another level
@@ -248,7 +248,7 @@ class BlockReplanner:
                           len(order) - i, spec.pool_id)
             for i, b in enumerate(order) if b in kept for spec in frames.called[b].weights.specs)
         # The kept blocks' buffers are held beside the two blocks live ([Note: blocks kept for
-        # backward] in zbuf/block_prefetch.py).
+        # backward] in block_prefetch.py).
         frames.pool.set_budget(frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
         return Replan(compiles, self.kept_bytes, len(self.kept))
 

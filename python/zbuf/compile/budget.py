@@ -25,7 +25,6 @@ agreed memory] in zbuf/agreement.py).
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.fx
 
 from ..agreement import agree_extremes, stable_free_memory
+from ..memory import host_bytes, local_free_bytes
 from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
@@ -46,39 +46,6 @@ activation budget leaves them ([Note: budgeted recompute] in recompute.py), and 
 step's plan gets no more ([Note: measure first, then spend] in zbuf/step_memory.py)."""
 
 
-def _host_bytes(kind: str) -> int:
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available if kind == "free" else vm.total)
-    except ImportError:
-        pages = os.sysconf("SC_AVPHYS_PAGES" if kind == "free" else "SC_PHYS_PAGES")
-        return int(pages * os.sysconf("SC_PAGE_SIZE"))
-
-
-def local_free_bytes(device: torch.device) -> int:
-    """Memory this rank could still allocate (CPU: its share of the available host memory).
-
-    CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
-    out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
-    nothing of that cap, and a budget planned past it would turn into allocator retries.
-
-    [Note: ranks share the host]
-    CPU ranks on one host allocate from the same memory, so each plans with its share of what
-    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
-    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
-    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
-    """
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        available = free + torch.cuda.memory_reserved(device) - allocated
-        cap = torch.cuda.get_per_process_memory_fraction(device) * total
-        return max(0, int(min(available, cap - allocated)))
-    return _host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
 def _total_bytes(device: torch.device) -> int:
     """What this process may allocate on ``device`` at most, the same on every rank of a
     homogeneous job: the card's memory under the user's ``set_per_process_memory_fraction``
@@ -87,7 +54,7 @@ def _total_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * min(1.0, torch.cuda.get_per_process_memory_fraction(device)))
-    return _host_bytes("total")
+    return host_bytes("total")
 
 
 def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.device | None = None,

@@ -28,9 +28,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from .param import ShardSpec, unpad_full
-from .runtime import borrowed, count_gather, gather_into, pool_of, process_group
-from .shard_state import ShardingError
+from ..param import ShardSpec, unpad_full
+from ..runtime import borrowed, count_gather, gather_into, pool_of, process_group
+from ..shard_state import ShardingError
 
 __all__ = ["BlockWeights", "InFlightGather", "launch_block_gather", "FrameGather"]
 

@@ -83,7 +83,8 @@ import torch
 from torch import nn
 
 from .block_gather import BlockWeights, FrameGather, InFlightGather, launch_block_gather
-from .step_phases import in_backward
+from ..step_phases import in_backward
+from .fingerprint import check_across_ranks, fingerprint_of
 
 __all__ = ["BlockPrefetch", "SavedBlock", "FrameSlot", "HeldGather"]
 
@@ -257,8 +258,6 @@ class BlockPrefetch:
 
     def _check_call(self, weights: BlockWeights, label: str) -> None:
         """[Note: block order check]"""
-        from .compile.fingerprint import check_across_ranks, fingerprint_of
-
         self._checked_calls.append(" ".join(filter(None, (f"the block of {weights.specs[0].fqn}",
                                                           label))))
         description = json.dumps({"inputs": [], "collectives": self._checked_calls})
