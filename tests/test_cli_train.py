@@ -281,20 +281,9 @@ def test_train_default_engine_then_report(tmp_path):
 def _check_plot_layout(record, out_dir):
     """What issue 22 found in the CPU default's plots, on the figures themselves: units by
     magnitude, memory axes from zero, labels off the data, no zero-width phase listed."""
-    import zbuf.train.report as report
+    from test_train_record import drawn_figures
 
-    figs = {}
-
-    def keep(fig, path):
-        figs[os.path.basename(path)] = fig
-        return path
-
-    orig = report._save
-    report._save = keep
-    try:
-        report.make_plots(record, str(out_dir))
-    finally:
-        report._save = orig
+    figs = drawn_figures(record, out_dir)
     rec = figs["recompute.png"].axes
     # the blocks' FLOPs counted too (issue 37): GFLOP, where the output head alone was MFLOP
     assert "MiB per rank" in rec[0].get_ylabel() and "GFLOP" in rec[1].get_ylabel()

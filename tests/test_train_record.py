@@ -277,7 +277,7 @@ def test_the_plan_in_force_is_reported_and_the_replaced_one_apart(tmp_path):
     headers = [c.header for c in schedule_table(rec).columns[1:]]
     assert headers == ["zbuf forward #0 (replaced)", "zbuf backward #1 (replaced)",
                        "zbuf forward #2", "zbuf backward #3"], headers
-    figs = _figures(rec, tmp_path)
+    figs = drawn_figures(rec, tmp_path)
     ax = figs["recompute.png"].axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == [
         "zbuf\nmeasured step\n(replaced)", "zbuf\nfinal plan"]
@@ -285,7 +285,7 @@ def test_the_plan_in_force_is_reported_and_the_replaced_one_apart(tmp_path):
     assert kept == [3 / 1024, 34 / 1024], kept
 
 
-def _figures(record, out_dir):
+def drawn_figures(record, out_dir):
     """The figures make_plots draws, by file name, before they are closed."""
     import zbuf.train.report as report
 
@@ -418,7 +418,7 @@ def test_plots_number_steps_as_the_console_and_keep_every_line_visible(tmp_path)
     engines = [_engine(name, [t * 6 for t in times], losses, pool=True, schedule=SCHEDULE)
                for name in ("zbuf", "zbuf-eager")]
     engines[1]["pool"]["high_water_bytes"] = 32 << 20
-    figs = _figures(_record(engines), tmp_path)
+    figs = drawn_figures(_record(engines), tmp_path)
     loss = figs["loss.png"].axes[0]
     assert [list(line.get_xdata()) for line in loss.lines] == [[1, 2, 3, 4, 5, 6]] * 2
     styles = {(line.get_linestyle(), line.get_marker()) for line in loss.lines}

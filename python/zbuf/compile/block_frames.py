@@ -490,7 +490,7 @@ class BlockFrames:
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
         # recompute in backward gathers again, prefetching the block before it when that one
         # recomputes too.
-        previous = self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
+        previous = self._block_before(slot)
         ahead = (previous is not None and not self.levels.get(previous, 0)
                  and previous not in self.kept)
         held = HeldGather()
@@ -501,10 +501,13 @@ class BlockFrames:
 
         return eager_checkpoint(body, *args, use_reentrant=False, **kwargs)
 
+    def _block_before(self, slot: FrameSlot) -> Optional[int]:
+        """id of the block called before ``slot``'s in its stack, once it ran; else None."""
+        return self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
+
     def _run_under_callers_hooks(self, slot: FrameSlot, block: nn.Module, frame: Callable,
                                  label: str, hold: bool, args: tuple, kwargs: dict) -> Any:
         """[Note: a block under the caller's checkpoint]"""
-        previous = self._by_weights.get(id(slot.previous)) if slot.previous is not None else None
         if not in_backward():
             held = HeldGather()
             self._caller_checkpointed[id(block)] = held
@@ -512,6 +515,7 @@ class BlockFrames:
                                      checkpointed=held)
         held = self._caller_checkpointed.pop(id(block), None)
         # The block before it recomputes next when it ran under the caller's hooks too.
+        previous = self._block_before(slot)
         ahead = previous in self._caller_checkpointed and previous not in self.kept
         return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
                                  checkpointed=held or HeldGather(), prefetch_previous=ahead)
