@@ -31,6 +31,7 @@ dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 import zbuf
 import zbuf.compile.budget as budget
 from zbuf.train.compile_phases import PhaseClock
+from torch._dynamo.utils import compilation_time_metrics
 
 free = int(sys.argv[1])
 budget.local_free_bytes = lambda device: free   # this launch's free memory
@@ -70,7 +71,7 @@ for step in range(2):
     if step == 0:
         first = clock.result(0.0)
 print("RESULT " + json.dumps({"losses": losses, "caches": first.caches,
-                              "kernel_work": first.kernel_compile_work_s,
+                              "files": len(compilation_time_metrics.get("compile_file", [])),
                               "agreed": budget.agree_free_memory()}))
 """
 
@@ -79,7 +80,10 @@ BASE = (10 << 30) + (40 << 20)
 
 
 def _launch(cache_dir, free) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1")
+    # TORCHINDUCTOR_VEC_ISA_OK skips Inductor's once-per-process probe of the CPU's vector
+    # instructions, a C++ build of a second or more on a loaded 2-core machine.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1",
+               TORCHINDUCTOR_VEC_ISA_OK="1")
     out = subprocess.run([sys.executable, "-c", _SCRIPT, str(free)], env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -114,11 +118,11 @@ def test_second_launch_is_served_from_the_caches(tmp_path):
     cold = _launch(tmp_path, BASE)
     warm = _launch(tmp_path, BASE + (37 << 20))
     print("cold:", cold, "\nwarm:", warm)
-    assert cold["caches"]["fxgraph_miss"] >= 2 and cold["kernel_work"] > 0
+    assert cold["caches"]["fxgraph_miss"] >= 2
     assert warm["caches"]["aot_hit"] >= 1 and warm["caches"]["aot_miss"] == 0
     assert warm["caches"]["fxgraph_miss"] == 0
     assert cold["agreed"] == warm["agreed"] == stable_free_memory(BASE)
-    # No kernel compiled: what is left is one small once-per-process C++ build, under a second
-    # (with TORCHINDUCTOR_VEC_ISA_OK unset, Inductor's probe of the CPU's vector instructions).
-    assert warm["kernel_work"] < 0.1 * cold["kernel_work"]
+    # No kernel compiled: every cached kernel loads as built; one once-per-process C++ build stays
+    # (counted, not timed: its seconds depend on the machine's load).
+    assert warm["files"] <= 1 < cold["files"]
     assert warm["losses"] == cold["losses"]
