@@ -260,7 +260,7 @@ def _planned(model) -> dict:
 
 
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
-                placement: str = "inside") -> dict:
+                placement: str = "inside", profile_dir: str | None = None) -> dict:
     from zbuf.train.data import rank_batch
 
     torch._dynamo.reset()
@@ -311,6 +311,18 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         return out
+    if profile_dir is not None:  # extra steps after the measured ones ([Note: profiled steps])
+        from zbuf.train.profile import PROFILED_STEPS, StepProfiler
+
+        with StepProfiler(profile_dir, variant, rank):
+            for step in range(cfg.steps, cfg.steps + PROFILED_STEPS):
+                batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank,
+                                   cfg.seq_len, vocab, device)
+                step_loss(batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
     measured = times[cfg.warmup:]
     # The steps that compiled (a first step, a re-plan's): more than twice the measured median.
     compiled_steps = [i for i, t in enumerate(times[:cfg.warmup or 1])
@@ -403,6 +415,9 @@ def main() -> None:
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
                    help="emulate a card of this size (torch's allocator and the pool together)")
     p.add_argument("--out", default=None, help="directory for plain_setup.{json,md}")
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="profile two extra steps per variant: a trace and a summary of where the "
+                        "device's time goes, per variant, in DIR")
     args = p.parse_args()
     from zbuf.train.errors import ConfigError
     from zbuf.train.options import BYTES
@@ -445,7 +460,8 @@ def main() -> None:
               "device": torch.cuda.get_device_name(device) if cuda else "CPU",
               "torch": torch.__version__, "variants": results}
     for v in variants:
-        results.append(run_variant(v, cfg, device, dtype, rank, world, args.placement))
+        results.append(run_variant(v, cfg, device, dtype, rank, world, args.placement,
+                                   args.profile_dir))
         if rank != 0:
             continue
         r = results[-1]

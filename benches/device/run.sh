@@ -240,7 +240,8 @@ case "${1:-}" in
     # segments (its best), then zbuf.compile(model, optimizer=opt), then any other VARIANTS
     # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf")). MODEL: 14b (qwen3-14b
     # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
-    # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json
+    # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json; PROFILE=1: two extra steps
+    # profiled per variant, the summary under .../profile/ and printed
     case "${2:?give 14b or 17b}" in
       14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB) ;;
       17b) model=(--preset qwen3-1.7b) ;;
@@ -251,7 +252,9 @@ case "${1:-}" in
       PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
         timeout "${BENCH_TIMEOUT:-290}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
         --seq-len 4096 --ac full --placement "${3:?give inside or parent}" --steps 30 --warmup 10 \
-        --variants "$v" --out "$OUT/onepath_$2_$3_$v" 2>&1 | grep -v "Warning\|warn" | tail -3
+        --variants "$v" --out "$OUT/onepath_$2_$3_$v" \
+        ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" | tail -3
+      [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/onepath_$2_$3_$v/profile/*.summary.json')]"
     done ;;
   plain14|plain8b)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an
     # 80 GiB card (issue 19's first table; issue 20's API paths: plain = torch.compile(backend=
