@@ -176,10 +176,18 @@ def test_prefetch_off_when_two_blocks_do_not_fit():
         model, zbuf.compile.CompileOptions(inner="aot_eager", budget_bytes=200_000))
     assert frames.plan.block_bytes <= 200_000 < 2 * frames.plan.block_bytes
     assert not frames.plan.prefetch
-    too_small = shard(_decoder(2, False))
+    # An explicit budget below one block's weights plans with them, as the whole graph's planner
+    # raises a budget below its floor, and the schedule says so (the CLI's notice reads it).
+    raised = block_frames.install_block_frames(
+        shard(_decoder(2, False)), zbuf.compile.CompileOptions(inner="aot_eager", budget_bytes=1000))
+    schedule = raised.schedule()
+    assert schedule["requested_budget_bytes"] == 1000
+    assert schedule["budget_bytes"] == raised.plan.block_bytes + raised.plan.outer_bytes
+    # The agreed memory is what the card has: below one block, the frames are refused.
     with pytest.raises(zbuf.compile.PlanExceedsMemoryError, match="structure='blocks' needs"):
         block_frames.install_block_frames(
-            too_small, zbuf.compile.CompileOptions(inner="aot_eager", budget_bytes=1000))
+            shard(_decoder(2, False)),
+            zbuf.compile.CompileOptions(inner="aot_eager", free_memory_bytes=1000))
 
 
 def test_eval_forward_under_no_grad():

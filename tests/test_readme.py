@@ -96,17 +96,18 @@ def test_the_knobs_defaults_are_the_tests_own():
 
 SAMPLE_STABLE = frozenset({
     # summary
-    "status", "alloc retries per rank", "pool high water", "schedule budget",
-    "peak live gathered", "activations kept for backward",
-    # zbuf report: the schedule, the step's memory
-    "graph nodes", "gathered parameters", "collectives", "coalesced groups",
-    "kept forward->backward", "gather budget", "activations kept", "forward FLOPs",
-    "forward peak", "backward peak", "optimizer peak", "gather budget, planned",
-    "re-planned at step", "re-plan compiled", "weights kept for backward (run time)",
+    "status", "alloc retries per rank", "pool high water", "peak live gathered",
+    "activations kept for backward",
+    # zbuf report: the block frames' schedule, the step's memory
+    "blocks", "one block's weights", "gathered one block ahead", "peak live gathered (planned)",
+    "pool budget", "blocks kept/selective/recomputed", "blocks kept for backward",
+    "frames compiled", "forward peak", "backward peak", "optimizer peak", "re-planned at step",
+    "re-plan compiled", "weights kept for backward (run time)",
     "steps the pool lent to the optimizer", "alloc retries per rank after step 2"})
 """Rows of the README's samples whose values a CPU run of the same configuration reproduces
 whatever the machine's speed, its free memory or the number of steps (sizes of the tiny model's
-plan, graph structure, what the measured step decided)."""
+plan, what the measured step decided). The gather budget is not one of them: the block frames
+may hold what the host's free memory allows ([Note: ranks share the host] in zbuf/memory.py)."""
 
 
 def table_rows(text: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -156,5 +157,7 @@ def test_the_readme_lists_the_plots_zbuf_report_documents():
     import zbuf.train.report as report
 
     documented = re.findall(r"^- ``(\w+\.png)``", report.__doc__, re.M)
-    assert sorted(readme_report_plots()) == sorted(documented), (readme_report_plots(), documented)
+    # The sample's run (--ac off on CPU) checkpoints nothing, so it draws no recompute.png.
+    assert sorted(readme_report_plots() + ["recompute.png"]) == sorted(documented), \
+        (readme_report_plots(), documented)
 

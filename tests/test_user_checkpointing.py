@@ -5,7 +5,8 @@ every API path, against the unsharded reference ([Note: one path] in compile/com
 The model is a user's own decoder: ``nn.Linear`` projections, grouped-query
 ``F.scaled_dot_product_attention``, RMSNorm, a SiLU MLP, the loss computed outside the model.
 Placements: inside the block's ``forward``; around the block call in the parent's loop (the
-crash of issue 36); ``apply_activation_checkpointing``; a selective policy (``context_fn``); none.
+crash of issue 36); ``apply_activation_checkpointing``; a selective policy (``context_fn``); none;
+and a Hugging Face model under its own ``gradient_checkpointing_enable``.
 """
 
 from __future__ import annotations
@@ -180,6 +181,45 @@ def test_every_placement_trains_as_the_reference(placement, path):
         # of the step comes from the pool's budget.
         stats = root_of(model).pool.stats()
         assert stats.outside_allocations == 0 and stats.checked_out == 0, stats
+
+
+@pytest.mark.parametrize("placement", ("parent", "inside"))
+def _hf_qwen3():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+                                   num_hidden_layers=3, num_attention_heads=HEADS,
+                                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                   max_position_embeddings=64, tie_word_embeddings=False,
+                                   attn_implementation="sdpa")
+    model = transformers.Qwen3ForCausalLM(cfg)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+class _Logits(nn.Module):
+    """The user's call of a Hugging Face model: the logits, the loss outside it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens).logits
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_hugging_face_layers_under_their_own_checkpointing(path):
+    torch.manual_seed(0)
+    init = _hf_qwen3()
+    batches = _batches()
+    ref = copy.deepcopy(init)
+    ref_losses = train_steps(_Logits(ref), torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    model = shard(copy.deepcopy(init), pool=GatherBufferPool())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train_steps(_compiled(path, _Logits(model), opt, "aot_eager"), opt, batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    stats = root_of(model).pool.stats()
+    assert stats.outside_allocations == 0 and stats.checked_out == 0, stats
 
 
 @pytest.mark.parametrize("placement", ("parent", "inside"))

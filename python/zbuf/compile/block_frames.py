@@ -309,6 +309,10 @@ class FramePlan(NamedTuple):
     """One block ahead (two blocks live): asked for and fits ``memory_bytes``."""
     blocks: int
     """Blocks in the repeated stacks: a step's calls of the frames."""
+    requested_bytes: int
+    """What the caller asked the gathers to hold: ``memory_bytes`` unless an explicit budget was
+    below one block's weights, which plans with those instead, as the whole graph's planner
+    raises a budget below its floor (``schedule.Schedule.budget_bytes``)."""
 
     @property
     def live_bytes(self) -> int:
@@ -326,15 +330,17 @@ class FramePlan(NamedTuple):
 
 def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpec],
                 options: CompileOptions, pool) -> FramePlan:
-    """The frames' plan; ``PlanExceedsMemoryError`` when one block's weights do not fit.
+    """The frames' plan; ``PlanExceedsMemoryError`` when one block's weights do not fit the agreed
+    memory (an explicit ``budget_bytes`` is raised to them instead: the caller chose it).
     Every input is rank-invariant (shapes, options, the agreed memory): every rank plans alike."""
     block = max(sum(pool.capacity_for(s.gathered_nbytes) for s in w.specs) for w in stacks_weights)
     outer_bytes = sum(pool.capacity_for(s.gathered_nbytes) for s in outer)
-    if options.budget_bytes is not None:
-        memory = options.budget_bytes
-    else:
-        memory = graph_memory(options, pool.device, options.gradient_bytes)
     need = block + outer_bytes
+    if options.budget_bytes is not None:
+        requested = options.budget_bytes
+        memory = max(requested, need)
+    else:
+        memory = requested = graph_memory(options, pool.device, options.gradient_bytes)
     if need > memory:
         raise PlanExceedsMemoryError(
             f"zbuf: structure='blocks' needs {need / 2**20:.1f} MiB of gathered weights "
@@ -344,7 +350,8 @@ def plan_frames(stacks_weights: Sequence[BlockWeights], outer: Sequence[ShardSpe
             what="one block's gathered weights", needs_bytes=need, memory_bytes=memory,
             short_of="block weights")
     return FramePlan(block, outer_bytes, memory,
-                     options.prefetch and 2 * block + outer_bytes <= memory, len(stacks_weights))
+                     options.prefetch and 2 * block + outer_bytes <= memory, len(stacks_weights),
+                     requested)
 
 
 class BlockFrames:
@@ -448,7 +455,7 @@ class BlockFrames:
         profile = forward + backward
         return {"structure": "blocks", "blocks": n, "block_bytes": block,
                 "outer_bytes": plan.outer_bytes, "budget_bytes": plan.memory_bytes,
-                "prefetch": plan.prefetch,
+                "requested_budget_bytes": plan.requested_bytes, "prefetch": plan.prefetch,
                 "peak_live_gathered_bytes": max(profile + [plan.outer_bytes]),
                 "live_gathered_profile": profile,
                 "pool_bytes": plan.pool_bytes + sum(kept) * block,  # as BlockReplanner sets it

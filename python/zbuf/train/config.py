@@ -217,15 +217,14 @@ class TrainConfig:
         commands=WITH_FIT)
     """zbuf engine: compile each block of a repeated stack once inside the whole graph
     (``zbuf.CompileOptions.compile_blocks_once``); None: that option's default."""
-    compile_structure: str = option(
-        "graph", help="zbuf engine: what Dynamo traces as one frame: the whole model (graph) or "
-                      "each repeated block, shared by identical blocks, with the cross-block "
-                      "schedule in zbuf's runtime (blocks; its --ac auto keeps each block's "
-                      "activations per measured room, one frame per level) (default graph)",
+    compile_structure: Optional[str] = option(
+        help="zbuf engine: what Dynamo traces as one frame: the whole model (graph) or each "
+             "repeated block, shared by identical blocks, with the cross-block schedule in "
+             "zbuf's runtime (blocks) (default: zbuf.compile's pick: blocks for a repeated "
+             "stack, the whole graph for the options only it takes)",
         choices=("graph", "blocks"), commands=WITH_FIT)
     """zbuf engine: ``zbuf.CompileOptions.structure`` ([Note: one Dynamo frame per block] in
-    zbuf/compile/block_frames.py). The CLI's engine keeps the whole graph, whose in-graph loss
-    and per-weight plan its records and reports were built on; ``zbuf.compile`` itself picks
+    zbuf/compile/block_frames.py); None: ``zbuf.compile`` picks, as for a user's own model
     ([Note: one path] in zbuf/compile/compiled_model.py)."""
     optimizer: str = option(
         "adamw", help="adamw (torch's default: foreach on GPU), adamw-fused or sgd (momentum "

@@ -88,8 +88,10 @@ def budget_notices(requested: Optional[int], schedule: Optional[dict[str, Any]])
     below the floor (the most gathered bytes one operation needs at once) is raised to it by the
     planner, which would otherwise go unsaid. ``requested``: ``--gather-budget`` (None: the
     rank-agreed free memory)."""
-    raised = [g for g in (schedule or {}).get("graphs", [])
-              if g.get("budget_bytes", 0) > g.get("requested_budget_bytes", 0)]
+    plans = list((schedule or {}).get("graphs", []))
+    if (schedule or {}).get("blocks"):  # the block frames' one plan, under the same names
+        plans.append(schedule["blocks"])
+    raised = [g for g in plans if g.get("budget_bytes", 0) > g.get("requested_budget_bytes", 0)]
     if not raised:
         return []
     asked = min(g["requested_budget_bytes"] for g in raised)
