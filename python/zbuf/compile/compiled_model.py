@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..memory import OptimizerPolicy, StepMemory
 from ..optimizer_in_backward import BATCH_BYTES, BackwardStep
-from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
-from ..step_memory import StepMemory
 from .budget import agree_free_memory, check_optimizer_fits
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions

@@ -110,7 +110,7 @@ class CompileOptions:
 
     measuring: bool = False
     """This plan runs the measured step ([Note: measure first, then spend] in
-    zbuf/step_memory.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
+    zbuf/memory/step.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
     keeps no activations beyond the model's checkpointing, and each graph gathers at most what
     one node reads plus about one block ahead (``budget.gather_reserve``). ``zbuf.compile`` sets
     it for the first plan of a sharded model; the plans made from the measurement clear it."""
