@@ -243,6 +243,8 @@ MUTABLE_GLOBALS = {
     "zbuf.train.loop._PER_RANK": _CONSTANT,
     "zbuf.train.record._MERGE_FREE": _CONSTANT,
     "zbuf.train.resources.RUNTIME_BYTES": _CONSTANT,
+    "zbuf.train.config.CLI_SPELLING": _CONSTANT,
+    "zbuf.train.config._AC_OF_RECOMPUTE": _CONSTANT,
     # process-wide by nature
     "zbuf.param_access._SUBCLASS_CACHE": "classes are process-wide: one ZbufLinear per (class, "
         "sharded names) for every model, holding no model's state",

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+from .modes import Modes, refusal
+
 __all__ = ["CompileOptions", "RECOMPUTE_MODES", "STRUCTURES"]
 
 Inner = Literal["inductor", "aot_eager"]
@@ -147,30 +149,9 @@ class CompileOptions:
 
         need(self.compile_blocks_once in (None, True, False),
              f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
-        need(not (self.compile_blocks_once and self.recompute == "auto"),
-             "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
-             "the checkpointed regions of the whole graph, which a block compiled once hides; "
-             "leave compile_blocks_once unset for recompute='auto'")
         need(self.structure is None or self.structure in STRUCTURES,
              f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))} "
              f"or None (zbuf.compile picks)")
-        if self.structure == "blocks":
-            # [Note: block levels] in block_replan.py: auto plans the blocks' levels in the
-            # room the first step measures.
-            need(not (self.recompute == "auto" and self.budget_bytes is not None),
-                 "structure='blocks' with recompute='auto' plans the blocks' levels in the room "
-                 "the first step measures, and an explicit budget_bytes is never measured: leave "
-                 "budget_bytes unset, or use recompute='checkpointed'")
-            need(self.activation_budget_bytes is None,
-                 "structure='blocks' does not take activation_budget_bytes (a cap on the whole "
-                 "graph's activation peak; the blocks' levels are planned in the measured room): "
-                 "leave it unset, or use structure='graph'")
-            need(not self.compile_blocks_once,
-                 "structure='blocks' compiles each block as its own frame; "
-                 "compile_blocks_once=True is structure='graph''s way: leave it unset")
-            need(not self.optimizer_in_backward,
-                 "structure='blocks' does not take optimizer_in_backward=True (its gradients are "
-                 "reduced by the eager runtime, not a backward graph): use structure='graph'")
         need(self.recompute in RECOMPUTE_MODES,
              f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
         if self.activation_budget_bytes is not None:
@@ -179,9 +160,6 @@ class CompileOptions:
                  and self.activation_budget_bytes > 0,
                  f"activation_budget_bytes={self.activation_budget_bytes!r} must be a positive int "
                  "(bytes) or None to derive it from the rank-agreed free memory")
-            need(self.recompute == "auto",
-                 f"activation_budget_bytes is the budget of recompute='auto'; with "
-                 f"recompute={self.recompute!r} nothing plans against it")
         if self.budget_bytes is not None:
             need(
                 isinstance(self.budget_bytes, int) and not isinstance(self.budget_bytes, bool)
@@ -217,6 +195,8 @@ class CompileOptions:
             need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
         need(self.collective_latency_seconds >= 0,
              f"collective_latency_seconds={self.collective_latency_seconds!r} must be >= 0")
+        refused = refusal(self.modes)  # [Note: one table of modes] in modes.py
+        need(refused is None, refused)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
@@ -234,14 +214,22 @@ class CompileOptions:
         return cls(**dict(options))
 
     @property
-    def graph_only(self) -> tuple[str, ...]:
-        """The options set that only ``structure="graph"`` takes."""
-        return tuple(name for name, on in (
-            ("optimizer_in_backward", self.optimizer_in_backward),
-            ("activation_budget_bytes", self.activation_budget_bytes is not None),
-            ("compile_blocks_once", self.compile_blocks_once),
-            ("budget_bytes with recompute='auto'",
-             self.recompute == "auto" and self.budget_bytes is not None)) if on)
+    def modes(self) -> Modes:
+        """The modes these options ask for ([Note: one table of modes] in modes.py)."""
+        coalesce = any(getattr(self, f.name) != f.default for f in dataclasses.fields(self)
+                       if f.name.startswith("coalesce"))
+        return Modes(structure=self.structure, recompute=self.recompute,
+                     optimizer_in_backward=self.optimizer_in_backward,
+                     compile_blocks_once=bool(self.compile_blocks_once),
+                     budget_bytes=self.budget_bytes is not None,
+                     activation_budget_bytes=self.activation_budget_bytes is not None,
+                     coalesce=coalesce)
+
+    @property
+    def graph_only(self) -> bool:
+        """Whether these options ask for what only ``structure="graph"`` does: the table
+        refuses them under ``"blocks"`` ([Note: one table of modes] in modes.py)."""
+        return refusal(self.modes._replace(structure="blocks")) is not None
 
     def digest(self) -> str:
         """Stable hash of every field, part of the passes' cache uuid."""
