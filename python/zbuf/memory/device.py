@@ -21,8 +21,8 @@ def user_capacity_bytes(device: torch.device) -> Optional[int]:
 
     [Note: one cap for torch and the pool]
     torch's fraction caps its caching allocator only; the pool allocates beside it, so under a
-    user's fraction F torch and the pool together could hold F of the card plus the pool (up to
-    4fed11d the pool's blocks were not counted against it). ``SharedMemory`` takes the user's cap
+    user's fraction F torch and the pool together could hold F of the card plus the pool.
+    ``SharedMemory`` takes the user's cap
     as the capacity torch and the pool share ([Note: emulated capacity]): torch's fraction
     becomes ``(F * total - what the pool may hold) / total``, and follows the pool's share."""
     if device.type != "cuda":
@@ -54,9 +54,9 @@ def local_free_bytes(device: torch.device) -> int:
 
     [Note: ranks share the host]
     CPU ranks on one host allocate from the same memory, so each plans with its share of what
-    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
-    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
-    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
+    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher): with the whole of
+    it each, every rank plans memory the others take, and the kernel kills a rank mid-step
+    instead of the plan being refused.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

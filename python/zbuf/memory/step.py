@@ -221,9 +221,7 @@ class StepMemory:
         # The measurement adds what step 0 left resident (the optimizer's state) to its phases'
         # peaks, since they ran without it. With the optimizer in backward, step 0's backward
         # makes that state as it runs: its peak already holds some or all of it, and adding it
-        # again counted AdamW's 12.9 GiB twice (qwen3-1.7b, world 1, one H200, --mem-frac 0.20:
-        # "needs 34.59 GiB" refused a step whose steady state peaked at 26.7 GiB on the whole
-        # device at 0.25). Step 1 runs the same lean plan with the state resident throughout, so
+        # again would count the state twice. Step 1 runs the same lean plan with the state resident throughout, so
         # it is the step measured, and nothing is added twice.
         self.measured_step = self.MEASURED_STEP + int(root.steps_in_backward)
         self.steady_step = self.measured_step + self.STEADY_STEP - self.MEASURED_STEP
