@@ -4,8 +4,7 @@
 Which gathered weights forward keeps for backward (selective persistence, [Note: selective
 persistence] in compile/persist.py) used to be graph structure: the partitioner saved the kept
 weights as forward outputs, so changing the set after the measured step recompiled the whole
-model (qwen3-14b as rank 0 of 8: a 50.4 s re-plan after a 61.1 s first step,
-benches/results/compile_time_14b.md). Now the graphs a measured plan compiles always re-gather
+model (benches/results/memory_history.md). Now the graphs a measured plan compiles always re-gather
 in backward, and the keep-set is data, held by the pool the weights are gathered into
 (``GatherBufferPool.kept``), never by a process-global:
 

@@ -79,11 +79,8 @@ def planning_profile(graph: torch.fx.Graph, options: CompileOptions) -> np.ndarr
     [Note: the model's state is not an activation]
     ``zbuf.compile`` agrees on the free memory beside the model's state: the shards are resident
     when it asks, and the optimizer's state is taken off before the agreement (it is known
-    exactly then). A graph's static profile counts its shards (inputs, alive from the start).
-    Compared with the free memory, those bytes counted twice: qwen3-1.7b at world 1 (one H200,
-    ``--mem-frac`` 0.30, main 3a9b429) refused its backward plan, "12583.9 MiB at its peak"
-    against 9100.8 MiB, where 6.4 GiB of the 12.3 were fp32 gradients reserved beside the
-    graphs and counted again in the profile, and FSDP2 trains down to 0.25. So beside the agreed
+    exactly then). A graph's static profile counts its shards (inputs, alive from the start):
+    compared with the free memory, those bytes would count twice. So beside the agreed
     free memory every planner (gathers, persistence, budgeted recompute, the refusal, the
     measured step's room) reads the profile without the shards, and counts each gradient once:
     in the profile of the graph that makes it, as a reservation in the others' ([Note:
@@ -100,18 +97,16 @@ def gradient_reserve(options: CompileOptions, made_bytes: int, *, backward: bool
 
     [Note: gradients live in backward]
     A step's gradients do not exist in its forward: ``zero_grad()`` sets them to None (torch's
-    default), and the backward makes them, each at its reduce-scatter. Up to 845ca7f
-    ``zbuf.compile`` took all of them off the agreed free memory, so every forward planned as if
-    they were there: qwen3-1.7b at world 1 (one H200, ``--mem-frac`` 0.25) refused its step-0
-    forward plan for 193 MiB while 6.4 GiB of the memory it was denied were fp32 gradients that
-    would only appear in backward, where the activations that peak in forward are gone; FSDP2
-    trains there. Now a graph's profile counts the gradient shards it returns from their
-    reduce-scatters on (``graph_info.activation_profile``), and only a backward (or joint) graph
-    reserves the rest of ``gradient_bytes``: those other graphs' backwards (a model with graph
-    breaks) leave alive when it runs. A forward graph reserves none. A forward that runs while
-    gradients are kept (``zero_grad(set_to_none=False)``, or micro-batches accumulated before one
-    ``step()``) shows them as resident growth in the measured step, whose re-plan counts them
-    ([Note: whole-step budget] in zbuf/memory/step.py). Against the total memory of a plain
+    default), and the backward makes them, each at its reduce-scatter, when the activations
+    that peak in forward are gone: taking all of them off the agreed free memory would plan
+    every forward as if they were there. So a graph's profile counts the gradient shards it
+    returns from their reduce-scatters on (``graph_info.activation_profile``), and only a
+    backward (or joint) graph reserves the rest of ``gradient_bytes``: those other graphs'
+    backwards (a model with graph breaks) leave alive when it runs. A forward graph reserves
+    none. A forward that runs while gradients are kept (``zero_grad(set_to_none=False)``, or
+    micro-batches accumulated before one ``step()``) shows them as resident growth in the
+    measured step, whose re-plan counts them ([Note: whole-step budget] in
+    zbuf/memory/step.py). Against the total memory of a plain
     ``torch.compile(backend="zbuf")`` nothing is reserved: the profile counts the shards too.
     With the optimizer in backward no gradient outlives the graph that makes it ([Note: optimizer
     in backward] in zbuf/optimizer_in_backward.py)."""

@@ -172,11 +172,8 @@ class Replanner:
         The measured step may show that the step cannot fit whatever the gathers do: its peak
         of live tensors (not the allocator's cache, which its retries can free) plus what it
         left resident (the optimizer's state, kept gradients) is above the limit itself, before
-        any margin. Up to 845ca7f the re-plan then went to the
-        smallest plan and ran it into an out-of-memory error in the next backward (qwen3-1.7b
-        at world 1, one H200, ``--mem-frac`` 0.25: step 1's backward, 35.2 GiB of live tensors
-        measured against 34.9 GiB, died with 31.0 GiB allocated and 3.2 GiB fragmented). An error on
-        one rank mid-step can leave the others in a collective; this one is raised on every rank
+        any margin: the smallest plan would still run out of memory in the next step. An error
+        on one rank mid-step can leave the others in a collective; this one is raised on every rank
         (rank-agreed numbers) at the next step's first forward, before it runs anything."""
         if peak_bytes <= usable_bytes:
             return
