@@ -2,9 +2,9 @@
 
 [Note: the ledger]
 After a measured step (step.py) the memory owner writes down, rank-agreed with one all-reduce
-(``agree_extremes``: the smallest capacity, the largest of the rest):
+(``agree_extremes``: the smallest limit, the largest of the rest):
 
-* ``capacity_bytes``: what torch and the pool may use together on this device (CUDA: the
+* ``limit_bytes``: what torch and the pool may use together on this device (CUDA: the
   driver's free memory plus what both hold, capped by an emulated card, [Note: emulated
   capacity] in shared.py; the CPU stand-in: the free memory ``zbuf.compile`` agreed plus the
   tracked bytes then);
@@ -19,7 +19,7 @@ After a measured step (step.py) the memory owner writes down, rank-agreed with o
   compile/schedule.py);
 * ``fragmentation_ppm``: [Note: fragmentation grows with the room].
 
-From those alone follow what a plan may use: ``usable_bytes``, the capacity less the one margin
+From those alone follow what a plan may use: ``usable_bytes``, the limit less the one margin
 (``MARGIN_DIVISOR``) and the pool's excess; ``gather_budget_bytes``, what the gathers of every
 graph may hold beside torch's larger peak; ``room_bytes``, what activations and gathered weights
 may share. Budget and room are quantised by the one quantiser (``stable_bytes``, [Note: stable
@@ -51,13 +51,13 @@ __all__ = ["Ledger", "MARGIN_DIVISOR", "PPM", "without_margin", "fragmentation_p
            "measured_room"]
 
 MARGIN_DIVISOR = 64
-"""``capacity / MARGIN_DIVISOR`` stays unplanned: allocations that differ from the measured step
+"""``limit / MARGIN_DIVISOR`` stays unplanned: allocations that differ from the measured step
 to later steps (the measurement itself is exact for what it saw)."""
 
 
-def without_margin(capacity_bytes: int) -> int:
-    """``capacity_bytes`` less the margin."""
-    return capacity_bytes - capacity_bytes // MARGIN_DIVISOR
+def without_margin(limit_bytes: int) -> int:
+    """``limit_bytes`` less the margin."""
+    return limit_bytes - limit_bytes // MARGIN_DIVISOR
 
 
 PPM = 1_000_000
@@ -113,7 +113,7 @@ def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict
 class Ledger:
     """One measured step's memory, rank-agreed ([Note: the ledger])."""
 
-    capacity_bytes: int
+    limit_bytes: int
     """What torch and the pool may use together (smallest over the ranks)."""
     torch_forward_bytes: int
     """Torch's reserved forward peak, the measured step's resident growth added (largest)."""
@@ -130,23 +130,23 @@ class Ledger:
 
     @classmethod
     def agreed(cls, group: Optional[dist.ProcessGroup], device: torch.device, *,
-               capacity_bytes: int, torch_forward_bytes: int, torch_backward_bytes: int,
+               limit_bytes: int, torch_forward_bytes: int, torch_backward_bytes: int,
                torch_live_bytes: int, optimizer_bytes: Optional[int], pool_excess_bytes: int,
                fragmentation_ppm: int) -> "Ledger":
-        """This rank's readings agreed over ``group`` with one all-reduce: the smallest capacity,
+        """This rank's readings agreed over ``group`` with one all-reduce: the smallest limit,
         the largest of the rest. Every rank of ``group`` calls it at the same program point."""
-        (capacity,), (fw, bw, opt, excess, live, frag) = agree_extremes(
-            group, device, smallest=[capacity_bytes],
+        (limit,), (fw, bw, opt, excess, live, frag) = agree_extremes(
+            group, device, smallest=[limit_bytes],
             largest=[torch_forward_bytes, torch_backward_bytes, optimizer_bytes or 0,
                      pool_excess_bytes, torch_live_bytes, fragmentation_ppm])
-        return cls(capacity, fw, bw, live, None if optimizer_bytes is None else opt, excess,
+        return cls(limit, fw, bw, live, None if optimizer_bytes is None else opt, excess,
                    frag)
 
     @property
     def usable_bytes(self) -> int:
-        """What torch and the plans' gathers may use: the capacity less the margin and the
+        """What torch and the plans' gathers may use: the limit less the margin and the
         pool's excess."""
-        return without_margin(self.capacity_bytes) - self.pool_excess_bytes
+        return without_margin(self.limit_bytes) - self.pool_excess_bytes
 
     @property
     def gather_budget_bytes(self) -> int:

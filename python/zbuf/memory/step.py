@@ -26,7 +26,7 @@ decision once, in ``PlanPhase``'s order ([Note: one planner interface] in planne
    backward, step 1 is the measured step and this happens at step 2: [Note: a state made inside
    the measured phase]): what step 0 left resident that was not there when it started (the
    optimizer's state, kept gradients) is added to its forward and backward peaks, which ran
-   without it; the capacity, the peaks, the pool's excess and the fragmentation are agreed with
+   without it; the limit, the peaks, the pool's excess and the fragmentation are agreed with
    one all-reduce; the gather budget and the room follow. One budget serves every graph: the
    pool keeps the blocks of the forward's plan while backward runs and vice versa, so each
    phase's peak meets the pool's whole size.
@@ -46,7 +46,7 @@ decision once, in ``PlanPhase``'s order ([Note: one planner interface] in planne
 
 The host (CPU) runs the same steps on a stand-in ([Note: phase peaks]): peaks are the tracked
 parameter, gradient and optimizer-state bytes plus the plans' projected activation peaks, and the
-capacity is the agreed free memory at compile time plus the tracked bytes then. On a real host
+limit is the agreed free memory at compile time plus the tracked bytes then. On a real host
 that is far above anything a test model uses, so the CPU default grows its plan at step 1 (at
 world > 1: persistence) and never shrinks; tests shrink the agreed free memory to see the rest.
 
@@ -293,13 +293,13 @@ class StepMemory:
                 fw += own.get("forward", 0)
                 bw += own.get("backward", 0)
         ledger = Ledger.agreed(
-            self.group, self.memory.device, capacity_bytes=self.limit_bytes(),
+            self.group, self.memory.device, limit_bytes=self.limit_bytes(),
             torch_forward_bytes=fw, torch_backward_bytes=bw, torch_live_bytes=live,
             optimizer_bytes=row.optimizer_reserved_bytes, pool_excess_bytes=excess,
             fragmentation_ppm=fragmentation_ppm(row))
         if self.replanner is not None:  # [Note: no step above its measured memory]
             self.replanner.refuse_if_no_plan_fits(
-                ledger.torch_live_bytes, ledger.capacity_bytes - ledger.pool_excess_bytes,
+                ledger.torch_live_bytes, ledger.limit_bytes - ledger.pool_excess_bytes,
                 phase=live_phase, step=row.step, growth_bytes=growth)
         budget = ledger.gather_budget_bytes
         # The peaks less the plans' projected activations (rank-invariant: the same graphs on
@@ -321,7 +321,7 @@ class StepMemory:
                 pool_budget.size_by_first_runs(self.memory.pool)
         kept = self.replanner.kept if self.replanner is not None else ()
         stats = self.replanner.recompute_stats() if self.replanner is not None else None
-        return MeasuredBudget(ledger.capacity_bytes, ledger.torch_forward_bytes,
+        return MeasuredBudget(ledger.limit_bytes, ledger.torch_forward_bytes,
                               ledger.torch_backward_bytes, ledger.optimizer_bytes,
                               ledger.pool_excess_bytes, budget, room, planned,
                               replan is not None, row.step, ledger.fragmentation_ppm / PPM,
