@@ -216,7 +216,7 @@ def test_bad_inputs_get_one_clear_error():
                                                     "use structure='graph'"):
         _frames(shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))))
     with pytest.raises(ValueError, match="recompute='auto' plans the blocks' levels in the room "
-                                         "the first step measures.*leave budget_bytes unset"):
+                                         "the first step measures.*drop budget_bytes"):
         _frames(shard(_decoder(2, True)), recompute="auto", budget_bytes=1 << 30)
     with pytest.raises(ValueError, match="does not take activation_budget_bytes.*leave it unset"):
         _frames(shard(_decoder(2, True)), recompute="auto", activation_budget_bytes=1 << 20)

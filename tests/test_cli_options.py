@@ -34,7 +34,7 @@ from zbuf.train.config import ConfigError, Engine, TrainConfig, parse_bytes
       "--gpu-memory", "1GiB"], "use --pool-budget for zbuf-eager"),
     (["bench", "--engines", "fsdp2,ddp", "--optimizer-in-backward"],
      "engine(s) fsdp2, ddp step after backward: drop it, or use engine zbuf"),
-    (["train", "--offload-optimizer"], "add --optimizer-in-backward"),
+    (["train", "--offload-optimizer"], "--offload-optimizer needs --optimizer-in-backward"),
     (["train", "--steps", "3", "--warmup", "3"], "no measured step"),
     (["train", "--seq-len", "2"], "at least 4"),
     (["train", "--seq-len", "4096"], "max_seq_len"),

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zbuf.runtime
 import zbuf.shard
-from zbuf.agreement import stable_free_memory
+from zbuf.memory.agreement import stable_free_memory
 from zbuf.compile import CompileOptions, ScheduleMismatchError, collectives, schedule_report
 from zbuf.compile.backend import zbuf_backend
 from zbuf.compile.fingerprint import _first_difference
@@ -655,10 +655,10 @@ def test_zbuf_compile_raises_the_refusal_itself_not_dynamos_wrapper():
 
 
 def test_cpu_ranks_plan_with_their_share_of_the_host(monkeypatch):
-    """[Note: ranks share the host] in zbuf/memory.py: two CPU ranks on one host each
+    """[Note: ranks share the host] in zbuf/memory/device.py: two CPU ranks on one host each
     planned with all of its free memory, so ``zbuf train --micro-batch 4096`` was killed by the
     kernel mid-step instead of refused (issue 37, item 1)."""
-    from zbuf import memory
+    from zbuf.memory import device as memory
 
     monkeypatch.setattr(memory, "host_bytes", lambda kind: 1000)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

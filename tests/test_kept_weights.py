@@ -73,6 +73,7 @@ def _ops_case(rank, world):
     collective, and backward's release returns it to the pool."""
     from zbuf import runtime
     from zbuf.kept_weights import HOLDS, TAKES
+    from zbuf.memory import pool_budget
     from zbuf.pool import GatherBufferPool
 
     assert runtime.POISON_RELEASES
@@ -84,7 +85,7 @@ def _ops_case(rank, world):
     shard = torch.full((4,), float(rank + 1))
     nbytes = world * 4 * 4
     budget0 = pool.stats().budget_bytes
-    pool.kept.set(pool, {kept_id: nbytes})
+    pool_budget.keep_weights(pool, {kept_id: nbytes})
     out = {"budget_moved": pool.stats().budget_bytes - budget0 == pool.capacity_for(nbytes)}
 
     collectives = []
@@ -135,7 +136,7 @@ def _ops_case(rank, world):
         ops.all_gather_release(token, [third], [pool_id], [])
     finally:
         dist.all_gather_into_tensor = real_gather
-    pool.kept.set(pool, {})
+    pool_budget.keep_weights(pool, {})
     out["budget_back"] = pool.stats().budget_bytes == budget0
     return out
 
@@ -145,6 +146,7 @@ def _mismatch_case(rank, world):
     of pairing a skipped gather with a real one."""
     from zbuf import runtime
     from zbuf.compile.collectives import with_keep_sets
+    from zbuf.memory import pool_budget
     from zbuf.compile.fingerprint import (ScheduleMismatchError, check_across_ranks,
                                           describe_graph, fingerprint_of)
 
@@ -158,14 +160,14 @@ def _mismatch_case(rank, world):
         check_across_ranks(group, *with_keep_sets(torch.empty(0), [pool_id], fp, description))
 
     check()  # the same keep-set (none) on both ranks: passes
-    pool.kept.set(pool, {97_101: 64} if rank == 0 else {})
+    pool_budget.keep_weights(pool, {97_101: 64} if rank == 0 else {})
     try:
         check()
         message = None
     except ScheduleMismatchError as e:
         message = str(e)
     finally:
-        pool.kept.set(pool, {})
+        pool_budget.keep_weights(pool, {})
     return message
 
 

@@ -179,7 +179,7 @@ def test_the_offloaded_reserve_covers_any_two_consecutive_batches(sizes, batch, 
     """[Note: optimizer state off the device]: the plan reserves, for state that lives in host
     memory, what two consecutive batches (the one stepping, the next prefetched) hold on the
     device, in any order of the gradients; never more than the whole state."""
-    from zbuf.optimizer_policy import OptimizerPolicy
+    from zbuf.memory import OptimizerPolicy
 
     params = [nn.Parameter(torch.zeros(n)) for n in sizes]
     opt = _optimizer(kind, params)

@@ -104,7 +104,7 @@ def test_shared_memory_reclaims_yields_and_follows_budget_changes():
 
 
 def test_quantised_budgets_are_stable_and_close():
-    from zbuf.agreement import stable_budget
+    from zbuf.memory.agreement import stable_budget
 
     for n in (1, 2, 17, 1000, 123_456_789, 3 << 30, (77 << 30) + 12345):
         q = stable_budget(n)
@@ -119,7 +119,7 @@ def test_optimizer_policy_reserves_state_from_shards_and_type():
     """[Note: optimizer state bytes]: AdamW two fp32 copies per shard element, SGD with momentum
     one, without none; foreach temporaries the size of all parameters, a loop's the largest,
     fused none. Checked against the state torch really creates."""
-    from zbuf.optimizer_policy import OptimizerPolicy
+    from zbuf.memory import OptimizerPolicy
 
     params = [torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(7))]
     nbytes = 37 * 4
@@ -144,7 +144,7 @@ def test_optimizer_policy_reserves_state_from_shards_and_type():
 
 
 def test_phase_meter_cpu_stand_in_counts_parameters_gradients_and_state():
-    from zbuf.step_phases import PhaseMeter
+    from zbuf.memory.phases import PhaseMeter
 
     model = torch.nn.Linear(64, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -685,8 +685,8 @@ def test_fragmentation_is_measured_per_byte_the_step_allocated():
     """[Note: fragmentation grows with the room]: the H200 step 0 of qwen3-14b as rank 0 of 8
     (``--ac auto``), its backward at 22.24 GB allocated and 25.95 GB reserved from a start of
     7.38 GB, is a quarter; the CPU stand-in (reserved == allocated) is none."""
-    from zbuf.step_memory import PPM, fragmentation_ppm
-    from zbuf.step_phases import StepPhases
+    from zbuf.memory.ledger import PPM, fragmentation_ppm
+    from zbuf.memory.phases import StepPhases
 
     h200 = StepPhases(0, 7_380_000_000, 15_605_812_224, 22_239_997_952, None,
                       16_980_000_000, 25_950_000_000, None)
@@ -715,7 +715,7 @@ def test_a_plan_measured_to_fit_keeps_its_room():
     fragmentation is in the measured peaks. Charged the fragmentation again, that 14B plan,
     1.8 GB inside the limit, got the 26 GiB room the record shows and was cut; counted at face
     value it gets a room it fits."""
-    from zbuf.step_memory import measured_room
+    from zbuf.memory.ledger import measured_room
 
     twice = measured_room(H200_USABLE, H200_RESERVED, H200_KEPT, None, H200_FRAG_PPM)
     assert twice == 26 << 30  # the record's steady room_bytes
@@ -735,7 +735,7 @@ def test_the_settle_room_says_whether_the_measured_plan_fits(usable, peak, other
     """Whatever the fragmentation and rounding: a plan that fitted in every phase (torch's peak
     plus what the plan holds outside torch within the usable memory) gets at least what it
     holds; one that did not gets less, so the settle shrinks it."""
-    from zbuf.step_memory import measured_room
+    from zbuf.memory.ledger import measured_room
 
     reserved = {"forward": max(peak, kept), "backward": max(other, kept)}
     act = {"forward": kept, "backward": kept}
@@ -750,7 +750,7 @@ def _auto_room(monkeypatch, spare_per_allocated: float):
     start."""
     import zbuf
     from zbuf.models import loss
-    from zbuf.step_phases import PhaseMeter
+    from zbuf.memory.phases import PhaseMeter
 
     end_phase = PhaseMeter._end_phase
 

@@ -3,6 +3,8 @@
 * the import graph of ``python/zbuf`` has no cycle (module-level and function-level imports both
   count: an import inside a function that closes a cycle hides it, it does not remove it), other
   than through a package ``__init__``'s re-exports;
+* the pool's budget is set only by the memory package (``zbuf/memory/``: [Note: one writer of
+  the pool's budget] in pool_budget.py);
 * no module keeps mutable state at module level (dicts, lists, sets, counters assigned at module
   level, ``global`` statements) unless it is named in ``MUTABLE_GLOBALS`` with the reason it
   must stay.
@@ -150,7 +152,7 @@ def _package_of(module: str) -> str:
 def test_packages_import_one_way():
     """Arrows between packages (and the root's modules) run one way, deferred imports included:
     a function-level import is still an arrow (at b734542 ``zbuf.compile`` and
-    ``zbuf.step_memory``, ``zbuf.compile`` and ``zbuf.block_prefetch`` imported each other, the
+    ``zbuf.memory.step``, ``zbuf.compile`` and ``zbuf.block_prefetch`` imported each other, the
     way back through imports inside functions)."""
     arrows: dict[tuple[str, str], list[str]] = {}
     for (a, b), where in import_edges().items():
@@ -232,7 +234,7 @@ MUTABLE_GLOBALS = {
     "zbuf.checkpoint.layout._DTYPES": _CONSTANT,
     "zbuf.cli._ENGINES": _CONSTANT,
     "zbuf.presets.PRESETS": _CONSTANT,
-    "zbuf.optimizer_policy.STATE_COPIES": _CONSTANT,
+    "zbuf.memory.optimizer_state.STATE_COPIES": _CONSTANT,
     "zbuf.train.compile_phases.PHASE_LABELS": _CONSTANT,
     "zbuf.train.compile_phases.ZBUF_KEYS": _CONSTANT,
     "zbuf.train.compile_phases._CACHE_COUNTERS": _CONSTANT,
@@ -241,6 +243,8 @@ MUTABLE_GLOBALS = {
     "zbuf.train.loop._PER_RANK": _CONSTANT,
     "zbuf.train.record._MERGE_FREE": _CONSTANT,
     "zbuf.train.resources.RUNTIME_BYTES": _CONSTANT,
+    "zbuf.train.config.CLI_SPELLING": _CONSTANT,
+    "zbuf.train.config._AC_OF_RECOMPUTE": _CONSTANT,
     # process-wide by nature
     "zbuf.param_access._SUBCLASS_CACHE": "classes are process-wide: one ZbufLinear per (class, "
         "sharded names) for every model, holding no model's state",
@@ -277,3 +281,39 @@ def test_no_module_level_mutable_state():
     )
     gone = sorted(set(MUTABLE_GLOBALS) - found)
     assert not gone, f"MUTABLE_GLOBALS names what no longer exists, delete: {gone}"
+
+
+# ---------------------------------------------------------------------------------------------
+# one writer of the pool's budget
+
+BUDGET_WRITER = "zbuf.memory"
+"""The package whose modules alone may set a pool's budget."""
+POOL = "zbuf.pool"
+"""The pool itself: its ``set_budget`` hands the call to the Rust pool."""
+
+
+def budget_setters(source: str, path: str = "<source>") -> list[int]:
+    """Lines of ``source`` that call a ``set_budget`` (any receiver: a pool is reached through
+    attributes, registries and arguments, so the method's name is what can be checked)."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source, path))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "set_budget")
+
+
+def test_only_the_memory_package_sets_the_pools_budget():
+    """[Note: one writer of the pool's budget]: at b734542 seven calls in six files outside any
+    memory package set it (step_memory twice, kept_weights, compile/collectives, block_frames,
+    block_replan, train/engines)."""
+    outside = [f"{module} line {line}" for module, path in MODULES.items()
+               if module != POOL and module != BUDGET_WRITER
+               and not module.startswith(BUDGET_WRITER + ".")
+               for line in budget_setters(path.read_text(), str(path))]
+    assert not outside, (
+        "the pool's budget is set outside zbuf/memory/ (ask zbuf.memory.pool_budget, which "
+        "says why the budget moves): " + ", ".join(outside))
+
+
+def test_the_budget_check_sees_a_setter():
+    # the check itself: a call through any receiver counts, a mention or a definition does not
+    assert budget_setters("frames.pool.set_budget(n)\nx = pool.set_budget\n") == [1]
+    assert budget_setters("def set_budget(self, n):\n    return n\n") == []

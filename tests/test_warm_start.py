@@ -1,5 +1,5 @@
 """A second launch with Inductor's caches on disk skips the compile ([Note: stable agreed memory]
-in zbuf/agreement.py, [Note: pass uuid] in compile/passes.py).
+in zbuf/memory/agreement.py, [Note: pass uuid] in compile/passes.py).
 
 Two fresh processes compile the same sharded model with the zbuf backend (Inductor, budget from
 the agreed free memory; zbuf.compile's default structure, one frame shared by its two blocks, and
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbuf.agreement import stable_bytes, stable_free_memory
+from zbuf.memory.agreement import stable_bytes, stable_free_memory
 
 _SCRIPT = r"""
 import json, sys

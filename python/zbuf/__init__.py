@@ -8,8 +8,8 @@ The public surface:
 - ``compile`` (callable: ``zbuf.compile(model, budget_bytes=None, prefetch=True, persist=None,
   inner="inductor", recompute="checkpointed", optimizer=None)``), ``schedule_report``,
   ``ScheduleMismatchError``: the ``torch.compile`` backend ``"zbuf"``, with the whole training step
-  under one measured memory budget (``zbuf.step_memory``; ``zbuf.memory``: the pool and torch's
-  allocator on one device).
+  under one measured memory budget (``zbuf.memory``: the step's memory, the pool and torch's
+  allocator on one device, the only writer of the pool's budget).
 - ``save_checkpoint`` / ``load_checkpoint`` / ``checkpoint_path`` / ``list_checkpoints`` /
   ``latest_checkpoint``: sharded, atomic checkpoints through DCP (``zbuf.checkpoint``).
 - ``models``: the built-in Qwen3-shaped decoder presets.

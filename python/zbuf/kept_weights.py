@@ -4,8 +4,7 @@
 Which gathered weights forward keeps for backward (selective persistence, [Note: selective
 persistence] in compile/persist.py) used to be graph structure: the partitioner saved the kept
 weights as forward outputs, so changing the set after the measured step recompiled the whole
-model (qwen3-14b as rank 0 of 8: a 50.4 s re-plan after a 61.1 s first step,
-benches/results/compile_time_14b.md). Now the graphs a measured plan compiles always re-gather
+model (benches/results/memory_history.md). Now the graphs a measured plan compiles always re-gather
 in backward, and the keep-set is data, held by the pool the weights are gathered into
 (``GatherBufferPool.kept``), never by a process-global:
 
@@ -28,8 +27,9 @@ the graph's fingerprint (``fingerprint``), so ranks with different keep-sets sto
 ``ScheduleMismatchError`` instead of pairing a skipped gather with a real one.
 
 The held bytes count against the pool's budget: setting a keep-set moves the budget by the
-kept blocks' capacity, and a graph's first-run sizing adds them too ([Note: pool sizing] in
-compile/schedule.py), so holding a block never pushes another gather outside the pool.
+kept blocks' capacity (``zbuf.memory.pool_budget.keep_weights``), and a graph's first-run sizing
+adds them too ([Note: pool sizing] in compile/schedule.py), so holding a block never pushes
+another gather outside the pool.
 """
 
 from __future__ import annotations
@@ -74,10 +74,12 @@ class KeptWeights:
 
     # -- the keep-set -------------------------------------------------------------------------
 
-    def set(self, pool, kept: Mapping[int, int]) -> None:
+    def set(self, pool, kept: Mapping[int, int]) -> int:
         """Keep ``kept`` (param id -> gathered bytes) from now on. Buffers held for weights no
-        longer kept go back to the pool; the pool's budget moves by the change in kept blocks.
-        Call on every rank at the same program point (between steps)."""
+        longer kept go back to the pool. Returns the change in the kept blocks' capacity, by
+        which the pool's budget moves: ``zbuf.memory.pool_budget.keep_weights`` calls this and
+        moves it ([Note: one writer of the pool's budget]). Call on every rank at the same
+        program point (between steps)."""
         old = self.capacity_bytes(pool)
         for param_id in [p for p in self.held if p not in kept]:
             pool.release(self.held.pop(param_id))
@@ -86,9 +88,7 @@ class KeptWeights:
         self._digest = (hashlib.sha256(repr(sorted(self.nbytes)).encode()).hexdigest()[:16]
                         if self.nbytes else "")
         self._fingerprints.clear()
-        delta = self.capacity_bytes(pool) - old
-        if delta:
-            pool.set_budget(max(0, pool.stats().budget_bytes + delta))
+        return self.capacity_bytes(pool) - old
 
     def capacity_bytes(self, pool) -> int:
         """Bytes of ``pool``'s blocks the kept weights take while held."""

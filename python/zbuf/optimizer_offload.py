@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .optimizer_policy import OptimizerPolicy
+from .memory import OptimizerPolicy
 
 __all__ = ["StateOffload"]
 

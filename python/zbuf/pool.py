@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.profiler import record_function
 
-from . import _core
+from ._core import DLPackBuffer, PoolCore
 from .errors import InvalidDeviceError, InvalidRequestError
 from .kept_weights import KeptWeights
 
@@ -160,7 +160,7 @@ class GatherBufferPool:
     ) -> None:
         kind, index = _parse_device(device)
         # The core checks the sizes and options (InvalidRequestError), once.
-        self._core = _core.PoolCore(
+        self._core = PoolCore(
             kind, index, budget_bytes, hard_cap_bytes, event_log_capacity, recovery_retry_threshold
         )
         self.device = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
@@ -184,7 +184,7 @@ class GatherBufferPool:
 
     def acquire_dlpack(
         self, shape: Sequence[int] | int, dtype: torch.dtype, stream: Any = None
-    ) -> _core.DLPackBuffer:
+    ) -> DLPackBuffer:
         """Like `acquire`, but returns a DLPack protocol object (`__dlpack__`,
         `__dlpack_device__`) for any consumer: `torch.from_dlpack`, `numpy.from_dlpack`, CuPy.
 

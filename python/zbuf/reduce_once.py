@@ -63,7 +63,7 @@ import torch
 
 from .ops import reduce_scatter_impl
 from .param import ShardSpec
-from .step_phases import in_backward
+from .runtime import in_backward
 
 __all__ = ["MAX_OPEN_GENERATIONS", "ReduceOnce"]
 

@@ -54,6 +54,7 @@ from .errors import DoubleReleaseError, ForeignBufferError
 from .pool import default_pool
 
 __all__ = [
+    "in_backward",
     "count_into",
     "count_gather",
     "count_reduce_scatter",
@@ -396,3 +397,11 @@ def release_to(pool, t: torch.Tensor, pool_id: int) -> None:
                 f"{pool_id}); only the output of zbuf::all_gather can be released, only once, and "
                 f"to the pool it came from (ShardSpec.pool_id)"
             ) from None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread. An optimizer step there is the
+    optimizer in backward ([Note: optimizer in backward] in optimizer_in_backward.py), part of
+    the backward phase, not a phase of its own; a gather there is a checkpoint's recompute
+    ([Note: reduce once] in reduce_once.py)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,6 +1,7 @@
-"""One device, two allocators on CUDA ([Note: one memory, two allocators] in zbuf/memory.py): the
-pool takes torch's unused cache back when the device refuses it a block, and torch's
-out-of-memory observer makes the pool give its idle blocks back. Skips cleanly without a GPU.
+"""One device, two allocators on CUDA ([Note: one memory, two allocators] in
+zbuf/memory/shared.py): the pool takes torch's unused cache back when the device refuses it a
+block, and torch's out-of-memory observer makes the pool give its idle blocks back. Skips cleanly
+without a GPU.
 
 Each test fills the device on purpose; it frees everything it took before it ends.
 """

@@ -108,11 +108,12 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.checkpoint import checkpoint as eager_checkpoint
 
+from ..memory import pool_budget
 from ..param import ShardSpec
 from ..regather import callers_hooks_active
 from ..region_inputs import gathered_for_shards
+from ..runtime import in_backward
 from ..shard import roots
-from ..step_phases import in_backward
 from .block_gather import BlockWeights
 from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from .budget import PlanExceedsMemoryError, graph_memory
@@ -634,7 +635,7 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
                              stack_weights[i - 1] if i > 0 else None)
             block.__dict__[_SLOT_KEY] = (slot, frames)
             block.__class__ = block_class(type(block), "frame", _frame_call)
-    root.pool.set_budget(plan.pool_bytes)
+    pool_budget.set_to(root.pool, plan.pool_bytes)
     model.__dict__[_FRAMES_KEY] = frames
     # Nothing gathered ahead outlives the forward ([Note: two blocks live]).
     model.register_forward_hook(lambda _m, _a, _o: frames.prefetch.finish_forward(),

@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from .block_gather import BlockWeights, FrameGather, InFlightGather, launch_block_gather
-from ..step_phases import in_backward
+from ..runtime import in_backward
 from .fingerprint import check_across_ranks, fingerprint_of
 
 __all__ = ["BlockPrefetch", "SavedBlock", "FrameSlot", "HeldGather"]

@@ -117,11 +117,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..memory import PlanPhase, PlanPhases, Replan, pool_budget
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
 from .recompute import RecomputeStats
 from .recompute_plan import RecomputePlan, plan_block_levels
-from .replan import Replan, Replanner
+from .replan import Replanner
 
 __all__ = ["BlockReplanner", "blocks_to_keep"]
 
@@ -144,8 +145,9 @@ class BlockReplanner:
     def __init__(self, frames: BlockFrames) -> None:
         self.frames = frames
         self.options = frames.options
-        self.grown = False
-        self.settled = False
+        self.phases = PlanPhases()
+        """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
+        zbuf/memory/planner.py)."""
         self.kept: tuple[KeepCandidate, ...] = ()
         """The weights of the blocks kept for backward, for the step's record (``StepMemory``
         reports their bytes and number)."""
@@ -249,16 +251,16 @@ class BlockReplanner:
             for i, b in enumerate(order) if b in kept for spec in frames.called[b].weights.specs)
         # The kept blocks' buffers are held beside the two blocks live ([Note: blocks kept for
         # backward] in block_prefetch.py).
-        frames.pool.set_budget(frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
+        pool_budget.set_to(frames.pool,
+                           frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
         return Replan(compiles, self.kept_bytes, len(self.kept))
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
         """After the measured step, once: the blocks' levels in ``room_bytes`` less the pool,
         then the blocks kept for backward in what is left ([Note: block levels], 2 and 5).
         None when nothing changes (nothing compiled)."""
-        if self.grown or not self.options.measuring:
+        if not self.options.measuring or not self.phases.enter(PlanPhase.GROWN):
             return None
-        self.grown = True
         self.frames.prefetch.check_next_forward()  # changed or not: see the Note
         before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
@@ -272,9 +274,8 @@ class BlockReplanner:
         """At the steady step, once: if what is kept no longer fits the room measured there,
         keep fewer blocks' weights, and if the activations alone do not fit, plan them again in
         it and keep no weights ([Note: block levels], 4)."""
-        if self.settled:
+        if not self.phases.enter(PlanPhase.SETTLED):
             return None
-        self.settled = True
         self.frames.prefetch.check_next_forward()
         before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes

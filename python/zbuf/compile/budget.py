@@ -10,7 +10,7 @@ option ``free_memory_bytes``, with the gradients' bytes as ``gradient_bytes`` ([
 live in backward]), so the values live with the compiled model that planned with them (and are
 part of the passes' cache key through the options' digest). The rest of what a step holds
 (temporaries, NCCL, fragmentation) is measured on the first step, which may re-plan once
-([Note: whole-step budget] in zbuf/step_memory.py). A graph's budget is then its memory
+([Note: whole-step budget] in zbuf/memory/step.py). A graph's budget is then its memory
 (``graph_memory``: the free memory less the gradients it does not make itself, less
 ``margin_fraction``) less its projected activation peak; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
@@ -20,7 +20,7 @@ memory: the device's total memory under the user's ``set_per_process_memory_frac
 the same on every rank of a homogeneous job, just less tight.
 
 The agreed free memory is rounded to a value that repeats from launch to launch ([Note: stable
-agreed memory] in zbuf/agreement.py).
+agreed memory] in zbuf/memory/agreement.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from ..agreement import agree_extremes, stable_free_memory
-from ..memory import host_bytes, local_free_bytes
+from ..memory import agree_extremes, host_bytes, local_free_bytes, stable_free_memory
 from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
 
@@ -43,13 +42,14 @@ PREFETCH_BLOCKS = 2
 """Blocks of gathered weights kept for the gather planner beyond what one node reads at once:
 the block that runs and the one being prefetched (FSDP2's one block ahead). Recompute's
 activation budget leaves them ([Note: budgeted recompute] in recompute.py), and the measured
-step's plan gets no more ([Note: measure first, then spend] in zbuf/step_memory.py)."""
+step's plan gets no more ([Note: measure first, then spend] in zbuf/memory/step.py)."""
 
 
 def _total_bytes(device: torch.device) -> int:
     """What this process may allocate on ``device`` at most, the same on every rank of a
     homogeneous job: the card's memory under the user's ``set_per_process_memory_fraction``
-    (which torch and the pool share: [Note: one cap for torch and the pool] in zbuf/memory.py);
+    (which torch and the pool share: [Note: one cap for torch and the pool] in
+    zbuf/memory/device.py);
     on the host, its memory."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -61,7 +61,7 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
                       reserve_bytes: int = 0) -> int:
     """The minimum free memory over ``group`` (None: the default group), with one all-reduce;
     this process's own free memory when no process group is initialised; rounded down to a value
-    that repeats from launch to launch ([Note: stable agreed memory] in zbuf/agreement.py).
+    that repeats from launch to launch ([Note: stable agreed memory] in zbuf/memory/agreement.py).
 
     ``reserve_bytes``: memory the step will hold that is not allocated yet and that this rank
     knows exactly (``zbuf.compile`` passes its gradients' bytes), taken off the free memory."""
@@ -79,11 +79,8 @@ def planning_profile(graph: torch.fx.Graph, options: CompileOptions) -> np.ndarr
     [Note: the model's state is not an activation]
     ``zbuf.compile`` agrees on the free memory beside the model's state: the shards are resident
     when it asks, and the optimizer's state is taken off before the agreement (it is known
-    exactly then). A graph's static profile counts its shards (inputs, alive from the start).
-    Compared with the free memory, those bytes counted twice: qwen3-1.7b at world 1 (one H200,
-    ``--mem-frac`` 0.30, main 3a9b429) refused its backward plan, "12583.9 MiB at its peak"
-    against 9100.8 MiB, where 6.4 GiB of the 12.3 were fp32 gradients reserved beside the
-    graphs and counted again in the profile, and FSDP2 trains down to 0.25. So beside the agreed
+    exactly then). A graph's static profile counts its shards (inputs, alive from the start):
+    compared with the free memory, those bytes would count twice. So beside the agreed
     free memory every planner (gathers, persistence, budgeted recompute, the refusal, the
     measured step's room) reads the profile without the shards, and counts each gradient once:
     in the profile of the graph that makes it, as a reservation in the others' ([Note:
@@ -100,18 +97,16 @@ def gradient_reserve(options: CompileOptions, made_bytes: int, *, backward: bool
 
     [Note: gradients live in backward]
     A step's gradients do not exist in its forward: ``zero_grad()`` sets them to None (torch's
-    default), and the backward makes them, each at its reduce-scatter. Up to 845ca7f
-    ``zbuf.compile`` took all of them off the agreed free memory, so every forward planned as if
-    they were there: qwen3-1.7b at world 1 (one H200, ``--mem-frac`` 0.25) refused its step-0
-    forward plan for 193 MiB while 6.4 GiB of the memory it was denied were fp32 gradients that
-    would only appear in backward, where the activations that peak in forward are gone; FSDP2
-    trains there. Now a graph's profile counts the gradient shards it returns from their
-    reduce-scatters on (``graph_info.activation_profile``), and only a backward (or joint) graph
-    reserves the rest of ``gradient_bytes``: those other graphs' backwards (a model with graph
-    breaks) leave alive when it runs. A forward graph reserves none. A forward that runs while
-    gradients are kept (``zero_grad(set_to_none=False)``, or micro-batches accumulated before one
-    ``step()``) shows them as resident growth in the measured step, whose re-plan counts them
-    ([Note: whole-step budget] in zbuf/step_memory.py). Against the total memory of a plain
+    default), and the backward makes them, each at its reduce-scatter, when the activations
+    that peak in forward are gone: taking all of them off the agreed free memory would plan
+    every forward as if they were there. So a graph's profile counts the gradient shards it
+    returns from their reduce-scatters on (``graph_info.activation_profile``), and only a
+    backward (or joint) graph reserves the rest of ``gradient_bytes``: those other graphs'
+    backwards (a model with graph breaks) leave alive when it runs. A forward graph reserves
+    none. A forward that runs while gradients are kept (``zero_grad(set_to_none=False)``, or
+    micro-batches accumulated before one ``step()``) shows them as resident growth in the
+    measured step, whose re-plan counts them ([Note: whole-step budget] in
+    zbuf/memory/step.py). Against the total memory of a plain
     ``torch.compile(backend="zbuf")`` nothing is reserved: the profile counts the shards too.
     With the optimizer in backward no gradient outlives the graph that makes it ([Note: optimizer
     in backward] in zbuf/optimizer_in_backward.py)."""
@@ -204,7 +199,7 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
 def check_optimizer_fits(free_bytes: int, temporary_bytes: int, optimizer: str) -> None:
     """Refuse an optimizer whose step's temporaries cannot fit in the memory every rank agreed
     is free beside the model's state ([Note: optimizer state bytes] in
-    zbuf/optimizer_policy.py): its first ``step()`` would run out of memory after a whole
+    zbuf/memory/optimizer_state.py): its first ``step()`` would run out of memory after a whole
     forward and backward."""
     if temporary_bytes <= free_bytes:
         return
@@ -220,7 +215,7 @@ def graph_budget(options: CompileOptions, device: torch.device, activation_peak:
                  graph: torch.fx.Graph | None = None, reserve_bytes: int = 0) -> int:
     """The budget of one graph, before the planner's floor (see [Note: rank-agreed budget]).
     The measured step's plan (``options.measuring``) gathers no more than ``gather_reserve`` of
-    ``graph``: about one block ahead ([Note: measure first, then spend] in zbuf/step_memory.py)."""
+    ``graph``: about one block ahead ([Note: measure first, then spend] in zbuf/memory/step.py)."""
     if options.budget_bytes is not None:
         return options.budget_bytes
     budget = max(1, graph_memory(options, device, reserve_bytes) - activation_peak)

@@ -115,6 +115,7 @@ import torch
 
 from .. import runtime
 from ..kept_weights import NEITHER, TAKES
+from ..memory import pool_budget
 from ..param import unpad_full
 from . import report
 from .fingerprint import check_across_ranks
@@ -421,9 +422,7 @@ def _grow_pools(token: torch.Tensor, pool_ids: Sequence[int], sizes: Sequence[in
             before = pool.kept.capacity_bytes(pool)
         need[id(pool)] = (pool, before + capacity(size) * count)
     for pool, nbytes in need.values():
-        current = pool.stats().budget_bytes
-        if current is None or current < nbytes:
-            pool.set_budget(nbytes)
+        pool_budget.raise_to(pool, nbytes)
 
 
 @_op(

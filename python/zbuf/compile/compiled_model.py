@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..memory import OptimizerPolicy, StepMemory
 from ..optimizer_in_backward import BATCH_BYTES, BackwardStep
-from ..optimizer_policy import OptimizerPolicy
 from ..shard import roots
-from ..step_memory import StepMemory
 from .budget import agree_free_memory, check_optimizer_fits
 from .dynamo_settings import traced_as_zbuf
+from .modes import Modes, refusal
 from .options import CompileOptions
 from .block_frames import install_block_frames
 from .block_replan import BlockReplanner
@@ -119,16 +119,11 @@ def compile_model(
     zbuf/optimizer_offload.py): the device holds two batches' state instead of all of it, for two
     copies of it over the host link per step.
     """
-    if offload_optimizer and not optimizer_in_backward:
-        raise ValueError("zbuf.compile(..., offload_optimizer=True) needs "
-                         "optimizer_in_backward=True: the state comes to the device for the "
-                         "steps in backward, one batch ahead")
-    if optimizer_in_backward and (optimizer is None or not fullgraph):
-        missing = "optimizer=" if optimizer is None else "fullgraph=True"
-        raise ValueError(f"zbuf.compile(..., optimizer_in_backward=True) needs {missing}: the "
-                         f"optimizer is what backward steps, and one graph must make each "
-                         f"gradient (a graph break could split a parameter's uses and step it "
-                         f"twice)")
+    refused = refusal(Modes(optimizer_in_backward=optimizer_in_backward,
+                            offload_optimizer=offload_optimizer, optimizer=optimizer is not None,
+                            fullgraph=fullgraph))  # [Note: one table of modes] in modes.py
+    if refused is not None:
+        raise ValueError(f"zbuf.compile: {refused}")
     opts = CompileOptions(budget_bytes=budget_bytes, prefetch=prefetch, persist=persist,
                           recompute=recompute, optimizer_in_backward=optimizer_in_backward,
                           **options)

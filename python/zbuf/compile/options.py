@@ -1,5 +1,9 @@
 """Typed, validated options of the zbuf compile backend.
 
+Three sections, one flat record: what a user sets (``UserOptions``), the cost model's constants
+(``CostModel``) and what ``zbuf.compile`` fills in (``FilledIn``). Which modes combine is the
+table's ([Note: one table of modes] in modes.py), read once in ``CompileOptions.__post_init__``.
+
 Every field is rank-invariant by construction (plain numbers and flags that each rank passes
 identically), because every input to the scheduler must be the same on all ranks: see
 [Note: rank-invariant schedule] in schedule.py.
@@ -13,7 +17,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-__all__ = ["CompileOptions", "RECOMPUTE_MODES", "STRUCTURES"]
+from .modes import Modes, refusal
+
+__all__ = ["CompileOptions", "UserOptions", "CostModel", "FilledIn", "RECOMPUTE_MODES",
+           "STRUCTURES"]
 
 Inner = Literal["inductor", "aot_eager"]
 Recompute = Literal["checkpointed", "auto", "none"]
@@ -23,24 +30,14 @@ STRUCTURES = ("graph", "blocks")
 
 
 @dataclass(frozen=True)
-class CompileOptions:
-    """Options of ``torch.compile(m, backend="zbuf", options={...})`` and ``zbuf.compile``."""
+class UserOptions:
+    """What a user sets: the modes and knobs of ``zbuf.compile`` and of ``torch.compile(m,
+    backend="zbuf", options={...})``."""
 
     budget_bytes: int | None = None
     """Cap on live gathered bytes at every node of every graph. ``None``: derived from the
     rank-agreed free memory (see budget.py). Raised to the smallest feasible value (the bytes a
     single node needs at once) when set lower, and reported as such."""
-
-    free_memory_bytes: int | None = None
-    """The rank-minimum free device memory that an unset ``budget_bytes`` derives from (see
-    budget.py); must be the same on every rank. ``zbuf.compile`` fills it in with one all-reduce
-    over the model's sharding group. ``None``: the device's total memory stands in."""
-
-    gradient_bytes: int = 0
-    """Bytes of the gradients the backward graphs make, not yet allocated when
-    ``free_memory_bytes`` was agreed: each backward graph reserves those it does not make itself,
-    the forward graphs none ([Note: gradients live in backward] in budget.py). ``zbuf.compile``
-    fills it in; the same on every rank (the shards are)."""
 
     optimizer_in_backward: bool = False
     """Each backward graph hands every gradient shard it makes to ``zbuf::step_in_backward``
@@ -108,13 +105,6 @@ class CompileOptions:
     ``None``: the rank-agreed graph memory less what the gathers need ([Note: budgeted
     recompute]). Raised to the peak with every region recomputed when set lower, and reported."""
 
-    measuring: bool = False
-    """This plan runs the measured step ([Note: measure first, then spend] in
-    zbuf/step_memory.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
-    keeps no activations beyond the model's checkpointing, and each graph gathers at most what
-    one node reads plus about one block ahead (``budget.gather_reserve``). ``zbuf.compile`` sets
-    it for the first plan of a sharded model; the plans made from the measurement clear it."""
-
     inner: Inner = "inductor"
     """What compiles the rewritten graphs: Inductor, or ``aot_eager`` (runs the FX graphs as they
     are; fast to compile, for debugging and CPU tests)."""
@@ -128,6 +118,48 @@ class CompileOptions:
     margin_fraction: float = 0.1
     """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
 
+    def _check_user(self, need) -> None:
+        need(self.compile_blocks_once in (None, True, False),
+             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
+        need(self.structure is None or self.structure in STRUCTURES,
+             f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))} "
+             f"or None (zbuf.compile picks)")
+        need(self.recompute in RECOMPUTE_MODES,
+             f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
+        if self.activation_budget_bytes is not None:
+            need(isinstance(self.activation_budget_bytes, int)
+                 and not isinstance(self.activation_budget_bytes, bool)
+                 and self.activation_budget_bytes > 0,
+                 f"activation_budget_bytes={self.activation_budget_bytes!r} must be a positive int "
+                 "(bytes) or None to derive it from the rank-agreed free memory")
+        if self.budget_bytes is not None:
+            need(
+                isinstance(self.budget_bytes, int) and not isinstance(self.budget_bytes, bool)
+                and self.budget_bytes > 0,
+                f"budget_bytes={self.budget_bytes!r} must be a positive int (bytes) or None "
+                "to derive it from the rank-agreed free memory",
+            )
+        need(self.persist in (None, True, False), f"persist={self.persist!r} must be a bool or None")
+        for name in ("prefetch", "coalesce", "check_fingerprint", "optimizer_in_backward"):
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
+        need(0.0 <= self.persist_fraction <= 1.0,
+             f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")
+        need(0.0 <= self.margin_fraction < 1.0,
+             f"margin_fraction={self.margin_fraction!r} must lie in [0, 1)")
+        for name in ("coalesce_max_bytes", "coalesce_min_bytes"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 0, f"{name}={v!r} must be a non-negative int (bytes)")
+        need(self.inner in ("inductor", "aot_eager"),
+             f"inner={self.inner!r} must be 'inductor' or 'aot_eager'")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The cost model's constants: what the planners assume of the hardware (persistence ranks
+    weights by communication time saved per byte, recompute regions by compute time per byte).
+    The defaults are one GPU node's order of magnitude (100 GB/s a rank, 400 TFLOP/s, 3 TB/s); a
+    user may tune them like any option."""
+
     link_bytes_per_second: float = 100e9
     """Per-rank all-gather bandwidth of the cost model (bytes received per second)."""
 
@@ -140,55 +172,39 @@ class CompileOptions:
     memory_bytes_per_second: float = 3e12
     """Memory bandwidth of the cost model (elementwise and data-movement nodes)."""
 
-    def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"zbuf compile option {msg}")
+    def _check_cost(self, need) -> None:
+        for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
+        need(self.collective_latency_seconds >= 0,
+             f"collective_latency_seconds={self.collective_latency_seconds!r} must be >= 0")
 
-        need(self.compile_blocks_once in (None, True, False),
-             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
-        need(not (self.compile_blocks_once and self.recompute == "auto"),
-             "compile_blocks_once=True does not combine with recompute='auto': auto plans over "
-             "the checkpointed regions of the whole graph, which a block compiled once hides; "
-             "leave compile_blocks_once unset for recompute='auto'")
-        need(self.structure is None or self.structure in STRUCTURES,
-             f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))} "
-             f"or None (zbuf.compile picks)")
-        if self.structure == "blocks":
-            # [Note: block levels] in block_replan.py: auto plans the blocks' levels in the
-            # room the first step measures.
-            need(not (self.recompute == "auto" and self.budget_bytes is not None),
-                 "structure='blocks' with recompute='auto' plans the blocks' levels in the room "
-                 "the first step measures, and an explicit budget_bytes is never measured: leave "
-                 "budget_bytes unset, or use recompute='checkpointed'")
-            need(self.activation_budget_bytes is None,
-                 "structure='blocks' does not take activation_budget_bytes (a cap on the whole "
-                 "graph's activation peak; the blocks' levels are planned in the measured room): "
-                 "leave it unset, or use structure='graph'")
-            need(not self.compile_blocks_once,
-                 "structure='blocks' compiles each block as its own frame; "
-                 "compile_blocks_once=True is structure='graph''s way: leave it unset")
-            need(not self.optimizer_in_backward,
-                 "structure='blocks' does not take optimizer_in_backward=True (its gradients are "
-                 "reduced by the eager runtime, not a backward graph): use structure='graph'")
-        need(self.recompute in RECOMPUTE_MODES,
-             f"recompute={self.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
-        if self.activation_budget_bytes is not None:
-            need(isinstance(self.activation_budget_bytes, int)
-                 and not isinstance(self.activation_budget_bytes, bool)
-                 and self.activation_budget_bytes > 0,
-                 f"activation_budget_bytes={self.activation_budget_bytes!r} must be a positive int "
-                 "(bytes) or None to derive it from the rank-agreed free memory")
-            need(self.recompute == "auto",
-                 f"activation_budget_bytes is the budget of recompute='auto'; with "
-                 f"recompute={self.recompute!r} nothing plans against it")
-        if self.budget_bytes is not None:
-            need(
-                isinstance(self.budget_bytes, int) and not isinstance(self.budget_bytes, bool)
-                and self.budget_bytes > 0,
-                f"budget_bytes={self.budget_bytes!r} must be a positive int (bytes) or None "
-                "to derive it from the rank-agreed free memory",
-            )
+
+@dataclass(frozen=True)
+class FilledIn:
+    """What ``zbuf.compile`` fills in for the backend from the model, the optimizer and the
+    rank-agreed memory (a plain ``torch.compile(m, backend="zbuf")`` leaves them unset); the
+    re-planner fills them in again for the plans it makes."""
+
+    free_memory_bytes: int | None = None
+    """The rank-minimum free device memory that an unset ``budget_bytes`` derives from (see
+    budget.py); must be the same on every rank. ``zbuf.compile`` fills it in with one all-reduce
+    over the model's sharding group. ``None``: the device's total memory stands in."""
+
+    gradient_bytes: int = 0
+    """Bytes of the gradients the backward graphs make, not yet allocated when
+    ``free_memory_bytes`` was agreed: each backward graph reserves those it does not make itself,
+    the forward graphs none ([Note: gradients live in backward] in budget.py). ``zbuf.compile``
+    fills it in; the same on every rank (the shards are)."""
+
+    measuring: bool = False
+    """This plan runs the measured step ([Note: measure first, then spend] in
+    zbuf/memory/step.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
+    keeps no activations beyond the model's checkpointing, and each graph gathers at most what
+    one node reads plus about one block ahead (``budget.gather_reserve``). ``zbuf.compile`` sets
+    it for the first plan of a sharded model; the plans made from the measurement clear it."""
+
+    def _check_filled(self, need) -> None:
         if self.free_memory_bytes is not None:
             need(
                 isinstance(self.free_memory_bytes, int) and not isinstance(self.free_memory_bytes, bool)
@@ -199,24 +215,26 @@ class CompileOptions:
         need(isinstance(self.gradient_bytes, int) and not isinstance(self.gradient_bytes, bool)
              and self.gradient_bytes >= 0,
              f"gradient_bytes={self.gradient_bytes!r} must be a non-negative int (bytes)")
-        need(self.persist in (None, True, False), f"persist={self.persist!r} must be a bool or None")
-        for name in ("prefetch", "coalesce", "check_fingerprint", "measuring",
-                     "optimizer_in_backward"):
-            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
-        need(0.0 <= self.persist_fraction <= 1.0,
-             f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")
-        need(0.0 <= self.margin_fraction < 1.0,
-             f"margin_fraction={self.margin_fraction!r} must lie in [0, 1)")
-        for name in ("coalesce_max_bytes", "coalesce_min_bytes"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v >= 0, f"{name}={v!r} must be a non-negative int (bytes)")
-        need(self.inner in ("inductor", "aot_eager"),
-             f"inner={self.inner!r} must be 'inductor' or 'aot_eager'")
-        for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
-        need(self.collective_latency_seconds >= 0,
-             f"collective_latency_seconds={self.collective_latency_seconds!r} must be >= 0")
+        need(isinstance(self.measuring, bool), f"measuring={self.measuring!r} must be a bool")
+
+
+@dataclass(frozen=True)
+class CompileOptions(FilledIn, CostModel, UserOptions):
+    """Options of ``torch.compile(m, backend="zbuf", options={...})`` and ``zbuf.compile``:
+    what a user sets (``UserOptions``), the cost model (``CostModel``) and what zbuf fills in
+    (``FilledIn``), as one flat, validated record (the backend gets it as ``options=``, and its
+    digest keys the passes' cache)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"zbuf compile option {msg}")
+
+        self._check_user(need)
+        self._check_cost(need)
+        self._check_filled(need)
+        refused = refusal(self.modes)  # [Note: one table of modes] in modes.py
+        need(refused is None, refused)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
@@ -234,14 +252,22 @@ class CompileOptions:
         return cls(**dict(options))
 
     @property
-    def graph_only(self) -> tuple[str, ...]:
-        """The options set that only ``structure="graph"`` takes."""
-        return tuple(name for name, on in (
-            ("optimizer_in_backward", self.optimizer_in_backward),
-            ("activation_budget_bytes", self.activation_budget_bytes is not None),
-            ("compile_blocks_once", self.compile_blocks_once),
-            ("budget_bytes with recompute='auto'",
-             self.recompute == "auto" and self.budget_bytes is not None)) if on)
+    def modes(self) -> Modes:
+        """The modes these options ask for ([Note: one table of modes] in modes.py)."""
+        coalesce = any(getattr(self, f.name) != f.default for f in dataclasses.fields(self)
+                       if f.name.startswith("coalesce"))
+        return Modes(structure=self.structure, recompute=self.recompute,
+                     optimizer_in_backward=self.optimizer_in_backward,
+                     compile_blocks_once=bool(self.compile_blocks_once),
+                     budget_bytes=self.budget_bytes is not None,
+                     activation_budget_bytes=self.activation_budget_bytes is not None,
+                     coalesce=coalesce)
+
+    @property
+    def graph_only(self) -> bool:
+        """Whether these options ask for what only ``structure="graph"`` does: the table
+        refuses them under ``"blocks"`` ([Note: one table of modes] in modes.py)."""
+        return refusal(self.modes._replace(structure="blocks")) is not None
 
     def digest(self) -> str:
         """Stable hash of every field, part of the passes' cache uuid."""

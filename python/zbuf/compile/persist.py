@@ -33,7 +33,7 @@ that backward re-runs only because the partitioner itself chose to recompute a c
 (an embedding lookup, say) is not known before partitioning and is re-gathered.
 
 [Note: the run-time keep-set]
-After the measured step ([Note: measure first, then spend] in zbuf/step_memory.py) the
+After the measured step ([Note: measure first, then spend] in zbuf/memory/step.py) the
 re-planner (replan.py) chooses the weights forward keeps for backward with ``choose_kept``, a
 pure function of what every rank has alike: the schedule records of the current graphs (each
 weight's gathered bytes, and the position at which the backward graphs first read it, in the
@@ -160,7 +160,7 @@ def tag_for_regather(joint: torch.fx.Graph, opts: CompileOptions,
     # At world 1 a gather moves nothing: keeping its weight would cost memory and save nothing
     # ([Note: selective persistence]).
     # The measured step's plan keeps nothing ([Note: measure first, then spend] in
-    # zbuf/step_memory.py): persistence grows into the measured room afterwards.
+    # zbuf/memory/step.py): persistence grows into the measured room afterwards.
     if (opts.persist is not False and not opts.measuring and gathers
             and (opts.persist or graph_world_size(joint) != 1)):
         _, device = group_and_device(joint)

@@ -378,7 +378,7 @@ def partition(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CompileOp
 
     if mode != "auto" or not regions or options.measuring:
         # The measured step's plan keeps no activations beyond the user's checkpointing
-        # ([Note: measure first, then spend] in zbuf/step_memory.py): auto's levels come after.
+        # ([Note: measure first, then spend] in zbuf/memory/step.py): auto's levels come after.
         levels = (2 if mode == "none" else 0,) * len(regions)
         apply_levels(gm.graph, regions, levels)
         token = tag_gathers(gm.graph, None)

@@ -2,8 +2,8 @@
 after the measured step, settled at most once after a steady one.
 
 [Note: bounded re-plan]
-``zbuf.step_memory`` measures the first step, whose plan spent nothing it could not know
-([Note: measure first, then spend] in zbuf/step_memory.py), and grows the plans into the
+``zbuf.memory.step`` measures the first step, whose plan spent nothing it could not know
+([Note: measure first, then spend] in zbuf/memory/step.py), and grows the plans into the
 measured room once (``grow``); a steady step later, it settles them once (``settle``): shrinks
 them if they no longer fit, or picks the weights kept for backward of a plan that ``grow``
 compiled. A plan has two parts, and a re-plan changes the cheaper one when it can:
@@ -51,11 +51,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .. import runtime
+from ..memory import PlanPhase, PlanPhases, Replan, pool_budget
 from .budget import PlanExceedsMemoryError
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
@@ -63,18 +64,7 @@ from .persist import KeepCandidate, choose_kept
 from .regions import is_marked_model, unmark_repeated_blocks
 from .report import ScheduleRecord, schedule_report
 
-__all__ = ["PlannedForward", "Replanner", "Replan"]
-
-
-class Replan(NamedTuple):
-    """What a re-plan changed."""
-
-    recompiled: bool
-    """The model was compiled again (its structure changed); False: only the keep-set."""
-    kept_bytes: int
-    """Gathered bytes forward keeps for backward from now on."""
-    kept_weights: int
-    """How many weights forward keeps for backward from now on."""
+__all__ = ["PlannedForward", "Replanner"]
 
 
 class PlannedForward:
@@ -108,10 +98,9 @@ class Replanner:
         """Re-planned at least once (compiled again, or a new keep-set)."""
         self.recompiled = False
         """Compiled again at least once."""
-        self.grown = False
-        """The measured step was decided on (``grow``)."""
-        self.settled = False
-        """The steady step was decided on (``settle``)."""
+        self.phases = PlanPhases()
+        """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
+        zbuf/memory/planner.py)."""
         self.kept: tuple[KeepCandidate, ...] = ()
         """The weights forward keeps for backward ([Note: weights kept at run time] in
         zbuf/kept_weights.py), in the order they were chosen."""
@@ -183,11 +172,8 @@ class Replanner:
         The measured step may show that the step cannot fit whatever the gathers do: its peak
         of live tensors (not the allocator's cache, which its retries can free) plus what it
         left resident (the optimizer's state, kept gradients) is above the limit itself, before
-        any margin. Up to 845ca7f the re-plan then went to the
-        smallest plan and ran it into an out-of-memory error in the next backward (qwen3-1.7b
-        at world 1, one H200, ``--mem-frac`` 0.25: step 1's backward, 35.2 GiB of live tensors
-        measured against 34.9 GiB, died with 31.0 GiB allocated and 3.2 GiB fragmented). An error on
-        one rank mid-step can leave the others in a collective; this one is raised on every rank
+        any margin: the smallest plan would still run out of memory in the next step. An error
+        on one rank mid-step can leave the others in a collective; this one is raised on every rank
         (rank-agreed numbers) at the next step's first forward, before it runs anything."""
         if peak_bytes <= usable_bytes:
             return
@@ -256,8 +242,7 @@ class Replanner:
         for c in kept:
             by_pool.setdefault(c.pool_id, {})[c.key] = c.nbytes
         for pool_id, weights in sorted(by_pool.items()):
-            pool = runtime.pool_of(pool_id, like)
-            pool.kept.set(pool, weights)
+            pool_budget.keep_weights(runtime.pool_of(pool_id, like), weights)
         self._kept_pools = {p for p, w in by_pool.items() if w}
         self.kept = kept
 
@@ -271,9 +256,8 @@ class Replanner:
         when the plan's structure may stay; compiles again when it must change ([Note: bounded
         re-plan]). Once. Returns what changed (None: nothing). Every rank must get the same
         answer: call it with rank-agreed numbers, at the same point of every rank's program."""
-        if self.grown or not self.options.measuring:
+        if not self.options.measuring or not self.phases.enter(PlanPhase.GROWN):
             return None
-        self.grown = True
         if self.keeps_activations() or self.must_recompile(budget_bytes):
             self.recompile(budget_bytes, room_bytes)
             return self._outcome(recompiled=True)
@@ -288,9 +272,8 @@ class Replanner:
         measured there even with nothing kept; else choose the keep-set again if the current one
         does not fit it, or if ``grow`` compiled the plan (its keep-set is chosen now, from its
         records). Returns what changed (None: nothing); rank-agreed inputs, as ``grow``."""
-        if self.settled:
+        if not self.phases.enter(PlanPhase.SETTLED):
             return None
-        self.settled = True
         if self.must_recompile(budget_bytes):
             self.recompile(budget_bytes, room_bytes)
             return self._outcome(recompiled=True)
@@ -304,7 +287,7 @@ class Replanner:
         return self._outcome(recompiled=False)
 
     def recompile(self, budget_bytes: int, room_bytes: int) -> None:
-        """[Note: whole-step budget] step 3 in zbuf/step_memory.py: with ``recompute="auto"``
+        """[Note: whole-step budget] step 3 in zbuf/memory/step.py: with ``recompute="auto"``
         (and no explicit activation budget) the measured room becomes the plans' free memory, so
         that budgeted recompute chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``. The new graphs re-gather every weight in backward;

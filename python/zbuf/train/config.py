@@ -30,6 +30,19 @@ FIT_STEPS = 5
 AC_CHOICES = ("off", "full", "selective", "auto")
 """``--ac`` modes (``TrainConfig.ac``)."""
 
+_AC_OF_RECOMPUTE = {"auto": "auto", "checkpointed": "full", "none": "off"}
+
+CLI_SPELLING = {
+    "structure": lambda v: f"--compile-structure {v.strip(chr(39))}",
+    "recompute": lambda v: f"--ac {_AC_OF_RECOMPUTE[v.strip(chr(39))]}",
+    "budget_bytes": lambda v: "--gather-budget",
+    "compile_blocks_once": lambda v: "--compile-blocks-once",
+    "optimizer_in_backward": lambda v: "--optimizer-in-backward",
+    "offload_optimizer": lambda v: "--offload-optimizer",
+}
+"""How the command writes ``zbuf.compile``'s modes in a refusal ([Note: one table of modes] in
+zbuf/compile/modes.py); the options it never sets keep their API spelling."""
+
 
 RUN_DEFINING = ("preset", "model", "layers", "seq-len", "global-batch", "dtype", "optimizer", "lr",
                 "task", "seed")
@@ -377,9 +390,6 @@ class TrainConfig:
             raise ConfigError(f"--optimizer-in-backward steps the compiled zbuf engine's "
                               f"optimizer inside its one backward graph; {why}: drop it, or use "
                               f"engine zbuf with a built-in model")
-        if self.offload_optimizer and not self.optimizer_in_backward:
-            raise ConfigError("--offload-optimizer brings each batch's optimizer state to the "
-                              "GPU for its step in backward: add --optimizer-in-backward")
         if self.pool_budget is not None and Engine.ZBUF_EAGER not in self.engines:
             fix = ("use --gather-budget for zbuf (its plan sizes the pool)"
                    if Engine.ZBUF in self.engines else "drop it, or add engine zbuf-eager")
@@ -400,6 +410,25 @@ class TrainConfig:
                     f"{', '.join(other)} cannot use them. Use --engine zbuf or zbuf-eager, or "
                     f"drop the checkpoint options")
         self._policy(run=None)  # last: it imports torch ([Note: lazy import] in zbuf/__init__.py)
+        self._check_modes()
+
+    def _check_modes(self) -> None:
+        """Refuse the compiled zbuf runs' modes that ``zbuf.compile`` refuses, in the command's
+        words ([Note: one table of modes] in zbuf/compile/modes.py); an ``--ac`` not resolved
+        yet counts as the user's checkpointing."""
+        from ..compile.modes import API_SPELLING, Modes, refusal
+
+        for engine, ac in self.runs():
+            if engine is not Engine.ZBUF:
+                continue
+            refused = refusal(Modes(
+                structure=self.compile_structure, recompute="auto" if ac == "auto" else
+                "checkpointed", optimizer_in_backward=self.optimizer_in_backward,
+                offload_optimizer=self.offload_optimizer,
+                compile_blocks_once=bool(self.compile_blocks_once),
+                budget_bytes=self.gather_budget is not None), API_SPELLING | CLI_SPELLING)
+            if refused is not None:
+                raise ConfigError(refused)
 
     def save_resume_policy(self):
         """The ``save_resume.SaveResumePolicy`` of these (resolved) options."""
@@ -486,22 +515,7 @@ class TrainConfig:
                 f"--ac auto lets the zbuf compiler choose what to keep within its memory budget; "
                 f"engine(s) {', '.join(auto)} have no such planner: give them --ac full or "
                 f"--ac selective (per engine: --engines zbuf:auto,{auto[0]}:selective)")
-        if c.compile_blocks_once and any(m == "auto" for _, m in runs):
-            raise ConfigError("--compile-blocks-once does not combine with --ac auto (auto plans "
-                              "over the checkpointed blocks of the whole graph, and a block body "
-                              "compiled once gets one plan for all): drop one of them")
-        if c.compile_structure == "blocks":
-            if c.gather_budget is not None and any(e is Engine.ZBUF and m == "auto"
-                                                   for e, m in runs):
-                raise ConfigError("--compile-structure blocks with --ac auto plans the blocks' "
-                                  "levels in the room the first step measures, and "
-                                  "--gather-budget is never measured: drop --gather-budget, or "
-                                  "use --ac full")
-            if c.compile_blocks_once or c.optimizer_in_backward:
-                flag = ("--compile-blocks-once" if c.compile_blocks_once
-                        else "--optimizer-in-backward")
-                raise ConfigError(f"--compile-structure blocks does not combine with {flag} "
-                                  f"(a whole-graph option): drop one of them")
+        c._check_modes()
         if len(set(runs)) != len(runs):
             twice = sorted({f"{e.value}:{m}" for e, m in runs if runs.count((e, m)) > 1})
             raise ConfigError(f"engine {', '.join(twice)} listed twice; list each engine once "

@@ -34,7 +34,7 @@ from ..compile import compiled_model as zcompiled
 from ..compile.block_frames import block_frames_of
 from ..compile import schedule_report as zschedule_report
 from ..pool import GatherBufferPool
-from ..step_memory import StepMemory
+from ..memory import StepMemory, pool_budget
 from .config import ConfigError, Engine, TrainConfig
 from .data import IGNORE_INDEX, Batch
 from .hf import check_hf_model, checkpoint_layers
@@ -53,7 +53,7 @@ class EngineSetup(NamedTuple):
     schedule_report: Callable[[], Optional[dict]]
     """The zbuf schedule (JSON-able) once compiled, else None."""
     step_memory: Optional[object] = None
-    """The zbuf engines' ``zbuf.step_memory.StepMemory`` (whole-step budget, the pool lending
+    """The zbuf engines' ``zbuf.memory.StepMemory`` (whole-step budget, the pool lending
     its idle blocks to the optimizer step, per-phase telemetry), else None."""
 
 
@@ -231,21 +231,21 @@ def _fsdp2(model, cfg, device, dtype, group) -> EngineSetup:
     return EngineSetup(step_loss, model, build_optimizer(model, cfg), None, lambda: None)
 
 
-def _zbuf_shard(model, device, dtype, group, *, pool_budget: Optional[int] = None):
+def _zbuf_shard(model, device, dtype, group, *, budget_bytes: Optional[int] = None):
     # A pool of its own per engine: what one engine's plans and step memory did to a pool (its
     # budget, its blocks) must not carry over to the next engine of a bench.
     pool = GatherBufferPool(device)
     # A meta model (simulated ranks) is materialised one submodule's shards at a time.
     zshard.shard(model, group, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                  pool=pool, device=device, init_fn=lambda sub: init_module(sub, model))
-    if pool_budget is not None:
+    if budget_bytes is not None:
         # Uncompiled, there is no schedule to size the pool: --pool-budget caps it instead.
-        pool.set_budget(pool_budget)
+        pool_budget.set_to(pool, budget_bytes)
     return pool
 
 
 def _zbuf_eager(model, cfg, device, dtype, group) -> EngineSetup:
-    pool = _zbuf_shard(model, device, dtype, group, pool_budget=cfg.pool_budget)
+    pool = _zbuf_shard(model, device, dtype, group, budget_bytes=cfg.pool_budget)
     optimizer = build_optimizer(model, cfg)
     # No plan to remake; measured, and the pool lends its idle blocks to the optimizer step.
     step_memory = StepMemory(model, optimizer)

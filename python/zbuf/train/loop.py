@@ -55,8 +55,7 @@ from torch.profiler import record_function
 
 from .. import faults
 from ..shard import op_counts
-from ..step_memory import StepMemoryRow
-from ..step_phases import PhaseMeter, StepPhases
+from ..memory import PhaseMeter, StepMemoryRow, StepPhases
 from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
 from .data import rank_batch
@@ -78,10 +77,10 @@ class StepRow(NamedTuple):
     memory: MemorySample
     """Memory after the step."""
     phases: StepPhases
-    """Torch's peak in each phase of the step ([Note: phase peaks] in zbuf/step_phases.py)."""
+    """Torch's peak in each phase of the step ([Note: phase peaks] in zbuf/memory/phases.py)."""
     step_memory: Optional[StepMemoryRow]
     """The zbuf engines' pool and budget in the step ([Note: whole-step budget] in
-    zbuf/step_memory.py); None for the other engines."""
+    zbuf/memory/step.py); None for the other engines."""
 
 
 def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional[dict[str, Any]]:
@@ -92,7 +91,7 @@ def _cap_memory(cfg: TrainConfig, device: torch.device, step_memory) -> Optional
     allocates beside it. So that zbuf does not get more memory than the engines it is compared
     with, the zbuf engines hand the cap to their ``SharedMemory``, which keeps allocator + pool
     <= mem_frac of the card at every moment, the same total every engine gets ([Note: emulated
-    capacity] in zbuf/memory.py). Applied before the engine is built (so that the rank-agreed
+    capacity] in zbuf/memory/shared.py). Applied before the engine is built (so that the rank-agreed
     budget sees it) and again, through the pool's arbiter, after.
     """
     if cfg.mem_frac is None or device.type != "cuda":

@@ -58,7 +58,7 @@ class MemoryProbe:
     """Samples one rank's memory; ``reset()`` at the start of each engine's measurement.
 
     The device's peak counters belong to the step's ``PhaseMeter`` ([Note: phase peaks] in
-    zbuf/step_phases.py), which resets them at every phase boundary: the peaks here are the
+    zbuf/memory/phases.py), which resets them at every phase boundary: the peaks here are the
     running maximum of the peaks it measured, passed to ``sample``.
     """
 

@@ -31,7 +31,7 @@ Record layout (``schema: zbuf.run/1``)::
                    notices[] (what the run changed of the options, shown live too, e.g. a
                    --gather-budget below the schedule's floor),
                    step_memory (zbuf engines, rank 0: the measured whole-step budget and the
-                                pool/allocator events; see ``zbuf.step_memory``),
+                                pool/allocator events; see ``zbuf.memory.step``),
                    compile_phases[per rank] (the first step cut into phases, see
                                             ``compile_phases.CompilePhases``),
                    recompile_phases[per rank][] (the same for each later step that compiled:
@@ -159,7 +159,7 @@ def slowest_phases(result: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def slowest_replans(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each later step that compiled (a re-plan's recompile, [Note: measure first, then spend]
-    in zbuf/step_memory.py), in step order: the phases of the rank whose step took longest, as
+    in zbuf/memory/step.py), in step order: the phases of the rank whose step took longest, as
     ``slowest_phases`` gives the first step's; [] for records without re-plan compiles."""
     by_step: dict[int, dict[str, Any]] = {}
     for rank, phases in enumerate(result.get("recompile_phases") or []):
@@ -227,7 +227,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
 def _time_to_final_plan(result: dict[str, Any], steps: list[dict[str, Any]]) -> float:
     """Seconds from the engine's set-up to the end of the first step that ran the plan it kept:
     the first step, or the last step a re-plan took effect in ([Note: measure first, then
-    spend] in zbuf/step_memory.py), with every step before it; what a user waits before the
+    spend] in zbuf/memory/step.py), with every step before it; what a user waits before the
     step time the summary reports."""
     last = max(_replan_steps(steps), default=steps[0]["step"])
     return result.get("setup_seconds", 0.0) + sum(s["time_s"] for s in steps if s["step"] <= last)

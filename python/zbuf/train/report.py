@@ -21,7 +21,7 @@ Plots (one PNG each, written next to the record or into ``-o DIR``):
 - ``step_memory.png`` (records with per-phase telemetry): per engine and step, torch's peak of
   each phase (forward, backward, optimizer), the pool's bytes held and idle, the gather budget
   as planned and as re-planned, and per rank the allocator's retries and the idle bytes the pool
-  lent to the optimizer step ([Note: whole-step budget] in zbuf/step_memory.py).
+  lent to the optimizer step ([Note: whole-step budget] in zbuf/memory/step.py).
 
 The terminal shows the first step by phase with the time to the final plan, each re-plan's
 recompile by phase (its compile against the first step's), the schedule table and, for such

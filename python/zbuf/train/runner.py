@@ -62,7 +62,7 @@ def _machine(cfg: TrainConfig) -> tuple[bool, int]:
 def _emulated_card(cfg: TrainConfig) -> TrainConfig:
     """``--gpu-memory SIZE`` on this machine (resolved ``cfg``): on CUDA the fraction of the card
     torch reports (``mem_frac``, which caps torch's allocator and zbuf's pool together, [Note:
-    emulated capacity] in zbuf/memory.py); on CPU the host's memory is the card, and the size
+    emulated capacity] in zbuf/memory/shared.py); on CPU the host's memory is the card, and the size
     stays for zbuf's stand-in. ``ConfigError`` for a size above the card."""
     if cfg.gpu_memory is None:
         return cfg

@@ -6,89 +6,48 @@ The gather schedule is planned before the first step, from the rank-agreed free 
 ([Note: rank-agreed budget] in compile/budget.py). Much of what a step holds is not there yet:
 the optimizer's state (created lazily by its first ``step()``) and temporaries, the gradients,
 an eager loss, NCCL's buffers (allocated by the first collective), the allocator's
-fragmentation. Up to 4fed11d the first plan spent the free memory at once (persistence,
-prefetch, ``auto``'s kept activations) and the measured step corrected only at step 1, so an
-out-of-memory error in step 0 was never recovered (qwen3-14b as rank 0 of 8 on an 80 GiB card,
-``zbuf.compile(model, optimizer=opt)``: out of memory in the first backward). So zbuf measures
-first and spends after:
+fragmentation. A first plan that spent the free memory at once could run out of memory in step
+0, before any measurement could correct it. So zbuf measures first and spends after, each
+decision once, in ``PlanPhase``'s order ([Note: one planner interface] in planner.py):
 
 0. Step 0's plan is no hungrier than FSDP2's (``CompileOptions.measuring``): the user's
    checkpointing as written (``auto`` keeps nothing more), no persistence, each graph gathers at
    most what one node reads plus about one block ahead (``budget.gather_reserve``), and the free
    memory it is planned from leaves out what is known exactly: the gradients and, with
    ``optimizer=``, the optimizer's state and temporaries from its type and the shards
-   ([Note: optimizer state bytes] in zbuf/optimizer_policy.py).
-1. Step 0 runs on that plan. The pool's budget starts at 0, so the plans' first
-   runs size it to exactly what they need. Step 0's phases are measured ([Note: phase peaks] in
-   step_phases.py). Before its optimizer step the pool gives all its idle blocks back (nothing is
-   known yet about what the optimizer needs; ``zbuf.memory.SharedMemory.yield_idle``).
+   ([Note: optimizer state bytes] in optimizer_state.py).
+1. Measure: step 0 runs on that plan. The pool's budget starts at 0, so the plans' first runs
+   size it to exactly what they need ([Note: one writer of the pool's budget] in
+   pool_budget.py). Step 0's phases are measured ([Note: phase peaks] in phases.py). Before its
+   optimizer step the pool gives all its idle blocks back (nothing is known yet about what the
+   optimizer needs; ``SharedMemory.yield_idle``).
 2. At the first forward of step 1, on every rank (the same program point of every rank), the
-   measurement becomes a budget (with the optimizer in backward, step 1 is the measured step and
-   this happens at step 2: [Note: a state made inside the measured phase]):
-   - ``growth``: what step 0 left resident that was not there when it started (the optimizer's
-     state, kept gradients, ...); the forward and backward of step 0 ran without it, later ones
-     will not, so it is added to their peaks;
-   - ``limit``: the bytes torch and the pool may use together (CUDA: the driver's free memory
-     plus what both hold, so NCCL's and the context's memory are out; capped by ``--mem-frac``'s
-     emulated card);
-   - peaks are the caching allocator's *reserved* bytes (live tensors, its cache and its
-     fragmentation: what competes with the pool), forward and backward;
-   - one all-reduce agrees on them: the smallest limit and the largest peaks of any rank;
-   - the gather budget is ``limit - limit / 64 - max(forward, backward) - excess``, rounded
-     down to 1/16 of its leading power of two (so that launches of one configuration land on
-     the same value and Inductor's cache keeps hitting: the budget is part of the pass uuid).
-     ``excess`` is what the pool held after step 0's backward beyond the largest number of
-     gathered bytes its plans have live at once: the pool keeps, per block size, as many blocks
-     as are ever live together ([Note: pool sizing] in compile/schedule.py), which can be more
-     bytes than are live at any one node; the budget bounds the latter, the device sees the
-     former.
-   One budget serves every graph: the pool keeps the blocks of the forward's plan while backward
-   runs and vice versa, so each phase's peak meets the pool's whole size.
-3. The plan grows into the measured room, once ([Note: bounded re-plan] in
-   compile/replan.py). With the user's checkpointing as written (``recompute="checkpointed"``
-   or ``"none"``) and plans that fit the budget, growth is data, not a compile: the pools keep
-   gathered weights from forward for backward within the budget ([Note: the run-time
-   keep-set] in compile/persist.py), prefetch stays as compiled at step 0, and nothing is
-   compiled (up to 86bc491 this recompiled the whole model: 50.4 s of qwen3-14b's re-plan,
-   benches/results/compile_time_14b.md). The model is compiled again, under a new backend
-   instance that recompiles exactly the model's frames, once, and leaves every other compiled
-   function alone (no ``torch._dynamo.reset()``), only when its structure must change: with
-   ``recompute="auto"`` the activations are zbuf's to choose too, so the new plans get the
-   measured ``room`` as their free memory (``free_memory_bytes``), which budgeted recompute
-   splits between activations and gathers as at compile time ([Note: budgeted recompute] in
-   compile/recompute.py); a plan that does not fit the budget even with nothing kept gets
-   ``budget_bytes`` = the budget (compiled whole if its blocks compiled once hold more). After
-   a compile the pool's budget starts again at 0 for the new plans to size, and their keep-set
-   is chosen at the steady step. If nothing would change, nothing does. This happens once.
-   After ``STEADY_STEP`` (the first step after the new plan's first run: steady-state reserved
-   bytes, not step 0's, which lacked the optimizer's fragmentation) the same measurement and
-   agreement run once more, and the plan settles, once: compiled again if its plans no longer
-   fit even with nothing kept, else the keep-set shrinks if the headroom fell below the margin
-   (``limit / SAFETY_DIVISOR``), or is chosen if step 1 compiled the plan.
-   [Note: fragmentation grows with the room]
-   The measured peaks are the allocator's reserved bytes, so step 0's fragmentation is in them;
-   but what the re-plan puts into the room (``auto``'s kept activations above all) fragments
-   the allocator too, in proportion. Up to d73f6d3 the room was handed over whole: qwen3-14b as
-   rank 0 of 8 on an 80 GiB card, ``--ac auto``, step 0 peaked at 34.5 GiB allocated, the
-   re-plan kept 44.9 GiB of activations in a room of 54.0 GiB, and step 1's backward died with
-   67.0 GiB allocated and 6.3 GiB reserved but unallocated (one H200, simulated ranks). So the room is
-   divided by one plus step 0's fragmentation: its reserved-but-unallocated bytes per byte it
-   allocated beyond its start, in its worse phase, rank-agreed (``fragmentation_ppm``).
-   At the steady step the measured step ran the plan being judged: its kept activations and
-   gathered bytes, and their fragmentation, are in the measured peaks, so only the memory left
-   beside them (or what they lack) is divided (``measured_room``). Up to c3af42e the whole room
-   was divided there too, charging the fragmentation twice: qwen3-14b's block frames (rank 0 of
-   8, 80 GiB, ``--ac auto``) ran the grown plan at 78.3 GB reserved plus a 4.4 GB pool, 1.8 GB
-   inside the usable limit, and the settle still cut its kept activations from 32.5 to 23.5 GB
-   (a room of 27.9 GB where 38.3 GB had been measured to fit), which cost 1.8 % of the step.
-4. From then on, before each optimizer step the pool gives its idle blocks back if the measured
-   optimizer peak plus the pool's bytes would not fit the limit (with an optimizer attached;
-   without one the optimizer runs inside "backward" and its peak is part of the budget).
+   measurement becomes the ledger ([Note: the ledger] in ledger.py; with the optimizer in
+   backward, step 1 is the measured step and this happens at step 2: [Note: a state made inside
+   the measured phase]): what step 0 left resident that was not there when it started (the
+   optimizer's state, kept gradients) is added to its forward and backward peaks, which ran
+   without it; the limit, the peaks, the pool's excess and the fragmentation are agreed with
+   one all-reduce; the gather budget and the room follow. One budget serves every graph: the
+   pool keeps the blocks of the forward's plan while backward runs and vice versa, so each
+   phase's peak meets the pool's whole size.
+3. Grow: the plan grows into the measured room, once ([Note: bounded re-plan] in
+   compile/replan.py): as data where it can (the weights kept for backward), compiled again
+   only where its structure must change. After a compile the pool's budget starts again at 0 for
+   the new plans to size. If nothing would change, nothing does.
+4. Settle: after ``STEADY_STEP`` (the first step after the new plan's first run: steady-state
+   reserved bytes, not step 0's, which lacked the optimizer's fragmentation) the same
+   measurement and agreement run once more, and the plan settles, once: compiled again if its
+   plans no longer fit even with nothing kept, else the keep-set shrinks if the headroom fell
+   below the margin, or is chosen if step 1 compiled the plan.
+5. From then on, before each optimizer step the pool gives its idle blocks back if the measured
+   optimizer peak plus the pool's bytes would not fit the usable memory (with an optimizer
+   attached; without one the optimizer runs inside "backward" and its peak is part of the
+   budget).
 
 The host (CPU) runs the same steps on a stand-in ([Note: phase peaks]): peaks are the tracked
 parameter, gradient and optimizer-state bytes plus the plans' projected activation peaks, and the
-limit is the agreed free memory at compile time plus the tracked bytes then. On a real host that
-limit is far above anything a test model uses, so the CPU default grows its plan at step 1 (at
+limit is the agreed free memory at compile time plus the tracked bytes then. On a real host
+that is far above anything a test model uses, so the CPU default grows its plan at step 1 (at
 world > 1: persistence) and never shrinks; tests shrink the agreed free memory to see the rest.
 
 How zbuf learns of the optimizer: ``zbuf.compile(model, optimizer=opt)``. Its step hooks delimit
@@ -103,75 +62,23 @@ with the optimizer counted as part of backward.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import MEASURED_BITS, agree_extremes, stable_budget, stable_bytes
-from .memory import SharedMemory, local_free_bytes
-from .shard import roots
-from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
+from ..runtime import in_backward
+from ..shard import roots
+from . import pool_budget
+from .device import local_free_bytes
+from .ledger import PPM, Ledger, fragmentation_ppm, without_margin
+from .phases import ROWS_KEPT, PhaseMeter, StepPhases
+from .planner import StructurePlanner
+from .shared import SharedMemory
 
-if TYPE_CHECKING:
-    from .compile.replan import Replanner
+__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget"]
 
-__all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "fragmentation_ppm",
-           "measured_room", "SAFETY_DIVISOR"]
-
-PPM = 1_000_000
-
-MAX_FRAGMENTATION_PPM = PPM
-"""Above one reserved-unallocated byte per allocated byte the measurement says more about the
-allocator's cache of freed blocks than about fragmentation; the room is never cut below half."""
-
-
-def fragmentation_ppm(row: StepPhases) -> int:
-    """The allocator's fragmentation in the measured step, parts per million of what the step
-    allocated beyond its start ([Note: fragmentation grows with the room]): the worse of the
-    forward and the backward. 0 on the CPU stand-in, which reserves exactly what it allocates."""
-    worst = 0
-    for alloc, reserved in ((row.forward_peak_bytes, row.forward_reserved_bytes),
-                            (row.backward_peak_bytes, row.backward_reserved_bytes)):
-        grown = alloc - row.start_bytes
-        if grown > 0 and reserved > alloc:
-            worst = max(worst, (reserved - alloc) * PPM // grown)
-    return min(worst, MAX_FRAGMENTATION_PPM)
-
-
-def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict[str, int],
-                  held_bytes: Optional[int], frag_ppm: int) -> int:
-    """What activations and gathered weights may share, rounded ([Note: stable agreed memory]
-    in zbuf/agreement.py; [Note: fragmentation grows with the room]): the smallest over the
-    phases of ``reserved`` (torch's measured reserved peak of each). ``activations`` are the
-    current plans' projected activations in each phase, ``held_bytes`` the gathered bytes they
-    hold at most. Before a new plan (the grow: ``held_bytes`` None) all the memory beside step 0's
-    peaks is divided by one plus the fragmentation, step 0's plan being replaced whole. Measured
-    under the plan being judged (the settle), what it holds counts at face value, its
-    fragmentation being in ``reserved`` already: only what is left beside it is divided and
-    rounded down, or what it lacks divided and rounded up, so a plan measured to fit gets a room
-    it fits, whatever the rounding."""
-    rooms = []
-    for phase, peak in reserved.items():
-        own = activations.get(phase, 0)
-        free = usable_bytes - (peak - own)
-        if held_bytes is None:
-            rooms.append(stable_budget(free * PPM // (PPM + frag_ppm)))
-            continue
-        face = held_bytes + own
-        spare = (free - face) * PPM // (PPM + frag_ppm)
-        if spare >= 0:
-            rooms.append(face + stable_bytes(spare, bits=MEASURED_BITS))
-        else:
-            quantum = 1 << max(0, (-spare).bit_length() - 1 - MEASURED_BITS)
-            rooms.append(max(1, face - -(spare // quantum) * quantum))
-    return min(rooms)
-
-
-SAFETY_DIVISOR = 64
-"""``limit / SAFETY_DIVISOR`` of the measured limit stays unplanned: allocations that differ from
-step 0 to later steps (the measurement itself is exact for what it saw)."""
 
 class MeasuredBudget(NamedTuple):
     """The rank-agreed outcome of the measured step ([Note: whole-step budget], step 2)."""
@@ -266,7 +173,7 @@ class StepMemory:
             available memory).
         plan_sizes_pool: the model is compiled, so its plans size the pool on their first runs:
             the pool's budget starts at 0 and becomes exactly what the plans need (an emulated
-            card's split follows it: [Note: emulated capacity] in zbuf/memory.py).
+            card's split follows it: [Note: emulated capacity] in shared.py).
     """
 
     MEASURED_STEP = 0
@@ -279,12 +186,12 @@ class StepMemory:
     ``MEASURED_STEP``."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 hooked: Optional[nn.Module] = None, replanner: "Optional[Replanner]" = None,
+                 hooked: Optional[nn.Module] = None, replanner: Optional[StructurePlanner] = None,
                  host_free_bytes: Optional[int] = None, plan_sizes_pool: bool = False) -> None:
         root = _root_of(model)
         pool = root.pool
         if plan_sizes_pool:
-            pool.set_budget(0)
+            pool_budget.size_by_first_runs(pool)
         self.plan_sizes_pool = plan_sizes_pool
         self.model = model
         self.optimizer = optimizer
@@ -314,9 +221,7 @@ class StepMemory:
         # The measurement adds what step 0 left resident (the optimizer's state) to its phases'
         # peaks, since they ran without it. With the optimizer in backward, step 0's backward
         # makes that state as it runs: its peak already holds some or all of it, and adding it
-        # again counted AdamW's 12.9 GiB twice (qwen3-1.7b, world 1, one H200, --mem-frac 0.20:
-        # "needs 34.59 GiB" refused a step whose steady state peaked at 26.7 GiB on the whole
-        # device at 0.25). Step 1 runs the same lean plan with the state resident throughout, so
+        # again would count the state twice. Step 1 runs the same lean plan with the state resident throughout, so
         # it is the step measured, and nothing is added twice.
         self.measured_step = self.MEASURED_STEP + int(root.steps_in_backward)
         self.steady_step = self.measured_step + self.STEADY_STEP - self.MEASURED_STEP
@@ -351,7 +256,7 @@ class StepMemory:
     def _before_optimizer(self) -> None:
         self._pool_after_backward = self.memory.pool.stats().charged_bytes
         m = self.measured
-        usable = self._usable(self.limit_bytes())
+        usable = without_margin(self.limit_bytes())
         if m is None or m.optimizer_peak_bytes is None:
             lend = True  # [Note: whole-step budget], step 1: nothing measured yet
         else:
@@ -360,10 +265,6 @@ class StepMemory:
             self._yielded += self.memory.yield_idle()
 
     # -- the decision -------------------------------------------------------------------------
-
-    @staticmethod
-    def _usable(limit: int) -> int:
-        return limit - limit // SAFETY_DIVISOR
 
     def limit_bytes(self) -> int:
         """This rank's limit for torch + pool ([Note: whole-step budget])."""
@@ -380,7 +281,6 @@ class StepMemory:
         # measured).
         live, live_phase = max((row.forward_peak_bytes + growth, "forward"),
                                (row.backward_peak_bytes + growth, "backward"))
-        opt = row.optimizer_reserved_bytes
         excess = 0
         act: dict[str, int] = {}
         if self.replanner is not None:
@@ -392,22 +292,21 @@ class StepMemory:
                 own = self.replanner.activation_peaks(gradients=False)
                 fw += own.get("forward", 0)
                 bw += own.get("backward", 0)
-        frag = fragmentation_ppm(row)
-        limit, fw, bw, opt, excess, live, frag = self._agree(self.limit_bytes(), fw, bw, opt,
-                                                             excess, live, frag)
+        ledger = Ledger.agreed(
+            self.group, self.memory.device, limit_bytes=self.limit_bytes(),
+            torch_forward_bytes=fw, torch_backward_bytes=bw, torch_live_bytes=live,
+            optimizer_bytes=row.optimizer_reserved_bytes, pool_excess_bytes=excess,
+            fragmentation_ppm=fragmentation_ppm(row))
         if self.replanner is not None:  # [Note: no step above its measured memory]
-            self.replanner.refuse_if_no_plan_fits(live, limit - excess, phase=live_phase,
-                                                  step=row.step, growth_bytes=growth)
-        usable = self._usable(limit) - excess
-        budget = stable_budget(usable - max(fw, bw))
-        # What activations and gathered weights may share: the peaks less the plans' projected
-        # activations (rank-invariant: the same graphs on every rank), less the allocator's
-        # fragmentation of what is planned into it ([Note: fragmentation grows with the room]).
-        # At the steady step the plan being judged was measured, so what it holds is not
-        # charged the fragmentation a second time (the grown plan of qwen3-14b's blocks fitted
-        # with 1.8 GB spare and was cut from 32.5 to 23.5 GB of kept activations).
+            self.replanner.refuse_if_no_plan_fits(
+                ledger.torch_live_bytes, ledger.limit_bytes - ledger.pool_excess_bytes,
+                phase=live_phase, step=row.step, growth_bytes=growth)
+        budget = ledger.gather_budget_bytes
+        # The peaks less the plans' projected activations (rank-invariant: the same graphs on
+        # every rank). At the steady step the plan being judged was measured: what it holds is
+        # not charged the fragmentation again ([Note: fragmentation grows with the room]).
         held = None if grow or self.replanner is None else self.replanner.largest_need()
-        room = measured_room(usable, {"forward": fw, "backward": bw}, act, held, frag)
+        room = ledger.room_bytes(act, held)
         planned = replan = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
@@ -417,13 +316,15 @@ class StepMemory:
             self._replan_steps.add(self.meter.closed)  # the step now opening
             if replan.recompiled and self.plan_sizes_pool:
                 # The new plans' first runs size the pool, as the first plans' did; a new
-                # keep-set moved the pool's budget itself (zbuf/kept_weights.py). Block frames
-                # size it from their plan, which no re-plan changes.
-                self.memory.pool.set_budget(0)
+                # keep-set moved the pool's budget itself. Block frames size it from their
+                # plan, which no re-plan changes.
+                pool_budget.size_by_first_runs(self.memory.pool)
         kept = self.replanner.kept if self.replanner is not None else ()
         stats = self.replanner.recompute_stats() if self.replanner is not None else None
-        return MeasuredBudget(limit, fw, bw, opt, excess, budget, room, planned,
-                              replan is not None, row.step, frag / PPM,
+        return MeasuredBudget(ledger.limit_bytes, ledger.torch_forward_bytes,
+                              ledger.torch_backward_bytes, ledger.optimizer_bytes,
+                              ledger.pool_excess_bytes, budget, room, planned,
+                              replan is not None, row.step, ledger.fragmentation_ppm / PPM,
                               recompiled=bool(replan and replan.recompiled),
                               kept_bytes=sum(c.nbytes for c in kept), kept_weights=len(kept),
                               recompute=None if stats is None else stats.to_dict())
@@ -438,14 +339,6 @@ class StepMemory:
         threads) alive past ``destroy_process_group()`` ([Note: a model does not keep its group
         alive] in shard_state.py)."""
         return _root_of(self.model).group
-
-    def _agree(self, limit: int, fw: int, bw: int, opt: Optional[int], excess: int, live: int,
-               frag: int):
-        """The smallest limit and the largest rest over the sharding group (one all-reduce)."""
-        (limit,), (fw, bw, opt_peak, excess, live, frag) = agree_extremes(
-            self.group, self.memory.device, smallest=[limit],
-            largest=[fw, bw, opt or 0, excess, live, frag])
-        return limit, fw, bw, (None if opt is None else opt_peak), excess, live, frag
 
     # -- telemetry ----------------------------------------------------------------------------
 

@@ -22,9 +22,8 @@ The gradients are not the optimizer's: the step's memory owner reserves them sep
 The state is reserved beside the graphs: it lives from the first ``step()`` on, through every
 later forward and backward. The temporaries are not: they live inside ``step()`` only, when the
 graphs' activations are freed and the pool has lent its idle blocks ([Note: whole-step budget]
-in zbuf/step_memory.py), so they share that memory rather than add to it. Reserving them too
-(main 3a9b429) took 6.4 GiB off every graph's memory at qwen3-1.7b, world 1, foreach AdamW,
-which then refused a plan FSDP2 runs. What the step needs is that the temporaries fit in the
+in step.py), so they share that memory rather than add to it: reserving them beside the
+graphs too would refuse plans FSDP2 runs. What the step needs is that the temporaries fit in the
 memory the graphs share; ``zbuf.compile`` refuses one whose temporaries cannot.
 """
 

@@ -11,7 +11,7 @@ out-of-memory error that the other side could have prevented by letting go is a 
   ([Note: reclaim hook] in rust/python/pool.rs). Counted as ``reclaims``.
 * torch needs memory: the pool's idle blocks go back to the device
   - before the optimizer step, when the step's measured need says torch will want them
-    (``yield_idle``, called by ``zbuf.step_memory``: [Note: whole-step budget] there);
+    (``yield_idle``, called by ``StepMemory`` (step.py): [Note: whole-step budget] there);
   - when torch's allocator raised out-of-memory (CUDA's out-of-memory observer): torch raises
     anyway, the observer cannot turn the failure into a success, but the memory is free for the
     caller's retry and the event is counted (``torch_ooms``, and ``torch_ooms_with_idle_pool``
@@ -32,34 +32,15 @@ reclaim hook would do on a real card of that size.
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from typing import Optional
 
 import torch
 
-from .pool import GatherBufferPool
+from ..pool import GatherBufferPool
+from .device import user_capacity_bytes
 
-__all__ = ["MemoryEvents", "SharedMemory", "user_capacity_bytes", "host_bytes", "local_free_bytes"]
-
-
-def user_capacity_bytes(device: torch.device) -> Optional[int]:
-    """The cap a user set on this process's CUDA memory with
-    ``torch.cuda.set_per_process_memory_fraction`` (read back through
-    ``torch.cuda.get_per_process_memory_fraction``), in bytes; None without one (or on the host).
-
-    [Note: one cap for torch and the pool]
-    torch's fraction caps its caching allocator only; the pool allocates beside it, so under a
-    user's fraction F torch and the pool together could hold F of the card plus the pool (up to
-    4fed11d the pool's blocks were not counted against it). ``SharedMemory`` takes the user's cap
-    as the capacity torch and the pool share ([Note: emulated capacity]): torch's fraction
-    becomes ``(F * total - what the pool may hold) / total``, and follows the pool's share."""
-    if device.type != "cuda":
-        return None
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    if fraction >= 1.0:
-        return None
-    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+__all__ = ["MemoryEvents", "SharedMemory"]
 
 
 @dataclasses.dataclass
@@ -213,37 +194,3 @@ class SharedMemory:
         return {"capacity_bytes": self._capacity, "device_total_bytes": total,
                 "pool_share_bytes": self.pool_share_bytes(),
                 "allocator_fraction": (self._capacity - self.pool_share_bytes()) / total}
-
-
-def host_bytes(kind: str) -> int:
-    """The host's available (``"free"``) or total memory, bytes."""
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available if kind == "free" else vm.total)
-    except ImportError:
-        pages = os.sysconf("SC_AVPHYS_PAGES" if kind == "free" else "SC_PHYS_PAGES")
-        return int(pages * os.sysconf("SC_PAGE_SIZE"))
-
-
-def local_free_bytes(device: torch.device) -> int:
-    """Memory this rank could still allocate (CPU: its share of the available host memory).
-
-    CUDA: the driver's free bytes plus what the caching allocator holds unused (it hands that
-    out first), and no more than ``set_per_process_memory_fraction`` leaves: the driver knows
-    nothing of that cap, and a budget planned past it would turn into allocator retries.
-
-    [Note: ranks share the host]
-    CPU ranks on one host allocate from the same memory, so each plans with its share of what
-    is available (``LOCAL_WORLD_SIZE``, set by torchrun and zbuf's launcher). With the whole of
-    it each, ``zbuf train --micro-batch 4096`` (2 CPU ranks, 21 GiB free) planned 18 GiB a rank,
-    and the kernel killed a rank mid-step instead of the plan being refused (issue 37, item 1).
-    """
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        available = free + torch.cuda.memory_reserved(device) - allocated
-        cap = torch.cuda.get_per_process_memory_fraction(device) * total
-        return max(0, int(min(available, cap - allocated)))
-    return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -30,7 +30,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepPhases", "PhaseMeter", "PHASES", "in_backward"]
+from ..runtime import in_backward
+
+__all__ = ["StepPhases", "PhaseMeter", "PHASES"]
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -80,14 +82,6 @@ def _tensor_bytes(t: Any) -> int:
     if isinstance(local, torch.Tensor):
         t = local
     return t.numel() * t.element_size()
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread. An optimizer step there is the
-    optimizer in backward ([Note: optimizer in backward] in optimizer_in_backward.py), part of
-    the backward phase, not a phase of its own; a gather there is a checkpoint's recompute
-    ([Note: reduce once] in reduce_once.py)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class PhaseMeter:

@@ -1,0 +1,123 @@
+"""One table of modes ([Note: one table of modes] in zbuf/compile/modes.py): every legal
+combination trains as eager zbuf does (one process, CPU), every refused one is refused with one
+line by ``zbuf.compile``, by the backend's options and by ``zbuf train`` alike, and no option is
+silently ignored."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zbuf.compile
+from parity import token_batches, train_adamw
+from zbuf.compile.modes import RULES, Modes, legal_modes, refusal
+from zbuf.compile.options import CompileOptions
+from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+from zbuf.shard import shard
+
+pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
+
+LEGAL = legal_modes()
+
+
+def _name(m: Modes) -> str:
+    on = [n for n in ("optimizer_in_backward", "offload_optimizer", "compile_blocks_once")
+          if getattr(m, n)]
+    return "-".join([m.structure, m.recompute, *on])
+
+
+def test_the_table_counts_what_the_issue_counted():
+    # optimizer_in_backward has ten legal combinations (issue 39); blocks take no whole-graph mode
+    assert len(LEGAL) == 18
+    assert sum(m.optimizer_in_backward for m in LEGAL) == 10
+    assert {(m.recompute, m.optimizer_in_backward, m.offload_optimizer, m.compile_blocks_once)
+            for m in LEGAL if m.structure == "blocks"} == {
+        (r, False, False, False) for r in ("checkpointed", "auto", "none")}
+
+
+def test_every_rule_refuses_something_legal_modes_do_not_hold():
+    every = [Modes(structure=s, recompute=r, optimizer_in_backward=o, offload_optimizer=f,
+                   compile_blocks_once=c, budget_bytes=b, activation_budget_bytes=a,
+                   coalesce=k, optimizer=opt, fullgraph=fg)
+             for s in ("graph", "blocks") for r in ("checkpointed", "auto", "none")
+             for o in (False, True) for f in (False, True) for c in (False, True)
+             for b in (False, True) for a in (False, True) for k in (False, True)
+             for opt in (False, True) for fg in (False, True)]
+    for rule in RULES:  # each rule is reachable, and a line renders for what it refuses
+        hits = [m for m in every if rule.refuses(m)]
+        assert hits, rule.line
+        assert all(refusal(m) for m in hits)
+    assert not any(refusal(m) for m in LEGAL)
+
+
+def _model(checkpointed: bool = True):
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97, hidden_size=32,
+                                         ffn_hidden_size=64, head_dim=8)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    apply_activation_checkpointing(model, checkpointed)
+    return model
+
+
+@pytest.mark.parametrize("modes", LEGAL, ids=_name)
+def test_every_legal_combination_trains_as_eager_zbuf(modes):
+    # a block compiled once refuses the caller's checkpoint around it ([Note: region bodies])
+    base = _model(checkpointed=not modes.compile_blocks_once)
+    batches = token_batches(3)
+    eager = shard(copy.deepcopy(base))
+    expected = train_adamw(eager, eager, batches)
+    model = shard(copy.deepcopy(base))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = zbuf.compile(model, optimizer=opt, inner="aot_eager", fullgraph=True,
+                            structure=modes.structure, recompute=modes.recompute,
+                            optimizer_in_backward=modes.optimizer_in_backward,
+                            offload_optimizer=modes.offload_optimizer,
+                            compile_blocks_once=modes.compile_blocks_once)
+    losses = train_adamw(compiled, model, batches, opt=opt)
+    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("options, line", [
+    (dict(structure="blocks", optimizer_in_backward=True),
+     "structure='blocks' does not take optimizer_in_backward=True"),
+    (dict(structure="blocks", compile_blocks_once=True),
+     "structure='blocks' compiles each block as its own frame"),
+    (dict(compile_blocks_once=True, recompute="auto"),
+     "compile_blocks_once=True does not combine with recompute='auto'"),
+    (dict(offload_optimizer=True), "offload_optimizer=True needs optimizer_in_backward=True"),
+    (dict(structure="blocks", coalesce=False), "coalesce_min_bytes would tune nothing"),
+])
+def test_a_refused_combination_is_one_line_from_zbuf_compile(options, line):
+    model = shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=line) as refused:
+        zbuf.compile(model, optimizer=opt, inner="aot_eager", fullgraph=True, **options)
+    assert "\n" not in str(refused.value)
+
+
+def test_coalescing_is_honoured_or_refused_never_ignored():
+    """The block frames gather each block with one collective: a coalesce option makes zbuf pick
+    the whole graph, which reads it, and ``structure='blocks'`` refuses it."""
+    assert CompileOptions(coalesce_max_bytes=1 << 20).graph_only
+    assert not CompileOptions().graph_only
+    model = shard(_model())
+    compiled = zbuf.compile(model, inner="aot_eager", coalesce=False)
+    assert compiled is not model  # the whole graph: torch.compile's wrapper, not the model itself
+    with pytest.raises(ValueError, match="coalesce / coalesce_max_bytes"):
+        CompileOptions(structure="blocks", coalesce_min_bytes=1)
+
+
+def test_the_command_refuses_in_its_own_words():
+    from zbuf.train.config import ConfigError, TrainConfig
+
+    for options, line in [
+        (dict(compile_structure="blocks", optimizer_in_backward=True),
+         "--compile-structure blocks does not take --optimizer-in-backward"),
+        (dict(compile_blocks_once=True, ac="auto"),
+         "--compile-blocks-once does not combine with --ac auto"),
+        (dict(offload_optimizer=True), "--offload-optimizer needs --optimizer-in-backward"),
+    ]:
+        with pytest.raises(ConfigError, match=line):
+            TrainConfig(**options).resolve(cuda=False, world=2, bench=False)
