@@ -222,9 +222,10 @@ def test_hugging_face_layers_under_their_own_checkpointing(path):
     assert stats.outside_allocations == 0 and stats.checked_out == 0, stats
 
 
-@pytest.mark.parametrize("placement", ("parent", "inside"))
-def test_bf16_trains_close_to_the_reference(placement):
-    _, losses, ref_losses = _against_reference(placement, "zbuf.compile", dtype=torch.bfloat16)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_bf16_trains_close_to_the_reference(placement, path):
+    _, losses, ref_losses = _against_reference(placement, path, dtype=torch.bfloat16)
     torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=2e-2)
 
 
