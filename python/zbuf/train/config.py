@@ -93,7 +93,7 @@ class TrainConfig:
     """Engines to run, in order (``zbuf train``: exactly one; ``zbuf bench``: several)."""
     preset: Optional[str] = option(
         help="built-in model preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
-             "qwen3-14b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model",
+             "qwen3-14b, qwen3-32b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model",
         commands=WITH_FIT)
     """Model preset from ``zbuf.models.PRESETS``; default ``tiny`` on CPU, ``qwen3-0.6b`` on GPU."""
     hf_model: Optional[str] = None
