@@ -1,0 +1,209 @@
+"""The optimizer's state offloaded for a step after backward ([Note: optimizer state offloaded
+after backward] in zbuf/optimizer_step_offload.py): the schedule's order, the bucket plan, the
+bytes each step moves, and the same updates bit for bit as the state kept on the device. On CPU
+the host copies are separate tensors and every copy is made; only the overlap needs a GPU."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zbuf.optimizer_step_offload import StepOffload, plan_buckets, step_schedule
+
+MAX_EXAMPLES = int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150"))
+
+
+# -- the schedule (pure) -----------------------------------------------------------------------
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(buckets=st.integers(0, 30), slots=st.integers(1, 4), data=st.data())
+def test_schedule_steps_each_bucket_once_between_its_upload_and_download(buckets, slots, data):
+    prefetched = frozenset(data.draw(st.sets(st.integers(0, max(0, min(slots, buckets) - 1)))))
+    prefetched &= frozenset(range(buckets))
+    in_step, after = step_schedule(buckets, prefetched, slots)
+    on_device = {i: i % slots for i in prefetched}  # bucket -> slot
+    slot_holds = {s: b for b, s in on_device.items()}
+    stepped, downloaded = [], set()
+    for op in in_step:
+        assert op.slot == op.bucket % slots  # a bucket always uses the same slot
+        if op.kind == "upload":
+            # A slot is rewritten only once the bucket it held went back to the host.
+            assert slot_holds.get(op.slot) in (None, *downloaded)
+            slot_holds[op.slot] = op.bucket
+            on_device[op.bucket] = op.slot
+        elif op.kind == "step":
+            assert slot_holds.get(op.slot) == op.bucket, "stepped before its upload"
+            stepped.append(op.bucket)
+        else:
+            assert stepped[-1] == op.bucket, "downloaded before its step"
+            downloaded.add(op.bucket)
+        live = [b for b in on_device if b not in downloaded]
+        assert len(live) <= slots
+    assert stepped == list(range(buckets))
+    assert downloaded == set(range(buckets))
+    uploads = [op.bucket for op in in_step if op.kind == "upload"]
+    assert sorted(uploads + sorted(prefetched)) == list(range(buckets))
+    # After the step: the next step's first buckets, each into its slot.
+    assert [(op.kind, op.bucket) for op in after] == [("upload", i)
+                                                        for i in range(min(slots, buckets))]
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 100)), max_size=30)
+       .map(lambda xs: sorted(xs, key=lambda x: x[0])),
+       resident=st.integers(0, 400), bucket=st.integers(1, 250))
+def test_bucket_plan_keeps_a_prefix_and_cuts_the_rest_in_order(sizes, resident, bucket):
+    kept, buckets = plan_buckets(sizes, resident, bucket)
+    assert kept == list(range(len(kept)))
+    assert sum(sizes[i][1] for i in kept) <= resident
+    if len(kept) < len(sizes):  # the next one did not fit
+        assert sum(sizes[i][1] for i in kept) + sizes[len(kept)][1] > resident
+    assert [i for b in buckets for i in b] == list(range(len(kept), len(sizes)))
+    for b in buckets:
+        assert len({sizes[i][0] for i in b}) == 1, "a bucket spans two groups"
+        # Closed by the parameter that reached the size, or by its group's (or the list's) end.
+        assert sum(sizes[i][1] for i in b[:-1]) < bucket
+        last = b[-1]
+        ends_group = last + 1 == len(sizes) or sizes[last + 1][0] != sizes[last][0]
+        assert ends_group or sum(sizes[i][1] for i in b) >= bucket
+
+
+# -- the executor on CPU -----------------------------------------------------------------------
+
+SHAPES = [(37,), (16, 8), (5, 3), (64,), (9,), (12, 12)]
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _optimizer(kind, params):
+    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 3e-2}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=kind == "adamw-fused")
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _train(kind, steps, offload_args=None, seed=0):
+    params = _params(seed)
+    opt = _optimizer(kind, params)
+    off = StepOffload(opt, torch.device("cpu"), **offload_args) if offload_args else None
+    for step in range(steps):
+        _grads(params, step)
+        opt.step()
+        opt.zero_grad()
+    return params, opt, off
+
+
+def _state_equal(a, b, params_a, params_b):
+    for pa, pb in zip(params_a, params_b):
+        sa, sb = a.state[pa], b.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+
+
+@settings(max_examples=max(10, MAX_EXAMPLES // 10), deadline=None)
+@given(kind=st.sampled_from(["adamw", "adamw-fused", "sgd"]), resident=st.integers(0, 3000),
+       bucket=st.integers(1, 1500), steps=st.integers(1, 4))
+def test_offloaded_step_is_bit_exact_against_the_state_on_the_device(kind, resident, bucket,
+                                                                      steps):
+    ref, ref_opt, _ = _train(kind, steps)
+    got, opt, off = _train(kind, steps, {"resident_bytes": resident, "bucket_bytes": bucket})
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    _state_equal(ref_opt, opt, ref, got)
+    # Between steps the streamed state is in the host copies, the resident state is not.
+    arena = off._arena
+    streamed = {id(p) for b in off.buckets for p in b.params}
+    for p in got:
+        for k, v in opt.state[p].items():
+            if v.dim() == 0:
+                continue
+            in_arena = (arena is not None and arena.data_ptr() <= v.data_ptr()
+                        < arena.data_ptr() + arena.numel())
+            assert in_arena == (id(p) in streamed), (k, p.shape)
+
+
+def test_each_step_moves_the_streamed_state_once_each_way():
+    per_param = [2 * 4 * torch.Size(s).numel() for s in SHAPES]  # AdamW: two fp32 moments
+    resident = per_param[0] + per_param[1]
+    _, opt, off = _train("adamw", 4, {"resident_bytes": resident, "bucket_bytes": 300})
+    # 120 B + 512 B close the first bucket; 72 B + 1152 B, the second group's, the second.
+    assert [len(b.params) for b in off.buckets] == [2, 2]
+    streamed = sum(b.used for b in off.buckets)
+    assert streamed >= sum(per_param[2:])  # aligned copies of each moment
+    first, *steady = off.records
+    # Step 0 makes the state (nothing to upload) and sends the next step's first two buckets.
+    assert first.downloaded_bytes == streamed
+    assert first.uploaded_bytes == off.buckets[0].used + off.buckets[1].used
+    for r in steady:
+        assert r.uploaded_bytes == r.downloaded_bytes == streamed
+    rep = off.report()
+    assert rep["bytes_moved_per_step"] == 2 * streamed
+    assert rep["resident_state_bytes"] == resident
+    assert rep["device_slot_bytes"] == 2 * max(b.capacity for b in off.buckets)
+
+
+def test_the_executor_runs_the_schedule_in_order(monkeypatch):
+    params = _params(0)
+    opt = _optimizer("adamw", params)
+    off = StepOffload(opt, torch.device("cpu"), bucket_bytes=50)
+    done = []
+    for kind in ("upload", "step_bucket", "download"):
+        real = getattr(off, f"_{kind}")
+        monkeypatch.setattr(off, f"_{kind}", lambda i, s, real=real, kind=kind: (
+            done.append((kind.replace("_bucket", ""), i, s)), real(i, s)))
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    n = len(off.buckets)
+    assert n == 6
+    first, after = step_schedule(n)
+    second, after2 = step_schedule(n, frozenset({0, 1}))
+    assert done == [tuple(op) for op in first + after + second + after2]
+
+
+def test_state_dict_round_trip_continues_bit_exact():
+    ref, ref_opt, _ = _train("adamw", 5)
+    params, opt, off = _train("adamw", 3, {"bucket_bytes": 400})
+    saved = {k: v for k, v in opt.state_dict().items()}
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = _optimizer("adamw", params2)
+    off2 = StepOffload(opt2, torch.device("cpu"), bucket_bytes=400)
+    opt2.load_state_dict(saved)
+    assert all(b.used for b in off2.buckets)  # the loaded state went to the host copies
+    for step in (3, 4):
+        _grads(params2, step)
+        opt2.step()
+    for a, b in zip(ref, params2):
+        assert torch.equal(a, b)
+    _state_equal(ref_opt, opt2, ref, params2)
+
+
+def test_inactive_offload_changes_nothing_and_turns_on_only_before_the_first_step():
+    ref, ref_opt, _ = _train("adamw", 2)
+    params, opt, off = _train("adamw", 2, {"active": False})
+    assert not off.active and off.records == []
+    for a, b in zip(ref, params):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="turn offload on before its first step"):
+        off.activate(0)
+
+
+def test_more_state_than_the_policy_knows_is_one_clear_error():
+    params = _params(0)
+    opt = torch.optim.AdamW(params, amsgrad=True)  # a third moment, max_exp_avg_sq
+    StepOffload(opt, torch.device("cpu"))
+    _grads(params, 0)
+    with pytest.raises(RuntimeError, match="STATE_COPIES or drop offload_optimizer"):
+        opt.step()
