@@ -274,6 +274,17 @@ class StepOffload:
         """Bytes of state the host arena holds room for (the streamed parameters')."""
         return sum(b.capacity for b in self.buckets)
 
+    def host_held_bytes(self) -> int:
+        """Bytes of state tensors that point at their host copies now (between steps: all the
+        streamed state)."""
+        if self._arena is None:
+            return 0
+        lo, hi = self._arena.data_ptr(), self._arena.data_ptr() + self._arena.numel()
+        return sum(v.numel() * v.element_size()
+                   for b in self.buckets for p in b.params
+                   for v in self.optimizer.state.get(p, {}).values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0 and lo <= v.data_ptr() < hi)
+
     def device_bytes(self) -> int:
         """Device bytes the streamed state takes: its slots."""
         return sum(s.numel() for s in self.slots)

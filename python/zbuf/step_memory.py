@@ -116,6 +116,7 @@ from .step_phases import ROWS_KEPT, PhaseMeter, StepPhases, in_backward
 
 if TYPE_CHECKING:
     from .compile.replan import Replanner
+    from .offload_choice import OffloadChoice
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget", "fragmentation_ppm",
            "measured_room", "SAFETY_DIVISOR"]
@@ -304,6 +305,10 @@ class StepMemory:
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
         self._events0 = self._event_counts()
+        self.offload_choice: Optional["OffloadChoice"] = None
+        """Where the optimizer's state lives, when the plan decides it at step 0 ([Note:
+        offloading when the step does not fit] in zbuf/offload_choice.py); set by
+        ``zbuf.compile``."""
         self._host_limit = None
         if pool.device.type != "cuda":
             if host_free_bytes is None:
@@ -358,6 +363,19 @@ class StepMemory:
             lend = m.optimizer_peak_bytes + self.memory.pool_share_bytes() > usable
         if lend:
             self._yielded += self.memory.yield_idle()
+        if self.offload_choice is not None and self.offload_choice.pending:
+            self._choose_offload()
+
+    def _choose_offload(self) -> None:
+        """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
+        reserved bytes and the pool's, on the CPU stand-in with the plans' projected
+        activations), agreed over the ranks, decides where the state goes."""
+        peak = self.meter.reserved_peak_so_far() + (self._pool_after_backward or 0)
+        if self._host_limit is not None and self.replanner is not None:
+            peak += max(self.replanner.activation_peaks(gradients=False).values(), default=0)
+        (limit,), (peak,) = agree_extremes(self.group, self.memory.device,
+                                           smallest=[self.limit_bytes()], largest=[peak])
+        self.offload_choice.decide(self._usable(limit), peak)
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -494,4 +512,6 @@ class StepMemory:
             "events": dict(vars(self.memory.events)),
             "optimizer_attached": self.optimizer is not None,
             "capacity": self.memory.capacity_fraction(),
+            "optimizer_offload": (None if self.offload_choice is None
+                                  else self.offload_choice.report()),
         }
