@@ -188,13 +188,10 @@ class StepOffload:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  resident_bytes: int = 0, bucket_bytes: int = BUCKET_BYTES,
                  active: bool = True) -> None:
-        step = getattr(type(optimizer).step, "__wrapped__", None)
-        if step is None:
-            raise TypeError(f"offload_optimizer: {type(optimizer).__name__}.step is not torch's "
-                            f"hooked Optimizer.step; offload works with torch.optim optimizers")
-        self._step_fn = step
-        """The optimizer's step without its hooks: called once per bucket inside the hooked
-        step, whose hooks (the step's memory phases, the user's) run once."""
+        self._step_fn = type(optimizer).step
+        """The optimizer's own step, called once per bucket inside the user's ``step()`` with
+        the optimizer's step hooks set aside, so that they (the step's memory phases, the
+        user's) run once per step. Torch's global optimizer hooks run per bucket."""
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.copies_async = self.device.type == "cuda"
@@ -386,11 +383,15 @@ class StepOffload:
                     state[p][k] = b.view(base, (id(p), k))
         opt = self.optimizer
         everything = opt.param_groups
+        hooks = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
         opt.param_groups = [dict(b.group, params=b.params)]
+        # Rebound, not cleared: the user's step is iterating over these dicts right now.
+        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = {}, {}
         try:
             self._step_fn(opt)
         finally:
             opt.param_groups = everything
+            opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = hooks
         # State the step made (the first step of a parameter): into the slot, laid out for good.
         for p in b.params:
             for k, v in list(state.get(p, {}).items()):
