@@ -256,6 +256,9 @@ def _planned(model) -> dict:
         out["persistent_bytes"] = r.persistent_bytes
         if r.recompute is not None:
             out["recompute"] = r.recompute.to_dict()
+    memory = zbuf.compile.step_memory_of(model)
+    if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
+        out["optimizer_offload"] = memory.report()["optimizer_offload"]
     return out
 
 
