@@ -115,8 +115,8 @@ class OffloadChoice:
         self.chosen_by = "plan"
         self.why = (f"step 0 peaked at {_gib(peak_bytes)}; with the optimizer's {_gib(state)} "
                     f"of state beside it the step needs {_gib(peak_bytes + state)}, over the "
-                    f"usable {_gib(usable_bytes)}: {_gib(resident)} of the state stays on the "
-                    f"device, the rest in host memory")
+                    f"usable {_gib(usable_bytes)}: {_gib(self.offload.resident_bytes)} of the "
+                    f"state stays on the device, the rest in host memory")
 
     def report(self) -> dict[str, Any]:
         """For the run record: who chose, why, and what the offload moved."""

@@ -163,7 +163,7 @@ class _Bucket:
 
     def view(self, base: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
         offset, dtype, shape = self.entries[key]
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         return base[offset:offset + nbytes].view(dtype).view(shape)
 
 
@@ -196,7 +196,9 @@ class StepOffload:
         self.device = torch.device(device)
         self.copies_async = self.device.type == "cuda"
         self.bucket_bytes = bucket_bytes
-        self.resident_bytes = resident_bytes
+        self.resident_bytes = 0
+        """State that stays on the device (planned: the first parameters' up to what
+        ``activate`` was given)."""
         self.active = False
         self.resident: list[nn.Parameter] = []
         self.buckets: list[_Bucket] = []
@@ -234,7 +236,6 @@ class StepOffload:
             raise RuntimeError("StepOffload.activate: the optimizer has stepped already; "
                                "turn offload on before its first step")
         policy = OptimizerPolicy.of(self.optimizer)
-        self.resident_bytes = resident_bytes
         self.active = True
         if policy.state_copies == 0:
             return  # no parameter-shaped state (SGD without momentum)
@@ -249,6 +250,7 @@ class StepOffload:
                     sizes.append((gi, policy.state_bytes([p])))
         resident, buckets = plan_buckets(sizes, resident_bytes, self.bucket_bytes)
         self.resident = [params[i] for i in resident]
+        self.resident_bytes = sum(sizes[i][1] for i in resident)
         self.buckets = [
             _Bucket([params[i] for i in b], groups[b[0]],
                     sum(_aligned(sizes[i][1] // policy.state_copies) * policy.state_copies
