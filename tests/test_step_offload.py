@@ -289,3 +289,31 @@ def test_the_plan_offloads_the_state_when_the_step_would_not_fit(monkeypatch):
     assert small[0] == roomy[0]
     for a, b in zip(roomy[1], small[1]):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(usable=st.integers(1, 10**6), peak=st.integers(0, 10**6), start=st.integers(0, 10**6),
+       state=st.integers(0, 10**6), fraction=st.sampled_from([0.0, 0.5, 1.0]),
+       slots=st.integers(0, 10**5))
+def test_the_plan_keeps_on_the_device_the_most_state_that_fits(usable, peak, start, state,
+                                                                fraction, slots):
+    """[Note: offloading when the step does not fit]: the whole state stays if it fits beside
+    step 0's peak and in the optimizer's own step; else the most that fits both beside the
+    slots and the allocator's headroom."""
+    from zbuf.offload_choice import HEADROOM_DIVISOR, place_state
+
+    place = place_state(usable, peak, start, state, fraction, slots)
+    whole = peak + state <= usable and start + state * (1 + fraction) <= usable
+    assert place.fits == whole
+    if whole:
+        assert place.resident_bytes == state
+        return
+    room = usable - usable // HEADROOM_DIVISOR - slots
+
+    def fits(r):
+        return peak + r <= room and start + r * (1 + fraction) <= room
+
+    r = place.resident_bytes
+    assert 0 <= r <= state
+    assert r == 0 or fits(r)
+    assert r == state or not fits(r + 1)

@@ -11,8 +11,9 @@ reserved bytes plus what the pool held) is known on every rank, agreed as the la
 the smallest usable limit. If that peak plus the whole state fits, nothing changes. If not, the
 state is offloaded ([Note: optimizer state offloaded after backward] in
 zbuf/optimizer_step_offload.py), keeping on the device what fits beside the peak and the two
-slots the streamed part passes through (``resident_state_bytes``): the less moved, the less
-exposed. Decided there, it is decided for the run, on every rank alike, before the state
+slots the streamed part passes through, in forward and backward and in the optimizer's own step
+with its temporaries, with a margin for the allocator (``place_state``): the less moved, the
+less exposed. Decided there, it is decided for the run, on every rank alike, before the state
 exists, so nothing has to move afterwards; the measured step's decision ([Note: whole-step
 budget]) then sees only the state that stayed as the step's growth.
 
@@ -26,14 +27,15 @@ The record says which it was (``report``): chosen by the user or by the plan, an
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from .optimizer_policy import OptimizerPolicy
 from .optimizer_step_offload import BUCKET_BYTES, SLOTS, StepOffload
 
-__all__ = ["OffloadChoice", "resident_state_bytes", "slot_estimate_bytes"]
+__all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes",
+           "HEADROOM_DIVISOR"]
 
 
 def slot_estimate_bytes(optimizer: torch.optim.Optimizer,
@@ -47,13 +49,39 @@ def slot_estimate_bytes(optimizer: torch.optim.Optimizer,
     return min(policy.state_bytes(params), SLOTS * (bucket_bytes + largest))
 
 
-def resident_state_bytes(usable_bytes: int, peak_bytes: int, state_bytes: int,
-                         slot_bytes: int) -> Optional[int]:
-    """None when the whole state fits beside the step's peak; else the state that stays on the
-    device beside the peak and the slots ([Note: offloading when the step does not fit])."""
-    if peak_bytes + state_bytes <= usable_bytes:
-        return None
-    return max(0, min(state_bytes, usable_bytes - peak_bytes - slot_bytes))
+HEADROOM_DIVISOR = 16
+"""Once the state is offloaded, ``usable / HEADROOM_DIVISOR`` is left beside what stays: the
+resident state is allocated at step 0's optimizer step, into a cache that step 0's activations
+shaped, and later steps' allocations must still find room without the allocator's retries (on
+an 80 GiB card 5 GiB, about 0.1 s of the link per step at qwen3-32b's scale)."""
+
+
+class Placement(NamedTuple):
+    """The plan's answer at step 0 ([Note: offloading when the step does not fit])."""
+
+    fits: bool
+    """The whole state fits beside the step's forward/backward peak and in its own step."""
+    resident_bytes: int
+    """State that stays on the device (all of it when ``fits``)."""
+
+
+def place_state(usable_bytes: int, peak_bytes: int, step_start_bytes: int, state_bytes: int,
+                temporary_fraction: float, slot_bytes: int) -> Placement:
+    """Where the state goes. ``peak_bytes``: step 0's largest forward or backward peak (no
+    state); ``step_start_bytes``: what is held as its optimizer step starts (shards, gradients);
+    ``temporary_fraction``: the optimizer step's temporaries per byte of state it steps at once
+    (foreach AdamW: one parameter-sized intermediate per two moments); ``slot_bytes``: the
+    streamed state's device slots. The state fits when it fits both beside the peak and in the
+    step with its temporaries; else what stays must fit both, beside the slots and
+    ``usable / HEADROOM_DIVISOR``."""
+    with_temporaries = state_bytes * (1 + temporary_fraction)
+    if (peak_bytes + state_bytes <= usable_bytes
+            and step_start_bytes + with_temporaries <= usable_bytes):
+        return Placement(True, state_bytes)
+    room = usable_bytes - usable_bytes // HEADROOM_DIVISOR - slot_bytes
+    beside_peak = room - peak_bytes
+    in_step = int((room - step_start_bytes) / (1 + temporary_fraction))
+    return Placement(False, max(0, min(state_bytes, beside_peak, in_step)))
 
 
 class OffloadChoice:
@@ -97,26 +125,29 @@ class OffloadChoice:
                     f"({_gib(free_bytes)}) could not hold the gradients and the step's "
                     f"temporaries ({_gib(need_bytes)}): all of the state in host memory")
 
-    def decide(self, usable_bytes: int, peak_bytes: int) -> None:
+    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
         """At step 0's optimizer step, before the state exists: ``peak_bytes`` is the step's
-        rank-agreed largest forward or backward peak, ``usable_bytes`` the limit less the
-        margin ([Note: offloading when the step does not fit])."""
+        rank-agreed largest forward or backward peak, ``step_start_bytes`` what is held now,
+        ``usable_bytes`` the limit less the margin ([Note: offloading when the step does not
+        fit])."""
         self.decided = True
         policy = OptimizerPolicy.of(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = policy.state_bytes(params)
-        resident = resident_state_bytes(usable_bytes, peak_bytes, state,
-                                        slot_estimate_bytes(self.optimizer, BUCKET_BYTES))
+        fraction = policy.temporary_bytes(params) / state if state else 0.0
+        place = place_state(usable_bytes, peak_bytes, step_start_bytes, state, fraction,
+                            slot_estimate_bytes(self.optimizer, BUCKET_BYTES))
         self.measured = {"usable_bytes": usable_bytes, "peak_bytes": peak_bytes,
-                         "state_bytes": state}
-        if resident is None:
+                         "step_start_bytes": step_start_bytes, "state_bytes": state}
+        if place.fits:
             return
-        self.offload.activate(resident)
+        self.offload.activate(place.resident_bytes)
         self.chosen_by = "plan"
-        self.why = (f"step 0 peaked at {_gib(peak_bytes)}; with the optimizer's {_gib(state)} "
-                    f"of state beside it the step needs {_gib(peak_bytes + state)}, over the "
-                    f"usable {_gib(usable_bytes)}: {_gib(self.offload.resident_bytes)} of the "
-                    f"state stays on the device, the rest in host memory")
+        self.why = (f"step 0 peaked at {_gib(peak_bytes)} and held {_gib(step_start_bytes)} "
+                    f"as its optimizer step began; the optimizer's {_gib(state)} of state does "
+                    f"not fit beside both in the usable {_gib(usable_bytes)}: "
+                    f"{_gib(self.offload.resident_bytes)} of it stays on the device, the rest "
+                    f"in host memory")
 
     def report(self) -> dict[str, Any]:
         """For the run record: who chose, why, and what the offload moved."""

@@ -369,13 +369,16 @@ class StepMemory:
     def _choose_offload(self) -> None:
         """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
         reserved bytes and the pool's, on the CPU stand-in with the plans' projected
-        activations), agreed over the ranks, decides where the state goes."""
+        activations) and what the optimizer step starts from (allocated now, and the pool's
+        blocks left after it lent), agreed over the ranks, decide where the state goes."""
         peak = self.meter.reserved_peak_so_far() + (self._pool_after_backward or 0)
         if self._host_limit is not None and self.replanner is not None:
             peak += max(self.replanner.activation_peaks(gradients=False).values(), default=0)
-        (limit,), (peak,) = agree_extremes(self.group, self.memory.device,
-                                           smallest=[self.limit_bytes()], largest=[peak])
-        self.offload_choice.decide(self._usable(limit), peak)
+        held = self.meter.resident_bytes() + self.memory.pool.stats().charged_bytes
+        (limit,), (peak, held) = agree_extremes(self.group, self.memory.device,
+                                                smallest=[self.limit_bytes()],
+                                                largest=[peak, held])
+        self.offload_choice.decide(self._usable(limit), peak, held)
 
     # -- the decision -------------------------------------------------------------------------
 
