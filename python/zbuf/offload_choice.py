@@ -8,14 +8,16 @@ and from then on held through every forward and backward, so what decides is ste
 measured ([Note: measure first, then spend] in zbuf/step_memory.py): at its optimizer step's
 pre-hook, before any state exists, the step's largest forward or backward peak (torch's
 reserved bytes plus what the pool held) is known on every rank, agreed as the largest, against
-the smallest usable limit. If that peak plus the whole state fits, nothing changes. If not, the
+the smallest usable limit, with what the optimizer step starts from. If the whole state fits
+beside that peak and in the optimizer step with its temporaries, nothing changes. If not, the
 state is offloaded ([Note: optimizer state offloaded after backward] in
-zbuf/optimizer_step_offload.py), keeping on the device what fits beside the peak and the two
-slots the streamed part passes through, in forward and backward and in the optimizer's own step
-with its temporaries, with a margin for the allocator (``place_state``): the less moved, the
+zbuf/optimizer_step_offload.py), keeping on the device what fits beside the forward/backward
+peak and in the optimizer's own step with its temporaries and the two slots the streamed
+part passes through, with a margin for the allocator (``place_state``): the less moved, the
 less exposed. Decided there, it is decided for the run, on every rank alike, before the state
 exists, so nothing has to move afterwards; the measured step's decision ([Note: whole-step
-budget]) then sees only the state that stayed as the step's growth.
+budget]) then sees only the state that stayed as the step's growth, and the slots in the
+optimizer's peak.
 
 One case is known before step 0: when the whole state plus the gradients and the optimizer's
 temporaries exceed the free memory agreed at compile time, step 0 could not reach its optimizer
@@ -40,9 +42,9 @@ __all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes",
 
 def slot_estimate_bytes(optimizer: torch.optim.Optimizer,
                         bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Device bytes the streamed state's slots take at most: ``SLOTS`` buckets, each closed by
-    the parameter that reaches ``bucket_bytes`` (so at most that plus the largest parameter's
-    state), and never more than the whole state."""
+    """Device bytes the streamed state's slots take at most, in the optimizer step: ``SLOTS``
+    buckets, each closed by the parameter that reaches ``bucket_bytes`` (so at most that plus
+    the largest parameter's state), and never more than the whole state."""
     policy = OptimizerPolicy.of(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     largest = max((policy.state_bytes([p]) for p in params), default=0)
@@ -71,16 +73,16 @@ def place_state(usable_bytes: int, peak_bytes: int, step_start_bytes: int, state
     state); ``step_start_bytes``: what is held as its optimizer step starts (shards, gradients);
     ``temporary_fraction``: the optimizer step's temporaries per byte of state it steps at once
     (foreach AdamW: one parameter-sized intermediate per two moments); ``slot_bytes``: the
-    streamed state's device slots. The state fits when it fits both beside the peak and in the
-    step with its temporaries; else what stays must fit both, beside the slots and
-    ``usable / HEADROOM_DIVISOR``."""
+    streamed state's device slots, made in the optimizer step only. The state fits when it fits
+    both beside the peak and in the step with its temporaries; else what stays must fit both
+    (in the step, beside the slots), with ``usable / HEADROOM_DIVISOR`` to spare."""
     with_temporaries = state_bytes * (1 + temporary_fraction)
     if (peak_bytes + state_bytes <= usable_bytes
             and step_start_bytes + with_temporaries <= usable_bytes):
         return Placement(True, state_bytes)
-    room = usable_bytes - usable_bytes // HEADROOM_DIVISOR - slot_bytes
+    room = usable_bytes - usable_bytes // HEADROOM_DIVISOR
     beside_peak = room - peak_bytes
-    in_step = int((room - step_start_bytes) / (1 + temporary_fraction))
+    in_step = int((room - slot_bytes - step_start_bytes) / (1 + temporary_fraction))
     return Placement(False, max(0, min(state_bytes, beside_peak, in_step)))
 
 

@@ -1,5 +1,6 @@
 """The optimizer's state in host memory for an optimizer stepped after backward, streamed through
-two device slots by a schedule that overlaps the link with the step and the next forward.
+two device slots by a schedule that overlaps the link's two directions with each other and with
+the step.
 
 [Note: optimizer state offloaded after backward]
 ``StateOffload`` (optimizer_offload.py) needs the optimizer in backward, which needs the whole
@@ -15,33 +16,34 @@ the activations are gone. ``StepOffload`` keeps them in pinned host memory:
   way. The *resident* parameters (the first ones, up to ``resident_bytes`` of state) keep theirs
   on the device and are stepped by the user's own ``opt.step()`` call, as without offload.
   Scalar state (``step``) stays where the optimizer keeps it.
-* Two device slots, each the size of the largest bucket, made once and never freed: the only
-  device memory the streamed state takes. Bucket ``i`` always uses slot ``i % 2``.
+* Two device slots, each the size of the largest bucket, exist only during the step (made by
+  its pre-hook, when the activations are gone; let go by its post-hook): forward and backward
+  hold none of the streamed state. Bucket ``i`` uses slot ``i % 2``.
 * The schedule (``step_schedule``, pure, tested on its own), run by the optimizer's step
-  pre-hook: for each bucket, the compute stream waits for its upload, the optimizer steps just
-  that bucket (its ``param_groups`` narrowed, as the optimizer in backward does), the bucket goes
-  back to the host on the download stream, and the upload of the bucket two ahead into the slot
-  just downloaded follows on the upload stream. Then the user's ``step()`` itself runs over the
-  resident parameters only (its ``param_groups`` narrowed until the post-hook). After the step
-  the first two buckets of the next step are uploaded at once: their slots' last downloads are
-  queued, and the copies run under the next forward and backward, so the next step starts with
-  two buckets on the device.
-* The compute stream never waits for a download: a slot is only rewritten by an upload, which
-  waits for the slot's last download (``freed``) and for its own bucket's (``stored``). The
-  device's blocks never change hands between streams (the slots outlive every copy), which is
-  what made ``record_stream`` unusable for ``StateOffload`` ([Note: the state's device blocks
-  stay with the compute stream] there).
+  pre-hook: the first two buckets are uploaded; then for each bucket the compute stream waits
+  for its upload, the optimizer steps just that bucket (its ``param_groups`` narrowed, as the
+  optimizer in backward does), the bucket goes back to the host on the download stream, and the
+  upload of the bucket two ahead into the slot just downloaded follows on the upload stream.
+  Then the user's ``step()`` itself runs over the resident parameters only (its
+  ``param_groups`` narrowed until the post-hook), which waits for the last downloads and lets
+  the slots go.
+* Streams: an upload waits for its slot's last download (``freed``) and for its bucket's
+  (``stored``); the compute stream waits for a bucket's upload (``ready``) before stepping it,
+  and for the slots' last downloads before their blocks go back to the caching allocator, so the
+  blocks never change hands between streams (what made ``record_stream`` unusable for
+  ``StateOffload``: [Note: the state's device blocks stay with the compute stream] there).
+
+Why the slots are not kept for the next step, prefetched under its forward (as ``StateOffload``
+prefetches): that would hide two buckets' copies (about 50 ms a step at 50 GB/s and 512 MiB
+buckets) with device memory held through forward and backward, where it is scarce. The same
+bytes kept as resident state hide more: they are never copied at all ([Note: offloading when the
+step does not fit] in zbuf/offload_choice.py sizes that).
 
 What it costs: both directions of the link carry the streamed state once per step, at the same
-time. The step waits for an upload only when the link falls behind: with ``n`` buckets of ``B``
-bytes over a link of ``W`` bytes/s the exposed time is about ``(n - 2) * B / W`` (the first two
-come in under the previous backward; the downloads of the last ones and every later upload run
-under the next forward). Each step measures it: CUDA events around each of the compute stream's
-waits (read a step later, without a host sync), the time the compute stream stood still;
-``bytes_moved`` counts what was copied each way. More resident state means less moved and less
-exposed, for device memory: what the memory owner trades (``zbuf.compile(...,
-offload_optimizer=None)`` decides it from the measured step: [Note: offloading when the step
-does not fit] in zbuf/offload_choice.py).
+time, so the step lasts about ``streamed bytes / link bandwidth`` longer (0.3 s for qwen3-14b's
+14.8 GB at 50 GB/s), less the compute it overlaps. Each step measures what the compute stream
+waited: CUDA events around each of its waits (read a step later, without a host sync);
+``bytes_moved`` counts what was copied each way.
 
 Bit for bit the update is the one the whole ``step()`` makes: torch's optimizers update each
 parameter from its own gradient and state, whatever else the call steps. On a CPU device the
@@ -67,7 +69,7 @@ __all__ = ["StepOffload", "Op", "step_schedule", "plan_buckets", "BUCKET_BYTES",
 BUCKET_BYTES = 512 << 20
 """Streamed state per bucket: big enough that a copy runs near the link's speed and the step's
 per-call host cost (about a millisecond) stays far below a bucket's copy (about 10 ms at 50 GB/s);
-small enough that two slots cost little device memory beside the state they replace."""
+small enough that the step's two slots cost little device memory."""
 
 SLOTS = 2
 """Device slots the streamed buckets pass through: one stepping, one arriving."""
@@ -85,22 +87,16 @@ class Op(NamedTuple):
     slot: int
 
 
-def step_schedule(buckets: int, prefetched: frozenset[int] = frozenset(),
-                  slots: int = SLOTS) -> tuple[list[Op], list[Op]]:
-    """The order of one step's work over ``buckets`` streamed buckets ([Note: optimizer state
-    offloaded after backward]), ``prefetched`` ones being on the device already: the ops of the
-    step, then those issued after it (the next step's first ``slots`` buckets, uploaded under
-    the next forward)."""
-    ops: list[Op] = []
-    for i in range(min(slots, buckets)):
-        if i not in prefetched:
-            ops.append(Op("upload", i, i % slots))
+def step_schedule(buckets: int, slots: int = SLOTS) -> list[Op]:
+    """The order of one step's work over ``buckets`` streamed buckets and ``slots`` device slots
+    ([Note: optimizer state offloaded after backward])."""
+    ops = [Op("upload", i, i % slots) for i in range(min(slots, buckets))]
     for i in range(buckets):
         ops.append(Op("step", i, i % slots))
         ops.append(Op("download", i, i % slots))
         if i + slots < buckets:
             ops.append(Op("upload", i + slots, i % slots))
-    return ops, [Op("upload", i, i % slots) for i in range(min(slots, buckets))]
+    return ops
 
 
 def plan_buckets(sizes: list[tuple[int, int]], resident_bytes: int,
@@ -202,11 +198,13 @@ class StepOffload:
         self.active = False
         self.resident: list[nn.Parameter] = []
         self.buckets: list[_Bucket] = []
+        self.slot_bytes = 0
+        """Bytes of each slot: the largest bucket's."""
         self.slots: list[torch.Tensor] = []
+        """The slots, during a step only."""
         self._freed: list[Any] = []
         """CUDA: each slot's last download event."""
         self._arena: Optional[torch.Tensor] = None
-        self._prefetched: set[int] = set()
         self._groups: Optional[list[dict]] = None
         """The user's ``param_groups`` while the step runs narrowed to the resident ones."""
         self._waits: list[tuple[Any, Any]] = []
@@ -264,10 +262,7 @@ class StepOffload:
             for b in self.buckets:
                 b.host = self._arena[start:start + b.capacity]
                 start += b.capacity
-            largest = max(b.capacity for b in self.buckets)
-            self.slots = [torch.empty(largest, dtype=torch.uint8, device=self.device)
-                          for _ in range(min(SLOTS, len(self.buckets)))]
-            self._freed = [None] * len(self.slots)
+            self.slot_bytes = max(b.capacity for b in self.buckets)
 
     def offloaded_bytes(self) -> int:
         """Bytes of state the host arena holds room for (the streamed parameters')."""
@@ -285,8 +280,8 @@ class StepOffload:
                    if isinstance(v, torch.Tensor) and v.dim() > 0 and lo <= v.data_ptr() < hi)
 
     def device_bytes(self) -> int:
-        """Device bytes the streamed state takes: its slots."""
-        return sum(s.numel() for s in self.slots)
+        """Device bytes the streamed state takes during the step: its slots (none outside)."""
+        return self.slot_bytes * min(SLOTS, len(self.buckets))
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -298,16 +293,18 @@ class StepOffload:
             self._groups = None
         self._read_waits()
         self._pending = (0, 0, 0.0)
-        in_step, _after = step_schedule(len(self.buckets), frozenset(self._prefetched),
-                                        len(self.slots))
-        for op in in_step:
+        count = min(SLOTS, len(self.buckets))
+        # Made on the compute stream, now that backward's activations are gone.
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(count)]
+        self._freed = [None] * count
+        for op in step_schedule(len(self.buckets), count):
             if op.kind == "upload":
                 self._upload(op.bucket, op.slot)
             elif op.kind == "step":
                 self._step_bucket(op.bucket, op.slot)
             else:
                 self._download(op.bucket, op.slot)
-        self._prefetched.clear()
         opt = self.optimizer
         resident = {id(p) for p in self.resident}
         self._groups = opt.param_groups
@@ -319,14 +316,27 @@ class StepOffload:
             return
         self.optimizer.param_groups = self._groups
         self._groups = None
-        _in_step, after = step_schedule(len(self.buckets), slots=len(self.slots))
-        for op in after:
-            self._upload(op.bucket, op.slot)
-            self._prefetched.add(op.bucket)
+        if self.copies_async:
+            # The slots' blocks go back to the compute stream once their downloads are done.
+            compute = torch.cuda.current_stream(self.device)
+            for event in self._freed:
+                if event is not None:
+                    self._timed_wait(compute, event)
+        self.slots, self._freed = [], []
         up, down, seconds = self._pending
         self._pending = None
         self.records.append(StepRecord(up, down, seconds * 1e3))
         del self.records[:-STEPS_KEPT]
+
+    def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """``compute`` waits for ``event``, between two timing events: the time it stood
+        still."""
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after.record(compute)
+        self._waits.append((before, after))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copies_async:
@@ -368,17 +378,12 @@ class StepOffload:
         if self.copies_async:
             compute = torch.cuda.current_stream(self.device)
             if b.ready is not None:
-                before = torch.cuda.Event(enable_timing=True)
-                after = torch.cuda.Event(enable_timing=True)
-                before.record(compute)
-                compute.wait_event(b.ready)  # the upload waited for the slot's last download
-                after.record(compute)
-                self._waits.append((before, after))
+                self._timed_wait(compute, b.ready)  # the upload waited for the slot's download
                 b.ready = None
             elif self._freed[slot] is not None:
                 # Nothing uploaded (its first step): the state it makes is copied into the slot
                 # below, after the slot's last download.
-                compute.wait_event(self._freed[slot])
+                self._timed_wait(compute, self._freed[slot])
         for p in b.params:
             for k in list(state.get(p, {})):
                 if (id(p), k) in b.entries:
@@ -460,11 +465,10 @@ class StepOffload:
 
     def _take_loaded(self) -> None:
         """After ``load_state_dict`` (which puts the state on the parameters' device): the
-        streamed parameters' state into the host regions; what was prefetched is stale."""
+        streamed parameters' state into the host regions."""
         if not self.active:
             return
         self.settle()
-        self._prefetched.clear()
         state = self.optimizer.state
         for b in self.buckets:
             b.ready = None

@@ -1,6 +1,6 @@
 """The optimizer's state offloaded for a step after backward, on CUDA ([Note: optimizer state
 offloaded after backward] in zbuf/optimizer_step_offload.py): pinned host copies, two device
-slots, copies on their own streams; the same updates bit for bit, the state's device memory
+slots during the step, copies on their own streams; the same updates bit for bit, the state's device memory
 given back, the compute stream's waits measured."""
 
 import pytest
@@ -48,9 +48,9 @@ def test_offloaded_step_matches_the_state_on_the_device_bit_for_bit(fused):
             if v.dim():
                 assert w.device.type == "cpu" and w.is_pinned()
             assert torch.equal(v.cpu(), w.cpu()), k
-    # The device holds the two slots instead of the moments.
+    # Between steps the device holds none of the moments (the slots live in the step only).
     state = sum(2 * p.numel() * 4 for p in ref)
-    assert held[-1] <= held_ref[-1] - state + off.device_bytes() + (1 << 20)
+    assert held[-1] <= held_ref[-1] - state + (1 << 20)
     rep = off.report()
     assert rep["bytes_moved_per_step"] >= 2 * state
     assert rep["exposed_ms_median"] is not None and rep["exposed_ms_median"] >= 0

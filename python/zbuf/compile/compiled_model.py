@@ -46,11 +46,12 @@ def _gradient_bytes(model: torch.nn.Module) -> int:
 
 
 def _offloaded_step_bytes(policy: OptimizerPolicy, optimizer: torch.optim.Optimizer):
-    """``(state on the device, temporaries)`` of a step whose state is all in host memory: its
-    two slots, and one bucket's temporaries ([Note: optimizer state offloaded after backward]
-    in zbuf/optimizer_step_offload.py)."""
+    """``(state on the device through every graph, temporaries)`` of a step whose state is all
+    in host memory: none, and in the optimizer step its two slots and one bucket's temporaries
+    ([Note: optimizer state offloaded after backward] in zbuf/optimizer_step_offload.py)."""
     per_param = BUCKET_BYTES // max(1, policy.state_copies)
-    return slot_estimate_bytes(optimizer), policy.batch_temporary_bytes(optimizer, per_param)
+    return 0, (slot_estimate_bytes(optimizer)
+               + policy.batch_temporary_bytes(optimizer, per_param))
 
 
 def _attach_offload(step_memory: StepMemory, choice: OffloadChoice | None) -> None:
