@@ -27,8 +27,9 @@ the activations are gone. ``StepOffload`` keeps them in pinned host memory:
   Then the user's ``step()`` itself runs over the resident parameters only (its
   ``param_groups`` narrowed until the post-hook), which waits for the last downloads and lets
   the slots go.
-* Streams: an upload waits for its slot's last download (``freed``) and for its bucket's
-  (``stored``); the compute stream waits for a bucket's upload (``ready``) before stepping it,
+* Streams: the uploads start once the compute stream reaches the step (the slots' blocks were
+  its own until then); an upload waits for its slot's last download (``freed``) and for its
+  bucket's (``stored``); the compute stream waits for a bucket's upload (``ready``) before stepping it,
   and for the slots' last downloads before their blocks go back to the caching allocator, so the
   blocks never change hands between streams (what made ``record_stream`` unusable for
   ``StateOffload``: [Note: the state's device blocks stay with the compute stream] there).
@@ -298,6 +299,10 @@ class StepOffload:
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
                       for _ in range(count)]
         self._freed = [None] * count
+        if self.copies_async and count:
+            # Their blocks were the compute stream's until now (backward's activations): the
+            # uploads write them once the compute stream is past this point.
+            self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
         for op in step_schedule(len(self.buckets), count):
             if op.kind == "upload":
                 self._upload(op.bucket, op.slot)
