@@ -3,7 +3,9 @@ after backward] in zbuf/optimizer_step_offload.py): the schedule's order, the bu
 bytes each step moves, and the same updates bit for bit as the state kept on the device. On CPU
 the host copies are separate tensors and every copy is made; only the overlap needs a GPU."""
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -199,9 +201,11 @@ def test_more_state_than_the_policy_knows_is_one_clear_error():
 
 # -- zbuf.compile(model, optimizer=opt): the user's loop -----------------------------------------
 
-def _plain_run(offload, steps=3, **options):
+def _plain_run(offload, steps=3, free=None, **options):
     """The plain user setup on a small decoder (one compiled frame per block): ``steps`` of
-    ``loss.backward(); opt.step()``; returns the losses, the parameters and the offload's record."""
+    ``loss.backward(); opt.step()``; returns the losses, the parameters and the offload's record.
+    ``free(gradient bytes)``: the free memory every rank agrees on at compile time (default: the
+    host's)."""
     import copy
 
     import zbuf
@@ -215,9 +219,15 @@ def _plain_run(offload, steps=3, **options):
     cfg = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16, ffn_hidden_size=96, rope_theta=10_000.0)
     model = shard(copy.deepcopy(build_model(cfg)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    cm = zbuf.compile(model, optimizer=opt, inner="aot_eager", offload_optimizer=offload,
-                      **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    agreed = contextlib.nullcontext()
+    if free is not None:
+        total = free(sum(p.numel() * 4 for p in model.parameters()))
+        agreed = mock.patch("zbuf.compile.compiled_model.agree_free_memory",
+                            lambda group, device=None, reserve_bytes=0: total - reserve_bytes)
+    with agreed:
+        cm = zbuf.compile(model, optimizer=opt, inner="aot_eager", offload_optimizer=offload,
+                          **options)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
@@ -306,3 +316,25 @@ def test_the_plan_keeps_on_the_device_the_most_state_that_fits(usable, peak, sta
     assert 0 <= r <= state
     assert r == 0 or fits(r)
     assert r == state or not fits(r + 1)
+
+
+@pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")
+def test_a_state_that_cannot_fit_beside_the_gradients_is_offloaded_from_the_start(monkeypatch):
+    """[Note: offloading when the step does not fit], known at compile time: with AdamW's state
+    reserved, the free memory cannot hold the gradients (g) and foreach's step temporaries (g);
+    with the state in host memory it holds them and the step's slots and one bucket's
+    temporaries: offloaded whole before step 0, said in the record, the same training."""
+    import zbuf.compile.compiled_model as cmod
+    import zbuf.offload_choice
+
+    monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 8 << 10)
+    monkeypatch.setattr(cmod, "BUCKET_BYTES", 8 << 10)
+    kept = _plain_run(False)
+    moved = _plain_run(None, free=lambda g: 4 * g - 1)  # state 2g + gradients g + temporaries g
+    rec = moved[2]
+    assert rec["chosen_by"] == "plan" and rec["active"], rec
+    assert rec["why"].startswith("at compile time") and rec["resident_state_bytes"] == 0
+    assert rec["measured"] is None  # nothing left to decide at step 0
+    assert moved[0] == kept[0]
+    for a, b in zip(kept[1], moved[1]):
+        assert torch.equal(a, b)
