@@ -319,22 +319,27 @@ def test_the_plan_keeps_on_the_device_the_most_state_that_fits(usable, peak, sta
 
 
 @pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")
-def test_a_state_that_cannot_fit_beside_the_gradients_is_offloaded_from_the_start(monkeypatch):
-    """[Note: offloading when the step does not fit], known at compile time: with AdamW's state
-    reserved, the free memory cannot hold the gradients (g) and foreach's step temporaries (g);
-    with the state in host memory it holds them and the step's slots and one bucket's
-    temporaries: offloaded whole before step 0, said in the record, the same training."""
+def test_a_state_that_cannot_fit_beside_the_gradients_is_planned_without_and_placed_at_step_0(
+        monkeypatch):
+    """[Note: offloading when the step does not fit], expected at compile time: with AdamW's
+    state reserved, the free memory cannot hold the gradients (g) and foreach's step temporaries
+    (g), so step 0's graphs are planned without it (no refusal), and step 0 offloads what does
+    not fit, said in the record; the same training."""
     import zbuf.compile.compiled_model as cmod
     import zbuf.offload_choice
 
     monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 8 << 10)
     monkeypatch.setattr(cmod, "BUCKET_BYTES", 8 << 10)
     kept = _plain_run(False)
-    moved = _plain_run(None, free=lambda g: 4 * g - 1)  # state 2g + gradients g + temporaries g
+    from zbuf.compile.budget import PlanExceedsMemoryError
+
+    with pytest.raises(PlanExceedsMemoryError, match="refusing a step that cannot fit"):
+        _plain_run(False, free=lambda g: 4 * g - 1)  # state 2g + gradients g + temporaries g
+    moved = _plain_run(None, free=lambda g: 4 * g - 1)
     rec = moved[2]
     assert rec["chosen_by"] == "plan" and rec["active"], rec
-    assert rec["why"].startswith("at compile time") and rec["resident_state_bytes"] == 0
-    assert rec["measured"] is None  # nothing left to decide at step 0
+    assert rec["why"].startswith("at compile time") and "step 0 peaked at" in rec["why"]
+    assert rec["offloaded_state_bytes"] > 0
     assert moved[0] == kept[0]
     for a, b in zip(kept[1], moved[1]):
         assert torch.equal(a, b)

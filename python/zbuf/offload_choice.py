@@ -20,9 +20,12 @@ budget]) then sees only the state that stayed as the step's growth, and the slot
 optimizer's peak.
 
 One case is known before step 0: when the whole state plus the gradients and the optimizer's
-temporaries exceed the free memory agreed at compile time, step 0 could not reach its optimizer
-step with that state reserved; then the state is offloaded whole from the start
-(``compile_time``).
+temporaries exceed the free memory agreed at compile time, a plan made with the state reserved
+would be refused; then step 0's graphs are planned without it (``expect``), and step 0 decides
+how much of it stays, as above. (Deciding there to offload all of it would move more than
+needed: at qwen3-32b as rank 0 of 8 with foreach AdamW, whose temporaries are the size of the
+shards, compile time sees 32.8 GB of state, 16.4 of gradients and 16.4 of temporaries beside
+about 69 GB free, while step 0's measurement keeps most of the state on the card.)
 
 The record says which it was (``report``): chosen by the user or by the plan, and why, in bytes.
 """
@@ -88,7 +91,7 @@ def place_state(usable_bytes: int, peak_bytes: int, step_start_bytes: int, state
 
 class OffloadChoice:
     """The optimizer's state placement for one ``zbuf.compile``: ``mode`` True (the user's: all
-    of it offloaded), or None (the plan's: ``compile_time`` or, at step 0, ``decide``).
+    of it offloaded), or None (the plan's, at step 0: ``decide``).
     ``install`` puts the offload's hooks on the optimizer; call it after the step's memory owner
     has put its own, so that at each step its decision runs before the offload's work."""
 
@@ -104,6 +107,8 @@ class OffloadChoice:
         self.decided = bool(mode)
         self.measured: Optional[dict[str, int]] = None
         """Step 0's numbers the plan decided on."""
+        self.expected: Optional[str] = None
+        """Why compile time already expected the state not to fit (``expect``)."""
 
     @property
     def pending(self) -> bool:
@@ -119,13 +124,13 @@ class OffloadChoice:
                                    active=self.offloaded)
         return self.offload
 
-    def compile_time(self, free_bytes: int, need_bytes: int) -> None:
-        """Offload the whole state from the start: with it reserved, the agreed free memory
-        ``free_bytes`` cannot hold the gradients and the step's temporaries ``need_bytes``."""
-        self.chosen_by, self.decided = "plan", True
-        self.why = (f"at compile time the agreed free memory beside the optimizer's state "
-                    f"({_gib(free_bytes)}) could not hold the gradients and the step's "
-                    f"temporaries ({_gib(need_bytes)}): all of the state in host memory")
+    def expect(self, free_bytes: int, need_bytes: int) -> None:
+        """Known at compile time: with the whole state reserved, the agreed free memory
+        ``free_bytes`` cannot hold the gradients and the step's temporaries ``need_bytes``. Step
+        0's graphs are planned without the state; step 0 decides how much of it stays."""
+        self.expected = (f"at compile time the agreed free memory beside the optimizer's state "
+                         f"({_gib(free_bytes)}) could not hold the gradients and the step's "
+                         f"temporaries ({_gib(need_bytes)})")
 
     def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
         """At step 0's optimizer step, before the state exists: ``peak_bytes`` is the step's
@@ -145,7 +150,8 @@ class OffloadChoice:
             return
         self.offload.activate(place.resident_bytes)
         self.chosen_by = "plan"
-        self.why = (f"step 0 peaked at {_gib(peak_bytes)} and held {_gib(step_start_bytes)} "
+        self.why = ("" if self.expected is None else self.expected + "; ") + (
+                    f"step 0 peaked at {_gib(peak_bytes)} and held {_gib(step_start_bytes)} "
                     f"as its optimizer step began; the optimizer's {_gib(state)} of state does "
                     f"not fit beside both in the usable {_gib(usable_bytes)}: "
                     f"{_gib(self.offload.resident_bytes)} of it stays on the device, the rest "

@@ -195,8 +195,9 @@ def compile_model(
                     reserve, temporaries = _offloaded_step_bytes(policy, optimizer)
             free = agree_free_memory(group, reserve_bytes=reserve)
             if choice is not None and choice.pending and free < beside + temporaries:
-                # [Note: offloading when the step does not fit]: known before step 0.
-                choice.compile_time(free, beside + temporaries)
+                # [Note: offloading when the step does not fit]: known before step 0, which
+                # decides how much stays; its graphs are planned without the state.
+                choice.expect(free, beside + temporaries)
                 reserve, temporaries = _offloaded_step_bytes(policy, optimizer)
                 free = agree_free_memory(group, reserve_bytes=reserve)
             # The step's temporaries come after backward, beside the gradients it kept.
