@@ -197,7 +197,6 @@ class StepOffload:
         """State that stays on the device (planned: the first parameters' up to what
         ``activate`` was given)."""
         self.active = False
-        self.resident: list[nn.Parameter] = []
         self.buckets: list[_Bucket] = []
         self.slot_bytes = 0
         """Bytes of each slot: the largest bucket's."""
@@ -207,7 +206,8 @@ class StepOffload:
         """CUDA: each slot's last download event."""
         self._arena: Optional[torch.Tensor] = None
         self._groups: Optional[list[dict]] = None
-        """The user's ``param_groups`` while the step runs narrowed to the resident ones."""
+        """The user's ``param_groups`` while the step runs narrowed to all but the streamed
+        parameters."""
         self._waits: list[tuple[Any, Any]] = []
         """CUDA: (before, after) events around the compute stream's waits of the last step."""
         self._pending: Optional[tuple[int, int, float]] = None
@@ -241,14 +241,14 @@ class StepOffload:
         params, groups, sizes = [], [], []
         seen: set[int] = set()
         for gi, g in enumerate(self.optimizer.param_groups):
+            # A parameter on another device (not one of the model's shards) keeps its state.
             for p in g["params"]:
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad and p.device == self.device and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
                     groups.append(g)
                     sizes.append((gi, policy.state_bytes([p])))
         resident, buckets = plan_buckets(sizes, resident_bytes, self.bucket_bytes)
-        self.resident = [params[i] for i in resident]
         self.resident_bytes = sum(sizes[i][1] for i in resident)
         self.buckets = [
             _Bucket([params[i] for i in b], groups[b[0]],
@@ -311,9 +311,9 @@ class StepOffload:
             else:
                 self._download(op.bucket, op.slot)
         opt = self.optimizer
-        resident = {id(p) for p in self.resident}
+        streamed = {id(p) for b in self.buckets for p in b.params}
         self._groups = opt.param_groups
-        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in resident])
+        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in streamed])
                             for g in self._groups]
 
     def _after_step(self) -> None:
