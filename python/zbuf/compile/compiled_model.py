@@ -141,7 +141,7 @@ def compile_model(
     backward] in zbuf/optimizer_step_offload.py); with ``optimizer_in_backward=True`` brought
     one batch ahead of each step in backward instead ([Note: optimizer state off the device] in
     zbuf/optimizer_offload.py). ``False``: on the device. Each costs two copies of the moved
-    state over the host link per step, overlapped with the step and the next forward.
+    state over the host link per step, one each way at once, overlapped with the step.
     """
     if offload_optimizer and optimizer is None:
         raise ValueError("zbuf.compile(..., offload_optimizer=True) moves the state of the "
