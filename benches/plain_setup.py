@@ -256,6 +256,9 @@ def _planned(model) -> dict:
         out["persistent_bytes"] = r.persistent_bytes
         if r.recompute is not None:
             out["recompute"] = r.recompute.to_dict()
+    memory = zbuf.compile.step_memory_of(model)
+    if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
+        out["optimizer_offload"] = memory.report()["optimizer_offload"]
     return out
 
 
@@ -271,7 +274,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     card = None
     if cfg.gpu_memory is not None and device.type == "cuda":
         # Before the build, so that zbuf.compile's agreed budget sees the card; the pool's share
-        # follows once the variant's pool exists ([Note: emulated capacity] in zbuf/memory.py).
+        # follows once the variant's pool exists ([Note: emulated capacity] in zbuf/memory/shared.py).
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory / total, device)
     step_loss, opt, model, pool = _setup(variant, cfg, device, dtype, placement)

@@ -2,12 +2,13 @@
 
     python3 benches/reference_table.py benches/results/seed14.json [MORE.json ...] [--out T.md]
 
-Columns: median step and its min-max over the measured steps, allocator retries per rank in
+Columns: median step and its min-max over the measured steps, MFU, allocator retries per rank in
 warm-up and in the measured steps, rank 0's peak reserved (torch's caching allocator, the largest
 phase peak of any step) and peak device-used memory (reserved + the zbuf pool's high water: what
 the card must hold), the first step, and, for a simulated run, the communication estimate per
 step at the record's link bandwidth (never part of the step time; [Note: simulated ranks] in
-zbuf/train/simulate.py). Every row of a simulated record is marked as such.
+zbuf/train/simulate.py), and the optimizer state a zbuf run kept in host memory (by the user or
+the plan; bytes moved and exposed per step). Every row of a simulated record is marked as such.
 """
 
 from __future__ import annotations
@@ -45,12 +46,24 @@ def _label(record: dict, eng: dict) -> str:
     return label + (" (simulated)" if record.get("simulated") else "")
 
 
+def _offload_text(summary: dict) -> str:
+    """The optimizer's state moved to host memory, by whom, and what moving it cost a step
+    ([Note: offloading when the step does not fit] in zbuf/offload_choice.py)."""
+    off = (summary.get("step_memory") or {}).get("optimizer_offload") or {}
+    if not off.get("active"):
+        return "-"
+    moved = off.get("bytes_moved_per_step")
+    cost = ("" if moved is None else
+            f"; {format_bytes(moved)} moved, {off['exposed_ms_median']:.0f} ms exposed per step")
+    return f"{format_bytes(off['offloaded_state_bytes'])} by the {off['chosen_by']}{cost}"
+
+
 def _rows(record: dict) -> list[str]:
     out = []
     for eng in record["engines"]:
         if eng.get("status") != "ok":
             out.append(f"| {_label(record, eng)} | {eng.get('status')}: {_failure(eng)} "
-                       f"| | | | | | |")
+                       f"| | | | | | | | |")
             continue
         s = eng["summary"]
         ranks = eng["per_rank"]
@@ -61,12 +74,13 @@ def _rows(record: dict) -> list[str]:
         comm_text = "-" if not comm else (
             f"{comm['seconds'] * 1e3:.3g} ms ({format_bytes(comm['wire_bytes'])} per rank at "
             f"{comm['link_gbps']:g} Gbit/s)")
+        mfu = "-" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
         out.append(
             f"| {_label(record, eng)} | "
             f"{s['step_time_median_s'] * 1e3:,.0f} ms | {s['step_time_min_s'] * 1e3:,.0f}-"
-            f"{s['step_time_max_s'] * 1e3:,.0f} ms | {warm} / {measured} | "
+            f"{s['step_time_max_s'] * 1e3:,.0f} ms | {mfu} | {warm} / {measured} | "
             f"{format_bytes(reserved)} | {format_bytes(s['peak_device_bytes'])} | "
-            f"{s['first_step_s']:.1f} s | {comm_text} |")
+            f"{s['first_step_s']:.1f} s | {comm_text} | {_offload_text(s)} |")
     return out
 
 
@@ -85,9 +99,10 @@ def table(records: list[dict]) -> str:
         if text:
             lines += [f"**{text}**", ""]
             break
-    lines += ["| engine | step, median | min-max | retries per rank: warm-up / measured | "
-              "peak reserved (rank 0) | peak device-used | first step | communication estimate |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| engine | step, median | min-max | MFU | retries per rank: warm-up / measured | "
+              "peak reserved (rank 0) | peak device-used | first step | communication estimate "
+              "| optimizer state in host memory |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in records:
         lines += _rows(r)
     return "\n".join(lines) + "\n"

@@ -12,11 +12,12 @@ SMALL = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, nu
 
 def test_presets_have_public_qwen3_shapes_and_counts():
     assert set(PRESETS) == {"tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
-                            "qwen3-14b"}
+                            "qwen3-14b", "qwen3-32b"}
     # Published sizes: 0.6B = 596,049,920 parameters (tied), 8B = 8.19e9, 14B = 14.8e9.
     expected = {"qwen3-0.6b": (0.596e9, 0.597e9), "qwen3-1.7b": (1.70e9, 1.73e9),
                 "qwen3-4b": (4.0e9, 4.05e9), "qwen3-8b": (8.15e9, 8.25e9),
-                "qwen3-14b": (14.7e9, 14.85e9), "tiny": (1e6, 5e6)}
+                "qwen3-14b": (14.7e9, 14.85e9), "qwen3-32b": (32.7e9, 32.8e9),
+                "tiny": (1e6, 5e6)}
     for name, (lo, hi) in expected.items():
         model = build_model(name, device="meta")
         n = count_params(model)
@@ -28,6 +29,52 @@ def test_presets_have_public_qwen3_shapes_and_counts():
     assert (q8.hidden_size, q8.num_layers, q8.num_heads, q8.num_kv_heads, q8.head_dim,
             q8.ffn_hidden_size, q8.vocab_size, q8.tie_embeddings, q8.rope_theta) == (
         4096, 36, 32, 8, 128, 12288, 151936, False, 1e6)
+    q32 = PRESETS["qwen3-32b"]  # Hugging Face Qwen/Qwen3-32B/config.json
+    assert (q32.hidden_size, q32.num_layers, q32.num_heads, q32.num_kv_heads, q32.head_dim,
+            q32.ffn_hidden_size, q32.vocab_size, q32.tie_embeddings) == (
+        5120, 64, 64, 8, 128, 25600, 151936, False)
+    assert q32.num_params() == 32_762_123_264
+
+
+def _materialise_qwen3_32b_as_rank0_of_8():
+    """qwen3-32b (one of its 64 layers: every layer is alike) built on the meta device and
+    sharded as rank 0 of 8 over the fake group, as ``--simulate-world 8`` does: the most full
+    (unsharded) parameter bytes that exist at once, the shard bytes, the model's bytes."""
+    import torch
+
+    import zbuf
+    from zbuf.train.simulate import simulate_world
+
+    model = build_model(PRESETS["qwen3-32b"].replace(num_layers=1), device="meta")
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    most = [0]
+
+    def init_fn(sub):
+        # What is materialised and not yet cut to a shard: the 2-D (full) weights.
+        full = sum(p.numel() * p.element_size() for p in model.parameters()
+                   if not p.is_meta and p.dim() == 2)
+        most[0] = max(most[0], full)
+        # Not initialised: writing the 3.1 GB embedding cost 20 s of the test's 37, and what
+        # is measured is what exists at once, not its values.
+
+    with simulate_world(8):
+        zbuf.shard(model, device=torch.device("cpu"), init_fn=init_fn)
+        shards = sum(p.numel() * p.element_size() for p in model.parameters())
+        meta_left = any(p.is_meta for p in model.parameters())
+    return most[0], shards, whole, meta_left
+
+
+def test_qwen3_32b_materialises_shard_by_shard_as_rank0_of_8():
+    """[Note: materialising meta modules]: rank 0 of 8 never holds more than one submodule's
+    full weights (the 3.1 GB embedding), not the model (8.2 GB at one layer; 131 GB at 64)."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        most, shards, whole, meta_left = pool.apply(_materialise_qwen3_32b_as_rank0_of_8)
+    embedding = PRESETS["qwen3-32b"].vocab_size * PRESETS["qwen3-32b"].hidden_size * 4
+    assert not meta_left
+    assert most == embedding < whole / 2
+    assert whole / 8 <= shards < whole / 8 + 8 * 4 * 16  # ceil(numel / 8) per parameter
 
 
 def test_tied_model_has_one_embedding_parameter():

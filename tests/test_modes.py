@@ -29,12 +29,13 @@ def _name(m: Modes) -> str:
 
 
 def test_the_table_counts_what_the_issue_counted():
-    # optimizer_in_backward has ten legal combinations (issue 39); blocks take no whole-graph mode
-    assert len(LEGAL) == 18
+    # optimizer_in_backward has ten legal combinations (issue 39); blocks take no whole-graph
+    # mode; the optimizer's state offloads after backward under either structure (issue 38)
+    assert len(LEGAL) == 26
     assert sum(m.optimizer_in_backward for m in LEGAL) == 10
     assert {(m.recompute, m.optimizer_in_backward, m.offload_optimizer, m.compile_blocks_once)
             for m in LEGAL if m.structure == "blocks"} == {
-        (r, False, False, False) for r in ("checkpointed", "auto", "none")}
+        (r, False, f, False) for r in ("checkpointed", "auto", "none") for f in (False, True)}
 
 
 def test_every_rule_refuses_something_legal_modes_do_not_hold():
@@ -86,7 +87,8 @@ def test_every_legal_combination_trains_as_eager_zbuf(modes):
      "structure='blocks' compiles each block as its own frame"),
     (dict(compile_blocks_once=True, recompute="auto"),
      "compile_blocks_once=True does not combine with recompute='auto'"),
-    (dict(offload_optimizer=True), "offload_optimizer=True needs optimizer_in_backward=True"),
+    (dict(structure="graph", activation_budget_bytes=1 << 20),
+     "activation_budget_bytes is the budget of recompute='auto'"),
     (dict(structure="blocks", coalesce=False), "coalesce_min_bytes would tune nothing"),
 ])
 def test_a_refused_combination_is_one_line_from_zbuf_compile(options, line):
@@ -117,7 +119,8 @@ def test_the_command_refuses_in_its_own_words():
          "--compile-structure blocks does not take --optimizer-in-backward"),
         (dict(compile_blocks_once=True, ac="auto"),
          "--compile-blocks-once does not combine with --ac auto"),
-        (dict(offload_optimizer=True), "--offload-optimizer needs --optimizer-in-backward"),
+        (dict(compile_structure="blocks", ac="auto", gather_budget=1 << 30),
+         "--compile-structure blocks with --ac auto plans the blocks' levels"),
     ]:
         with pytest.raises(ConfigError, match=line):
             TrainConfig(**options).resolve(cuda=False, world=2, bench=False)

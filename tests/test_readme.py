@@ -107,7 +107,7 @@ SAMPLE_STABLE = frozenset({
 """Rows of the README's samples whose values a CPU run of the same configuration reproduces
 whatever the machine's speed, its free memory or the number of steps (sizes of the tiny model's
 plan, what the measured step decided). The gather budget is not one of them: the block frames
-may hold what the host's free memory allows ([Note: ranks share the host] in zbuf/memory.py)."""
+may hold what the host's free memory allows ([Note: ranks share the host] in zbuf/memory/device.py)."""
 
 
 def table_rows(text: str) -> list[tuple[str, tuple[str, ...]]]:

@@ -190,7 +190,7 @@ def test_bench_simulate_world_4_three_engines(simulated_runs):
     rows = [line for line in text.splitlines() if line.startswith("| ") and "(simulated)" in line]
     assert [r.split(" |")[0][2:] for r in rows] == ["zbuf (simulated)", "fsdp2 (simulated)",
                                                     "ddp (simulated)"], text
-    assert all(r.count("|") == 9 and "Gbit/s" in r for r in rows), text
+    assert all(r.count("|") == 11 and "Gbit/s" in r for r in rows), text
 
 
 # ---------------------------------------------------------------------------------------------

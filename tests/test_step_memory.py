@@ -395,8 +395,10 @@ def _lending_case(rank, world, lend):
     # The emulated device binds only at the optimizer step (the stand-in's forward and backward
     # peaks do not check it), so the plans get the free memory beside the shards as it was
     # before the optimizer's state: agreed with its state reserved, nothing would fit.
+    # The state stays on the device: what is tested is the pool lending, not the plan moving
+    # the state off a card this tight ([Note: offloading when the step does not fit]).
     cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt if lend else None,
-                      free_memory_bytes=capacity - shards)
+                      free_memory_bytes=capacity - shards, offload_optimizer=False)
     sm = zbuf.compile.step_memory_of(cm)
     try:
         losses, states, rows = _train_zbuf(cm, model, opt, sched, batches, rank, world, sm,

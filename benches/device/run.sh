@@ -73,6 +73,29 @@
 #   bash benches/device/run.sh onepath 14b|17b inside|parent [VARIANTS]  # issue 36: the plain
 #                                           setup, FSDP2 (expandable segments) beside
 #                                           zbuf.compile(model, optimizer=opt), cold caches
+# Issue 38 (qwen3-32b; the optimizer's state offloaded around the step after backward; zbuf fit
+# checked), all on ONE H200 (nvidia-h200), as rank 0 of 8 on an 80 GiB card, mb 4, seq 4096, AC:
+#   bash benches/device/run.sh 32b ENGINE [ARGS]  # zbuf bench, qwen3-32b, 10 + 20 steps, one engine
+#                                           per call: fsdp2 (expandable segments, per-block compile;
+#                                           expected to run out of memory within a minute or two)
+#                                           or zbuf (--compile-structure blocks; the plan offloads
+#                                           what does not fit by itself: ~5-6 min estimated)
+#                                           then: zbuf bench --merge $OUT/32b_*.json --out
+#                                           benches/results/bench32b.json
+#   bash benches/device/run.sh onepath 32b inside fsdp2|zbuf.compile  # the plain user setup, one
+#                                           variant per call (~5-6 min for zbuf.compile)
+#   bash benches/device/run.sh offload14  # qwen3-14b, zbuf blocks, the same call twice: the
+#                                           state on the device, then all of it in host memory
+#                                           (--offload-optimizer) (~6 min estimated); then:
+#                                           zbuf bench --merge $OUT/offload14_*.json --out
+#                                           benches/results/offload14.json
+#   bash benches/device/run.sh fit32b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-32b (blocks), doubling
+#                                           from MIN (default 1) to MAX (default 8); fit8b as above
+#   bash benches/device/run.sh fitcheck 8b|32b MB  # zbuf fit's answer checked: zbuf bench at
+#                                           micro-batch MB with fit's settings, 10 + 20 steps
+#                                           (~5-6 min); run it at the answer (expect ok, 0 retries
+#                                           after step 2) and at the answer + 1 (expect out of
+#                                           memory, retries, or the plan's refusal)
 # BENCH_TIMEOUT=S bounds one bench/plain14 run (default 580 s) when a call chains two
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 # Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
@@ -242,20 +265,48 @@ case "${1:-}" in
     # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
     # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json; PROFILE=1: two extra steps
     # profiled per variant, the summary under .../profile/ and printed
-    case "${2:?give 14b or 17b}" in
+    limit=290
+    case "${2:?give 14b, 17b or 32b}" in
       14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB) ;;
       17b) model=(--preset qwen3-1.7b) ;;
+      32b) model=(--preset qwen3-32b --simulate-world 8 --gpu-memory 80GiB); limit=580 ;;  # one variant a call
     esac
     for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
       alloc=; [ "$v" = fsdp2 ] && alloc=expandable_segments:True
       rm -rf "/tmp/inductor_$v"
       PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
-        timeout "${BENCH_TIMEOUT:-290}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
+        timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
         --seq-len 4096 --ac full --placement "${3:?give inside or parent}" --steps 30 --warmup 10 \
         --variants "$v" --out "$OUT/onepath_$2_$3_$v" \
         ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" | tail -3
       [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/onepath_$2_$3_$v/profile/*.summary.json')]"
     done ;;
+  32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card
+    engine=${2:?give fsdp2 or zbuf}
+    structure=(); [ "$engine" = zbuf ] && structure=(--compile-structure blocks)
+    alloc=; [ "$engine" = fsdp2 ] && alloc=expandable_segments:True  # FSDP2's best ([DEVICE.md])
+    PYTORCH_CUDA_ALLOC_CONF=$alloc bench "32b${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}" \
+      "$engine" --preset qwen3-32b --simulate-world 8 --gpu-memory 80GiB "${structure[@]}" "${@:3}" ;;
+  offload14)  # ONE H200, issue 38: the optimizer's state on the device, then in host memory
+    for where in device host; do
+      flag=(); [ "$where" = host ] && flag=(--offload-optimizer)
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-290} bench "offload14_$where" zbuf --preset qwen3-14b \
+        --simulate-world 8 --gpu-memory 80GiB --compile-structure blocks "${flag[@]}"
+    done ;;
+  fit32b)  # ONE H200, issue 38: zbuf fit qwen3-32b, world 8, 80 GiB card, blocks
+    timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-32b --simulate-world 8 \
+      --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --compile-structure blocks \
+      --min-micro-batch "${3:-1}" --max-micro-batch "${4:-8}" --probe-timeout 280 \
+      --out "$OUT/fit32b_${2:-zbuf}_${3:-1}-${4:-8}.json" 2>&1 | grep -v "Warning\|warn" \
+      | tee "$OUT/fit32b_${2:-zbuf}.log" | tail -20 ;;
+  fitcheck)  # ONE H200, issue 38: fitcheck 8b|32b MB: zbuf fit's answer run as zbuf bench, with
+    # the settings its probes had (fit8b: the CLI's default structure; fit32b: blocks)
+    case "${2:?give 8b or 32b}" in
+      8b) model=(--preset qwen3-8b) ;;
+      32b) model=(--preset qwen3-32b --compile-structure blocks) ;;
+    esac
+    bench "fitcheck_${2}_mb${3:?give the micro-batch}" zbuf "${model[@]}" --simulate-world 8 \
+      --gpu-memory 80GiB --micro-batch "$3" ;;
   plain14|plain8b)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an
     # 80 GiB card (issue 19's first table; issue 20's API paths: plain = torch.compile(backend=
     # "zbuf"), bench+eager-loss = zbuf.compile(model, optimizer=opt), each with the fp32 loss
@@ -268,6 +319,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]" >&2
+    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]|onepath 14b|17b|32b inside|parent [VARIANTS]|32b ENGINE [ARGS]|offload14|fit32b [ENGINE] [MIN] [MAX]|fitcheck 8b|32b MB" >&2
     exit 2 ;;
 esac

@@ -115,6 +115,10 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-4b": _qwen3(2560, 36, 32, 9728, tie=True),
     "qwen3-8b": _qwen3(4096, 36, 32, 12288, tie=False),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408, tie=False),
+    # 32.8 B parameters: as rank 0 of 8, fp32 shards 16.4 GB, gradients 16.4 GB, AdamW's
+    # moments 32.8 GB, so an 80 GiB card trains it only with the moments off the device
+    # ([Note: optimizer state offloaded after backward] in zbuf/optimizer_step_offload.py).
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600, tie=False),
 }
 
 

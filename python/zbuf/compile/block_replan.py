@@ -10,7 +10,7 @@ persist.py does. It plans over the block calls instead, with the same levels and
 planner, and keeps weights a block at a time:
 
 1. Step 0 runs at level 0, "recompute", the user's checkpointing ([Note: measure first, then
-   spend] in zbuf/step_memory.py). Level 0 shares one compiled frame with "keep" or
+   spend] in zbuf/memory/step.py). Level 0 shares one compiled frame with "keep" or
    "selective": the frame compiles at that level from step 0, and a
    block at level 0 runs it under an eager non-reentrant ``torch.utils.checkpoint``, its gather
    included (``BlockFrames.run``), so the checkpoint keeps the block's inputs and nothing else:

@@ -1,6 +1,6 @@
 """``zbuf.compile(model, ...)``: the ``zbuf`` backend (backend.py) with typed options, the
 rank-agreed free memory it plans from ([Note: rank-agreed budget] in budget.py), and the whole
-step's measured memory (zbuf/step_memory.py) with the re-planner that acts on it (replan.py).
+step's measured memory (zbuf/memory/step.py) with the re-planner that acts on it (replan.py).
 The backend itself knows nothing of steps: it plans each graph it is handed within the options.
 """
 
@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from ..memory import OptimizerPolicy, StepMemory
+from ..offload_choice import OffloadChoice, slot_estimate_bytes
 from ..optimizer_in_backward import BATCH_BYTES, BackwardStep
+from ..optimizer_step_offload import BUCKET_BYTES
 from ..shard import roots
 from .budget import agree_free_memory, check_optimizer_fits
 from .dynamo_settings import traced_as_zbuf
@@ -41,6 +43,23 @@ def _gradient_bytes(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
+
+
+def _offloaded_step_bytes(policy: OptimizerPolicy, optimizer: torch.optim.Optimizer):
+    """``(state on the device through every graph, temporaries)`` of a step whose state is all
+    in host memory: none, and in the optimizer step its two slots and one bucket's temporaries
+    ([Note: optimizer state offloaded after backward] in zbuf/optimizer_step_offload.py)."""
+    per_param = BUCKET_BYTES // max(1, policy.state_copies)
+    return 0, (slot_estimate_bytes(optimizer)
+               + policy.batch_temporary_bytes(optimizer, per_param))
+
+
+def _attach_offload(step_memory: StepMemory, choice: OffloadChoice | None) -> None:
+    """The offload's hooks after the step memory's, whose step-0 decision they act on."""
+    if choice is None:
+        return
+    step_memory.offload_choice = choice
+    step_memory.meter.off_device_bytes = choice.install().host_held_bytes
 
 
 def pick_structure(model: torch.nn.Module, opts: CompileOptions) -> str:
@@ -75,7 +94,7 @@ def compile_model(
     dynamic: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_in_backward: bool = False,
-    offload_optimizer: bool = False,
+    offload_optimizer: bool | None = None,
     **options: Any,
 ) -> torch.nn.Module:
     """``torch.compile(model, backend="zbuf")`` with typed options (see ``CompileOptions``), and
@@ -100,7 +119,7 @@ def compile_model(
 
     For a model sharded with ``zbuf.shard``, the first step is measured and, if the step does not
     fit the plans, the model is re-planned once, at the first forward of the second step, on
-    every rank ([Note: whole-step budget] in zbuf/step_memory.py; ``zbuf.step_memory_of``).
+    every rank ([Note: whole-step budget] in zbuf/memory/step.py; ``zbuf.step_memory_of``).
     ``optimizer``: the model's optimizer. zbuf then measures its step separately and lends it the
     pool's idle blocks when it needs them; without it the optimizer step is measured as part of
     backward and the budget leaves room for it beside the pool. An explicit ``budget_bytes`` is
@@ -113,14 +132,20 @@ def compile_model(
     loop's ``optimizer.step()`` after backward finds no gradients on the shards and may stay.
     Needs ``optimizer=`` and ``fullgraph=True``.
 
-    ``offload_optimizer=True`` (with ``optimizer_in_backward=True``): the optimizer's
-    parameter-shaped state (AdamW's moments) lives in pinned host memory and comes to the device
-    one batch ahead of its step in backward ([Note: optimizer state off the device] in
-    zbuf/optimizer_offload.py): the device holds two batches' state instead of all of it, for two
-    copies of it over the host link per step.
+    ``offload_optimizer``: where the optimizer's parameter-shaped state (AdamW's moments)
+    lives. ``None`` (the default, with ``optimizer=`` on a sharded model): on the device while
+    the step fits, else the plan moves what does not fit to pinned host memory, decided at step
+    0's optimizer step and said in the record ([Note: offloading when the step does not fit] in
+    zbuf/offload_choice.py). ``True``: all of it in host memory, streamed through two device
+    slots around the ``opt.step()`` after backward ([Note: optimizer state offloaded after
+    backward] in zbuf/optimizer_step_offload.py); with ``optimizer_in_backward=True`` brought
+    one batch ahead of each step in backward instead ([Note: optimizer state off the device] in
+    zbuf/optimizer_offload.py). ``False``: on the device. Each costs two copies of the moved
+    state over the host link per step, one each way at once, overlapped with the step.
     """
     refused = refusal(Modes(optimizer_in_backward=optimizer_in_backward,
-                            offload_optimizer=offload_optimizer, optimizer=optimizer is not None,
+                            offload_optimizer=offload_optimizer is True,
+                            optimizer=optimizer is not None,
                             fullgraph=fullgraph))  # [Note: one table of modes] in modes.py
     if refused is not None:
         raise ValueError(f"zbuf.compile: {refused}")
@@ -138,16 +163,20 @@ def compile_model(
                         f"{type(optimizer).__name__}")
     host_free = None
     sharded = _shard_group(model) is not None
+    choice = None
+    if optimizer is not None and sharded and not optimizer_in_backward and (
+            offload_optimizer is not False):
+        choice = OffloadChoice(optimizer, roots(model)[0].device, offload_optimizer)
     if budget_bytes is None and sharded:
         # Step 0 runs a plan no hungrier than FSDP2's; the measurement grows it ([Note: measure
-        # first, then spend] in zbuf/step_memory.py).
+        # first, then spend] in zbuf/memory/step.py).
         opts = dataclasses.replace(opts, measuring=True)
     if budget_bytes is None and opts.free_memory_bytes is None:
         group = _shard_group(model)
         if group is not None or not dist.is_initialized():
             # What step 0 will hold beside its graphs that is known exactly now: the optimizer's
             # state from its type and the shards ([Note: optimizer state bytes] in
-            # zbuf/optimizer_policy.py), through every graph; the gradients, through the
+            # zbuf/memory/optimizer_state.py), through every graph; the gradients, through the
             # backward graphs only ([Note: gradients live in backward] in budget.py); the rest is
             # measured on step 0.
             gradients = _gradient_bytes(model)
@@ -157,9 +186,17 @@ def compile_model(
                 reserve, temporaries = policy.step_bytes(optimizer)
                 if optimizer_in_backward:  # a batch at a time, no gradient kept beside it
                     temporaries, beside = policy.batch_temporary_bytes(optimizer, BATCH_BYTES), 0
-                if offload_optimizer:
+                if offload_optimizer and optimizer_in_backward:
                     reserve = policy.offloaded_state_bytes(optimizer, BATCH_BYTES)
+                elif choice is not None and choice.offloaded:
+                    reserve, temporaries = _offloaded_step_bytes(policy, optimizer)
             free = agree_free_memory(group, reserve_bytes=reserve)
+            if choice is not None and choice.pending and free < beside + temporaries:
+                # [Note: offloading when the step does not fit]: known before step 0, which
+                # decides how much stays; its graphs are planned without the state.
+                choice.expect(free, beside + temporaries)
+                reserve, temporaries = _offloaded_step_bytes(policy, optimizer)
+                free = agree_free_memory(group, reserve_bytes=reserve)
             # The step's temporaries come after backward, beside the gradients it kept.
             check_optimizer_fits(max(0, free - beside), temporaries, type(optimizer).__name__)
             opts = dataclasses.replace(opts, free_memory_bytes=free, gradient_bytes=gradients)
@@ -175,6 +212,7 @@ def compile_model(
         model.__dict__["_zbuf_step_memory"] = StepMemory(model, optimizer, hooked=model,
                                                          replanner=block_replanner,
                                                          host_free_bytes=host_free)
+        _attach_offload(model.__dict__["_zbuf_step_memory"], choice)
         return model
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic
@@ -191,10 +229,11 @@ def compile_model(
         replanner = Replanner(compiled, opts, fullgraph=fullgraph, dynamic=dynamic)
     if optimizer_in_backward:
         compiled.__dict__["_zbuf_backward_step"] = BackwardStep(model, optimizer,
-                                                                offload=offload_optimizer)
+                                                                offload=bool(offload_optimizer))
     compiled.__dict__["_zbuf_step_memory"] = StepMemory(
         model, optimizer, hooked=compiled, replanner=replanner, plan_sizes_pool=True,
         host_free_bytes=host_free)
+    _attach_offload(compiled.__dict__["_zbuf_step_memory"], choice)
     return compiled
 
 

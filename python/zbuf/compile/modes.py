@@ -91,9 +91,9 @@ def _blocks(m: Modes) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(lambda m: m.offload_optimizer and not m.optimizer_in_backward,
-         "{offload_optimizer:True} needs {optimizer_in_backward:True}: the state comes to the "
-         "device for the steps in backward, one batch ahead"),
+    Rule(lambda m: m.offload_optimizer and not m.optimizer,
+         "{offload_optimizer:True} moves the state of the optimizer it is given: pass "
+         "{optimizer}"),
     Rule(lambda m: m.optimizer_in_backward and not m.optimizer,
          "{optimizer_in_backward:True} needs {optimizer}: the optimizer is what backward steps"),
     Rule(lambda m: m.optimizer_in_backward and not m.fullgraph,

@@ -109,6 +109,10 @@ class PhaseMeter:
         self._boundary = 0  # CPU: tracked bytes at the running phase's start
         self._handles: list[Any] = []
         self._optimizer_ran = False
+        self.off_device_bytes: Optional[Callable[[], int]] = None
+        """CPU stand-in: bytes of the optimizer's state held in its host copies, not counted
+        ([Note: optimizer state offloaded after backward] in zbuf/optimizer_step_offload.py;
+        on CUDA host memory is not in the allocator's counts anyway)."""
 
     @property
     def phase(self) -> Optional[str]:
@@ -198,7 +202,13 @@ class PhaseMeter:
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 total += sum(_tensor_bytes(v) for v in state.values())
+        if self.off_device_bytes is not None:
+            total -= self.off_device_bytes()
         return total
+
+    def reserved_peak_so_far(self) -> int:
+        """The largest reserved peak of the open step's ended phases (its start if none)."""
+        return max((reserved for _alloc, reserved in self._peaks.values()), default=self._start)
 
     def _open(self) -> None:
         self._peaks = {}

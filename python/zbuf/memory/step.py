@@ -62,7 +62,7 @@ with the optimizer counted as part of backward.
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,11 +71,15 @@ from torch import nn
 from ..runtime import in_backward
 from ..shard import roots
 from . import pool_budget
+from .agreement import agree_extremes
 from .device import local_free_bytes
 from .ledger import PPM, Ledger, fragmentation_ppm, without_margin
 from .phases import ROWS_KEPT, PhaseMeter, StepPhases
 from .planner import StructurePlanner
 from .shared import SharedMemory
+
+if TYPE_CHECKING:
+    from ..offload_choice import OffloadChoice
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget"]
 
@@ -211,6 +215,10 @@ class StepMemory:
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
         self._events0 = self._event_counts()
+        self.offload_choice: Optional["OffloadChoice"] = None
+        """Where the optimizer's state lives, when the plan decides it at step 0 ([Note:
+        offloading when the step does not fit] in zbuf/offload_choice.py); set by
+        ``zbuf.compile``."""
         self._host_limit = None
         if pool.device.type != "cuda":
             if host_free_bytes is None:
@@ -263,6 +271,22 @@ class StepMemory:
             lend = m.optimizer_peak_bytes + self.memory.pool_share_bytes() > usable
         if lend:
             self._yielded += self.memory.yield_idle()
+        if self.offload_choice is not None and self.offload_choice.pending:
+            self._choose_offload()
+
+    def _choose_offload(self) -> None:
+        """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
+        reserved bytes and the pool's, on the CPU stand-in with the plans' projected
+        activations) and what the optimizer step starts from (allocated now, and the pool's
+        blocks left after it lent), agreed over the ranks, decide where the state goes."""
+        peak = self.meter.reserved_peak_so_far() + (self._pool_after_backward or 0)
+        if self._host_limit is not None and self.replanner is not None:
+            peak += max(self.replanner.activation_peaks(gradients=False).values(), default=0)
+        held = self.meter.resident_bytes() + self.memory.pool.stats().charged_bytes
+        (limit,), (peak, held) = agree_extremes(self.group, self.memory.device,
+                                                smallest=[self.limit_bytes()],
+                                                largest=[peak, held])
+        self.offload_choice.decide(without_margin(limit), peak, held)
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -387,4 +411,6 @@ class StepMemory:
             "events": dict(vars(self.memory.events)),
             "optimizer_attached": self.optimizer is not None,
             "capacity": self.memory.capacity_fraction(),
+            "optimizer_offload": (None if self.offload_choice is None
+                                  else self.offload_choice.report()),
         }

@@ -106,7 +106,7 @@ class TrainConfig:
     """Engines to run, in order (``zbuf train``: exactly one; ``zbuf bench``: several)."""
     preset: Optional[str] = option(
         help="built-in model preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
-             "qwen3-14b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model",
+             "qwen3-14b, qwen3-32b (default: tiny on CPU, qwen3-0.6b on GPU)", group="model",
         commands=WITH_FIT)
     """Model preset from ``zbuf.models.PRESETS``; default ``tiny`` on CPU, ``qwen3-0.6b`` on GPU."""
     hf_model: Optional[str] = None
@@ -256,13 +256,18 @@ class TrainConfig:
     in backward] in zbuf/optimizer_in_backward.py): the step never holds all gradients at once.
     The same updates as stepping after backward."""
     offload_optimizer: bool = option(
-        False, help="engine zbuf, with --optimizer-in-backward: keep the optimizer's moments in "
-                    "pinned host memory, each batch's brought to the GPU one batch ahead of its "
-                    "step in backward", group="training",
+        False, help="engine zbuf: keep the optimizer's moments in pinned host memory, streamed "
+                    "to the GPU around each step (with --optimizer-in-backward: one batch ahead "
+                    "of each step in backward); without it zbuf offloads on its own when the "
+                    "step would not fit", group="training",
         argparse={"action": "store_true"}, commands=WITH_FIT)
-    """``zbuf.compile(..., offload_optimizer=True)`` ([Note: optimizer state off the device] in
-    zbuf/optimizer_offload.py): the device holds two batches' optimizer state instead of all of
-    it, for two copies of it over the host link per step. The same updates."""
+    """``zbuf.compile(..., offload_optimizer=True)``: all of the optimizer's parameter-shaped
+    state in host memory ([Note: optimizer state offloaded after backward] in
+    zbuf/optimizer_step_offload.py; with ``--optimizer-in-backward``, [Note: optimizer state off
+    the device] in zbuf/optimizer_offload.py). Left out, the engine passes
+    ``offload_optimizer=None``: the plan offloads what does not fit, decided at step 0 and said
+    in the record ([Note: offloading when the step does not fit] in zbuf/offload_choice.py).
+    The same updates either way."""
     lr: Optional[float] = option(
         help="learning rate (AdamW: default 3e-3 for tiny, 3e-4 for the Qwen3 presets; SGD: 0.1 "
              "for tiny, 1e-2 for Qwen3)", group="training", check=POSITIVE_NUMBER,
@@ -390,6 +395,10 @@ class TrainConfig:
             raise ConfigError(f"--optimizer-in-backward steps the compiled zbuf engine's "
                               f"optimizer inside its one backward graph; {why}: drop it, or use "
                               f"engine zbuf with a built-in model")
+        if self.offload_optimizer and Engine.ZBUF not in self.engines:
+            raise ConfigError(f"--offload-optimizer moves the compiled zbuf engine's optimizer "
+                              f"state; engine(s) {names} keep theirs on the GPU: drop it, or "
+                              f"add engine zbuf")
         if self.pool_budget is not None and Engine.ZBUF_EAGER not in self.engines:
             fix = ("use --gather-budget for zbuf (its plan sizes the pool)"
                    if Engine.ZBUF in self.engines else "drop it, or add engine zbuf-eager")

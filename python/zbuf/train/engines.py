@@ -270,7 +270,9 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
                                       optimizer=optimizer,
                                       optimizer_in_backward=cfg.optimizer_in_backward,
-                                      offload_optimizer=cfg.offload_optimizer,
+                                      # Left out, the plan decides ([Note: offloading
+                                      # when the step does not fit] in offload_choice.py).
+                                      offload_optimizer=cfg.offload_optimizer or None,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
                                       **once)
 

@@ -5,7 +5,7 @@ simulated steps ([Note: simulated ranks] in simulate.py) on this machine.
 The question users ask before they rent GPUs: for this model, world size, card and sequence
 length, which micro-batch fits? A probe runs one micro-batch as rank 0 of the world size over the
 fake group, on an emulated card of ``--gpu-memory`` (torch's allocator and zbuf's pool together,
-[Note: emulated capacity] in zbuf/memory.py), for ``--steps`` steps of which ``--warmup`` are
+[Note: emulated capacity] in zbuf/memory/shared.py), for ``--steps`` steps of which ``--warmup`` are
 warm-up: it fits when it finishes without an out-of-memory error, without an allocator retry
 after the warm-up (a retry is a cache flush in the step: the slow path of a card that is
 almost full) and with rank 0's peak within the card. Each probe is a process of its own with a
@@ -61,6 +61,9 @@ class Probe(NamedTuple):
     """Median measured step time (compute and memory only: simulated)."""
     seconds: float
     """Wall time of the probe, process start to end."""
+    offloaded_bytes: Optional[int] = None
+    """Optimizer state the zbuf engine kept in host memory to fit ([Note: offloading when the
+    step does not fit] in zbuf/offload_choice.py); None: none moved."""
 
 
 class FitResult(NamedTuple):
@@ -124,8 +127,10 @@ def probe(cfg: TrainConfig, micro_batch: int, timeout_s: float) -> Probe:
     median = times[len(times) // 2] if times else None
     card = cfg.gpu_memory
     why = verdict(peak, card, measured)
+    offload = (eng.get("step_memory") or {}).get("optimizer_offload") or {}
+    moved = offload.get("offloaded_state_bytes") if offload.get("active") else None
     return Probe(micro_batch, why == "fits", why, peak, card - peak, warm, measured, median,
-                 seconds)
+                 seconds, moved)
 
 
 def verdict(peak_bytes: int, card_bytes: int, retries_measured: int) -> str:
@@ -217,7 +222,9 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
         console.print(f"  micro-batch {p.micro_batch:>4}: {'fits' if p.fits else 'no  '}  "
                       f"{'peak RSS' if cpu else 'peak'} {peak:>11}  headroom {room:>11}  "
                       f"retries warm-up/measured {retries:>5}  "
-                      f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}",
+                      f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}"
+                      + ("" if p.offloaded_bytes is None else
+                         f"  optimizer state offloaded {format_bytes(p.offloaded_bytes)}"),
                       highlight=False, markup=False, soft_wrap=True)
 
     result = fit(cfg, max_micro_batch=max_micro_batch, timeout_s=timeout_s,

@@ -144,6 +144,17 @@ def summary_table(record: dict[str, Any]) -> Table:
                                         f"{s['pool'].get('misses', 0)}" if s.get("pool") else "-")
     row("pool high water", lambda s: format_bytes(s["pool"].get("high_water_bytes"))
         if s.get("pool") else "-")
+    def offload(s):  # [Note: offloading when the step does not fit] in zbuf/offload_choice.py
+        return (s.get("step_memory") or {}).get("optimizer_offload") or {}
+
+    if any(offload(s).get("active") for s in summaries):
+        row("optimizer state offloaded", lambda s: "-" if not offload(s).get("active") else
+            f"{format_bytes(offload(s)['offloaded_state_bytes'])} (by the "
+            f"{offload(s)['chosen_by']})")
+        row("offload moved / exposed per step", lambda s: "-" if not offload(s).get("active")
+            or offload(s).get("bytes_moved_per_step") is None else
+            f"{format_bytes(offload(s)['bytes_moved_per_step'])} / "
+            f"{offload(s)['exposed_ms_median']:.1f} ms")
     row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
     row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
     # Recompute rows say what is true of the mode: without checkpointed blocks (--ac off) the

@@ -144,7 +144,19 @@ def _step_memory_summary(report: Optional[dict[str, Any]],
         "limit_bytes": m.get("limit_bytes"),
         "pool_yields": sum(1 for s in steps for v in s.get("pool_yielded_bytes") or [] if v),
         "events": report.get("events"),
+        "optimizer_offload": _offload_summary(report.get("optimizer_offload")),
     }
+
+
+def _offload_summary(offload: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Where the optimizer's state lived and what moving it cost ([Note: offloading when the
+    step does not fit] in zbuf/offload_choice.py); None where no offload was installed."""
+    if not offload:
+        return None
+    keys = ("mode", "chosen_by", "why", "active", "offloaded_state_bytes",
+            "resident_state_bytes", "device_slot_bytes", "bytes_moved_per_step",
+            "exposed_ms_median")
+    return {k: offload.get(k) for k in keys}
 
 
 def slowest_phases(result: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -1,0 +1,510 @@
+"""The optimizer's state in host memory for an optimizer stepped after backward, streamed through
+two device slots by a schedule that overlaps the link's two directions with each other and with
+the step.
+
+[Note: optimizer state offloaded after backward]
+``StateOffload`` (optimizer_offload.py) needs the optimizer in backward, which needs the whole
+graph; the user's own loop, ``loss.backward(); opt.step()`` over ``zbuf.compile(model,
+optimizer=opt)``'s block frames, never got it. Yet that loop is where the memory goes: at
+qwen3-32b as rank 0 of 8 the fp32 shards are 16.4 GB, their gradients 16.4 GB and AdamW's
+moments 32.8 GB of an 80 GiB card, and the moments are read once per step, after backward, when
+the activations are gone. ``StepOffload`` keeps them in pinned host memory:
+
+* The parameter-shaped state (AdamW's ``exp_avg``/``exp_avg_sq``) of the *streamed* parameters
+  lives in one host arena, laid out per bucket (about ``BUCKET_BYTES`` of state, never split
+  across parameter groups, each tensor 256-byte aligned) so that a bucket moves in one copy each
+  way. The *resident* parameters (the first ones, up to ``resident_bytes`` of state) keep theirs
+  on the device and are stepped by the user's own ``opt.step()`` call, as without offload.
+  Scalar state (``step``) stays where the optimizer keeps it.
+* Two device slots, each the size of the largest bucket, exist only during the step (made by
+  its pre-hook, when the activations are gone; let go by its post-hook): forward and backward
+  hold none of the streamed state. Bucket ``i`` uses slot ``i % 2``.
+* The schedule (``step_schedule``, pure, tested on its own), run by the optimizer's step
+  pre-hook: the first two buckets are uploaded; then for each bucket the compute stream waits
+  for its upload, the optimizer steps just that bucket (its ``param_groups`` narrowed, as the
+  optimizer in backward does), the bucket goes back to the host on the download stream, and the
+  upload of the bucket two ahead into the slot just downloaded follows on the upload stream.
+  Then the user's ``step()`` itself runs over the resident parameters only (its
+  ``param_groups`` narrowed until the post-hook), which waits for the last downloads and lets
+  the slots go.
+* Streams: the uploads start once the compute stream reaches the step (the slots' blocks were
+  its own until then); an upload waits for its slot's last download (``freed``) and for its
+  bucket's (``stored``); the compute stream waits for a bucket's upload (``ready``) before stepping it,
+  and for the slots' last downloads before their blocks go back to the caching allocator, so the
+  blocks never change hands between streams (what made ``record_stream`` unusable for
+  ``StateOffload``: [Note: the state's device blocks stay with the compute stream] there).
+
+Why the slots are not kept for the next step, prefetched under its forward (as ``StateOffload``
+prefetches): that would hide two buckets' copies (about 50 ms a step at 50 GB/s and 512 MiB
+buckets) with device memory held through forward and backward, where it is scarce. The same
+bytes kept as resident state hide more: they are never copied at all ([Note: offloading when the
+step does not fit] in zbuf/offload_choice.py sizes that).
+
+What it costs: both directions of the link carry the streamed state once per step, at the same
+time, so the step lasts about ``streamed bytes / link bandwidth`` longer (0.3 s for qwen3-14b's
+14.8 GB at 50 GB/s), less the compute it overlaps. Each step measures what the compute stream
+waited: CUDA events around each of its waits (read a step later, without a host sync);
+``bytes_moved`` counts what was copied each way.
+
+Bit for bit the update is the one the whole ``step()`` makes: torch's optimizers update each
+parameter from its own gradient and state, whatever else the call steps. On a CPU device the
+"host" copies are still separate tensors and every copy is made (synchronously), so the
+mechanics, the bytes and the results are what the CPU tests check; only the streams and the
+overlap need a GPU (tests/gpu/test_step_offload_gpu.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from .optimizer_offload import ARENA_ALIGN, _registered_arena
+from .memory import OptimizerPolicy
+
+__all__ = ["StepOffload", "Op", "step_schedule", "plan_buckets", "BUCKET_BYTES", "SLOTS"]
+
+BUCKET_BYTES = 512 << 20
+"""Streamed state per bucket: big enough that a copy runs near the link's speed and the step's
+per-call host cost (about a millisecond) stays far below a bucket's copy (about 10 ms at 50 GB/s);
+small enough that the step's two slots cost little device memory."""
+
+SLOTS = 2
+"""Device slots the streamed buckets pass through: one stepping, one arriving."""
+
+STEPS_KEPT = 64
+"""Per-step records kept (bytes moved, exposed time)."""
+
+
+class Op(NamedTuple):
+    """One action of the schedule, in the order it is issued."""
+
+    kind: str
+    """"upload" (host to slot), "step" (the optimizer over the bucket) or "download"."""
+    bucket: int
+    slot: int
+
+
+def step_schedule(buckets: int, slots: int = SLOTS) -> list[Op]:
+    """The order of one step's work over ``buckets`` streamed buckets and ``slots`` device slots
+    ([Note: optimizer state offloaded after backward])."""
+    ops = [Op("upload", i, i % slots) for i in range(min(slots, buckets))]
+    for i in range(buckets):
+        ops.append(Op("step", i, i % slots))
+        ops.append(Op("download", i, i % slots))
+        if i + slots < buckets:
+            ops.append(Op("upload", i + slots, i % slots))
+    return ops
+
+
+def plan_buckets(sizes: list[tuple[int, int]], resident_bytes: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> tuple[list[int], list[list[int]]]:
+    """Split parameters into resident ones and streamed buckets. ``sizes``: ``(group index,
+    state bytes)`` of each parameter in order. The first parameters whose state adds up to at
+    most ``resident_bytes`` stay; the rest form buckets in order, each closed by the parameter
+    that reaches ``bucket_bytes`` or by the end of its group. Returns indices."""
+    resident: list[int] = []
+    buckets: list[list[int]] = []
+    total = 0
+    i = 0
+    while i < len(sizes) and total + sizes[i][1] <= resident_bytes:
+        total += sizes[i][1]
+        resident.append(i)
+        i += 1
+    current: list[int] = []
+    filled = 0
+    for j in range(i, len(sizes)):
+        if current and sizes[j][0] != sizes[current[-1]][0]:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(j)
+        filled += sizes[j][1]
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return resident, buckets
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def _offloadable(param: torch.Tensor, value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+@dataclass
+class _Bucket:
+    """One streamed bucket: its parameters, their group, and where its state lives."""
+
+    params: list[nn.Parameter]
+    group: dict
+    capacity: int
+    """Bytes of its host region and the most it may use of a slot."""
+    host: Optional[torch.Tensor] = None
+    """Its region of the host arena (uint8)."""
+    entries: dict[tuple[int, str], tuple[int, torch.dtype, torch.Size]] = field(
+        default_factory=dict)
+    """(id of parameter, key) -> (offset, dtype, shape) in the region and in its slot."""
+    used: int = 0
+    """Bytes of the region in use (what each copy moves)."""
+    stored: Any = None
+    """CUDA: the event of its last download."""
+    ready: Any = None
+    """CUDA: the event of its last upload."""
+
+    def view(self, base: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
+        offset, dtype, shape = self.entries[key]
+        nbytes = shape.numel() * dtype.itemsize
+        return base[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class StepRecord(NamedTuple):
+    """What one optimizer step moved, and how long the compute stream waited for it."""
+
+    uploaded_bytes: int
+    downloaded_bytes: int
+    exposed_ms: float
+    """CUDA: the time the compute stream stood still waiting for uploads; CPU: the wall time of
+    the copies (the host makes them itself: all of it exposed)."""
+
+
+class StepOffload:
+    """Keeps ``optimizer``'s parameter-shaped state of all but ``resident_bytes`` of it in host
+    memory between steps after backward ([Note: optimizer state offloaded after backward]).
+
+    ``active=False``: installed but not yet on (the memory owner turns it on with ``activate``
+    before the first step creates any state: [Note: offloading when the step does not fit] in
+    zbuf/offload_choice.py); until then every hook does nothing."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 resident_bytes: int = 0, bucket_bytes: int = BUCKET_BYTES,
+                 active: bool = True) -> None:
+        self._step_fn = type(optimizer).step
+        """The optimizer's own step, called once per bucket inside the user's ``step()`` with
+        the optimizer's step hooks set aside, so that they (the step's memory phases, the
+        user's) run once per step. Torch's global optimizer hooks run per bucket."""
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.copies_async = self.device.type == "cuda"
+        self.bucket_bytes = bucket_bytes
+        self.resident_bytes = 0
+        """State that stays on the device (planned: the first parameters' up to what
+        ``activate`` was given)."""
+        self.active = False
+        self.buckets: list[_Bucket] = []
+        self.slot_bytes = 0
+        """Bytes of each slot: the largest bucket's."""
+        self.slots: list[torch.Tensor] = []
+        """The slots, during a step only."""
+        self._freed: list[Any] = []
+        """CUDA: each slot's last download event."""
+        self._arena: Optional[torch.Tensor] = None
+        self._groups: Optional[list[dict]] = None
+        """The user's ``param_groups`` while the step runs narrowed to all but the streamed
+        parameters."""
+        self._waits: list[tuple[Any, Any]] = []
+        """CUDA: (before, after) events around the compute stream's waits of the last step."""
+        self._pending: Optional[tuple[int, int, float]] = None
+        """The running step's (uploaded, downloaded, CPU copy seconds)."""
+        self.records: list[StepRecord] = []
+        self.upload_stream = torch.cuda.Stream(self.device) if self.copies_async else None
+        self.download_stream = torch.cuda.Stream(self.device) if self.copies_async else None
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda _o, _a, _k: self._before_step()),
+            optimizer.register_step_post_hook(lambda _o, _a, _k: self._after_step()),
+            optimizer.register_state_dict_pre_hook(lambda _o: self.settle()),
+            optimizer.register_load_state_dict_post_hook(lambda _o: self._take_loaded()),
+        ]
+        if active:
+            self.activate(resident_bytes)
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def activate(self, resident_bytes: int) -> None:
+        """Turn on, keeping the state of the first ``resident_bytes`` on the device. Before the
+        first step: the layout is planned from the shards and the optimizer's type."""
+        if self.active:
+            raise RuntimeError("StepOffload.activate: already active")
+        if any(_offloadable(p, v) for p, st in self.optimizer.state.items() for v in st.values()):
+            raise RuntimeError("StepOffload.activate: the optimizer has stepped already; "
+                               "turn offload on before its first step")
+        policy = OptimizerPolicy.of(self.optimizer)
+        self.active = True
+        if policy.state_copies == 0:
+            return  # no parameter-shaped state (SGD without momentum)
+        params, groups, sizes = [], [], []
+        seen: set[int] = set()
+        for gi, g in enumerate(self.optimizer.param_groups):
+            # A parameter on another device (not one of the model's shards) keeps its state.
+            for p in g["params"]:
+                if p.requires_grad and p.device == self.device and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+                    groups.append(g)
+                    sizes.append((gi, policy.state_bytes([p])))
+        resident, buckets = plan_buckets(sizes, resident_bytes, self.bucket_bytes)
+        self.resident_bytes = sum(sizes[i][1] for i in resident)
+        self.buckets = [
+            _Bucket([params[i] for i in b], groups[b[0]],
+                    sum(_aligned(sizes[i][1] // policy.state_copies) * policy.state_copies
+                        for i in b))
+            for b in buckets]
+        total = sum(b.capacity for b in self.buckets)
+        if self.buckets:
+            self._arena = (_registered_arena(total) if self.copies_async
+                           else torch.empty(total, dtype=torch.uint8))
+            start = 0
+            for b in self.buckets:
+                b.host = self._arena[start:start + b.capacity]
+                start += b.capacity
+            self.slot_bytes = max(b.capacity for b in self.buckets)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of state the host arena holds room for (the streamed parameters')."""
+        return sum(b.capacity for b in self.buckets)
+
+    def host_held_bytes(self) -> int:
+        """Bytes of state tensors that point at their host copies now (between steps: all the
+        streamed state)."""
+        if self._arena is None:
+            return 0
+        lo, hi = self._arena.data_ptr(), self._arena.data_ptr() + self._arena.numel()
+        return sum(v.numel() * v.element_size()
+                   for b in self.buckets for p in b.params
+                   for v in self.optimizer.state.get(p, {}).values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0 and lo <= v.data_ptr() < hi)
+
+    def device_bytes(self) -> int:
+        """Device bytes the streamed state takes during the step: its slots (none outside)."""
+        return self.slot_bytes * min(SLOTS, len(self.buckets))
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _before_step(self) -> None:
+        if not self.active:
+            return
+        if self._groups is not None:  # the last step raised before its post-hook
+            self.optimizer.param_groups = self._groups
+            self._groups = None
+        self._read_waits()
+        self._pending = (0, 0, 0.0)
+        count = min(SLOTS, len(self.buckets))
+        # Made on the compute stream, now that backward's activations are gone.
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(count)]
+        self._freed = [None] * count
+        if self.copies_async and count:
+            # Their blocks were the compute stream's until now (backward's activations): the
+            # uploads write them once the compute stream is past this point.
+            self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for op in step_schedule(len(self.buckets), count):
+            if op.kind == "upload":
+                self._upload(op.bucket, op.slot)
+            elif op.kind == "step":
+                self._step_bucket(op.bucket, op.slot)
+            else:
+                self._download(op.bucket, op.slot)
+        opt = self.optimizer
+        streamed = {id(p) for b in self.buckets for p in b.params}
+        self._groups = opt.param_groups
+        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in streamed])
+                            for g in self._groups]
+
+    def _after_step(self) -> None:
+        if self._groups is None:
+            return
+        self.optimizer.param_groups = self._groups
+        self._groups = None
+        if self.copies_async:
+            # The slots' blocks go back to the compute stream once their downloads are done.
+            compute = torch.cuda.current_stream(self.device)
+            for event in self._freed:
+                if event is not None:
+                    self._timed_wait(compute, event)
+        self.slots, self._freed = [], []
+        up, down, seconds = self._pending
+        self._pending = None
+        self.records.append(StepRecord(up, down, seconds * 1e3))
+        del self.records[:-STEPS_KEPT]
+
+    def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """``compute`` waits for ``event``, between two timing events: the time it stood
+        still."""
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after.record(compute)
+        self._waits.append((before, after))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.copies_async:
+            dst.copy_(src, non_blocking=True)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            up, down, seconds = self._pending
+            self._pending = (up, down, seconds + time.perf_counter() - t0)
+
+    def _count(self, up: int = 0, down: int = 0) -> None:
+        if self._pending is not None:
+            u, d, s = self._pending
+            self._pending = (u + up, d + down, s)
+
+    def _upload(self, i: int, slot: int) -> None:
+        """Bucket ``i``'s host region into ``slot``, after the slot's last download."""
+        b = self.buckets[i]
+        if b.used == 0:
+            return  # nothing stored yet (its first step makes the state)
+        if not self.copies_async:
+            self._copy(self.slots[slot][:b.used], b.host[:b.used])
+            self._count(up=b.used)
+            return
+        stream = self.upload_stream
+        for event in (self._freed[slot], b.stored):
+            if event is not None:
+                stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            self._copy(self.slots[slot][:b.used], b.host[:b.used])
+            b.ready = torch.cuda.Event()
+            b.ready.record(stream)
+        self._count(up=b.used)
+
+    def _step_bucket(self, i: int, slot: int) -> None:
+        b = self.buckets[i]
+        state = self.optimizer.state
+        base = self.slots[slot]
+        if self.copies_async:
+            compute = torch.cuda.current_stream(self.device)
+            if b.ready is not None:
+                self._timed_wait(compute, b.ready)  # the upload waited for the slot's download
+                b.ready = None
+            elif self._freed[slot] is not None:
+                # Nothing uploaded (its first step): the state it makes is copied into the slot
+                # below, after the slot's last download.
+                self._timed_wait(compute, self._freed[slot])
+        for p in b.params:
+            for k in list(state.get(p, {})):
+                if (id(p), k) in b.entries:
+                    state[p][k] = b.view(base, (id(p), k))
+        opt = self.optimizer
+        everything = opt.param_groups
+        hooks = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
+        opt.param_groups = [dict(b.group, params=b.params)]
+        # Rebound, not cleared: the user's step is iterating over these dicts right now.
+        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = {}, {}
+        try:
+            self._step_fn(opt)
+        finally:
+            opt.param_groups = everything
+            opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = hooks
+        # State the step made (the first step of a parameter): into the slot, laid out for good.
+        for p in b.params:
+            for k, v in list(state.get(p, {}).items()):
+                if _offloadable(p, v) and (id(p), k) not in b.entries:
+                    self._lay_out(b, p, k, v)
+                    view = b.view(base, (id(p), k))
+                    view.copy_(v)
+                    state[p][k] = view
+
+    def _lay_out(self, b: _Bucket, p: nn.Parameter, k: str, v: torch.Tensor) -> None:
+        nbytes = v.numel() * v.element_size()
+        if b.used + nbytes > b.capacity:
+            raise RuntimeError(
+                f"zbuf offload_optimizer: {type(self.optimizer).__name__} keeps more "
+                f"parameter-shaped state than {OptimizerPolicy.of(self.optimizer).state_copies} "
+                f"copies per parameter ([Note: optimizer state bytes] in "
+                f"zbuf/memory/optimizer_state.py); add it to optimizer_state.STATE_COPIES or drop "
+                f"offload_optimizer")
+        b.entries[(id(p), k)] = (b.used, v.dtype, v.shape)
+        b.used += _aligned(nbytes)
+
+    def _download(self, i: int, slot: int) -> None:
+        """Bucket ``i`` from ``slot`` to its host region, after the compute stream's step; the
+        state points at the host copies from here on."""
+        b = self.buckets[i]
+        if b.used:
+            if self.copies_async:
+                stream = self.download_stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._copy(b.host[:b.used], self.slots[slot][:b.used])
+                    b.stored = torch.cuda.Event()
+                    b.stored.record(stream)
+                self._freed[slot] = b.stored
+            else:
+                self._copy(b.host[:b.used], self.slots[slot][:b.used])
+            self._count(down=b.used)
+        state = self.optimizer.state
+        for p in b.params:
+            for k in list(state.get(p, {})):
+                if (id(p), k) in b.entries:
+                    state[p][k] = b.view(b.host, (id(p), k))
+
+    def _read_waits(self) -> None:
+        """Add the last step's measured waits to its record (its events are long done: a whole
+        forward and backward ran since)."""
+        if not self._waits or not self.records:
+            return
+        ms = 0.0
+        for before, after in self._waits:
+            after.synchronize()
+            ms += before.elapsed_time(after)
+        self._waits.clear()
+        last = self.records[-1]
+        self.records[-1] = last._replace(exposed_ms=last.exposed_ms + ms)
+
+    # -- the host's view ----------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait for every copy: the host copies are complete and safe to read."""
+        if self.copies_async:
+            self.upload_stream.synchronize()
+            self.download_stream.synchronize()
+
+    def _take_loaded(self) -> None:
+        """After ``load_state_dict`` (which puts the state on the parameters' device): the
+        streamed parameters' state into the host regions."""
+        if not self.active:
+            return
+        self.settle()
+        state = self.optimizer.state
+        for b in self.buckets:
+            b.ready = None
+            for p in b.params:
+                for k, v in list(state.get(p, {}).items()):
+                    if not _offloadable(p, v):
+                        continue
+                    if (id(p), k) not in b.entries:
+                        self._lay_out(b, p, k, v)
+                    home = b.view(b.host, (id(p), k))
+                    home.copy_(v)
+                    state[p][k] = home
+
+    def report(self) -> dict[str, Any]:
+        """For the run record: the split, and what the measured steps moved and exposed."""
+        self._read_waits()
+        recent = self.records[1:]  # the first step makes the state: nothing uploaded
+        moved = [r.uploaded_bytes + r.downloaded_bytes for r in recent]
+        exposed = sorted(r.exposed_ms for r in recent)
+        return {
+            "active": self.active,
+            "resident_state_bytes": self.resident_bytes if self.active else None,
+            "offloaded_state_bytes": self.offloaded_bytes(),
+            "device_slot_bytes": self.device_bytes(),
+            "buckets": len(self.buckets),
+            "bytes_moved_per_step": moved[-1] if moved else None,
+            "exposed_ms_median": exposed[len(exposed) // 2] if exposed else None,
+            "steps": [r._asdict() for r in self.records],
+        }
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
