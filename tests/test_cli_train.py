@@ -160,7 +160,7 @@ def one_rank_runs(tmp_path_factory):
         "blocks": _started(["train", "--steps", "4", "--nproc", "1", "--layers", "2",
                             "--compile-structure", "blocks", "--ac", "auto",
                             "--out", str(where / "blocks.json")], where, "blocks"),
-        "no-fit": _started(["train", "--steps", "2", "--gpu-memory", "30MiB", "--nproc", "1",
+        "no-fit": _started(["train", "--steps", "2", "--gpu-memory", "20MiB", "--nproc", "1",
                             "--out", str(where / "no-fit.json")], where, "no-fit"),
     }
     try:
@@ -190,22 +190,21 @@ def test_a_step_that_runs_out_of_memory_keeps_where_it_failed_in_the_record(one_
 
 def test_a_plan_that_does_not_fit_is_one_line_naming_the_options(one_rank_runs):
     # [Note: a plan that does not fit, on the command line] in zbuf/train/refusals.py: not 83
-    # lines of Dynamo traceback and exit 1, but the numbers and the options to change, exit 2
-    # (issue 37, items 1 and 11). The default's block frames fit step 0, FSDP2's plan; its
-    # measurement refuses the next step before it runs, and the record says where.
+    # lines of Dynamo traceback and exit 1, but the numbers and the options to change, exit 2,
+    # and no record of a run that never trained a step (issue 37, items 1 and 11). On a 20 MiB
+    # card not even one block's gathered weights fit beside the model's state (at 30 MiB the
+    # plan trains, its optimizer's state offloaded: tests/test_step_offload.py).
     res, out = one_rank_runs["no-fit"]
     assert res.returncode == 2, _why(res, out)
     assert "Traceback" not in res.stderr and "TORCHDYNAMO" not in res.stderr, res.stderr
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, res.stderr
-    assert errors[0].startswith("zbuf train: error: the measured step 0 needs "), errors
-    for part in ("MiB but every rank has", "MiB for it (of --gpu-memory 30.00 MiB, less the "
-                 "model's state and a margin)", "--micro-batch (now 8)", "--seq-len (now 64)",
-                 "--ac full or --ac auto (now off)", "a larger --gpu-memory"):
+    assert errors[0].startswith("zbuf train: error: one block's gathered weights needs "), errors
+    for part in ("MiB but every rank has", "MiB for it (of --gpu-memory 20.00 MiB, less the "
+                 "model's state and a margin)", "use --compile-structure graph",
+                 "a larger --gpu-memory"):
         assert part in errors[0], errors[0]
-    eng = json.loads(out.read_text())["engines"][0]
-    assert eng["status"] == "failed" and len(eng["steps"]) == 1, eng
-    assert eng["failed_at"]["step"] == 1 and "PlanExceedsMemoryError" in eng["failed_at"]["error"]
+    assert not out.exists()
 
 
 def _assert_clean_teardown(res, torch_keeps=False):

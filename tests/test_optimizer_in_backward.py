@@ -168,7 +168,7 @@ def test_offloading_the_state_learns_the_batch_order_and_trains_the_same(monkeyp
     assert {id(p) for _key, ps in seen[:per_step] for p in ps} == {
         id(p) for p in model.parameters()}
     zbuf.compile.step_memory_of(cm).detach()
-    with pytest.raises(ValueError, match="offload_optimizer=True.*pass optimizer=opt"):
+    with pytest.raises(ValueError, match="offload_optimizer=True.*pass optimizer="):
         zbuf.compile(model, offload_optimizer=True, fullgraph=True)
 
 
