@@ -180,6 +180,36 @@ def test_state_dict_round_trip_continues_bit_exact():
     _state_equal(ref_opt, opt2, ref, params2)
 
 
+def test_loading_never_moves_the_streamed_state_to_the_parameters_device(monkeypatch):
+    """[Note: loading streamed state]: torch's load puts every state tensor it is given on its
+    parameter's device; the streamed state must go to the host regions without that trip (at
+    qwen3-32b, 32.8 GB on the device at once)."""
+    params, opt, off = _train("adamw", 3, {"bucket_bytes": 400})
+    saved = opt.state_dict()
+    given = {id(v) for st in saved["state"].values() for v in st.values()}
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = _optimizer("adamw", params2)
+    off2 = StepOffload(opt2, torch.device("cpu"), bucket_bytes=400)
+    moved = []
+    real = torch.optim.Optimizer._process_value_according_to_param_policy
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy",
+                        staticmethod(lambda param, value, *a: (moved.append((param, a[-1])),
+                                                               real(param, value, *a))[1]))
+    opt2.load_state_dict(saved)
+    streamed = {id(p) for b in off2.buckets for p in b.params}
+    assert streamed and not [k for p, k in moved if id(p) in streamed and k != "step"], moved
+    assert {id(v) for st in saved["state"].values() for v in st.values()} == given  # untouched
+    assert off2.host_held_bytes() == sum(v.numel() * v.element_size()
+                                         for p in params2 if id(p) in streamed
+                                         for k, v in opt2.state[p].items() if k != "step")
+    for step in (3, 4):
+        _grads(params2, step)
+        opt2.step()
+    ref, ref_opt, _ = _train("adamw", 5)
+    for a, b in zip(ref, params2):
+        assert torch.equal(a, b)
+
+
 def test_inactive_offload_changes_nothing_and_turns_on_only_before_the_first_step():
     ref, ref_opt, _ = _train("adamw", 2)
     params, opt, off = _train("adamw", 2, {"active": False})

@@ -213,12 +213,16 @@ class StepOffload:
         self._pending: Optional[tuple[int, int, float]] = None
         """The running step's (uploaded, downloaded, CPU copy seconds)."""
         self.records: list[StepRecord] = []
+        self._loading: dict[tuple[int, str], torch.Tensor] = {}
+        """The streamed parameters' state of the ``load_state_dict`` running, set aside as it
+        was given ([Note: loading streamed state])."""
         self.upload_stream = torch.cuda.Stream(self.device) if self.copies_async else None
         self.download_stream = torch.cuda.Stream(self.device) if self.copies_async else None
         self._handles = [
             optimizer.register_step_pre_hook(lambda _o, _a, _k: self._before_step()),
             optimizer.register_step_post_hook(lambda _o, _a, _k: self._after_step()),
             optimizer.register_state_dict_pre_hook(lambda _o: self.settle()),
+            optimizer.register_load_state_dict_pre_hook(lambda _o, sd: self._set_aside(sd)),
             optimizer.register_load_state_dict_post_hook(lambda _o: self._take_loaded()),
         ]
         if active:
@@ -468,19 +472,51 @@ class StepOffload:
             self.upload_stream.synchronize()
             self.download_stream.synchronize()
 
+    def _set_aside(self, state_dict: dict) -> Optional[dict]:
+        """[Note: loading streamed state]
+
+        ``Optimizer.load_state_dict`` puts every state tensor on its parameter's device before
+        any hook sees it: all of the streamed state on the device at once (at qwen3-32b as rank 0
+        of 8, 32.8 GB of AdamW moments, the state the plan offloaded because it does not fit).
+        So the pre-hook takes the streamed parameters' parameter-shaped state out of the dict
+        torch loads (a new dict: the caller's is left as it was), and the post-hook copies it
+        from wherever it was given straight into the host regions; the device never holds it."""
+        if not self.active or not self.buckets:
+            return None
+        streamed = {id(p) for b in self.buckets for p in b.params}
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(saved) != len(params):
+            return None  # load_state_dict refuses it in its own words
+        state = dict(state_dict["state"])
+        for key, p in zip(saved, params):
+            if id(p) not in streamed or key not in state:
+                continue
+            rest = {}
+            for k, v in state[key].items():
+                if _offloadable(p, v):
+                    self._loading[(id(p), k)] = v
+                else:
+                    rest[k] = v
+            state[key] = rest
+        return {**state_dict, "state": state}
+
     def _take_loaded(self) -> None:
-        """After ``load_state_dict`` (which puts the state on the parameters' device): the
-        streamed parameters' state into the host regions."""
+        """After ``load_state_dict``: the streamed parameters' state into the host regions, the
+        state set aside as given ([Note: loading streamed state]) and any torch loaded itself."""
         if not self.active:
             return
         self.settle()
         state = self.optimizer.state
+        loading, self._loading = self._loading, {}
         for b in self.buckets:
             b.ready = None
             for p in b.params:
-                for k, v in list(state.get(p, {}).items()):
-                    if not _offloadable(p, v):
-                        continue
+                given = {k: v for k, v in state.get(p, {}).items() if _offloadable(p, v)}
+                given.update((k, v) for (pid, k), v in loading.items() if pid == id(p))
+                for k, v in given.items():
+                    if p.is_floating_point() and v.is_floating_point():
+                        v = v.to(dtype=p.dtype)  # as load_state_dict casts it
                     if (id(p), k) not in b.entries:
                         self._lay_out(b, p, k, v)
                     home = b.view(b.host, (id(p), k))

@@ -57,6 +57,26 @@ def test_offloaded_step_matches_the_state_on_the_device_bit_for_bit(fused):
     assert len(rep["steps"]) == 4
 
 
+def test_loading_the_state_never_puts_it_on_the_device():
+    """[Note: loading streamed state]: a resume copies the offloaded state straight into the
+    host regions; torch's load alone would hold all of it on the device at once."""
+    params, opt, off, _ = _run(True, steps=2)
+    saved = opt.state_dict()
+    state = sum(2 * p.numel() * 4 for p in params)
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = torch.optim.AdamW(params2, lr=1e-3, weight_decay=0.1, fused=True)
+    off2 = StepOffload(opt2, torch.device("cuda"), bucket_bytes=12 << 20)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt2.load_state_dict(saved)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < state // 8
+    assert off2.host_held_bytes() == state
+    for p in params2:
+        assert all(v.device.type == "cpu" for v in opt2.state[p].values() if v.dim())
+
+
 def _plain(base, batches, offload):
     """``zbuf.compile(model, optimizer=opt)`` and the user's loop, stepping after backward."""
     import copy
