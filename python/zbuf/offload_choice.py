@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .memory import OptimizerPolicy
+from .memory.optimizer_state import OptimizerPolicy
 from .optimizer_step_offload import BUCKET_BYTES, SLOTS, StepOffload
 
 __all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes",

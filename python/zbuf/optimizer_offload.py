@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .memory import OptimizerPolicy
+from .memory.optimizer_state import OptimizerPolicy
 
 __all__ = ["StateOffload"]
 

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from .optimizer_offload import ARENA_ALIGN, _registered_arena
-from .memory import OptimizerPolicy
+from .memory.optimizer_state import OptimizerPolicy
 
 __all__ = ["StepOffload", "Op", "step_schedule", "plan_buckets", "BUCKET_BYTES", "SLOTS"]
 

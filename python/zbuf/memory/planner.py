@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
-__all__ = ["PlanPhase", "PlanPhases", "Replan", "StructurePlanner"]
+__all__ = ["PlanPhase", "PlanPhases", "Replan", "StructurePlanner", "StatePlacement"]
 
 
 class PlanPhase(enum.IntEnum):
@@ -103,3 +103,18 @@ class StructurePlanner(Protocol):
 
     def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
         """At the steady step, once: shrink what no longer fits."""
+
+
+class StatePlacement(Protocol):
+    """What ``StepMemory`` asks of the choice of where the optimizer's state lives, made at step
+    0's optimizer step ([Note: offloading when the step does not fit] in zbuf/offload_choice.py)."""
+
+    @property
+    def pending(self) -> bool:
+        """The choice is still to be made."""
+
+    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
+        """Choose from step 0's rank-agreed peak and what the optimizer step starts from."""
+
+    def report(self) -> dict[str, Any]:
+        """For the run record: who chose, why, and what moved."""

@@ -62,7 +62,7 @@ with the optimizer counted as part of backward.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,11 +75,8 @@ from .agreement import agree_extremes
 from .device import local_free_bytes
 from .ledger import PPM, Ledger, fragmentation_ppm, without_margin
 from .phases import ROWS_KEPT, PhaseMeter, StepPhases
-from .planner import StructurePlanner
+from .planner import StatePlacement, StructurePlanner
 from .shared import SharedMemory
-
-if TYPE_CHECKING:
-    from ..offload_choice import OffloadChoice
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget"]
 
@@ -215,7 +212,7 @@ class StepMemory:
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
         self._events0 = self._event_counts()
-        self.offload_choice: Optional["OffloadChoice"] = None
+        self.offload_choice: Optional[StatePlacement] = None
         """Where the optimizer's state lives, when the plan decides it at step 0 ([Note:
         offloading when the step does not fit] in zbuf/offload_choice.py); set by
         ``zbuf.compile``."""
