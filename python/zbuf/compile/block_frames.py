@@ -461,7 +461,11 @@ class BlockFrames:
                 "live_gathered_profile": profile,
                 "pool_bytes": plan.pool_bytes + sum(kept) * block,  # as BlockReplanner sets it
                 "frames_compiled": self.graphs_compiled,
-                "levels": [LEVELS[self.levels.get(b, 0)] for b in self.called],
+                "recompute": self.options.recompute,
+                # Levels are recompute="auto"'s choice; otherwise every block recomputes what
+                # the model's own checkpointing says (or, under "none", nothing).
+                "levels": ([LEVELS[self.levels.get(b, 0)] for b in self.called]
+                           if self.options.recompute == "auto" else None),
                 "kept_for_backward": kept}
 
     def has_frame(self, level: int) -> bool:
