@@ -210,14 +210,27 @@ def test_loading_never_moves_the_streamed_state_to_the_parameters_device(monkeyp
         assert torch.equal(a, b)
 
 
-def test_inactive_offload_changes_nothing_and_turns_on_only_before_the_first_step():
-    ref, ref_opt, _ = _train("adamw", 2)
-    params, opt, off = _train("adamw", 2, {"active": False})
+def test_inactive_offload_changes_nothing_and_turns_on_over_existing_state():
+    """A resumed run loads its state before step 0 decides where it lives: turned on then, the
+    offload moves that state to the host and the steps go on bit for bit (at 4d62ab8 it
+    refused, and a resume with the plan's offload failed at step 0)."""
+    ref, ref_opt, _ = _train("adamw", 4)
+    params, opt, off = _train("adamw", 2, {"active": False, "bucket_bytes": 400})
     assert not off.active and off.records == []
+    for a, b in zip(_train("adamw", 2)[0], params):
+        assert torch.equal(a, b)
+    off.activate(0)
+    streamed = {id(p) for b in off.buckets for p in b.params}
+    assert streamed and off.host_held_bytes() == sum(
+        v.numel() * v.element_size() for p in params if id(p) in streamed
+        for k, v in opt.state[p].items() if k != "step")
+    for step in (2, 3):
+        _grads(params, step)
+        opt.step()
+        opt.zero_grad()
     for a, b in zip(ref, params):
         assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="turn offload on before its first step"):
-        off.activate(0)
+    _state_equal(ref_opt, opt, ref, params)
 
 
 def test_more_state_than_the_policy_knows_is_one_clear_error():
@@ -231,11 +244,12 @@ def test_more_state_than_the_policy_knows_is_one_clear_error():
 
 # -- zbuf.compile(model, optimizer=opt): the user's loop -----------------------------------------
 
-def _plain_run(offload, steps=3, free=None, **options):
+def _plain_run(offload, steps=3, free=None, resumed_after=0, **options):
     """The plain user setup on a small decoder (one compiled frame per block): ``steps`` of
-    ``loss.backward(); opt.step()``; returns the losses, the parameters and the offload's record.
-    ``free(gradient bytes)``: the free memory every rank agrees on at compile time (default: the
-    host's)."""
+    ``loss.backward(); opt.step()``; returns the losses, the parameters, the offload's record and
+    the state's bytes. ``free(gradient bytes)``: the free memory every rank agrees on at compile
+    time (default: the host's). ``resumed_after``: steps taken eagerly before the compile, as a
+    resumed run's optimizer holds its state before its first compiled step."""
     import copy
 
     import zbuf
@@ -250,6 +264,12 @@ def _plain_run(offload, steps=3, free=None, **options):
                       head_dim=16, ffn_hidden_size=96, rope_theta=10_000.0)
     model = shard(copy.deepcopy(build_model(cfg)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    before = torch.Generator().manual_seed(5)
+    for _ in range(resumed_after):
+        tokens = torch.randint(0, 97, (2, 9), generator=before)
+        loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
     agreed = contextlib.nullcontext()
     if free is not None:
         total = free(sum(p.numel() * 4 for p in model.parameters()))
@@ -269,6 +289,8 @@ def _plain_run(offload, steps=3, free=None, **options):
         losses.append(out.item())
     memory = zbuf.compile.step_memory_of(cm)
     report = memory.report()
+    if report["optimizer_offload"] is not None:
+        report["optimizer_offload"]["measured_step"] = memory.measured_step
     memory.detach()
     params = [p.detach().clone() for p in model.parameters()]
     state = OptimizerPolicy.of(opt).state_bytes(model.parameters())
@@ -315,6 +337,27 @@ def test_the_plan_offloads_the_state_when_the_step_would_not_fit(monkeypatch):
     assert "step 0 peaked at" in rec["why"] and "in host memory" in rec["why"]
     assert rec["measured"]["peak_bytes"] + state > rec["measured"]["usable_bytes"]
     assert 0 < rec["offloaded_state_bytes"] and rec["resident_state_bytes"] < state
+    assert small[0] == roomy[0]
+    for a, b in zip(roomy[1], small[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")
+def test_a_resumed_run_offloads_its_loaded_state_and_measures_the_step_after(monkeypatch):
+    """A resumed run's optimizer holds its state before step 0 decides where it lives: the plan
+    moves it to the host then, and step 1, the first without it on the device, is the step
+    measured (at 4d62ab8 the offload refused to turn on over existing state, and `zbuf train
+    --resume` on a card the plan offloads for failed at step 0)."""
+    import zbuf.offload_choice
+
+    monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 8 << 10)
+    roomy = _plain_run(None, resumed_after=2, free_memory_bytes=1 << 30)
+    state = roomy[3]
+    assert roomy[2]["chosen_by"] is None and roomy[2]["measured_step"] == 0
+    small = _plain_run(None, resumed_after=2, free_memory_bytes=state + state // 2)
+    rec = small[2]
+    assert rec["chosen_by"] == "plan" and rec["active"] and rec["measured_step"] == 1, rec
+    assert 0 < rec["offloaded_state_bytes"]
     assert small[0] == roomy[0]
     for a, b in zip(roomy[1], small[1]):
         assert torch.equal(a, b)

@@ -231,13 +231,11 @@ class StepOffload:
     # -- layout -------------------------------------------------------------------------------
 
     def activate(self, resident_bytes: int) -> None:
-        """Turn on, keeping the state of the first ``resident_bytes`` on the device. Before the
-        first step: the layout is planned from the shards and the optimizer's type."""
+        """Turn on, keeping the state of the first ``resident_bytes`` on the device. The layout is
+        planned from the shards and the optimizer's type; state the optimizer has already (a
+        resumed run's, loaded before step 0 decided) moves into the host regions."""
         if self.active:
             raise RuntimeError("StepOffload.activate: already active")
-        if any(_offloadable(p, v) for p, st in self.optimizer.state.items() for v in st.values()):
-            raise RuntimeError("StepOffload.activate: the optimizer has stepped already; "
-                               "turn offload on before its first step")
         policy = OptimizerPolicy.of(self.optimizer)
         self.active = True
         if policy.state_copies == 0:
@@ -268,6 +266,8 @@ class StepOffload:
                 b.host = self._arena[start:start + b.capacity]
                 start += b.capacity
             self.slot_bytes = max(b.capacity for b in self.buckets)
+        # A resumed run loaded its state before step 0 decided: it moves to the host now.
+        self._take_loaded()
 
     def offloaded_bytes(self) -> int:
         """Bytes of state the host arena holds room for (the streamed parameters')."""

@@ -113,6 +113,10 @@ class StatePlacement(Protocol):
     def pending(self) -> bool:
         """The choice is still to be made."""
 
+    @property
+    def offloaded(self) -> bool:
+        """Some of the state lives in host memory."""
+
     def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
         """Choose from step 0's rank-agreed peak and what the optimizer step starts from."""
 

@@ -283,7 +283,15 @@ class StepMemory:
         (limit,), (peak, held) = agree_extremes(self.group, self.memory.device,
                                                 smallest=[self.limit_bytes()],
                                                 largest=[peak, held])
+        resumed = any(isinstance(v, torch.Tensor) and v.dim() > 0
+                      for st in self.optimizer.state.values() for v in st.values())
         self.offload_choice.decide(without_margin(limit), peak, held)
+        if resumed and self.offload_choice.offloaded:
+            # [Note: a state made inside the measured phase], the other way round: a resumed
+            # run's step 0 ran forward and backward beside the state it loaded, which moves to
+            # the host now; step 1 runs without it, so it is the step measured.
+            self.measured_step += 1
+            self.steady_step += 1
 
     # -- the decision -------------------------------------------------------------------------
 
