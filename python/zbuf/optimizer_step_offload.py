@@ -198,6 +198,8 @@ class StepOffload:
         ``activate`` was given)."""
         self.active = False
         self.buckets: list[_Bucket] = []
+        self.streamed: frozenset[int] = frozenset()
+        """Ids of the parameters whose state the buckets hold (set by ``activate``)."""
         self.slot_bytes = 0
         """Bytes of each slot: the largest bucket's."""
         self.slots: list[torch.Tensor] = []
@@ -266,6 +268,7 @@ class StepOffload:
                 b.host = self._arena[start:start + b.capacity]
                 start += b.capacity
             self.slot_bytes = max(b.capacity for b in self.buckets)
+        self.streamed = frozenset(id(p) for b in self.buckets for p in b.params)
         # A resumed run loaded its state before step 0 decided: it moves to the host now.
         self._take_loaded()
 
@@ -315,9 +318,8 @@ class StepOffload:
             else:
                 self._download(op.bucket, op.slot)
         opt = self.optimizer
-        streamed = {id(p) for b in self.buckets for p in b.params}
         self._groups = opt.param_groups
-        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in streamed])
+        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in self.streamed])
                             for g in self._groups]
 
     def _after_step(self) -> None:
@@ -393,10 +395,7 @@ class StepOffload:
                 # Nothing uploaded (its first step): the state it makes is copied into the slot
                 # below, after the slot's last download.
                 self._timed_wait(compute, self._freed[slot])
-        for p in b.params:
-            for k in list(state.get(p, {})):
-                if (id(p), k) in b.entries:
-                    state[p][k] = b.view(base, (id(p), k))
+        self._point(b, base)
         opt = self.optimizer
         everything = opt.param_groups
         hooks = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
@@ -412,10 +411,25 @@ class StepOffload:
         for p in b.params:
             for k, v in list(state.get(p, {}).items()):
                 if _offloadable(p, v) and (id(p), k) not in b.entries:
-                    self._lay_out(b, p, k, v)
-                    view = b.view(base, (id(p), k))
-                    view.copy_(v)
-                    state[p][k] = view
+                    self._place(b, base, p, k, v)
+
+    def _point(self, b: _Bucket, base: torch.Tensor) -> None:
+        """Bucket ``b``'s state tensors become views of ``base``: its slot, or its host region."""
+        state = self.optimizer.state
+        for p in b.params:
+            for k in list(state.get(p, {})):
+                if (id(p), k) in b.entries:
+                    state[p][k] = b.view(base, (id(p), k))
+
+    def _place(self, b: _Bucket, base: torch.Tensor, p: nn.Parameter, k: str,
+               v: torch.Tensor) -> None:
+        """``v`` into ``base`` (its slot or its host region), laid out on first sight; the state
+        points at it there."""
+        if (id(p), k) not in b.entries:
+            self._lay_out(b, p, k, v)
+        home = b.view(base, (id(p), k))
+        home.copy_(v)
+        self.optimizer.state[p][k] = home
 
     def _lay_out(self, b: _Bucket, p: nn.Parameter, k: str, v: torch.Tensor) -> None:
         nbytes = v.numel() * v.element_size()
@@ -445,11 +459,7 @@ class StepOffload:
             else:
                 self._copy(b.host[:b.used], self.slots[slot][:b.used])
             self._count(down=b.used)
-        state = self.optimizer.state
-        for p in b.params:
-            for k in list(state.get(p, {})):
-                if (id(p), k) in b.entries:
-                    state[p][k] = b.view(b.host, (id(p), k))
+        self._point(b, b.host)
 
     def _read_waits(self) -> None:
         """Add the last step's measured waits to its record (its events are long done: a whole
@@ -483,14 +493,13 @@ class StepOffload:
         from wherever it was given straight into the host regions; the device never holds it."""
         if not self.active or not self.buckets:
             return None
-        streamed = {id(p) for b in self.buckets for p in b.params}
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(saved) != len(params):
             return None  # load_state_dict refuses it in its own words
         state = dict(state_dict["state"])
         for key, p in zip(saved, params):
-            if id(p) not in streamed or key not in state:
+            if id(p) not in self.streamed or key not in state:
                 continue
             rest = {}
             for k, v in state[key].items():
@@ -517,11 +526,7 @@ class StepOffload:
                 for k, v in given.items():
                     if p.is_floating_point() and v.is_floating_point():
                         v = v.to(dtype=p.dtype)  # as load_state_dict casts it
-                    if (id(p), k) not in b.entries:
-                        self._lay_out(b, p, k, v)
-                    home = b.view(b.host, (id(p), k))
-                    home.copy_(v)
-                    state[p][k] = home
+                    self._place(b, b.host, p, k, v)
 
     def report(self) -> dict[str, Any]:
         """For the run record: the split, and what the measured steps moved and exposed."""
