@@ -286,17 +286,25 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     retries = []
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
+
+    def batch_of(step: int):
+        return rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
+                          vocab, device)
+
+    def train_step(batch) -> torch.Tensor:
+        loss = step_loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return loss
+
     try:
         for step in range(cfg.steps):
-            batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank,
-                               cfg.seq_len, vocab, device)
+            batch = batch_of(step)
             t0 = time.perf_counter()
-            loss = step_loss(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            loss = train_step(batch)
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             if device.type == "cuda":
@@ -319,13 +327,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
 
         with StepProfiler(profile_dir, variant, rank):
             for step in range(cfg.steps, cfg.steps + PROFILED_STEPS):
-                batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank,
-                                   cfg.seq_len, vocab, device)
-                step_loss(batch).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                train_step(batch_of(step))
     measured = times[cfg.warmup:]
     # The steps that compiled (a first step, a re-plan's): more than twice the measured median.
     compiled_steps = [i for i, t in enumerate(times[:cfg.warmup or 1])
