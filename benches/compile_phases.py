@@ -1,7 +1,7 @@
 """The first step by phase across several ``zbuf train`` records, as one table (issue 14).
 
     python3 benches/compile_phases.py --out benches/results/compile_phases_cpu \\
-        "whole graph, 4 layers=before_L4.json" "blocks once, 4 layers=after_L4.json" ...
+        "whole graph, 4 layers=before_L4.json" "blocks, 4 layers=after_L4.json" ...
 
 Each argument is ``LABEL=RECORD``; the record's zbuf engine is read (the slowest rank's phases,
 [Note: compile phases] in zbuf/train/compile_phases.py). Writes ``OUT.md`` (versions and
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
         format_bytes(c[3]["summary"]["peak_device_bytes"]) for c in cols) + " |")
     lines.append("| final loss | " + " | ".join(
         f"{c[3]['summary']['final_loss']:.4f}" for c in cols) + " |")
-    lines.append("| compile_blocks_once | " + " | ".join(
-        str(c[2]["config"].get("compile_blocks_once")) for c in cols) + " |")
+    lines.append("| compile_structure | " + " | ".join(
+        str(c[2]["config"].get("compile_structure")) for c in cols) + " |")
     text = "\n".join(lines) + "\n"
     with open(args.out + ".md", "w") as f:
         f.write(text)

@@ -1,6 +1,6 @@
 """How the first step's compile phases grow with the number of identical blocks, on CPU (issue 21).
 
-    python benches/compile_scaling.py --layers 2 8 16 --engines zbuf-once zbuf-whole fsdp2 \\
+    python benches/compile_scaling.py --layers 2 8 16 --engines zbuf-whole zbuf-blocks fsdp2 \\
         --out benches/results/compile_scaling_cpu
 
 Each (engine, layers) runs in a fresh process with an empty ``TORCHINDUCTOR_CACHE_DIR`` (a cold
@@ -9,8 +9,7 @@ launch) and, with ``--warm``, a second process on the same cache dir (a warm lau
 aot_eager``), one training step
 (forward, backward, optimizer) timed by ``PhaseClock`` ([Note: compile phases]). Engines:
 
-- ``zbuf-once``: ``zbuf.compile`` with its default ``compile_blocks_once=True``;
-- ``zbuf-whole``: ``zbuf.compile(..., compile_blocks_once=False)``;
+- ``zbuf-whole``: ``zbuf.compile(..., structure="graph")``: the whole model one frame;
 - ``zbuf-blocks``: ``zbuf.compile(..., structure="blocks")``: one Dynamo frame per block, shared
   by identical blocks, the gathers in zbuf's runtime ([Note: one Dynamo frame per block]);
 - ``fsdp2``: torchtitan's structure: each block ``Module.compile``-d, then ``fully_shard``.
@@ -52,24 +51,6 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
     from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
     from zbuf.train.compile_phases import PhaseClock
 
-    nomemo = engine.endswith("-nomemo")
-    if nomemo:  # the measurement before [Note: one schema per region]
-        import contextlib
-
-        import zbuf.compile.region_schema as region_schema
-
-        region_schema.SchemaMemo.active = lambda self: contextlib.nullcontext(self)
-        engine = engine.removesuffix("-nomemo")
-    import torch._higher_order_ops.utils as hop_utils
-
-    materialised = [0]
-    materialize = hop_utils.materialize_as_graph
-
-    def counted(*a, **k):
-        materialised[0] += 1
-        return materialize(*a, **k)
-
-    hop_utils.materialize_as_graph = counted
     cfg = resolve_config("tiny").replace(num_layers=layers)
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -96,8 +77,8 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
         params = sharded.parameters()
     else:
         sharded = zbuf.shard(model)
-        cm = zbuf.compile(sharded, inner=inner, fullgraph=True,
-                          compile_blocks_once=(engine == "zbuf-once"), budget_bytes=1 << 30)
+        cm = zbuf.compile(sharded, inner=inner, fullgraph=True, structure="graph",
+                          budget_bytes=1 << 30)
         step = lambda: loss(cm, tokens, targets)  # noqa: E731
         params = sharded.parameters()
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -120,13 +101,13 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
         steady.append(time.perf_counter() - t1)
     spans = {k: len(compilation_time_metrics.get(k, [])) - before[k] for k in _COUNTED}
     span_s = {k: round(sum(compilation_time_metrics.get(k, [])[before[k]:]), 3) for k in _COUNTED}
-    out = {"engine": engine + ("-nomemo" if nomemo else ""), "layers": layers, "ac": ac,
+    out = {"engine": engine, "layers": layers, "ac": ac,
            "inner": inner, "first_step_s": round(wall, 3),
            "steady_step_s": round(sorted(steady)[len(steady) // 2], 4),
            "phases": {k: round(v, 3) for k, v in res.phases.items()},
            "zbuf_passes": {k: round(v, 3) for k, v in res.zbuf_passes.items()},
            "kernel_compile_work_s": round(res.kernel_compile_work_s, 3), "cpu_s": round(res.cpu_s, 3),
-           "caches": res.caches, "body_materialisations": materialised[0], "spans": spans, "span_s": span_s, "loss": lo.item()}
+           "caches": res.caches, "spans": spans, "span_s": span_s, "loss": lo.item()}
     if engine == "zbuf-blocks":
         from zbuf.compile.block_frames import block_frames_of
 
@@ -141,19 +122,19 @@ def _one(engine: str, layers: int, ac: bool, inner: str) -> dict:
 def markdown(rows: list[dict]) -> str:
     """One table row per launch: phases (wall s), CPU s, and how many times each stage ran."""
     head = ("| engine | layers | launch | first step | CPU s | dynamo | aot | zbuf | inductor "
-            "| kernels | first run | Dynamo frames | body schema traces | lowerings "
+            "| kernels | first run | Dynamo frames | lowerings "
             "| FX hit/miss | AOT hit/miss | step (ms) |")
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 14]
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 13]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r['layers']} | {r['launch']} | failed |" + " |" * 13)
+            lines.append(f"| {r['engine']} | {r['layers']} | {r['launch']} | failed |" + " |" * 12)
             continue
         ph, sp, c = r["phases"], r["spans"], r["caches"]
         lines.append(
             f"| {r['engine']} | {r['layers']} | {r['launch']} | {r['first_step_s']:.1f} "
             f"| {r['cpu_s']:.1f} | " + " | ".join(f"{ph[k]:.1f}" for k in (
                 "dynamo", "aot", "zbuf", "inductor", "kernel_compile", "first_run"))
-            + f" | {sp['_compile.compile_inner']} | {r['body_materialisations']} "
+            + f" | {sp['_compile.compile_inner']} "
             f"| {sp['GraphLowering.run']} | {c['fxgraph_hit']}/{c['fxgraph_miss']} "
             f"| {c['aot_hit']}/{c['aot_miss']} | {1e3 * r.get('steady_step_s', float('nan')):.0f} |")
     return "\n".join(lines) + "\n"
@@ -162,7 +143,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 16])
-    p.add_argument("--engines", nargs="+", default=["zbuf-once", "zbuf-whole", "fsdp2"])
+    p.add_argument("--engines", nargs="+", default=["zbuf-whole", "zbuf-blocks", "fsdp2"])
     p.add_argument("--ac", action="store_true", help="checkpoint every block")
     p.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
                    help="the compiler (aot_eager: Dynamo and AOTAutograd only, no codegen)")
@@ -185,7 +166,7 @@ def main(argv=None) -> int:
         return 0
     rows = []
     root = args.kernels_dir
-    shared = {e: os.path.join(root, e.removesuffix("-nomemo")) for e in args.engines} if root else {}
+    shared = {e: os.path.join(root, e) for e in args.engines} if root else {}
     plan = [(l, e) for l in args.layers for e in args.engines]
     plan = [(-2, e) for e in args.engines if root and not os.path.isdir(shared[e])] + plan
     for layers, engine in plan:

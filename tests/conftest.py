@@ -51,7 +51,6 @@ _FIRST = (
     "test_exit.py",
     "test_warm_start.py",
     "test_recompute.py",
-    "test_compile_regions.py",
     "test_faults.py",
     "test_soak.py",
     "test_varlen.py",

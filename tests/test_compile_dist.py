@@ -13,8 +13,6 @@ One launch per world size does every check, so process start-up is paid once:
   and a Hugging Face Qwen3 (random weights, no download), match as well.
 * both: ``recompute="auto"`` under budgets that keep nothing, everything and half, each matching
   the reference, the plans' split moving with the budget.
-* Each decoder case (and the HF one) also runs with ``compile_blocks_once`` (every block's body
-  compiled once, gathers in the outer graph: compile/regions.py).
 
 Every run trains with AdamW behind a linear learning-rate warm-up from 0 ([Note: first Adam step]).
 
@@ -159,7 +157,7 @@ def _check_stock_twin(init, model, batches, rank, world, what, errors):
 def _decoder_case(rank, world, *, ac, options, steps=STEPS, stock_twin=True):
     """Compiled zbuf vs eager zbuf vs unsharded reference for the tiny decoder (under Inductor,
     also vs the same sharded model under stock Inductor unless ``stock_twin`` is False)."""
-    from zbuf.compile import mark_repeated_blocks, schedule_report
+    from zbuf.compile import schedule_report
     from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
     from zbuf.shard import shard
     from zbuf.state_dict import full_state_dict
@@ -176,8 +174,6 @@ def _decoder_case(rank, world, *, ac, options, steps=STEPS, stock_twin=True):
     eager = shard(copy.deepcopy(init))
     eager_run = _train(eager, eager, batches, rank, world, sharded=True, loss_fn=loss)
     model = shard(copy.deepcopy(init))
-    if options.get("compile_blocks_once"):
-        mark_repeated_blocks(model)  # what zbuf.compile does with the option
     cm = torch.compile(model, backend="zbuf", options=options, fullgraph=True)
     run = _train(cm, model, batches, rank, world, sharded=True, loss_fn=loss)
     losses, gathers = run.losses, run.gathers
@@ -424,19 +420,12 @@ def _world2_worker(rank, world, with_inductor):
     out, times = {}, {}
     out["collective_output"] = _collective_output_case(rank, world)
     _, _, out["plain"] = _timed(times, "plain", _decoder_case, rank, world, ac=False, options={"inner": "aot_eager"})
-    _, _, out["plain_once"] = _timed(times, "plain_once", _decoder_case, rank, world, ac=False,
-                                     options={"inner": "aot_eager", "compile_blocks_once": True})
     out["graph_break"] = _timed(times, "graph_break", _graph_break_case, rank, world)
     out["bf16"] = _timed(times, "bf16", _mixed_precision_case, rank, world)
     if with_inductor:
         _, _, out["inductor"] = _timed(
             times, "inductor", _decoder_case, rank, world, ac=False,
             options={"inner": "inductor", "budget_bytes": 600_000, "persist": False}, steps=3,
-        )
-        _, _, out["inductor_once"] = _timed(
-            times, "inductor_once", _decoder_case, rank, world, ac=True,
-            options={"inner": "inductor", "budget_bytes": 600_000, "persist": False,
-                     "compile_blocks_once": True}, steps=3,
         )
     out["mismatch"] = _timed(times, "mismatch", _mismatch_case, rank, world)
     out["auto"] = _timed(times, "auto", _auto_recompute_case, rank, world)
@@ -451,22 +440,15 @@ def _world3_worker(rank, world):
         rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000, "persist": False}
     )
     out["auto"] = _auto_recompute_case(rank, world)
-    # The same with each block compiled once: a block's weights are one unit to the plan, so
-    # the budget admits one block at a time.
-    _, _, out["ac_tight_once"] = _decoder_case(
-        rank, world, ac=True, options={"inner": "aot_eager", "budget_bytes": 600_000,
-                                       "persist": False, "compile_blocks_once": True}
-    )
     try:
         import transformers  # noqa: F401
     except ImportError:
         return out
     out["hf"] = _hf_case(rank, world)
-    out["hf_once"] = _hf_case(rank, world, once=True)
     return out
 
 
-def _hf_case(rank, world, once=False):
+def _hf_case(rank, world):
     import transformers
 
     from zbuf.shard import shard
@@ -489,11 +471,6 @@ def _hf_case(rank, world, once=False):
     ref_run = _train(ref, ref, batches, rank, world, sharded=False, loss_fn=hf_loss)
     model = shard(copy.deepcopy(init))
     options = {"inner": "aot_eager", "budget_bytes": 20_000}
-    if once:
-        from zbuf.compile import mark_repeated_blocks
-
-        assert mark_repeated_blocks(model) == cfg.num_hidden_layers
-        options["compile_blocks_once"] = True
     cm = torch.compile(model, backend="zbuf", options=options)
     run = _train(cm, model, batches, rank, world, sharded=True, loss_fn=hf_loss)
     torch.testing.assert_close(run.losses, ref_run.losses, rtol=RTOL, atol=0)
@@ -552,7 +529,7 @@ def test_two_ranks():
     print("seconds per case (rank 0):", results[0]["times"])
     print("worst relative errors (rank 0):",
           {k: results[0][k]["errors"] for k in ("plain", "inductor") if k in results[0]})
-    for key in ("plain", "plain_once") + (("inductor", "inductor_once") if with_inductor else ()):
+    for key in ("plain",) + (("inductor",) if with_inductor else ()):
         per_rank = [r[key] for r in results]
         # Same losses and same plans (fingerprints) on every rank.
         assert per_rank[0] == per_rank[1], key
@@ -573,18 +550,12 @@ def test_three_ranks():
     results = run_distributed(_world3_worker, 3, timeout=900)
     print("worst relative errors (rank 0):", results[0]["ac_tight"]["errors"],
           results[0].get("hf", {}).get("errors"))
-    for key in ("ac_tight", "ac_tight_once"):
-        assert results[0][key] == results[1][key] == results[2][key], key
+    assert results[0]["ac_tight"] == results[1]["ac_tight"] == results[2]["ac_tight"]
     fw, bw = results[0]["ac_tight"]["records"]
     assert fw[2] > 0 and bw[4] > 0  # the tight budget still prefetches, and re-gathers in backward
     print("auto recompute plans (rank 0):", {k: v["plan"] for k, v in results[0]["auto"].items()})
     assert results[0]["auto"] == results[1]["auto"] == results[2]["auto"]
-    fw, bw = results[0]["ac_tight_once"]["records"]
-    # Still prefetched; backward gathers the blocks' weights again (each is read by one call
-    # there, so nothing is gathered twice within the graph).
-    assert fw[2] > 0 and fw[5] == 0 and bw[1] > 0
     if "hf" in results[0]:
         assert results[0]["hf"] == results[2]["hf"]
-        assert results[0]["hf_once"] == results[2]["hf_once"]
     else:
         pytest.skip("transformers not installed: HF part skipped")

@@ -85,10 +85,8 @@ def _stack_and_reference():
     return shard(copy.deepcopy(init)), batches, _train(ref, ref, batches)
 
 
-@pytest.mark.parametrize("options", [{"structure": "graph"},
-                                     {"structure": "graph", "compile_blocks_once": True},
-                                     {"structure": "blocks"}],
-                         ids=["graph", "blocks-once", "frames"])
+@pytest.mark.parametrize("options", [{"structure": "graph"}, {"structure": "blocks"}],
+                         ids=["graph", "frames"])
 def test_checkpointed_side_effects_trace_whole(options, recwarn):
     model, batches, ref_losses = _stack_and_reference()
     cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, budget_bytes=1 << 30, **options)

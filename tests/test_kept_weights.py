@@ -199,7 +199,7 @@ def _training_setup(world, steps, prepare=None):
     return batches, ref_losses, ref_states, model, opt, sched
 
 
-def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eager"):
+def _grow_without_compile_case(rank, world, inner="aot_eager"):
     """After the measured step the re-plan keeps weights for backward and compiles nothing
     (no Dynamo frame, no AOT graph, no schedule record); the steps after it match an unsharded
     fp32 reference, with fewer gathers per step."""
@@ -211,7 +211,7 @@ def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eage
     counters.clear()
     steps = 4
     batches, ref_losses, ref_states, model, opt, sched = _training_setup(world, steps)
-    cm = zbuf.compile(model, structure="graph", inner=inner, optimizer=opt, compile_blocks_once=compile_blocks_once)
+    cm = zbuf.compile(model, structure="graph", inner=inner, optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
     compiles, gathers = [], []
 
@@ -230,8 +230,7 @@ def _grow_without_compile_case(rank, world, compile_blocks_once, inner="aot_eage
     return {"replanned": [r.replanned for r in rows], "measured": sm.measured._asdict(),
             "compiles": compiles, "gathers_per_step": [b - a for a, b in zip(gathers, gathers[1:])],
             "kept": sorted(pool.kept.nbytes.items()), "held_after": len(pool.kept.held),
-            "records": len(zbuf.schedule_report(model)),
-            "blocks_once": zbuf.compile.regions.is_marked_model(model)}
+            "records": len(zbuf.schedule_report(model))}
 
 
 def _auto_case(rank, world):
@@ -265,11 +264,10 @@ def _worker(rank, world, with_inductor):
     # so ZBUF_POISON_RELEASES in the environment now would be read by nobody: set the flag.
     runtime.POISON_RELEASES = True
     out = {"ops": _ops_case(rank, world), "mismatch": _mismatch_case(rank, world),
-           "blocks_once": _grow_without_compile_case(rank, world, True),
-           "whole": _grow_without_compile_case(rank, world, False),
+           "whole": _grow_without_compile_case(rank, world),
            "auto": _auto_case(rank, world)}
     if with_inductor:  # Inductor's generated code around the held buffers (5-6 min on CI's CPU)
-        out["inductor"] = _grow_without_compile_case(rank, world, True, inner="inductor")
+        out["inductor"] = _grow_without_compile_case(rank, world, inner="inductor")
     return out
 
 
@@ -299,13 +297,12 @@ def test_ranks_with_different_keep_sets_stop_with_a_mismatch(two_ranks):
 
 
 @pytest.mark.parametrize("structure", [
-    "blocks_once", "whole",
+    "whole",
     pytest.param("inductor", marks=pytest.mark.skipif(not WITH_INDUCTOR,
                                                       reason="ZBUF_TEST_INDUCTOR=1 runs it"))])
 def test_growing_the_keep_set_compiles_nothing_and_keeps_parity(two_ranks, structure):
     out = [r[structure] for r in two_ranks]
     for o in out:
-        assert o["blocks_once"] == (structure != "whole"), o
         assert o["replanned"] == [False, True, False, False], o
         m = o["measured"]
         assert m["replanned"] and not m["recompiled"], m

@@ -23,27 +23,28 @@ LEGAL = legal_modes()
 
 
 def _name(m: Modes) -> str:
-    on = [n for n in ("optimizer_in_backward", "offload_optimizer", "compile_blocks_once")
-          if getattr(m, n)]
+    on = [n for n in ("optimizer_in_backward", "offload_optimizer") if getattr(m, n)]
     return "-".join([m.structure, m.recompute, *on])
 
 
 def test_the_table_counts_what_the_issue_counted():
-    # optimizer_in_backward has ten legal combinations (issue 39); blocks take no whole-graph
-    # mode; the optimizer's state offloads after backward under either structure (issue 38)
-    assert len(LEGAL) == 26
-    assert sum(m.optimizer_in_backward for m in LEGAL) == 10
-    assert {(m.recompute, m.optimizer_in_backward, m.offload_optimizer, m.compile_blocks_once)
+    # The whole graph takes every recompute mode with the optimizer in backward or after it,
+    # its state offloaded or not; blocks take no whole-graph mode; the optimizer's state offloads
+    # under either structure (issue 38). Issue 39 counted ten with optimizer_in_backward, four
+    # of them with compile_blocks_once, since deleted (issue 36).
+    assert len(LEGAL) == 3 * 2 * 2 + 3 * 2
+    assert sum(m.optimizer_in_backward for m in LEGAL) == 6
+    assert {(m.recompute, m.optimizer_in_backward, m.offload_optimizer)
             for m in LEGAL if m.structure == "blocks"} == {
-        (r, False, f, False) for r in ("checkpointed", "auto", "none") for f in (False, True)}
+        (r, False, f) for r in ("checkpointed", "auto", "none") for f in (False, True)}
 
 
 def test_every_rule_refuses_something_legal_modes_do_not_hold():
     every = [Modes(structure=s, recompute=r, optimizer_in_backward=o, offload_optimizer=f,
-                   compile_blocks_once=c, budget_bytes=b, activation_budget_bytes=a,
+                   budget_bytes=b, activation_budget_bytes=a,
                    coalesce=k, optimizer=opt, fullgraph=fg)
              for s in ("graph", "blocks") for r in ("checkpointed", "auto", "none")
-             for o in (False, True) for f in (False, True) for c in (False, True)
+             for o in (False, True) for f in (False, True)
              for b in (False, True) for a in (False, True) for k in (False, True)
              for opt in (False, True) for fg in (False, True)]
     for rule in RULES:  # each rule is reachable, and a line renders for what it refuses
@@ -64,8 +65,7 @@ def _model(checkpointed: bool = True):
 
 @pytest.mark.parametrize("modes", LEGAL, ids=_name)
 def test_every_legal_combination_trains_as_eager_zbuf(modes):
-    # a block compiled once refuses the caller's checkpoint around it ([Note: region bodies])
-    base = _model(checkpointed=not modes.compile_blocks_once)
+    base = _model()
     batches = token_batches(3)
     eager = shard(copy.deepcopy(base))
     expected = train_adamw(eager, eager, batches)
@@ -74,8 +74,7 @@ def test_every_legal_combination_trains_as_eager_zbuf(modes):
     compiled = zbuf.compile(model, optimizer=opt, inner="aot_eager", fullgraph=True,
                             structure=modes.structure, recompute=modes.recompute,
                             optimizer_in_backward=modes.optimizer_in_backward,
-                            offload_optimizer=modes.offload_optimizer,
-                            compile_blocks_once=modes.compile_blocks_once)
+                            offload_optimizer=modes.offload_optimizer)
     losses = train_adamw(compiled, model, batches, opt=opt)
     assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5)
 
@@ -83,10 +82,6 @@ def test_every_legal_combination_trains_as_eager_zbuf(modes):
 @pytest.mark.parametrize("options, line", [
     (dict(structure="blocks", optimizer_in_backward=True),
      "structure='blocks' does not take optimizer_in_backward=True"),
-    (dict(structure="blocks", compile_blocks_once=True),
-     "structure='blocks' compiles each block as its own frame"),
-    (dict(compile_blocks_once=True, recompute="auto"),
-     "compile_blocks_once=True does not combine with recompute='auto'"),
     (dict(structure="graph", activation_budget_bytes=1 << 20),
      "activation_budget_bytes is the budget of recompute='auto'"),
     (dict(structure="blocks", coalesce=False), "coalesce_min_bytes would tune nothing"),
@@ -117,8 +112,6 @@ def test_the_command_refuses_in_its_own_words():
     for options, line in [
         (dict(compile_structure="blocks", optimizer_in_backward=True),
          "--compile-structure blocks does not take --optimizer-in-backward"),
-        (dict(compile_blocks_once=True, ac="auto"),
-         "--compile-blocks-once does not combine with --ac auto"),
         (dict(compile_structure="blocks", ac="auto", gather_budget=1 << 30),
          "--compile-structure blocks with --ac auto plans the blocks' levels"),
     ]:

@@ -248,9 +248,7 @@ MUTABLE_GLOBALS = {
     # process-wide by nature
     "zbuf.param_access._SUBCLASS_CACHE": "classes are process-wide: one ZbufLinear per (class, "
         "sharded names) for every model, holding no model's state",
-    "zbuf.region_inputs._GATHERED_BY_CALLER": "a trace-time stack: only Dynamo's tracing of a "
-        "region body pushes and pops it, so it is empty whenever nothing is traced",
-    "zbuf.region_inputs.GATHERED_FOR_SHARDS": "a trace-time stack: only Dynamo's tracing of a "
+    "zbuf.frame_inputs.GATHERED_FOR_SHARDS": "a trace-time stack: only Dynamo's tracing of a "
         "block frame pushes and pops it, so it is empty whenever nothing is traced",
     "zbuf.shard._param_ids": "parameter ids name parameters in op arguments and must be unique "
         "across every model of the process",

@@ -28,7 +28,7 @@
 #                                           python3 benches/memfloor.py --summarize DIR... --out
 #                                           benches/results/memfloor_qwen3-8b
 #   bash benches/device/run.sh 1gpu-compile  # nvidia-h200 (one GPU), issue 14: qwen3-1.7b first
-#                                           step cold and warm, whole graph vs blocks once (~7 min)
+#                                           step cold and warm, whole graph vs block frames (~7 min)
 # Issue 13 (budgeted recompute; ENGINE:MODE runs one engine with its own --ac mode):
 #   bash benches/device/run.sh 1gpu-ac    # nvidia-h200, qwen3-1.7b, 1 rank: zbuf:auto, zbuf:full,
 #                                           fsdp2:full, fsdp2:selective              (~7 min)
@@ -185,17 +185,17 @@ case "${1:-}" in
     timeout 590 python3 benches/memfloor.py --engines "$2" --optimizer "$3" --fracs "$4" \
       --out-dir "$OUT" --time-limit 575 -- \
       --preset qwen3-8b --micro-batch 4 --seq-len 4096 --ac --steps 20 --warmup 5 2>&1 | tail -20 ;;
-  1gpu-compile)  # issue 14: cold then warm caches, without and with compile_blocks_once
+  1gpu-compile)  # issue 14: cold then warm caches, the whole graph and the block frames
     runs=()
-    for mode in whole once; do
-      flag=--no-compile-blocks-once; [ "$mode" = once ] && flag=--compile-blocks-once
+    for mode in graph blocks; do
+      flag="--compile-structure $mode"
       export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache-$mode
       rm -rf "$TORCHINDUCTOR_CACHE_DIR"
       for cache in cold warm; do
         name=compile_1gpu_${mode}_${cache}
         limit=180; [ "$cache" = warm ] && limit=80  # 4 runs within the 9-minute budget
         timeout $limit python3 -m zbuf.cli train --nproc 1 --preset qwen3-1.7b --micro-batch 4 \
-          --seq-len 4096 --ac --steps 12 --warmup 4 --no-progress "$flag" --out "$OUT/$name.json" \
+          --seq-len 4096 --ac --steps 12 --warmup 4 --no-progress $flag --out "$OUT/$name.json" \
           2>&1 | grep -v "Warning\|warn" > "$OUT/$name.log"
         grep "first step\|step time, median\|peak device" "$OUT/$name.log"
         runs+=("$mode, $cache=$OUT/$name.json")

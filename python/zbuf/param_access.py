@@ -21,7 +21,7 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.zbuf.*)
 from .eager_ops import EagerAllGather
 from .param import ShardSpec
-from .region_inputs import GATHERED_FOR_SHARDS, caller_gathered, shard_gathered_by_caller
+from .frame_inputs import GATHERED_FOR_SHARDS, shard_gathered_by_caller
 from .shard_state import ShardedRoot, ShardingError, owner_of
 
 __all__ = ["gather_param", "sharded_class"]
@@ -68,9 +68,6 @@ def _make_property(name: str) -> property:
             if full is not None:
                 return full
         spec = self._zbuf_specs[name]  # shard_state.specs_of(self), read inline: the hot path
-        full = caller_gathered(spec.param_id)  # [Note: weights gathered by the caller]
-        if full is not None:
-            return full
         if torch.compiler.is_compiling():
             return _traced_gather(shard, spec)
         return _eager_gather(shard, spec, owner_of(self))

@@ -14,7 +14,7 @@ This module is the public API and its validation; each part of what ``shard`` se
 * ``regather.py``: saved tensors re-gathered in backward (entered by the root's forward hooks
   below), [Note: eager re-gather];
 * ``reduce_once.py``: one reduce-scatter per parameter per forward, [Note: reduce once];
-* ``region_inputs.py``: compile regions' bodies, [Note: weights gathered by the caller];
+* ``frame_inputs.py``: block frames' weights, [Note: weights gathered by the caller];
 * ``state_dict.py``: [Note: state dict forms].
 """
 
@@ -35,7 +35,6 @@ from .materialise import materialise
 from .param import ShardSpec, local_shard_of, shard_numel_for
 from .param_access import gather_param, sharded_class
 from .pool import default_pool
-from .region_inputs import gathered_by_caller
 from .shard_state import (
     ShardedRoot,
     ShardingError,
@@ -51,7 +50,6 @@ from .shard_state import (
 
 __all__ = [
     "shard",
-    "gathered_by_caller",
     "ShardingError",
     "ShardedRoot",
     "gather_param",

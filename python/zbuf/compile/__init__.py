@@ -29,7 +29,6 @@ from .compiled_model import compile_model, step_memory_of
 from .budget import PlanExceedsMemoryError
 from .fingerprint import ScheduleMismatchError
 from .options import CompileOptions
-from .regions import mark_repeated_blocks
 from .report import ScheduleRecord, schedule_report
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "step_memory_of",
     "zbuf_backend",
     "CompileOptions",
-    "mark_repeated_blocks",
     "ScheduleMismatchError",
     "PlanExceedsMemoryError",
     "ScheduleRecord",

@@ -5,12 +5,11 @@
 same with keyword options, the one-time rank agreement on free memory ([Note: rank-agreed
 budget] in budget.py) and the step's measured memory.
 
-Only public hooks are used: ``compile_fx(..., config_patches=...)`` (applied to the forward and to
-the lazily compiled backward alike) with ``custom_partitioner_fn`` and
-``post_grad_custom_post_pass``; for aot_eager, ``aot_autograd`` with the same partitioner and the
-schedule pass as forward/backward compilers. ``reorder_for_peak_memory`` is off because it sinks
-hoisted gather starts back to their waits, undoing prefetch. Before either, Dynamo's graph is
-only checked: a block compiled once may not be called under the caller's checkpoint ([Note:
+Only public hooks are used (``compile_inner``, which block frames compile with too):
+``compile_fx(..., config_patches=...)`` (applied to the forward and to the lazily compiled
+backward alike) with ``custom_partitioner_fn`` and ``post_grad_custom_post_pass``; for aot_eager,
+``aot_autograd`` with the same partitioner and the schedule pass as forward/backward compilers.
+Before either, Dynamo's graph is only checked: a nested compile region may not be called under the caller's checkpoint ([Note:
 region bodies] step 0 in region_graphs.py).
 
 [Note: cacheable recompute of seeded ops]
@@ -29,16 +28,17 @@ cache accepts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from . import report
 from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 from .region_graphs import refuse_checkpointed_calls
 
-__all__ = ["zbuf_backend"]
+__all__ = ["zbuf_backend", "compile_inner"]
 
 
 def zbuf_backend(
@@ -57,40 +57,46 @@ def zbuf_backend(
     if opts.recompute == "checkpointed":
         refuse_checkpointed_calls(gm)  # [Note: region bodies], step 0
     state = PlanState(opts)
-    partitioner = ZbufPartitioner(state)
-    schedule_pass = GatherSchedulePass(state)
-    if opts.inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+    return compile_inner(gm, example_inputs, opts.inner, ZbufPartitioner(state),
+                         GatherSchedulePass(state))
 
-        # [Note: one schema per region] in region_schema.py; [Note: cacheable recompute of
-        # seeded ops]
-        with state.schemas.active(), _cacheable_rng_replay():
-            return compile_fx(
-                gm,
-                example_inputs,
-                config_patches={
-                    "custom_partitioner_fn": partitioner,
-                    "post_grad_custom_post_pass": schedule_pass,
-                    "reorder_for_peak_memory": False,
-                },
-            )
 
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
+def compile_inner(gm: torch.fx.GraphModule, example_inputs: list[Any], inner: str,
+                  partitioner: Optional[CustomPartitionerFn] = None,
+                  graph_pass: Optional[CustomGraphPass] = None):
+    """What compiles a graph for both structures (the whole graph's, a block frame's): Inductor,
+    with ``partitioner`` splitting the joint graph and ``graph_pass`` run on the forward and the
+    backward graphs after Inductor's post-grad passes; or ``aot_eager``, AOTAutograd with the same
+    partitioner and the pass run on the graphs it hands on, which then run as they are. Without a
+    partitioner, both partition as Inductor does (the min-cut partitioner); with a graph pass,
+    ``reorder_for_peak_memory`` is off, because it sinks hoisted gather starts back to their
+    waits, undoing prefetch. Either way seeded ops replay cacheably ([Note: cacheable recompute of
+    seeded ops])."""
+    with torch._functorch.config.patch(graphsafe_rng_functionalization=False):
+        if inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
 
-    def run_as_is(fx: torch.fx.GraphModule, _inputs):
-        schedule_pass(fx.graph)
-        fx.recompile()
-        return make_boxed_func(fx.forward)
+            patches: dict[str, Any] = {}
+            if partitioner is not None:
+                patches["custom_partitioner_fn"] = partitioner
+            if graph_pass is not None:
+                patches |= {"post_grad_custom_post_pass": graph_pass,
+                            "reorder_for_peak_memory": False}
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
-    with state.schemas.active(), _cacheable_rng_replay():
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def run_as_is(fx: torch.fx.GraphModule, _inputs):
+            if graph_pass is not None:
+                graph_pass(fx.graph)
+                fx.recompile()
+            return make_boxed_func(fx.forward)
+
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                            partition_fn=partitioner)(gm, example_inputs)
-
-
-def _cacheable_rng_replay():
-    """[Note: cacheable recompute of seeded ops]"""
-    return torch._functorch.config.patch(graphsafe_rng_functionalization=False)
+                            partition_fn=partitioner or min_cut_rematerialization_partition,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def _gathered_shards(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[int, Any]:

@@ -2,25 +2,21 @@
 identical blocks, with the cross-block schedule carried by zbuf's runtime.
 
 [Note: one Dynamo frame per block]
-Compiled as one graph (``structure="graph"``, the default), a model of N identical blocks is
-traced by Dynamo as one frame: with blocks compiled once ([Note: compile repeated blocks once] in
-regions.py) AOTAutograd and Inductor do a block's work once, but Dynamo still traces every block
-call, and the outer graphs hold about eleven gathers, releases and reduce-scatters per block, so
-the first step's compile grows with N (qwen3-14b, 40 blocks: Dynamo 12.9 s against FSDP2's 0.3,
-benches/results/compile_time_14b.md), and a warm relaunch, whose caches skip AOT and Inductor,
-keeps Dynamo's share. FSDP2 and torchtitan compile each block's ``forward`` on its own: Dynamo's
-cache lives on the code object, identical blocks pass the same guards, and the frame is traced,
-differentiated and lowered once whatever N is.
+Compiled as one graph (``structure="graph"``), a model of N identical blocks is traced by
+Dynamo as one frame, and AOTAutograd and Inductor do every block's work again, so the first
+step's compile grows with N (benches/results/compile_time_14b.md). FSDP2 and torchtitan compile
+each block's ``forward`` on its own: Dynamo's cache lives on the code object, identical blocks
+pass the same guards, and the frame is traced, differentiated and lowered once whatever N is.
 
 ``structure="blocks"`` does the same for a zbuf model. Every block of a repeated stack
-(``regions.repeated_blocks``) gets a per-class subclass whose ``__call__`` runs the block through
-one compiled function, ``BlockFrames.frame`` (``torch.compile`` of ``_frame_body``):
+(``block_stacks.repeated_blocks``) gets a per-class subclass whose ``__call__`` runs the block
+through one compiled function, ``BlockFrames.frame`` (``torch.compile`` of ``_frame_body``):
 
 1. zbuf's runtime gathers the block's weights from the pool, the next block's launched one block
    ahead, and re-gathers them for backward ([Note: two blocks live] in block_prefetch.py;
    [Note: block gathers] in block_gather.py);
 2. the frame receives the full weights as inputs and parameter access inside it reads them,
-   keyed by shard parameter ([Note: weights gathered by the caller] in zbuf/region_inputs.py), so
+   keyed by shard parameter ([Note: weights gathered by the caller] in zbuf/frame_inputs.py), so
    no parameter id is a constant of the frame's graph and Dynamo guards on none: the second block
    passes the first block's guards (same class, same attribute values, tensors of the same
    shapes), and N blocks compile one graph;
@@ -111,7 +107,7 @@ from torch.utils.checkpoint import checkpoint as eager_checkpoint
 from ..memory import pool_budget
 from ..param import ShardSpec
 from ..regather import callers_hooks_active
-from ..region_inputs import gathered_for_shards
+from ..frame_inputs import gathered_for_shards
 from ..runtime import in_backward
 from ..shard import roots
 from .block_gather import BlockWeights
@@ -122,7 +118,7 @@ from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
 from .recompute_plan import RegionLevel, plan_block_levels
-from .regions import block_class, is_marked_model, repeated_blocks
+from .block_stacks import base_class, frame_class, repeated_blocks
 
 __all__ = ["BlockFrames", "FramePlan", "LevelEstimate", "install_block_frames", "block_frames_of",
            "frame_slot_of", "NoRepeatedBlocksError"]
@@ -146,14 +142,14 @@ def _frame_body(block: nn.Module, weights: tuple, args: tuple, kwargs: dict) -> 
     order: ``named_parameters``, each shard once)."""
     shards = tuple(p for _, p in block.named_parameters())
     with gathered_for_shards(shards, weights):
-        return type(block)._zbuf_frame_base.__call__(block, *args, **kwargs)
+        return base_class(block).__call__(block, *args, **kwargs)
 
 
 def _frame_call(self, *args, **kwargs):
     if torch.compiler.is_compiling():
         # The caller is compiled itself (the model compiled whole around its frames): trace the
         # block as it was, parameter access gathering.
-        return type(self)._zbuf_frame_base.__call__(self, *args, **kwargs)
+        return base_class(self).__call__(self, *args, **kwargs)
     slot, frames = self.__dict__[_SLOT_KEY]
     return frames.run(slot, self, args, kwargs)
 
@@ -235,9 +231,9 @@ def _covers_whole_frame(graph: torch.fx.Graph, forward: set, region: Region) -> 
 
 
 class FramePartitioner(CustomPartitionerFn):
-    """The frames' partitioner: the min-cut partitioner, with the checkpoint tags dropped under
-    ``recompute="none"`` (every region keeps its activations), or, under ``recompute="auto"``,
-    the block retagged for its ``level`` (``recompute.apply_levels``); the level-0 frame also
+    """The frames' partitioner: the min-cut partitioner, with every checkpointed region kept under
+    ``recompute="none"``, or, under ``recompute="auto"``, the block retagged for its ``level``
+    (``recompute.apply_levels`` either way, as for the whole graph); the level-0 frame also
     estimates the block's levels into ``estimates``. Plain data only: Inductor deep-copies its
     config, this included, to key its cache."""
 
@@ -260,13 +256,11 @@ class FramePartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         kwargs.setdefault("compiler", "inductor")
-        if self.recompute == "none":
-            for n in gm.graph.nodes:
-                if "ac_graph_id" in n.meta:
-                    n.meta.pop("recompute", None)
-        if self.recompute != "auto":
-            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
+        if self.recompute == "none":
+            regions = find_regions(gm.graph, forward)
+            apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         region = _block_region(gm.graph, forward)
         specs = None
         whole = False
@@ -291,7 +285,7 @@ class FramePartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v4:{self.recompute}:{self.level}:{self.predicted}"
+        return f"zbuf-frame-partitioner:v5:{self.recompute}:{self.level}:{self.predicted}"
 
 
 class FramePlan(NamedTuple):
@@ -568,31 +562,15 @@ class BlockFrames:
                      if fixed is None else (0, 0))
         partitioner = FramePartitioner(recompute, fixed, found if estimates else None,
                                        self.options, predicted)
-        from .backend import _cacheable_rng_replay  # [Note: cacheable recompute of seeded ops]
-
-        # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
         from torch._functorch import config as functorch_config
 
+        from .backend import compile_inner
+
+        # The level estimate reads the joint graph, which a hit in AOTAutograd's cache skips.
         no_cache = (functorch_config.patch(enable_autograd_cache=False) if estimates
                     else contextlib.nullcontext())
-        if self.options.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            patches = {} if recompute == "checkpointed" else {
-                "custom_partitioner_fn": partitioner}
-            with _cacheable_rng_replay(), no_cache:
-                compiled = compile_fx(gm, example_inputs, config_patches=patches)
-        else:
-            from torch._dynamo.backends.common import aot_autograd
-            from torch._functorch.aot_autograd import make_boxed_func
-
-            def run_as_is(fx: torch.fx.GraphModule, _inputs):
-                return make_boxed_func(fx.forward)
-
-            with _cacheable_rng_replay(), no_cache:
-                compiled = aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                                        partition_fn=partitioner,
-                                        keep_inference_input_mutations=True)(gm, example_inputs)
+        with no_cache:
+            compiled = compile_inner(gm, example_inputs, self.options.inner, partitioner)
         for estimate in found:  # AOTAutograd partitions while the backend compiles
             if level == SHARED and self.shared_level is None:
                 self.shared_level = estimate.level  # its first compile chose it
@@ -612,10 +590,6 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
     root = found[0]
     if _FRAMES_KEY in model.__dict__:
         return model.__dict__[_FRAMES_KEY]
-    if is_marked_model(model):
-        raise ValueError("zbuf.compile(structure='blocks'): the model's blocks are marked to "
-                         "compile once inside the whole graph (mark_repeated_blocks); a model takes "
-                         "one structure: unmark them (regions.unmark_repeated_blocks) first")
     stacks = repeated_blocks(model)
     if not stacks:
         raise NoRepeatedBlocksError(
@@ -638,7 +612,7 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
                              stack_weights[i + 1] if i + 1 < len(stack) else None,
                              stack_weights[i - 1] if i > 0 else None)
             block.__dict__[_SLOT_KEY] = (slot, frames)
-            block.__class__ = block_class(type(block), "frame", _frame_call)
+            block.__class__ = frame_class(type(block), _frame_call)
     pool_budget.set_to(root.pool, plan.pool_bytes)
     model.__dict__[_FRAMES_KEY] = frames
     # Nothing gathered ahead outlives the forward ([Note: two blocks live]).

@@ -23,7 +23,7 @@ from .modes import Modes, refusal
 from .options import CompileOptions
 from .block_frames import install_block_frames
 from .block_replan import BlockReplanner
-from .regions import mark_repeated_blocks, repeated_blocks
+from .block_stacks import repeated_blocks
 from .replan import Replanner
 
 __all__ = ["compile_model", "pick_structure", "step_memory_of"]
@@ -73,7 +73,7 @@ def pick_structure(model: torch.nn.Module, opts: CompileOptions) -> str:
     steps 0.93-0.95x and 0.99x FSDP2's. A first step ten times FSDP2's is what a user meets
     first and on every change of shape; the step gap is the block frames' to close.
     The whole graph stays for what only it does (``CompileOptions.graph_only``: the optimizer
-    in backward, a cap on the whole graph's activations, blocks compiled once inside it) and
+    in backward, a cap on the whole graph's activations) and
     for a model with no repeated stack of sharded blocks, which has no block frame to share.
     Every rank picks alike: the inputs are the model's structure and the options."""
     if opts.structure is not None:
@@ -156,8 +156,6 @@ def compile_model(
         raise ValueError("zbuf.compile(..., structure='blocks') needs a model sharded with "
                          "zbuf.shard (its runtime gathers the blocks' shards); shard it first")
     opts = dataclasses.replace(opts, structure=pick_structure(model, opts))
-    if opts.structure == "graph" and opts.compile_blocks_once:
-        mark_repeated_blocks(model)  # [Note: compile repeated blocks once] in regions.py
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= takes the model's torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -8,7 +8,7 @@ object from outside the traced function. Inside a higher-order operator Dynamo r
 store unless the operator is a checkpoint and ``skip_fwd_side_effects_in_bwd_under_checkpoint``
 is on, because eager checkpointing would replay it when the backward recomputes the forward. So
 a Hugging Face layer under its own gradient checkpointing
-- in a block compiled once (a nested compile region) fails to compile;
+- in a nested compile region fails to compile;
 - in a block frame graph-breaks at the checkpoint, and the block runs eager, compiling nothing;
 - in a whole-graph compile graph-breaks at every layer's checkpoint.
 

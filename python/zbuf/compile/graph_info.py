@@ -222,7 +222,7 @@ _REGION_OP = torch.ops.higher_order.invoke_subgraph
 def node_flops(node: torch.fx.Node) -> float:
     """Matmul and attention FLOPs of a node (0 for everything else); a region call
     ([Note: region bodies] in region_graphs.py) counts what its body's nodes do, as
-    ``node_seconds`` does (counted as 0, a step of blocks compiled once showed only its output
+    ``node_seconds`` does (counted as 0, a step of region calls showed only its output
     head's FLOPs)."""
     t = node.target
     if t is _REGION_OP:

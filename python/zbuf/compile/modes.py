@@ -3,7 +3,7 @@ options and ``zbuf train`` all read.
 
 [Note: one table of modes]
 A mode switches what zbuf does with the step (``structure``, ``recompute``,
-``optimizer_in_backward``, ``offload_optimizer``, ``compile_blocks_once``); a few knobs only mean
+``optimizer_in_backward``, ``offload_optimizer``); a few knobs only mean
 something under some modes (an explicit ``budget_bytes``, ``activation_budget_bytes``, the
 ``coalesce`` options) or need something of the caller (``optimizer=``, ``fullgraph=True``).
 ``RULES`` lists every combination zbuf refuses, each with the one line that says why and what to
@@ -32,7 +32,6 @@ class Modes(NamedTuple):
     """``"checkpointed"``, ``"auto"`` or ``"none"``."""
     optimizer_in_backward: bool = False
     offload_optimizer: bool = False
-    compile_blocks_once: bool = False
     budget_bytes: bool = False
     """An explicit gather budget."""
     activation_budget_bytes: bool = False
@@ -99,10 +98,6 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda m: m.optimizer_in_backward and not m.fullgraph,
          "{optimizer_in_backward:True} needs {fullgraph:True}: one graph must make each gradient "
          "(a graph break could split a parameter's uses and step it twice)"),
-    Rule(lambda m: m.compile_blocks_once and m.recompute == "auto",
-         "{compile_blocks_once:True} does not combine with {recompute:'auto'}: auto plans over "
-         "the checkpointed regions of the whole graph, which a block compiled once hides; drop "
-         "one of them"),
     Rule(lambda m: m.activation_budget_bytes and m.recompute != "auto",
          "{activation_budget_bytes} is the budget of {recompute:'auto'}; with {recompute} "
          "nothing plans against it"),
@@ -114,9 +109,6 @@ RULES: tuple[Rule, ...] = (
          "{structure:'blocks'} does not take {activation_budget_bytes} (a cap on the whole "
          "graph's activation peak; the blocks' levels are planned in the measured room): leave "
          "it unset, or use {structure:'graph'}"),
-    Rule(lambda m: _blocks(m) and m.compile_blocks_once,
-         "{structure:'blocks'} compiles each block as its own frame; {compile_blocks_once:True} "
-         "is {structure:'graph'}'s way: drop one of them"),
     Rule(lambda m: _blocks(m) and m.optimizer_in_backward,
          "{structure:'blocks'} does not take {optimizer_in_backward:True} (its gradients are "
          "reduced by the eager runtime, not a backward graph): use {structure:'graph'}"),
@@ -137,5 +129,5 @@ def refusal(modes: Modes, spelling: Spelling = API_SPELLING) -> Optional[str]:
 def legal_modes() -> list[Modes]:
     """Every legal combination of the modes (structure chosen; the knobs unset)."""
     every = itertools.product(("graph", "blocks"), ("checkpointed", "auto", "none"),
-                              (False, True), (False, True), (False, True))
+                              (False, True), (False, True))
     return [m for m in (Modes(*combo) for combo in every) if refusal(m) is None]

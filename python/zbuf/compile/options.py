@@ -70,20 +70,11 @@ class UserOptions:
     coalesce_min_bytes: int = 32 << 20
     """Gathers at or above this size are never coalesced (they already saturate the link)."""
 
-    compile_blocks_once: bool | None = None
-    """``structure="graph"``: compile each block of a repeated stack once inside the whole graph
-    ([Note: compile repeated blocks once] in regions.py): ``zbuf.compile`` marks the blocks before
-    tracing, their gathers stay in the outer graph and the planner keeps the whole-step view. Off
-    by default: a block call under the caller's own checkpoint is refused with it ([Note: region
-    bodies] in region_graphs.py), and the compile time it saves is the block structure's to save.
-    ``None`` is the default, off. A plain ``torch.compile(m, backend="zbuf")`` needs
-    ``zbuf.compile.mark_repeated_blocks(m)`` called first."""
-
     structure: Structure | None = None
     """How ``zbuf.compile`` has Dynamo trace the model ([Note: one path] in compiled_model.py).
     ``None`` (default): ``"blocks"`` for a sharded model with a repeated stack of blocks, unless
     an option only the whole graph takes is set (``optimizer_in_backward``,
-    ``activation_budget_bytes``, ``compile_blocks_once``), else ``"graph"``. ``"blocks"``: one
+    ``activation_budget_bytes``), else ``"graph"``. ``"blocks"``: one
     frame per repeated block, shared by identical blocks (compiled once whatever their number, as
     FSDP2 and torchtitan compile a block), the cross-block schedule carried by zbuf's runtime (one
     block ahead, released after the block, re-gathered for backward) and the rest of the model
@@ -119,8 +110,6 @@ class UserOptions:
     """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
 
     def _check_user(self, need) -> None:
-        need(self.compile_blocks_once in (None, True, False),
-             f"compile_blocks_once={self.compile_blocks_once!r} must be a bool or None")
         need(self.structure is None or self.structure in STRUCTURES,
              f"structure={self.structure!r} must be one of {', '.join(map(repr, STRUCTURES))} "
              f"or None (zbuf.compile picks)")
@@ -258,7 +247,6 @@ class CompileOptions(FilledIn, CostModel, UserOptions):
                        if f.name.startswith("coalesce"))
         return Modes(structure=self.structure, recompute=self.recompute,
                      optimizer_in_backward=self.optimizer_in_backward,
-                     compile_blocks_once=bool(self.compile_blocks_once),
                      budget_bytes=self.budget_bytes is not None,
                      activation_budget_bytes=self.activation_budget_bytes is not None,
                      coalesce=coalesce)

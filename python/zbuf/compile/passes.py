@@ -43,7 +43,6 @@ from .graph_info import gather_nodes, gradient_shard_bytes, group_and_device, su
 from .options import CompileOptions
 from .persist import Persisted, tag_for_regather
 from .region_graphs import forward_region_inputs, is_body, mark_body, prepare_body_joint
-from .region_schema import SchemaMemo
 from .rewrite import (check_token_chain, hold_released_buffers, rewrite,
                       step_gradients_in_backward, thread_reduce_scatters)
 from .schedule import buffer_counts, plan_schedule
@@ -142,8 +141,6 @@ class PlanState:
         self.persisted = Persisted()
         self.recompute: recompute.RecomputeStats | None = None
         """What the partition kept for backward and what backward recomputes (recompute.py)."""
-        self.schemas = SchemaMemo()
-        """The region calls' schemas while this graph is traced ([Note: one schema per region])."""
         self.partitioned = False
         """The partitioner split this graph into forward and backward (a training graph; an
         inference graph has no backward to keep weights for)."""

@@ -1,41 +1,34 @@
-"""What the passes do about nested compile regions (``invoke_subgraph`` calls of a block body).
+"""What the passes do about nested compile regions: a model's own ``invoke_subgraph`` calls.
 
 [Note: region bodies]
-With blocks marked by ``regions.mark_repeated_blocks`` ([Note: compile repeated blocks once]),
-AOTAutograd partitions each distinct region body on its own (the partitioner is called with the
-body's joint graph and no example inputs) before the outer joint graph, then stitches the
-partitioned forward and backward bodies back into it: the forward call returns the body's saved
-tensors, which the outer graph hands to the backward call. Step 0 refuses a caller's checkpoint
-around a block call; steps 1-3 keep the gathered weights the outer graph's to plan:
+A model may wrap code in ``torch.compiler.nested_compile_region`` itself (a block body it
+compiles once). AOTAutograd partitions each distinct region body on its own (the partitioner is
+called with the body's joint graph and no example inputs) before the outer joint graph, then
+stitches the partitioned forward and backward bodies back into it: the forward call returns the
+body's saved tensors, which the outer graph hands to the backward call. zbuf plans the gathers of
+the outer graph; steps 1-3 keep the gathered weights the outer graph's to plan, and step 0
+refuses what torch cannot recompute:
 
 0. Dynamo's graph (``refuse_checkpointed_calls``, ``recompute="checkpointed"``): a region
-   call under the caller's checkpoint (``checkpoint(block, x)`` in the user's loop, around the
-   marked block's call, plain or selective) is refused with one line. torch 2.11 partitions the
-   body before it sees the checkpoint around the call, so the body saves every activation as a
-   result of its forward call, and the outer backward re-runs the call to get them back (each
-   block's forward twice in backward; qwen3-14b as rank 0 of 8 ran out of memory there). With
-   an attention op in the block the re-run crashes: the partitioner replays the RNG state of a
-   recomputed ``nondeterministic_seeded`` op (every ``scaled_dot_product_attention``) through
-   ``run_and_save_rng_state``, whose fake implementation returns a real tensor, and Inductor's
-   fake propagation of the backward stops on it ("Please convert all Tensors to FakeTensors").
-   Tagging the body as checkpointed here no longer helps: the body's joint graph arrives with
-   those activations among its forward outputs. The block structure runs such a model (its frames
-   leave the caller's checkpoint in charge, [Note: a block under the caller's checkpoint] in
-   block_frames.py), and the whole graph without blocks compiled once traces the checkpoint as
-   written.
-1. Body joint (``prepare_body_joint``): views and casts of the body's inputs are tagged
-   ``MUST_RECOMPUTE``, so the body saves an input itself rather than a view of it (a transposed
-   weight). An input saved so is returned unchanged by the forward body.
+   call under the caller's checkpoint is refused with one line. torch 2.11 partitions the body
+   before it sees the checkpoint around the call, so the body saves every activation as a result
+   of its forward call and the outer backward re-runs the call to get them back (the body's
+   forward twice in backward). With an attention op in the body the re-run crashes: the
+   partitioner replays the RNG state of a recomputed ``nondeterministic_seeded`` op (every
+   ``scaled_dot_product_attention``) through ``run_and_save_rng_state``, whose fake
+   implementation returns a real tensor, and Inductor's fake propagation of the backward stops
+   on it ("Please convert all Tensors to FakeTensors").
+1. Body joint (``prepare_body_joint``): a body that gathers (code that reads sharded parameters)
+   is refused: its gathers would be invisible to the plan. Views and casts of the body's inputs
+   are tagged ``MUST_RECOMPUTE``, so the body saves an input itself rather than a view of it (a
+   transposed weight). An input saved so is returned unchanged by the forward body.
 2. Outer joint (``forward_region_inputs``): a forward call's result that is one of its inputs
    passed through is replaced, in the outer graph, by that input. The backward call then reads
    the outer gather directly; zbuf's recompute tags make backward re-gather it (or keep it, under
-   selective persistence), where otherwise every block's gathered weights would be saved from
-   forward to backward through the calls' results.
+   selective persistence), where otherwise a weight handed to the body would be saved from
+   forward to backward through the call's results, unplanned.
 3. Post-grad: the partitioned bodies are marked (``mark_body``) and the schedule pass leaves
    them alone (``is_body``); they hold no collective, the outer graphs hold them all.
-
-A body that gathers (a user's own ``nested_compile_region`` around code that reads sharded
-parameters) is refused: its gathers would be invisible to the plan of the outer graph.
 """
 
 from __future__ import annotations
@@ -81,32 +74,31 @@ def refuse_checkpointed_calls(gm: torch.fx.GraphModule) -> None:
             call = next((n for n in m.graph.nodes if is_region_call(n)), None)
             if call is not None:
                 raise ValueError(
-                    "zbuf.compile(..., compile_blocks_once=True): a block compiled once is called "
-                    "under the caller's torch.utils.checkpoint, which torch 2.11 cannot recompute "
-                    "([Note: region bodies] in zbuf/compile/region_graphs.py); leave "
-                    "compile_blocks_once unset (the default structure runs this model), or "
-                    "checkpoint inside the block's forward")
+                    "zbuf: a torch.compiler.nested_compile_region is called under "
+                    "torch.utils.checkpoint, which torch 2.11 cannot recompute ([Note: region "
+                    "bodies] in zbuf/compile/region_graphs.py); checkpoint inside the region's "
+                    "function, or call it without nested_compile_region")
 
 
 def prepare_body_joint(joint: torch.fx.Graph, options: CompileOptions) -> None:
     """Step 1 of [Note: region bodies]; refuses a body that gathers. ``recompute="none"`` keeps
     the activations of the body's checkpointed regions, as it does for a whole graph's
-    ([Note: recompute modes] in recompute.py); ``"auto"`` plans over the whole graph and does not
-    combine with bodies compiled once (``CompileOptions.compile_blocks_once``)."""
+    ([Note: recompute modes] in recompute.py)."""
     gathers = gather_nodes(joint)
     if gathers:
         raise RuntimeError(
             f"zbuf: a nested compile region gathers sharded parameters inside its body "
             f"({len(gathers)} zbuf::all_gather, e.g. {gathers[0].format_node()}); zbuf plans "
-            "gathers on the outer graph. Let zbuf.compile(..., compile_blocks_once=True) mark "
-            "the repeated blocks (it gathers outside the region), or do not wrap code that reads "
-            "sharded parameters in torch.compiler.nested_compile_region")
+            "gathers on the outer graph. Read the weights outside the region and pass them in as "
+            "arguments, or do not wrap code that reads sharded parameters in "
+            "torch.compiler.nested_compile_region (zbuf.compile's default structure compiles "
+            "each repeated block once)")
     if options.recompute == "none":
         regions = find_regions(joint)
         apply_levels(joint, regions, (LEVELS.index("keep"),) * len(regions))
     for p in joint.find_nodes(op="placeholder"):
         if p.name.startswith("primals"):
-            for v in weight_tree(p):  # a body's primals are the gathered weights
+            for v in weight_tree(p):  # a body's primals may be gathered weights
                 v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 

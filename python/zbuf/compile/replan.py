@@ -18,9 +18,8 @@ compiled. A plan has two parts, and a re-plan changes the cheaper one when it ca
   size: benches/results/compile_time_14b.md). Shrinking the keep-set is data too.
 * structure: the gather budget the graphs were planned within, and ``recompute="auto"``'s kept
   activations. The model is compiled again when the keep-set cannot help: ``auto`` has regions
-  to keep (its activations are graph structure), a plan does not fit the measured budget even
-  with nothing kept, or only the blocks compiled once keep it above the budget. So a model is
-  compiled at most three times. The plans live in compiled code, so a new plan needs a new
+  to keep (its activations are graph structure), or a plan does not fit the measured budget
+  even with nothing kept. So a model is compiled at most three times. The plans live in compiled code, so a new plan needs a new
   compile of the model's frames, and nothing else:
 
   - the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
@@ -36,9 +35,6 @@ compiled. A plan has two parts, and a re-plan changes the cheaper one when it ca
   - the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted
     recompute), quantised by the caller, so it enters the passes' cache uuid and a relaunch of
     the same configuration finds the same compiled graphs in Inductor's cache;
-  - a model whose blocks are compiled once ([Note: compile repeated blocks once] in
-    regions.py) holds one block's weights at least; when the budget is below that, the re-plan
-    compiles the model whole (its blocks unmarked), whose floor is one node's weights;
   - the new graphs are compiled with ``persist=False``: they re-gather in backward too, and
     their keep-set is chosen at the steady step, the first decision point at which their
     schedule records (the keep-set's input) exist;
@@ -61,7 +57,6 @@ from .budget import PlanExceedsMemoryError
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
 from .persist import KeepCandidate, choose_kept
-from .regions import is_marked_model, unmark_repeated_blocks
 from .report import ScheduleRecord, schedule_report
 
 __all__ = ["PlannedForward", "Replanner"]
@@ -189,13 +184,6 @@ class Replanner:
 
     # -- re-planning --------------------------------------------------------------------------
 
-    def below_block_floor(self, budget_bytes: int) -> bool:
-        """Whether a current graph's plan holds more than ``budget_bytes`` only because its
-        blocks are compiled once, each a unit of gathered weights ([Note: compile repeated
-        blocks once] in regions.py): compiled whole, its floor is one node's weights."""
-        return is_marked_model(self.model) and any(
-            self.plan_needs(r) > budget_bytes for r in self.records())
-
     def keeps_activations(self) -> bool:
         """Whether ``recompute="auto"`` has regions whose activations a grown plan could keep:
         graph structure, so growing them compiles the model again."""
@@ -204,9 +192,8 @@ class Replanner:
 
     def must_recompile(self, budget_bytes: int) -> bool:
         """Whether the plan's structure must change for ``budget_bytes`` ([Note: bounded
-        re-plan]): its plans do not fit it even with nothing kept, or only their blocks
-        compiled once keep them above it."""
-        return not self.plans_fit(budget_bytes) or self.below_block_floor(budget_bytes)
+        re-plan]): its plans do not fit it even with nothing kept."""
+        return not self.plans_fit(budget_bytes)
 
     def keep_candidates(self) -> list[KeepCandidate]:
         """The weights a current forward graph and a current backward graph both gather, each
@@ -294,10 +281,6 @@ class Replanner:
         nothing is kept until ``settle`` chooses from their records."""
         self.set_kept(())
         self.options = dataclasses.replace(self.options, measuring=False, persist=False)
-        if self.below_block_floor(budget_bytes):
-            # The re-plan compiles the model whole, where gathers can be released inside a block.
-            unmark_repeated_blocks(self.model)
-            self.options = dataclasses.replace(self.options, compile_blocks_once=False)
         o = self.options
         if o.recompute == "auto" and o.activation_budget_bytes is None:
             free = math.ceil(room_bytes / (1.0 - o.margin_fraction))

@@ -249,10 +249,7 @@ def rewrite(graph: torch.fx.Graph, index: GraphIndex, sched: Schedule,
     order, after the readers of all of them. The order of the pool's releases and every
     buffer's last reader are as with one op per buffer; what changes is the number of ops
     Inductor lowers, each its own fallback kernel (issue 21: on CPU the release was the
-    costliest zbuf op to lower, 4.4 ms, two per parameter per step). With blocks compiled once
-    every weight of a block is released at the slot after its call, so the releases stop
-    growing with the parameters: 11 per block of tiny's shape up to d7ea1b9, 1 now
-    (benches/results/compile_growth_cpu.md)."""
+    costliest zbuf op to lower, 4.4 ms, two per parameter per step)."""
     nodes, gathers = index.nodes, index.gathers
     by_slot: dict[int, list] = {}
     for f in sched.fetches:

@@ -36,7 +36,6 @@ CLI_SPELLING = {
     "structure": lambda v: f"--compile-structure {v.strip(chr(39))}",
     "recompute": lambda v: f"--ac {_AC_OF_RECOMPUTE[v.strip(chr(39))]}",
     "budget_bytes": lambda v: "--gather-budget",
-    "compile_blocks_once": lambda v: "--compile-blocks-once",
     "optimizer_in_backward": lambda v: "--optimizer-in-backward",
     "offload_optimizer": lambda v: "--offload-optimizer",
 }
@@ -224,12 +223,6 @@ class TrainConfig:
         choices=("inductor", "aot_eager"), commands=WITH_FIT)
     """What compiles the graphs: ``inductor`` or ``aot_eager``; default inductor on GPU,
     aot_eager on CPU (Inductor's C++ compile alone would exceed the one-minute CPU demo)."""
-    compile_blocks_once: Optional[bool] = option(
-        help="zbuf engine, --compile-structure graph: compile each repeated block once, gathers "
-             "in the outer graph (default: off)", argparse={"action": "BooleanOptionalAction"},
-        commands=WITH_FIT)
-    """zbuf engine: compile each block of a repeated stack once inside the whole graph
-    (``zbuf.CompileOptions.compile_blocks_once``); None: that option's default."""
     compile_structure: Optional[str] = option(
         help="zbuf engine: what Dynamo traces as one frame: the whole model (graph) or each "
              "repeated block, shared by identical blocks, with the cross-block schedule in "
@@ -434,7 +427,6 @@ class TrainConfig:
                 structure=self.compile_structure, recompute="auto" if ac == "auto" else
                 "checkpointed", optimizer_in_backward=self.optimizer_in_backward,
                 offload_optimizer=self.offload_optimizer,
-                compile_blocks_once=bool(self.compile_blocks_once),
                 budget_bytes=self.gather_budget is not None), API_SPELLING | CLI_SPELLING)
             if refused is not None:
                 raise ConfigError(refused)

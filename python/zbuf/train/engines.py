@@ -263,9 +263,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
     # compile_model, not torch.compile(backend="zbuf"): without --gather-budget it agrees the
     # rank-minimum free memory over the sharding group, so every rank plans the same schedule;
     # with the optimizer it puts the whole step under one measured budget.
-    once = {} if cfg.compile_blocks_once is None else {"compile_blocks_once": cfg.compile_blocks_once}
-    once["structure"] = cfg.compile_structure
-    once.update(_stand_in_card(model, cfg, device))
+    card = _stand_in_card(model, cfg, device)
     compiled = zcompiled.compile_model(whole, budget_bytes=cfg.gather_budget,
                                       fullgraph=not cfg.hf_model, inner=cfg.compiler,
                                       optimizer=optimizer,
@@ -274,7 +272,7 @@ def _zbuf(model, cfg, device, dtype, group) -> EngineSetup:
                                       # when the step does not fit] in offload_choice.py).
                                       offload_optimizer=cfg.offload_optimizer or None,
                                       recompute="auto" if cfg.ac == "auto" else "checkpointed",
-                                      **once)
+                                      structure=cfg.compile_structure, **card)
 
     def step_loss(batch: Batch) -> torch.Tensor:
         return compiled(batch.tokens, batch.targets)
