@@ -289,7 +289,8 @@ def _held_at(path: Path) -> Optional[str]:
             if not files.is_complete(where):
                 return "a step directory without a complete checkpoint"
             theirs = _run_id(where)
-            return f"a checkpoint of run {theirs}" if theirs else "a checkpoint of no zbuf train run"
+            return f"a checkpoint of run {theirs}" if theirs else \
+                "a checkpoint of no zbuf train run"
     return None
 
 
