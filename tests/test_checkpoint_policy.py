@@ -246,3 +246,54 @@ def test_save_checkpoint_follows_the_cli_ownership_rule(tmp_path):
         ckpt.save_checkpoint(mine, model, opt, step=2, run={"id": "b"})
     ckpt.save_checkpoint(mine, model, opt, step=2, run={"id": "a"})  # its own run: replaced
     assert ckpt.read_checkpoint_info(mine).step == 2
+
+
+def test_a_run_never_replaces_a_checkpoint_that_appeared_while_it_trained(tmp_path):
+    """[Note: checkpoints belong to one run]: two copies of a run resumed from the same
+    checkpoint (a requeued job whose first attempt still runs) shared its run id, so the later
+    one's save of a step replaced the earlier one's checkpoint of that step. Now the later one
+    stops before writing, with one line, and the checkpoint there is as it was."""
+    root = tmp_path / "ck"
+    _run(_policy(root, save_every=2), 2)
+    model, opt = _make()
+    run = _policy(root, resume=True, save_every=2).begin(model, opt)  # the second copy
+    first, _, _ = _run(_policy(root, resume=True, save_every=2), 6, stop_after=4)
+    assert run.start_step == first.start_step == 2 and run.run_id == first.run_id
+    held = (root / "step_00000004" / "zbuf-manifest.json").read_bytes()
+    _step(model, opt, 2)
+    run.after_step(3, model, opt)
+    _step(model, opt, 3)
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        run.after_step(4, model, opt)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--checkpoint-dir {root}: step_00000004 appeared"), msg
+    assert f"(a checkpoint of run {first.run_id})" in msg and "Stopped at step 4" in msg, msg
+    assert "nothing there was changed" in msg and "another --checkpoint-dir" in msg, msg
+    assert (root / "step_00000004" / "zbuf-manifest.json").read_bytes() == held
+    assert _steps(root) == [2, 4] and not list(root.glob(".*"))
+
+
+def test_resume_from_refuses_another_runs_later_checkpoint_before_loading(tmp_path):
+    """Another run's checkpoint after the one resumed from would be met at its step (refused
+    mid-run, the steps since the last save lost) and outrank this run's on the next --resume:
+    refused before anything is loaded or moved."""
+    root = tmp_path / "ck"
+    _run(_policy(root, save_every=2, keep_last=3), 6)
+    model, opt = _make()
+    _step(model, opt, 0)
+    foreign = ckpt.save_checkpoint(ckpt.checkpoint_path(root, 5), model, opt, step=5,
+                                   run={"id": "someone-else"})
+    policy = _policy(root, resume=True, resume_from="step_00000002", save_every=2)
+    from zbuf.train.save_resume import resume_point
+
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        resume_point(policy)
+    msg = str(e.value)
+    assert msg.startswith("--resume-from step_00000002: step_00000005 in ") and "\n" not in msg
+    assert "belong to run someone-else" in msg and "nothing was loaded or moved" in msg, msg
+    before = [p.name for p in root.iterdir()]
+    model, opt = _make()
+    with pytest.raises(ckpt.CheckpointMismatchError, match="belong to run someone-else"):
+        policy.begin(model, opt)
+    assert [p.name for p in root.iterdir()] == before and foreign.is_dir()
+    assert _steps(root) == [2, 4, 5, 6]

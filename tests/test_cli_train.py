@@ -133,6 +133,7 @@ def test_killed_rank_is_named_in_the_error_and_the_record(tmp_path):
     # One line per distinct cause; the survivor's own paragraph once; no plots of a failed run.
     assert "also rank 0 stopped because another rank failed (exit 75)" in res.stderr, res.stderr
     assert res.stderr.count("stopped: a collective failed") <= 1, res.stderr
+    assert "configure_timeout" not in res.stderr, res.stderr  # the CLI's options, not Python
     assert f"record: {out}" in res.stdout and "zbuf report" not in res.stdout, res.stdout
     eng = json.loads(out.read_text())["engines"][0]
     assert eng["status"] == "failed" and said in eng["error"]

@@ -173,9 +173,30 @@ def _check_survivor(pair: _Job, max_wait: float, min_wait: float = 0.0) -> None:
     assert "zbuf: rank 0 of 2 stopped: a collective failed because another rank died or stopped responding" in err, info
     assert f"collective timeout: {TIMEOUT_S:g} s" in err, info
     assert "Traceback" not in err, info  # one clear message, not a stack dump
+    # A user's own loop: the advice is zbuf's functions, not the zbuf command's options.
+    assert "configure_timeout(timeout_s=...)" in err and "--collective-timeout" not in err, info
     assert _released(err, "destroyed"), info
     waited = pair.exit_time[0] - pair.fault_time()
     assert min_wait <= waited <= max_wait, f"rank 0 exited {waited:.1f} s after the fault\n{info}"
+
+
+def test_the_advice_is_in_the_words_of_what_the_user_runs():
+    """Under the ``zbuf`` command a peer's failure names its options; in a user's own loop,
+    zbuf's functions (a ``zbuf train`` user was told to call a Python function)."""
+    from zbuf.faults import rank_failure_message
+
+    cause = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+    cli = rank_failure_message(cause, cli=True)
+    assert "(the same command with --resume)" in cli, cli
+    assert "raise the timeout (--collective-timeout SECONDS)" in cli, cli
+    assert "configure_timeout" not in cli and "load_checkpoint" not in cli, cli
+    own = rank_failure_message(cause)
+    assert "(zbuf.load_checkpoint)" in own, own
+    assert "raise the timeout (zbuf.faults.configure_timeout(timeout_s=...))" in own, own
+    assert "--" not in own and "zbuf train" not in own, own
+    for text in (cli, own):
+        assert "Cause: RuntimeError: [gloo] Connection closed by peer" in text, text
+        assert text.endswith(f"Exiting with status {RANK_FAILURE_EXIT_CODE}."), text
 
 
 def test_killed_rank_stops_peer_at_once(pairs):

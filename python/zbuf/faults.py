@@ -303,20 +303,25 @@ def _rank_words() -> str:
     return f"rank {rank}" if rank is not None else "this rank"
 
 
-def rank_failure_message(exc: BaseException) -> str:
-    """The one-paragraph explanation a surviving rank prints ([Note: rank-failure exit])."""
+def rank_failure_message(exc: BaseException, *, cli: bool = False) -> str:
+    """The one-paragraph explanation a surviving rank prints ([Note: rank-failure exit]). Its
+    advice is in the words of what the user runs: ``cli``, a rank of the ``zbuf`` command (its
+    options); else the user's own Python loop (zbuf's functions)."""
     cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if len(cause) > 300:
         cause = cause[:300] + "..."
     applied = collective_timeout_s()
     timeout = f"{applied:g} s" if applied is not None else "torch's default (NCCL 10 min, gloo 30 min)"
+    if cli:
+        resume, longer = "the same command with --resume", "--collective-timeout SECONDS"
+    else:
+        resume, longer = "zbuf.load_checkpoint", "zbuf.faults.configure_timeout(timeout_s=...)"
     return (
         f"zbuf: {_rank_words()} stopped: a collective failed because another rank died or stopped "
         f"responding (collective timeout: {timeout}). Cause: {type(exc).__name__}: {cause}. "
         f"Look for the first failing rank in the other ranks' logs, then restart from the last "
-        f"checkpoint (zbuf train --resume). If a rank was only slow (a long checkpoint save, a "
-        f"first compile), raise the timeout (zbuf.faults.configure_timeout(timeout_s=...), "
-        f"zbuf train --collective-timeout). Exiting with status {RANK_FAILURE_EXIT_CODE}."
+        f"checkpoint ({resume}). If a rank was only slow (a long checkpoint save, a first "
+        f"compile), raise the timeout ({longer}). Exiting with status {RANK_FAILURE_EXIT_CODE}."
     )
 
 
@@ -438,7 +443,7 @@ def install_exit_handlers() -> None:
 
 
 @contextlib.contextmanager
-def supervised() -> Iterator[None]:
+def supervised(*, cli: bool = False) -> Iterator[None]:
     """Run a rank's main loop so that every way out releases resources ([Note: rank-failure exit]).
 
     ::
@@ -447,6 +452,9 @@ def supervised() -> Iterator[None]:
         zbuf.faults.configure_timeout(30)
         with zbuf.faults.supervised():
             train()
+
+    ``cli``: the rank is the ``zbuf`` command's, so a peer's failure is explained with its
+    options (``rank_failure_message``); a user's own loop leaves it False.
     """
     install_exit_handlers()
     if not faulthandler.is_enabled():
@@ -472,7 +480,7 @@ def supervised() -> Iterator[None]:
             release_resources(peer_failed=True)  # the peer has gone: no graceful NCCL destroy
             raise SystemExit(128 + signum) from None
         if is_peer_failure(e):
-            print(rank_failure_message(e), file=sys.stderr, flush=True)
+            print(rank_failure_message(e, cli=cli), file=sys.stderr, flush=True)
             release_resources(peer_failed=True)
             sys.stdout.flush()
             sys.stderr.flush()

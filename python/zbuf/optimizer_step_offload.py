@@ -46,6 +46,9 @@ time, so the step lasts about ``streamed bytes / link bandwidth`` longer (0.3 s 
 waited: CUDA events around each of its waits (read a step later, without a host sync);
 ``bytes_moved`` counts what was copied each way.
 
+Loading a checkpoint puts none of the streamed state on the device, and a resume holds no more
+state there than the uninterrupted run would: [Note: loading streamed state].
+
 Bit for bit the update is the one the whole ``step()`` makes: torch's optimizers update each
 parameter from its own gradient and state, whatever else the call steps. On a CPU device the
 "host" copies are still separate tensors and every copy is made (synchronously), so the
@@ -65,7 +68,8 @@ from torch import nn
 from .optimizer_offload import ARENA_ALIGN, _registered_arena
 from .memory.optimizer_state import OptimizerPolicy
 
-__all__ = ["StepOffload", "Op", "step_schedule", "plan_buckets", "BUCKET_BYTES", "SLOTS"]
+__all__ = ["StepOffload", "streamed_state_of", "Op", "step_schedule", "plan_buckets",
+           "BUCKET_BYTES", "SLOTS"]
 
 BUCKET_BYTES = 512 << 20
 """Streamed state per bucket: big enough that a copy runs near the link's speed and the step's
@@ -130,6 +134,15 @@ def plan_buckets(sizes: list[tuple[int, int]], resident_bytes: int,
     return resident, buckets
 
 
+def streamed_state_of(optimizer: torch.optim.Optimizer) -> Optional["StepOffload"]:
+    """The ``StepOffload`` installed on ``optimizer``, or None: what a checkpoint reader asks
+    where the state it reads goes ([Note: loading streamed state])."""
+    return optimizer.__dict__.get(_ATTRIBUTE)
+
+
+_ATTRIBUTE = "_zbuf_step_offload"
+
+
 def _aligned(n: int) -> int:
     return -(-n // ARENA_ALIGN) * ARENA_ALIGN
 
@@ -180,7 +193,8 @@ class StepOffload:
 
     ``active=False``: installed but not yet on (the memory owner turns it on with ``activate``
     before the first step creates any state: [Note: offloading when the step does not fit] in
-    zbuf/offload_choice.py); until then every hook does nothing."""
+    zbuf/offload_choice.py); until then its hooks only hold loaded state aside until the step
+    ([Note: loading streamed state])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  resident_bytes: int = 0, bucket_bytes: int = BUCKET_BYTES,
@@ -200,6 +214,8 @@ class StepOffload:
         self.buckets: list[_Bucket] = []
         self.streamed: frozenset[int] = frozenset()
         """Ids of the parameters whose state the buckets hold (set by ``activate``)."""
+        self._home: dict[int, _Bucket] = {}
+        """Id of a streamed parameter -> its bucket."""
         self.slot_bytes = 0
         """Bytes of each slot: the largest bucket's."""
         self.slots: list[torch.Tensor] = []
@@ -215,18 +231,21 @@ class StepOffload:
         self._pending: Optional[tuple[int, int, float]] = None
         """The running step's (uploaded, downloaded, CPU copy seconds)."""
         self.records: list[StepRecord] = []
-        self._loading: dict[tuple[int, str], torch.Tensor] = {}
-        """The streamed parameters' state of the ``load_state_dict`` running, set aside as it
-        was given ([Note: loading streamed state])."""
+        self._aside: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        """Loaded parameter-shaped state kept out of the optimizer, as it was given: active, the
+        streamed parameters' during ``load_state_dict``; inactive, every parameter's, until the
+        next step begins ([Note: loading streamed state])."""
         self.upload_stream = torch.cuda.Stream(self.device) if self.copies_async else None
         self.download_stream = torch.cuda.Stream(self.device) if self.copies_async else None
         self._handles = [
             optimizer.register_step_pre_hook(lambda _o, _a, _k: self._before_step()),
             optimizer.register_step_post_hook(lambda _o, _a, _k: self._after_step()),
             optimizer.register_state_dict_pre_hook(lambda _o: self.settle()),
+            optimizer.register_state_dict_post_hook(lambda _o, sd: self._with_aside(sd)),
             optimizer.register_load_state_dict_pre_hook(lambda _o, sd: self._set_aside(sd)),
-            optimizer.register_load_state_dict_post_hook(lambda _o: self._take_loaded()),
+            optimizer.register_load_state_dict_post_hook(lambda _o: self._loaded()),
         ]
+        optimizer.__dict__[_ATTRIBUTE] = self
         if active:
             self.activate(resident_bytes)
 
@@ -245,9 +264,8 @@ class StepOffload:
         params, groups, sizes = [], [], []
         seen: set[int] = set()
         for gi, g in enumerate(self.optimizer.param_groups):
-            # A parameter on another device (not one of the model's shards) keeps its state.
             for p in g["params"]:
-                if p.requires_grad and p.device == self.device and id(p) not in seen:
+                if self._own(p) and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
                     groups.append(g)
@@ -268,9 +286,16 @@ class StepOffload:
                 b.host = self._arena[start:start + b.capacity]
                 start += b.capacity
             self.slot_bytes = max(b.capacity for b in self.buckets)
-        self.streamed = frozenset(id(p) for b in self.buckets for p in b.params)
-        # A resumed run loaded its state before step 0 decided: it moves to the host now.
+        self._home = {id(p): b for b in self.buckets for p in b.params}
+        self.streamed = frozenset(self._home)
+        # State loaded before step 0 decided (held aside, or loaded before the offload was
+        # installed) goes where the layout puts it now.
         self._take_loaded()
+
+    def _own(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s state is this offload's to place: a parameter on another device (not
+        one of the model's shards) keeps its state where the optimizer keeps it."""
+        return p.requires_grad and p.device == self.device
 
     def offloaded_bytes(self) -> int:
         """Bytes of state the host arena holds room for (the streamed parameters')."""
@@ -295,6 +320,8 @@ class StepOffload:
 
     def _before_step(self) -> None:
         if not self.active:
+            # Undecided until now (the memory owner's pre-hook ran first): kept on the device.
+            self._take_loaded()
             return
         if self._groups is not None:  # the last step raised before its post-hook
             self.optimizer.param_groups = self._groups
@@ -428,7 +455,9 @@ class StepOffload:
         if (id(p), k) not in b.entries:
             self._lay_out(b, p, k, v)
         home = b.view(base, (id(p), k))
-        home.copy_(v)
+        if not (home.data_ptr() == v.data_ptr() and home.dtype == v.dtype
+                and home.device == v.device):  # read there already (``load_home``)
+            home.copy_(v)
         self.optimizer.state[p][k] = home
 
     def _lay_out(self, b: _Bucket, p: nn.Parameter, k: str, v: torch.Tensor) -> None:
@@ -482,51 +511,117 @@ class StepOffload:
             self.upload_stream.synchronize()
             self.download_stream.synchronize()
 
-    def _set_aside(self, state_dict: dict) -> Optional[dict]:
+    def load_home(self, p: torch.Tensor, key: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """[Note: loading streamed state]
 
+        Where a checkpoint reader reads ``p``'s parameter-shaped state ``key`` (saved as
+        ``dtype``) before it hands it to ``load_state_dict``: a host tensor of ``p``'s shape,
+        every element the reader's to fill, or None for the device.
+
         ``Optimizer.load_state_dict`` puts every state tensor on its parameter's device before
-        any hook sees it: all of the streamed state on the device at once (at qwen3-32b as rank 0
-        of 8, 32.8 GB of AdamW moments, the state the plan offloaded because it does not fit).
-        So the pre-hook takes the streamed parameters' parameter-shaped state out of the dict
-        torch loads (a new dict: the caller's is left as it was), and the post-hook copies it
-        from wherever it was given straight into the host regions; the device never holds it."""
-        if not self.active or not self.buckets:
+        any hook sees it, and a reader that reads the state into device tensors has put it there
+        before that: all of the streamed state on the device at once (at qwen3-32b as rank 0 of
+        8, 32.8 GB of AdamW moments, the state offloaded because it does not fit). So neither
+        does here. A reader asks this first (``zbuf.load_checkpoint`` does): a streamed
+        parameter's state is read straight into its host region, laid out as its first step
+        would lay it out; a resident parameter's goes to the device, as without offload. Then
+        ``load_state_dict``'s pre-hook takes the offloaded parameters' state out of the dict
+        torch loads (a new dict: the caller's is left as it was), and its post-hook places it
+        from wherever it was given into the host regions (nothing to copy for what was read
+        there); the device never holds it.
+
+        Undecided (installed inactive: ``offload_optimizer=None``, whose step 0 decides), the
+        rule is that a resumed run holds no more state on the device, at any point, than the
+        run that was never interrupted: that run makes its state in step 0's optimizer step,
+        after the forward and backward the decision measures, and keeps on the device what the
+        decision leaves there. So an inactive offload gives host tensors for every parameter's
+        state, takes all of it out of what torch loads, and holds it aside in host memory until
+        the next step begins; by then the memory owner's step pre-hook (installed before this
+        one) has decided: ``activate`` places it (streamed: the host regions; resident: the
+        device), or, the state kept, this offload's pre-hook moves all of it to the device.
+        The resumed step's forward and backward, and what the decision measures, are the
+        uninterrupted run's; the state reaches the device where that run makes it.
+        ``state_dict()`` includes what is held aside. State loaded before the offload was
+        installed (``load_state_dict`` before ``zbuf.compile(model, optimizer=opt)``) is on the
+        device already, and moves when the offload turns on: load after ``zbuf.compile``."""
+        if not self._own(p) or p.dim() == 0:
             return None
-        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if len(saved) != len(params):
+        if p.is_floating_point() and dtype.is_floating_point:
+            dtype = p.dtype  # as load_state_dict casts it
+        if not self.active:
+            return torch.empty(p.shape, dtype=dtype)
+        b = self._home.get(id(p))
+        if b is None:
+            return None  # resident
+        if (id(p), key) not in b.entries:
+            self._lay_out(b, p, key, torch.empty(p.shape, dtype=dtype, device="meta"))
+        return b.view(b.host, (id(p), key))
+
+    def _set_aside(self, state_dict: dict) -> Optional[dict]:
+        """``load_state_dict``'s pre-hook ([Note: loading streamed state]): the offloaded
+        parameters' parameter-shaped state (active: the streamed ones'; inactive: all) out of
+        the dict torch loads, held aside as given."""
+        self._aside = {}  # a load replaces all of the state, what an earlier one held aside too
+        if self.active and not self._home:
+            return None
+        saved = [g["params"] for g in state_dict["param_groups"]]
+        groups = [g["params"] for g in self.optimizer.param_groups]
+        if [len(g) for g in saved] != [len(g) for g in groups]:
             return None  # load_state_dict refuses it in its own words
         state = dict(state_dict["state"])
-        for key, p in zip(saved, params):
-            if id(p) not in self.streamed or key not in state:
+        for key, p in zip((i for g in saved for i in g), (p for g in groups for p in g)):
+            if key not in state or not self._own(p) or (self.active and id(p) not in self._home):
                 continue
             rest = {}
             for k, v in state[key].items():
                 if _offloadable(p, v):
-                    self._loading[(id(p), k)] = v
+                    self._aside.setdefault(p, {})[k] = v
                 else:
                     rest[k] = v
             state[key] = rest
         return {**state_dict, "state": state}
 
+    def _loaded(self) -> None:
+        """``load_state_dict``'s post-hook: active, the state set aside goes to the host regions;
+        inactive, it stays aside until the next step ([Note: loading streamed state])."""
+        if self.active:
+            self._take_loaded()
+
     def _take_loaded(self) -> None:
-        """After ``load_state_dict``: the streamed parameters' state into the host regions, the
-        state set aside as given ([Note: loading streamed state]) and any torch loaded itself."""
-        if not self.active:
+        """The state loaded before it could be placed goes where it lives ([Note: loading
+        streamed state]): a streamed parameter's (held aside, or loaded by torch itself before
+        the offload turned on) into its host region; the rest held aside onto the device."""
+        if not (self.active or self._aside):
             return
         self.settle()
         state = self.optimizer.state
-        loading, self._loading = self._loading, {}
+        aside, self._aside = self._aside, {}
         for b in self.buckets:
             b.ready = None
             for p in b.params:
-                given = {k: v for k, v in state.get(p, {}).items() if _offloadable(p, v)}
-                given.update((k, v) for (pid, k), v in loading.items() if pid == id(p))
-                for k, v in given.items():
-                    if p.is_floating_point() and v.is_floating_point():
-                        v = v.to(dtype=p.dtype)  # as load_state_dict casts it
+                loaded = {k: v for k, v in state.get(p, {}).items() if _offloadable(p, v)}
+                aside[p] = {**loaded, **aside.get(p, {})}
+        for p, given in aside.items():
+            b = self._home.get(id(p))
+            for k, v in given.items():
+                if p.is_floating_point() and v.is_floating_point():
+                    v = v.to(dtype=p.dtype)  # as load_state_dict casts it
+                if b is not None:
                     self._place(b, b.host, p, k, v)
+                else:
+                    state[p][k] = v.to(device=p.device)
+
+    def _with_aside(self, state_dict: dict) -> Optional[dict]:
+        """``state_dict``'s post-hook: the state held aside is the optimizer's too."""
+        if not self._aside:
+            return None
+        index = {id(p): i for i, p in enumerate(
+            p for g in self.optimizer.param_groups for p in g["params"])}
+        state = state_dict["state"]
+        for p, given in self._aside.items():
+            i = index[id(p)]
+            state[i] = {**state.get(i, {}), **given}  # the optimizer's own dict stays as it is
+        return state_dict
 
     def report(self) -> dict[str, Any]:
         """For the run record: the split, and what the measured steps moved and exposed."""
@@ -549,3 +644,5 @@ class StepOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if streamed_state_of(self.optimizer) is self:
+            del self.optimizer.__dict__[_ATTRIBUTE]

@@ -26,7 +26,7 @@ load can validate everything before it touches the model.
 from __future__ import annotations
 
 import io
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -135,10 +135,21 @@ def mesh_for(group: dist.ProcessGroup, device: torch.device):
 
 
 def flat_dtensor(local: torch.Tensor, numel: int, mesh):
-    """[Note: checkpoint layout]: the 1-D global tensor of ``numel`` elements this slice belongs to."""
-    from torch.distributed.tensor import DTensor, Shard
+    """[Note: checkpoint layout]: the 1-D global tensor of ``numel`` elements this slice belongs
+    to, around ``local`` itself wherever it is.
 
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+    Built as ``DTensor.from_local(..., run_check=False)`` builds it, less its move of ``local``
+    to the mesh's device type: the optimizer state a ``StepOffload`` keeps in host memory is
+    written from there and read back into it ([Note: loading streamed state] in
+    zbuf/optimizer_step_offload.py); moved, all of it would be on the device at once, the state
+    offloaded because it does not fit there. DCP reads only the placement and shapes of a
+    DTensor and copies the bytes into (or out of) its local tensor on the host."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, (Shard(0),),
+                       tensor_meta=TensorMeta(torch.Size((numel,)), (1,), local.dtype))
+    return DTensor(local.view_as(local), spec, requires_grad=False)
 
 
 def param_view(entry: ParamEntry, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -197,6 +208,11 @@ def optimizer_param_fqns(optimizer: torch.optim.Optimizer, inv: ModelInventory) 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
+Home = Callable[[nn.Parameter, str, torch.dtype], Optional[torch.Tensor]]
+"""(shard, state key, saved dtype) -> the host tensor of the shard's shape that state is read
+into, or None (``StepOffload.load_home``)."""
+
+
 def optimizer_entries(inv: ModelInventory, optimizer, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
     """The optimizer's DCP entries (shard-shaped state as flat DTensors, other tensors
     replicated, the rest serialised: [Note: checkpoint layout]) and their manifest section."""
@@ -233,11 +249,14 @@ def optimizer_entries(inv: ModelInventory, optimizer, mesh) -> tuple[dict[str, A
 
 
 def optimizer_destinations(saved: dict[str, Any], inv: ModelInventory, mesh,
-                           state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+                           state: dict[str, Any], home: Optional[Home] = None
+                           ) -> dict[str, dict[str, Any]]:
     """Adds to ``state`` the DCP entries the optimizer's saved state (``saved``: its manifest
     section) is read into: fresh tensors, as the optimizer's own state may not exist yet, and
     placeholders for serialised values. Returns, per FQN, where each state key's value lands
-    (a tensor, or the DCP key of its serialised bytes)."""
+    (a tensor, or the DCP key of its serialised bytes). ``home``: where the optimizer keeps a
+    shard's state in host memory, read straight there ([Note: loading streamed state] in
+    zbuf/optimizer_step_offload.py); elsewhere it is read onto the model's device."""
     optim_dest: dict[str, dict[str, Any]] = {}
     for fqn, per_param in saved["state"].items():
         e = inv.params[fqn]
@@ -245,7 +264,12 @@ def optimizer_destinations(saved: dict[str, Any], inv: ModelInventory, mesh,
         for k, md in per_param.items():
             key = optim_key(fqn, k)
             if md["kind"] == "shard":
-                t = torch.zeros(e.spec.shard_numel, dtype=_DTYPES[md["dtype"]], device=inv.device)
+                dtype = _DTYPES[md["dtype"]]
+                t = None if home is None else home(e.shard, k, dtype)
+                if t is None:
+                    t = torch.zeros(e.spec.shard_numel, dtype=dtype, device=inv.device)
+                else:
+                    t[e.local_numel:].zero_()  # the padding, which is not saved
                 state[key] = flat_dtensor(param_view(e, t), e.spec.numel, mesh)
                 dest[k] = t
             elif md["kind"] == "replicated":

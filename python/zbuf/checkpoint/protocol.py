@@ -49,6 +49,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from .. import faults
+from ..optimizer_step_offload import streamed_state_of
 from . import files, layout
 from .errors import (
     CheckpointCorruptError,
@@ -519,7 +520,9 @@ def _check_optimizer(manifest: dict, inv: layout.ModelInventory, optimizer) -> l
 
 def _load_state(manifest: dict, inv: layout.ModelInventory, optimizer) -> tuple[dict, dict]:
     """The DCP state dict to read into: views of the live parameters and buffers, fresh tensors
-    for optimizer state (its state may not exist yet), placeholders for serialised values."""
+    for optimizer state (its state may not exist yet; the host memory an offload keeps it in,
+    [Note: loading streamed state] in zbuf/optimizer_step_offload.py), placeholders for
+    serialised values."""
     mesh = layout.mesh_for(inv.group, inv.device)
     state: dict[str, Any] = {}
     for fqn, e in inv.params.items():
@@ -528,7 +531,10 @@ def _load_state(manifest: dict, inv: layout.ModelInventory, optimizer) -> tuple[
         state[layout.buffer_key(fqn)] = buf.detach()
     optim_dest: dict[str, dict[str, Any]] = {}
     if optimizer is not None:
-        optim_dest = layout.optimizer_destinations(manifest["optimizer"], inv, mesh, state)
+        offload = streamed_state_of(optimizer)
+        optim_dest = layout.optimizer_destinations(
+            manifest["optimizer"], inv, mesh, state,
+            home=None if offload is None else offload.load_home)
     if manifest.get("has_extra"):
         state[layout.EXTRA_KEY] = b""
     return state, optim_dest

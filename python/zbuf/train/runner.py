@@ -332,7 +332,8 @@ def _run_in_process(command: str, cfg: TrainConfig, console: Console,
     with tempfile.TemporaryDirectory(prefix="zbuf-run-") as tmp, faults.unsaid_stop_noise():
         stopped = os.path.join(tmp, "interrupted.json")  # [Note: interrupted runs] in loop
         try:
-            with faults.supervised():  # releases the pools and the process group on every way out
+            # Releases the pools and the process group on every way out.
+            with faults.supervised(cli=True):
                 partial = run_engines(cfg, tuple(range(len(cfg.engines))), cfg.progress,
                                       stopped_path=stopped)
         except (CheckpointError, PlanExceedsMemoryError) as e:  # alike on every rank: once

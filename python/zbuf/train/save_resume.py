@@ -38,7 +38,17 @@ dtype, learning rate, seed; ``TrainConfig.run_definition``), in the manifest
 - ``--resume-from step_N`` resumes from an older checkpoint of the run (the way back when the
   newest is damaged); the run's checkpoints after it, and damaged step directories after it,
   move to ``<dir>/superseded/``, so that a later ``--resume`` continues this timeline instead of
-  the abandoned one, and no save of this run replaces them.
+  the abandoned one, and no save of this run replaces them; another run's checkpoint after it
+  is refused before anything is loaded or moved (this run would meet it at its step, and it
+  would outrank this run's checkpoints on a later ``--resume``);
+- a run never replaces a checkpoint: every step directory it saves is new. One that is there
+  when it saves appeared while it trained, written by another process in the same directory (a
+  second copy of the run resumed from the same checkpoint, as a requeued job whose first attempt
+  still runs): the run stops there with one line, before writing, and both keep what they had.
+  Keeping both checkpoints instead does not fit the directory's design: a checkpoint is named
+  by its step alone, and the newest step is what ``--resume`` continues ([Note: atomic
+  checkpoint commit] in zbuf/checkpoint/files.py replaces a name only for the run that wrote
+  it, and a copy of a run shares its id).
 
 ``resume_point`` decides which checkpoint a run continues by reading files only, so the launcher
 checks the options before any worker starts (``zbuf.train.runner``) and rank 0 of the workers
@@ -196,8 +206,9 @@ class CheckpointRun:
         if steps_done % p.save_every and steps_done != p.total_steps:
             return None
         run = {"format": _RUN_FORMAT, "id": self.run_id, "definition": p.run}
-        path = ckpt.save_checkpoint(ckpt.checkpoint_path(p.directory, steps_done), model, optimizer,
-                                    step=steps_done, run=run)
+        path = ckpt.checkpoint_path(p.directory, steps_done)
+        _refuse_to_replace(model, path, steps_done)
+        path = ckpt.save_checkpoint(path, model, optimizer, step=steps_done, run=run)
         self.saved.append(path)
         if dist.get_rank(_group_of(model)) == 0:
             ckpt.prune(p.directory, keep_last=p.keep_last, only=lambda c: _run_id(c) == self.run_id)
@@ -251,7 +262,36 @@ def resume_point(policy: SaveResumePolicy) -> Optional[ckpt.CheckpointInfo]:
     if problems:
         raise _damaged(policy, path, "; ".join(problems))
     _check_same_run(policy, info)
+    _check_nothing_later(policy, info, found)
     return info
+
+
+def _refuse_to_replace(model: nn.Module, path: Path, step: int) -> None:
+    """Collective: ``CheckpointMismatchError`` on every rank when ``path`` already holds a step
+    directory ([Note: checkpoints belong to one run]: a run never replaces a checkpoint)."""
+    group = _group_of(model)
+    box = [_held_at(path) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    if box[0] is not None:
+        raise ckpt.CheckpointMismatchError(
+            f"--checkpoint-dir {path.parent}: {path.name} appeared there while this run trained "
+            f"({box[0]}): another process writes checkpoints in this directory, such as a second "
+            f"copy of this run resumed from the same checkpoint. Stopped at step {step} without "
+            f"saving; nothing there was changed. Stop the other process, or give this run "
+            f"another --checkpoint-dir")
+
+
+def _held_at(path: Path) -> Optional[str]:
+    """What a step directory at ``path`` holds, in words; None when there is none (a replace
+    cut short leaves it at ``.<name>.old``: [Note: atomic checkpoint commit])."""
+    for where in (path, files.old_dir_for(path)):
+        if where.is_dir():
+            if not files.is_complete(where):
+                return "a step directory without a complete checkpoint"
+            theirs = _run_id(where)
+            return f"a checkpoint of run {theirs}" if theirs else \
+                "a checkpoint of no zbuf train run"
+    return None
 
 
 def _check_same_run(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> None:
@@ -273,6 +313,22 @@ def _check_same_run(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> None
             f"--resume: {name} belongs to a run with other settings: {listed}. Resume with that "
             f"run's settings, pass --allow-change {','.join(differ)} to change them on purpose, "
             f"or give another --checkpoint-dir for a new run")
+
+
+def _check_nothing_later(policy: SaveResumePolicy, info: ckpt.CheckpointInfo,
+                         found: list[tuple[int, Path]]) -> None:
+    """Refuses another run's checkpoints after the one resumed (``--resume-from`` sets this
+    run's aside; after the newest there are none): this run would meet them at their steps, and
+    they would outrank its own on a later ``--resume``."""
+    later = [p for s, p in found if s > info.step and _run_id(p) != info.run["id"]]
+    if later:
+        whose = sorted({f"run {r}" if r else "no zbuf train run" for r in map(_run_id, later)})
+        raise ckpt.CheckpointMismatchError(
+            f"--resume-from {policy.resume_from}: {_names(later)} in {policy.directory} belong to "
+            f"{', '.join(whose)}, not to the run resumed: its saves would meet them at their "
+            f"steps, and they would outrank its checkpoints on a later --resume; nothing was "
+            f"loaded or moved. Move them out of {policy.directory}, or resume in another "
+            f"--checkpoint-dir")
 
 
 def _set_aside_later(policy: SaveResumePolicy, info: ckpt.CheckpointInfo) -> None:

@@ -136,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.device == "cpu":
         torch.set_num_threads(int(spec["threads"]))
     try:
-        with faults.supervised():
+        with faults.supervised(cli=True):
             partial = run_engines(cfg, tuple(spec["runs"]), cfg.progress,
                                   stopped_path=spec["partial"])
         if rank == 0:
