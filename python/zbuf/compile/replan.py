@@ -33,7 +33,7 @@ compiled. A plan has two parts, and a re-plan changes the cheaper one when it ca
   - the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
     ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to
     the new compiled callable, so the step that decides is the first step of the new plan;
-  - the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted
+  - the budget is an option (``budget_bytes``, or ``measured_room_bytes`` for budgeted
     recompute), quantised by the caller, so it enters the passes' cache uuid and a relaunch of
     the same configuration finds the same compiled graphs in Inductor's cache;
   - a model whose blocks are compiled once ([Note: compile repeated blocks once] in
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -288,8 +287,9 @@ class Replanner:
 
     def recompile(self, budget_bytes: int, room_bytes: int) -> None:
         """[Note: whole-step budget] step 3 in zbuf/memory/step.py: with ``recompute="auto"``
-        (and no explicit activation budget) the measured room becomes the plans' free memory, so
-        that budgeted recompute chooses the split of activations and gathers again; otherwise
+        (and no explicit activation budget) the measured room becomes the plans' memory as it is
+        ([Note: measured memory is not margined twice] in budget.py), so that budgeted recompute
+        chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``. The new graphs re-gather every weight in backward;
         nothing is kept until ``settle`` chooses from their records."""
         self.set_kept(())
@@ -300,8 +300,7 @@ class Replanner:
             self.options = dataclasses.replace(self.options, compile_blocks_once=False)
         o = self.options
         if o.recompute == "auto" and o.activation_budget_bytes is None:
-            free = math.ceil(room_bytes / (1.0 - o.margin_fraction))
-            self.options = dataclasses.replace(o, free_memory_bytes=free)
+            self.options = dataclasses.replace(o, measured_room_bytes=room_bytes)
         else:
             self.options = dataclasses.replace(o, budget_bytes=budget_bytes)
         self.plan_starts.append(
