@@ -93,8 +93,6 @@ class Replanner:
         self.persist = options.persist
         """The user's persistence option: the keep-set follows it ([Note: the run-time
         keep-set] in persist.py); the graphs compiled again never persist themselves."""
-        self.replanned = False
-        """Re-planned at least once (compiled again, or a new keep-set)."""
         self.recompiled = False
         """Compiled again at least once."""
         self.phases = PlanPhases()
@@ -246,7 +244,6 @@ class Replanner:
         self.kept = kept
 
     def _outcome(self, recompiled: bool) -> Replan:
-        self.replanned = True
         return Replan(recompiled, self.kept_bytes, len(self.kept))
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:

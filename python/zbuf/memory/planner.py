@@ -13,7 +13,8 @@ one way: ``zbuf.compile`` builds a planner and gives it to ``StepMemory``; nothi
 
 Each decision is made once, in order, on every rank at the same program point ([Note: bounded
 re-plan] in compile/replan.py): ``PlanPhase`` names where a planner stands, and ``PlanPhases``
-is the machine both planners share.
+is the machine both planners share, and ``StepMemory`` with them (its decisions are the phases'
+entries).
 """
 
 from __future__ import annotations
