@@ -283,18 +283,20 @@ class StepMemory:
     def _choose_offload(self) -> None:
         """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
         reserved bytes and the pool's, on the CPU stand-in with the plans' projected
-        activations) and what the optimizer step starts from (allocated now, and the pool's
-        blocks left after it lent), agreed over the ranks, decide where the state goes."""
+        activations), what the optimizer step starts from (allocated now, and the pool's
+        blocks left after it lent) and the fragmentation of step 0's forward and backward,
+        agreed over the ranks, decide where the state goes."""
         peak = self.meter.reserved_peak_so_far() + (self._pool_after_backward or 0)
         if self._host_limit is not None and self.replanner is not None:
             peak += max(self.replanner.activation_peaks(gradients=False).values(), default=0)
         held = self.meter.resident_bytes() + self.memory.pool.stats().charged_bytes
-        (limit,), (peak, held) = agree_extremes(self.group, self.memory.device,
-                                                smallest=[self.limit_bytes()],
-                                                largest=[peak, held])
+        frag = fragmentation_ppm(self.meter.row_so_far())
+        (limit,), (peak, held, frag) = agree_extremes(self.group, self.memory.device,
+                                                      smallest=[self.limit_bytes()],
+                                                      largest=[peak, held, frag])
         resumed = any(isinstance(v, torch.Tensor) and v.dim() > 0
                       for st in self.optimizer.state.values() for v in st.values())
-        self.offload_choice.decide(without_margin(limit), peak, held)
+        self.offload_choice.decide(without_margin(limit), peak, held, frag)
         if resumed and self.offload_choice.offloaded:
             # [Note: a state made inside the measured phase], the other way round: a resumed
             # run's step 0 ran forward and backward beside the state it loaded, which moves to
