@@ -396,7 +396,7 @@ def test_zbuf_compile_agrees_on_free_memory_and_trains(monkeypatch):
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     free = stable_free_memory(agreed)
     assert agreed - (64 << 20) <= free <= agreed
-    expected = int(free * (1 - CompileOptions().margin_fraction)) - fw.activation_peak_bytes
+    expected = int(free * (1 - CompileOptions().unmeasured_fraction)) - fw.activation_peak_bytes
     options = zbuf.compile.step_memory_of(cm).replanner.options
     assert (options.free_memory_bytes, options.gradient_bytes) == (free, grads)
     assert bw.gradient_bytes == grads and fw.gradient_bytes == 0
@@ -696,7 +696,7 @@ def test_the_shards_are_not_counted_as_activations_beside_the_agreed_memory():
     # The gradients it returns are in the backward's profile; the shards (as many bytes) not.
     assert grads <= bw.activation_peak_bytes < 2 * grads
     needed = bw.activation_peak_bytes + bw.peak_live_gathered_bytes
-    margin = CompileOptions().margin_fraction
+    margin = CompileOptions().unmeasured_fraction
     free = int(needed / (1 - margin)) + 1
     _, (_, bw) = compiled(free_memory_bytes=free)
     assert bw.activation_peak_bytes + bw.peak_live_gathered_bytes <= free * (1 - margin)
@@ -742,7 +742,7 @@ def test_gradients_are_reserved_in_backward_only_and_once(monkeypatch):
     cm(torch.randn(4, width)).sum().backward()
     records = schedule_report(model)
     assert sorted(r.kind for r in records) == ["backward", "backward", "forward", "forward"]
-    margin = CompileOptions().margin_fraction
+    margin = CompileOptions().unmeasured_fraction
     made = {r.gradient_bytes for r in records if r.kind == "backward"}
     assert made == {width * width * 4, 2 * width * width * 4}  # one layer's gradient each
     for r in records:
@@ -751,6 +751,51 @@ def test_gradients_are_reserved_in_backward_only_and_once(monkeypatch):
         if not r.gathers:  # the first layer's backward needs no weight (x needs no gradient)
             continue
         assert r.requested_budget_bytes == int((free - reserve) * (1 - margin)) - r.activation_peak_bytes
+
+
+def test_a_replanned_graph_plans_in_the_ledgers_room_as_it_is(monkeypatch):
+    """[Note: measured memory is not margined twice]: ``recompute="auto"``'s re-plan gets the
+    measured room as its memory, less only the gradients a backward does not make (counted at
+    face value), and keeps the free memory step 0 was planned from. Up to 5737205 the room was
+    turned back into free memory (``ceil(room / (1 - margin))``) for the margin to come off
+    again: the same memory after rounding where nothing is reserved, but the other graphs'
+    gradients charged less the margin."""
+    import zbuf.compile
+    from zbuf.compile import budget
+    from zbuf.shard import shard
+
+    width = 128
+    monkeypatch.setattr(budget, "local_free_bytes", lambda device: 1 << 30)
+    torch.manual_seed(0)
+    model = shard(_TwoGraphs(width))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", recompute="auto",
+                      optimizer=opt, persist=False)
+    memory = zbuf.compile.step_memory_of(cm)
+    memory.detach()  # the re-plan below is the test's, not the measured step's
+    replanner = memory.replanner
+    free = replanner.options.free_memory_bytes
+
+    def step():
+        cm(torch.randn(4, width)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    room = (8 << 20) + 12345
+    replanner.recompile(1 << 20, room)
+    step()
+    o = replanner.options
+    assert (o.measured_room_bytes, o.free_memory_bytes, o.budget_bytes) == (room, free, None)
+    planned = [r for r in replanner.records() if r.gathers]
+    assert {r.kind for r in planned} == {"forward", "backward"}
+    reserved = 0
+    for r in planned:
+        reserve = grads - r.gradient_bytes if r.kind == "backward" else 0
+        reserved += reserve
+        assert r.requested_budget_bytes + r.activation_peak_bytes == room - reserve, r
+    assert reserved > 0  # a backward beside the other graph's gradient: counted at face value
 
 
 def test_zbuf_compile_reserves_the_optimizer_state_not_its_temporaries(monkeypatch):

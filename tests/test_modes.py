@@ -1,30 +1,23 @@
 """One table of modes ([Note: one table of modes] in zbuf/compile/modes.py): every legal
-combination trains as eager zbuf does (one process, CPU), every refused one is refused with one
-line by ``zbuf.compile``, by the backend's options and by ``zbuf train`` alike, and no option is
-silently ignored."""
+combination trains as the unsharded model does (one process, CPU; on CUDA in
+tests/gpu/test_modes_gpu.py, through the same ``parity.modes_train_as_unsharded``), every
+refused one is refused with one line by ``zbuf.compile``, by the backend's options and by ``zbuf
+train`` alike, and no option is silently ignored."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
 import zbuf.compile
-from parity import token_batches, train_adamw
+from parity import mode_name, modes_model, modes_train_as_unsharded
 from zbuf.compile.modes import RULES, Modes, legal_modes, refusal
 from zbuf.compile.options import CompileOptions
-from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import shard
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
 LEGAL = legal_modes()
-
-
-def _name(m: Modes) -> str:
-    on = [n for n in ("optimizer_in_backward", "offload_optimizer") if getattr(m, n)]
-    return "-".join([m.structure, m.recompute, *on])
 
 
 def test_the_table_counts_what_the_issue_counted():
@@ -54,29 +47,9 @@ def test_every_rule_refuses_something_legal_modes_do_not_hold():
     assert not any(refusal(m) for m in LEGAL)
 
 
-def _model(checkpointed: bool = True):
-    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97, hidden_size=32,
-                                         ffn_hidden_size=64, head_dim=8)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    apply_activation_checkpointing(model, checkpointed)
-    return model
-
-
-@pytest.mark.parametrize("modes", LEGAL, ids=_name)
-def test_every_legal_combination_trains_as_eager_zbuf(modes):
-    base = _model()
-    batches = token_batches(3)
-    eager = shard(copy.deepcopy(base))
-    expected = train_adamw(eager, eager, batches)
-    model = shard(copy.deepcopy(base))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled = zbuf.compile(model, optimizer=opt, inner="aot_eager", fullgraph=True,
-                            structure=modes.structure, recompute=modes.recompute,
-                            optimizer_in_backward=modes.optimizer_in_backward,
-                            offload_optimizer=modes.offload_optimizer)
-    losses = train_adamw(compiled, model, batches, opt=opt)
-    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5)
+@pytest.mark.parametrize("modes", LEGAL, ids=mode_name)
+def test_every_legal_combination_trains_as_the_unsharded_model(modes):
+    modes_train_as_unsharded(modes, torch.device("cpu"), inner="aot_eager")
 
 
 @pytest.mark.parametrize("options, line", [
@@ -87,7 +60,7 @@ def test_every_legal_combination_trains_as_eager_zbuf(modes):
     (dict(structure="blocks", coalesce=False), "coalesce_min_bytes would tune nothing"),
 ])
 def test_a_refused_combination_is_one_line_from_zbuf_compile(options, line):
-    model = shard(_model())
+    model = shard(modes_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match=line) as refused:
         zbuf.compile(model, optimizer=opt, inner="aot_eager", fullgraph=True, **options)
@@ -99,7 +72,7 @@ def test_coalescing_is_honoured_or_refused_never_ignored():
     the whole graph, which reads it, and ``structure='blocks'`` refuses it."""
     assert CompileOptions(coalesce_max_bytes=1 << 20).graph_only
     assert not CompileOptions().graph_only
-    model = shard(_model())
+    model = shard(modes_model())
     compiled = zbuf.compile(model, inner="aot_eager", coalesce=False)
     assert compiled is not model  # the whole graph: torch.compile's wrapper, not the model itself
     with pytest.raises(ValueError, match="coalesce / coalesce_max_bytes"):

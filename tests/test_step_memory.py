@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dist_utils import global_mean, run_distributed
 from parity import rel_err
+from zbuf.memory.planner import PlanPhase
 
 RTOL = 1e-5
 WARMUP = 5
@@ -368,8 +369,10 @@ def _replan_auto_case(rank, world):
     assert max(errors.values()) <= RTOL, errors
     o = sm.replanner.options
     return {"replanned": [r.replanned for r in rows], "measured": sm.measured._asdict(),
-            "options": (o.budget_bytes, o.free_memory_bytes, o.margin_fraction),
+            "options": (o.budget_bytes, o.measured_room_bytes),
             "records": [(r.kind, r.budget_bytes) for r in zbuf.schedule_report(model)],
+            "memory": [(r.requested_budget_bytes + r.activation_peak_bytes, r.gathers)
+                       for r in zbuf.schedule_report(model)],
             "levels": [(r.recompute.regions, r.recompute.regions_recomputed, r.persistent_bytes)
                        for r in zbuf.schedule_report(model)]}
 
@@ -516,11 +519,15 @@ def test_replan_with_budgeted_recompute_hands_it_the_measured_room(two_ranks):
     out = [r["replan_auto"] for r in two_ranks]
     for o in out:
         assert o["replanned"] == [False, True, False], o
-        budget, free, margin = o["options"]
+        budget, measured_room = o["options"]
         room = o["measured"]["room_bytes"]
-        # The activations are recompute's to choose: the new plans get the room as their memory
-        # (no fixed gather budget), and plan every graph's gathers within it.
-        assert budget is None and int(free * (1 - margin)) in (room, room - 1)
+        # The activations are recompute's to choose: the new plans get the ledger's room as
+        # their memory, as it is (no fixed gather budget, no second margin: [Note: measured
+        # memory is not margined twice] in compile/budget.py), and plan every graph's gathers
+        # within it. One graph makes every gradient, so none is reserved beside it.
+        assert budget is None and measured_room == room
+        assert all(memory == room for memory, gathers in o["memory"][len(o["memory"]) // 2:]
+                   if gathers), o["memory"]
         # Step 0's plan keeps no activations beyond the model's checkpointing: every region
         # recomputed as written, no gathered weight kept ([Note: measure first, then spend]).
         regions, recomputed, persistent = o["levels"][0]
@@ -675,7 +682,9 @@ def test_a_step_that_cannot_fit_at_any_plan_is_refused_before_it_runs(monkeypatc
     with pytest.raises(PlanExceedsMemoryError, match="measured step 0 needs .* the next step "
                                                      "would run out of memory"):
         loss(cm, *second)
-    assert sm.measured is None and not sm.replanner.replanned  # nothing ran, nothing re-planned
+    # Nothing ran, nothing re-planned: the step's memory and its planner are still measuring.
+    assert sm.measured is None
+    assert sm.phases.phase is sm.replanner.phases.phase is PlanPhase.MEASURING
     sm.detach()
 
 

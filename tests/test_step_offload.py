@@ -366,24 +366,30 @@ def test_a_resumed_run_offloads_its_loaded_state_and_measures_the_step_after(mon
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @given(usable=st.integers(1, 10**6), peak=st.integers(0, 10**6), start=st.integers(0, 10**6),
        state=st.integers(0, 10**6), fraction=st.sampled_from([0.0, 0.5, 1.0]),
-       slots=st.integers(0, 10**5))
+       slots=st.integers(0, 10**5), frag=st.sampled_from([0, 1, 250_000, 1_000_000]))
 def test_the_plan_keeps_on_the_device_the_most_state_that_fits(usable, peak, start, state,
-                                                                fraction, slots):
+                                                                fraction, slots, frag):
     """[Note: offloading when the step does not fit]: the whole state stays if it fits beside
     step 0's peak and in the optimizer's own step; else the most that fits both (in the step
-    beside the slots), with the allocator's headroom to spare."""
-    from zbuf.offload_choice import HEADROOM_DIVISOR, place_state
+    beside the slots). What stays, and its temporaries, fragment the allocator as step 0 did
+    ([Note: the state placed beside the measured fragmentation]): they take one plus the
+    fragmentation times their bytes, and no other margin."""
+    from zbuf.memory.ledger import PPM
+    from zbuf.offload_choice import place_state
 
-    place = place_state(usable, peak, start, state, fraction, slots)
-    whole = peak + state <= usable and start + state * (1 + fraction) <= usable
+    def taken(nbytes):  # what putting ``nbytes`` there takes of the memory
+        return nbytes * (PPM + frag) / PPM
+
+    place = place_state(usable, peak, start, state, fraction, slots, frag)
+    whole = (peak + taken(state) <= usable
+             and start + taken(state * (1 + fraction)) <= usable)
     assert place.fits == whole
     if whole:
         assert place.resident_bytes == state
         return
-    room = usable - usable // HEADROOM_DIVISOR
 
     def fits(r):
-        return peak + r <= room and start + slots + r * (1 + fraction) <= room
+        return peak + taken(r) <= usable and start + slots + taken(r * (1 + fraction)) <= usable
 
     r = place.resident_bytes
     assert 0 <= r <= state

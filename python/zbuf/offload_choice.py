@@ -13,8 +13,7 @@ beside that peak and in the optimizer step with its temporaries, nothing changes
 state is offloaded ([Note: optimizer state offloaded after backward] in
 zbuf/optimizer_step_offload.py), keeping on the device what fits beside the forward/backward
 peak and in the optimizer's own step with its temporaries and the two slots the streamed
-part passes through, with a margin for the allocator (``place_state``): the less moved, the
-less exposed. Decided there, it is decided for the run, on every rank alike, before the state
+part passes through (``place_state``): the less moved, the less exposed. Decided there, it is decided for the run, on every rank alike, before the state
 exists, so nothing has to move afterwards; the measured step's decision ([Note: whole-step
 budget]) then sees only the state that stayed as the step's growth, and the slots in the
 optimizer's peak.
@@ -28,6 +27,17 @@ shards, compile time sees 32.8 GB of state, 16.4 of gradients and 16.4 of tempor
 about 69 GB free, while step 0's measurement keeps most of the state on the card.)
 
 The record says which it was (``report``): chosen by the user or by the plan, and why, in bytes.
+
+[Note: the state placed beside the measured fragmentation]
+The state is allocated at step 0's optimizer step into a cache that step 0's activations shaped,
+and from then on later steps' activations must find room around it. That is the allocator's
+fragmentation growing with what is put into the memory, which the ledger already measures and
+charges ([Note: fragmentation grows with the room] in zbuf/memory/ledger.py): so the state, and
+its step's temporaries, are placed in the usable memory (the limit less the ledger's one margin)
+beside the measured peaks divided by one plus step 0's fragmentation so far, its forward's and
+backward's, rank-agreed (``beside_fragmentation``), whether the whole state fits or only part
+of it stays. The placement has no margin of its own: the step's one margin is the ledger's, and
+on the CPU stand-in, which fragments nothing, the state may fill the usable memory.
 """
 
 from __future__ import annotations
@@ -36,11 +46,11 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .memory.ledger import PPM, beside_fragmentation
 from .memory.optimizer_state import OptimizerPolicy
 from .optimizer_step_offload import BUCKET_BYTES, SLOTS, StepOffload
 
-__all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes",
-           "HEADROOM_DIVISOR"]
+__all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes"]
 
 
 def slot_estimate_bytes(optimizer: torch.optim.Optimizer,
@@ -54,13 +64,6 @@ def slot_estimate_bytes(optimizer: torch.optim.Optimizer,
     return min(policy.state_bytes(params), SLOTS * (bucket_bytes + largest))
 
 
-HEADROOM_DIVISOR = 16
-"""Once the state is offloaded, ``usable / HEADROOM_DIVISOR`` is left beside what stays: the
-resident state is allocated at step 0's optimizer step, into a cache that step 0's activations
-shaped, and later steps' allocations must still find room without the allocator's retries (on
-an 80 GiB card 5 GiB, about 0.1 s of the link per step at qwen3-32b's scale)."""
-
-
 class Placement(NamedTuple):
     """The plan's answer at step 0 ([Note: offloading when the step does not fit])."""
 
@@ -71,22 +74,25 @@ class Placement(NamedTuple):
 
 
 def place_state(usable_bytes: int, peak_bytes: int, step_start_bytes: int, state_bytes: int,
-                temporary_fraction: float, slot_bytes: int) -> Placement:
+                temporary_fraction: float, slot_bytes: int, fragmentation_ppm: int) -> Placement:
     """Where the state goes. ``peak_bytes``: step 0's largest forward or backward peak (no
     state); ``step_start_bytes``: what is held as its optimizer step starts (shards, gradients);
     ``temporary_fraction``: the optimizer step's temporaries per byte of state it steps at once
     (foreach AdamW: one parameter-sized intermediate per two moments); ``slot_bytes``: the
-    streamed state's device slots, made in the optimizer step only. The state fits when it fits
-    both beside the peak and in the step with its temporaries; else what stays must fit both
-    (in the step, beside the slots), with ``usable / HEADROOM_DIVISOR`` to spare."""
-    with_temporaries = state_bytes * (1 + temporary_fraction)
-    if (peak_bytes + state_bytes <= usable_bytes
-            and step_start_bytes + with_temporaries <= usable_bytes):
+    streamed state's device slots, made in the optimizer step only; ``fragmentation_ppm``: step
+    0's so far. The state fits when it fits both beside the peak and in the step with its
+    temporaries; else what stays is the most that fits both (in the step, beside the slots).
+    Either way what is put there is charged the fragmentation ([Note: the state placed beside
+    the measured fragmentation])."""
+    beside_peak = beside_fragmentation(usable_bytes - peak_bytes, fragmentation_ppm)
+
+    def in_step(free: int) -> int:  # the state whose temporaries fit too, rounded down once
+        return int(free * PPM / ((PPM + fragmentation_ppm) * (1 + temporary_fraction)))
+
+    if state_bytes <= min(beside_peak, in_step(usable_bytes - step_start_bytes)):
         return Placement(True, state_bytes)
-    room = usable_bytes - usable_bytes // HEADROOM_DIVISOR
-    beside_peak = room - peak_bytes
-    in_step = int((room - slot_bytes - step_start_bytes) / (1 + temporary_fraction))
-    return Placement(False, max(0, min(state_bytes, beside_peak, in_step)))
+    stays = min(state_bytes, beside_peak, in_step(usable_bytes - step_start_bytes - slot_bytes))
+    return Placement(False, max(0, stays))
 
 
 class OffloadChoice:
@@ -132,20 +138,22 @@ class OffloadChoice:
                          f"({_gib(free_bytes)}) could not hold the gradients and the step's "
                          f"temporaries ({_gib(need_bytes)})")
 
-    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
+    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int,
+               fragmentation_ppm: int) -> None:
         """At step 0's optimizer step, before the state exists: ``peak_bytes`` is the step's
         rank-agreed largest forward or backward peak, ``step_start_bytes`` what is held now,
-        ``usable_bytes`` the limit less the margin ([Note: offloading when the step does not
-        fit])."""
+        ``usable_bytes`` the limit less the margin, ``fragmentation_ppm`` the step's so far
+        ([Note: offloading when the step does not fit])."""
         self.decided = True
         policy = OptimizerPolicy.of(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = policy.state_bytes(params)
         fraction = policy.temporary_bytes(params) / state if state else 0.0
         place = place_state(usable_bytes, peak_bytes, step_start_bytes, state, fraction,
-                            slot_estimate_bytes(self.optimizer, BUCKET_BYTES))
+                            slot_estimate_bytes(self.optimizer, BUCKET_BYTES), fragmentation_ppm)
         self.measured = {"usable_bytes": usable_bytes, "peak_bytes": peak_bytes,
-                         "step_start_bytes": step_start_bytes, "state_bytes": state}
+                         "step_start_bytes": step_start_bytes, "state_bytes": state,
+                         "fragmentation_ppm": fragmentation_ppm}
         if place.fits:
             return
         self.offload.activate(place.resident_bytes)

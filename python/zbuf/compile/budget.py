@@ -12,7 +12,7 @@ part of the passes' cache key through the options' digest). The rest of what a s
 (temporaries, NCCL, fragmentation) is measured on the first step, which may re-plan once
 ([Note: whole-step budget] in zbuf/memory/step.py). A graph's budget is then its memory
 (``graph_memory``: the free memory less the gradients it does not make itself, less
-``margin_fraction``) less its projected activation peak; the
+``unmeasured_fraction``) less its projected activation peak; the
 planner raises it to the smallest feasible value (at least the largest single gather). An
 explicit ``budget_bytes`` overrides all of this. Without ``free_memory_bytes`` (plain
 ``torch.compile(m, backend="zbuf")``), what this process may allocate stands in for the free
@@ -21,6 +21,16 @@ the same on every rank of a homogeneous job, just less tight.
 
 The agreed free memory is rounded to a value that repeats from launch to launch ([Note: stable
 agreed memory] in zbuf/memory/agreement.py).
+
+[Note: measured memory is not margined twice]
+``unmeasured_fraction`` stands for what nobody has measured when the first plans are made (the
+allocator's fragmentation, workspaces, NCCL's buffers), so it applies to the free memory agreed
+at compile time only. The measured step replaces that guess by its measurement: the ledger's
+room (``Ledger.room_bytes`` in zbuf/memory/ledger.py) already leaves out the one margin of
+measured memory (``MARGIN_DIVISOR``) and divides by the measured fragmentation. A plan made from
+it (``recompute="auto"``'s re-plan: the option ``measured_room_bytes``) takes that room as its
+memory at face value, less only the other graphs' gradients, which a backward that was not the
+measured peak's may run beside ([Note: gradients live in backward]).
 """
 
 from __future__ import annotations
@@ -116,12 +126,15 @@ def gradient_reserve(options: CompileOptions, made_bytes: int, *, backward: bool
 
 
 def graph_memory(options: CompileOptions, device: torch.device, reserve_bytes: int = 0) -> int:
-    """What one graph's activations and gathered weights share: the agreed free memory less
-    ``reserve_bytes`` (``gradient_reserve``) and the margin (see [Note: rank-agreed budget])."""
+    """What one graph's activations and gathered weights share, less ``reserve_bytes``
+    (``gradient_reserve``): the measured room as it is, else the agreed free memory less
+    ``unmeasured_fraction`` ([Note: measured memory is not margined twice])."""
+    if options.measured_room_bytes is not None:
+        return max(0, options.measured_room_bytes - reserve_bytes)
     free = options.free_memory_bytes
     if free is None:
         free = _total_bytes(device)
-    return int(max(0, free - reserve_bytes) * (1.0 - options.margin_fraction))
+    return int(max(0, free - reserve_bytes) * (1.0 - options.unmeasured_fraction))
 
 
 def gather_reserve(graph: torch.fx.Graph, options: CompileOptions) -> int:
@@ -185,12 +198,15 @@ def check_plan_fits(options: CompileOptions, device: torch.device, *, kind: str,
     memory = graph_memory(options, device, reserve_bytes)
     if peak_bytes <= memory:
         return
+    agreed = ("the room the measured step left" if options.measured_room_bytes is not None
+              else "free memory")
+    margin = "" if options.measured_room_bytes is not None else " and the unmeasured_fraction"
     raise PlanExceedsMemoryError(
         f"zbuf: the {kind} graph's plan needs {peak_bytes / 2**20:.1f} MiB at its peak "
         f"(activations {activation_peak / 2**20:.1f} MiB, gathered weights "
         f"{gathered_peak / 2**20:.1f} MiB) but every rank agreed on {memory / 2**20:.1f} MiB "
-        f"(free memory less {reserve_bytes / 2**20:.1f} MiB of other graphs' gradients and the "
-        f"margin_fraction); refusing to run a plan that cannot fit. "
+        f"({agreed} less {reserve_bytes / 2**20:.1f} MiB of other graphs' gradients{margin}); "
+        f"refusing to run a plan that cannot fit. "
         f"Lower the micro-batch or sequence length, checkpoint more of the model "
         f"(recompute='auto' or the model's own checkpointing), or shard over more ranks",
         what=f"the {kind} graph's plan", needs_bytes=peak_bytes, memory_bytes=memory)

@@ -143,6 +143,10 @@ def compile_model(
     zbuf/optimizer_offload.py). ``False``: on the device. Each costs two copies of the moved
     state over the host link per step, one each way at once, overlapped with the step.
     """
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(CompileOptions)})
+    if unknown:
+        raise TypeError(f"zbuf.compile: unknown option(s) {', '.join(unknown)}; the options are "
+                        f"zbuf.compile.CompileOptions' fields")
     refused = refusal(Modes(optimizer_in_backward=optimizer_in_backward,
                             offload_optimizer=offload_optimizer is True,
                             optimizer=optimizer is not None,

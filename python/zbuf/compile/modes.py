@@ -8,8 +8,8 @@ something under some modes (an explicit ``budget_bytes``, ``activation_budget_by
 ``coalesce`` options) or need something of the caller (``optimizer=``, ``fullgraph=True``).
 ``RULES`` lists every combination zbuf refuses, each with the one line that says why and what to
 do instead; whatever no rule refuses is legal (``legal_modes`` lists the legal combinations of
-the modes, which tests/test_modes.py runs one by one). No option is silently ignored: a knob a
-mode does not read is refused under it. Each caller spells the options its own way
+the modes, which tests/test_modes.py runs one by one, and tests/gpu/test_modes_gpu.py on CUDA).
+No option is silently ignored: a knob a mode does not read is refused under it. Each caller spells the options its own way
 (``API_SPELLING`` for ``zbuf.compile``, the command's flags in zbuf/train/config.py), so a
 refusal names what the user typed.
 """

@@ -106,8 +106,12 @@ class UserOptions:
     8-byte all-gather per graph run ([Note: collective order check] in fingerprint.py); off, a
     mismatch hangs."""
 
-    margin_fraction: float = 0.1
-    """Part of the agreed free memory left unplanned (allocator fragmentation, workspaces)."""
+    unmeasured_fraction: float = 0.1
+    """Part of the free memory agreed at compile time that plans made before any measurement
+    leave for what nothing has measured yet (the allocator's fragmentation, workspaces, NCCL's
+    buffers): step 0's, and every plan of a plain ``torch.compile(m, backend="zbuf")``. Plans
+    made from the measured step do not read it ([Note: measured memory is not margined twice]
+    in budget.py)."""
 
     def _check_user(self, need) -> None:
         need(self.structure is None or self.structure in STRUCTURES,
@@ -133,8 +137,8 @@ class UserOptions:
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         need(0.0 <= self.persist_fraction <= 1.0,
              f"persist_fraction={self.persist_fraction!r} must lie in [0, 1]")
-        need(0.0 <= self.margin_fraction < 1.0,
-             f"margin_fraction={self.margin_fraction!r} must lie in [0, 1)")
+        need(0.0 <= self.unmeasured_fraction < 1.0,
+             f"unmeasured_fraction={self.unmeasured_fraction!r} must lie in [0, 1)")
         for name in ("coalesce_max_bytes", "coalesce_min_bytes"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 0, f"{name}={v!r} must be a non-negative int (bytes)")
@@ -186,6 +190,13 @@ class FilledIn:
     the forward graphs none ([Note: gradients live in backward] in budget.py). ``zbuf.compile``
     fills it in; the same on every rank (the shards are)."""
 
+    measured_room_bytes: int | None = None
+    """What each graph's activations and gathered weights may share, as the measured step's
+    ledger says (``Ledger.room_bytes`` in zbuf/memory/ledger.py): the re-planner fills it in for
+    the plans it makes with ``recompute="auto"``, and budget.py uses it as it is ([Note: measured
+    memory is not margined twice] in budget.py). ``None``: no measurement yet; the plans derive
+    their memory from ``free_memory_bytes``."""
+
     measuring: bool = False
     """This plan runs the measured step ([Note: measure first, then spend] in
     zbuf/memory/step.py), so it is no hungrier than FSDP2's: no persistence, ``recompute="auto"``
@@ -204,6 +215,12 @@ class FilledIn:
         need(isinstance(self.gradient_bytes, int) and not isinstance(self.gradient_bytes, bool)
              and self.gradient_bytes >= 0,
              f"gradient_bytes={self.gradient_bytes!r} must be a non-negative int (bytes)")
+        if self.measured_room_bytes is not None:
+            need(isinstance(self.measured_room_bytes, int)
+                 and not isinstance(self.measured_room_bytes, bool)
+                 and self.measured_room_bytes >= 0,
+                 f"measured_room_bytes={self.measured_room_bytes!r} must be a non-negative int "
+                 "(bytes) or None")
         need(isinstance(self.measuring, bool), f"measuring={self.measuring!r} must be a bool")
 
 

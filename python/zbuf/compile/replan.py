@@ -32,7 +32,7 @@ compiled. A plan has two parts, and a re-plan changes the cheaper one when it ca
   - the swap happens in a forward pre-hook: ``nn.Module`` has already picked ``forward`` (the
     ``PlannedForward``) when hooks run, and the ``PlannedForward`` forwards this very call to
     the new compiled callable, so the step that decides is the first step of the new plan;
-  - the budget is an option (``budget_bytes``, or ``free_memory_bytes`` for budgeted
+  - the budget is an option (``budget_bytes``, or ``measured_room_bytes`` for budgeted
     recompute), quantised by the caller, so it enters the passes' cache uuid and a relaunch of
     the same configuration finds the same compiled graphs in Inductor's cache;
   - the new graphs are compiled with ``persist=False``: they re-gather in backward too, and
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -89,8 +88,6 @@ class Replanner:
         self.persist = options.persist
         """The user's persistence option: the keep-set follows it ([Note: the run-time
         keep-set] in persist.py); the graphs compiled again never persist themselves."""
-        self.replanned = False
-        """Re-planned at least once (compiled again, or a new keep-set)."""
         self.recompiled = False
         """Compiled again at least once."""
         self.phases = PlanPhases()
@@ -234,7 +231,6 @@ class Replanner:
         self.kept = kept
 
     def _outcome(self, recompiled: bool) -> Replan:
-        self.replanned = True
         return Replan(recompiled, self.kept_bytes, len(self.kept))
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
@@ -275,16 +271,16 @@ class Replanner:
 
     def recompile(self, budget_bytes: int, room_bytes: int) -> None:
         """[Note: whole-step budget] step 3 in zbuf/memory/step.py: with ``recompute="auto"``
-        (and no explicit activation budget) the measured room becomes the plans' free memory, so
-        that budgeted recompute chooses the split of activations and gathers again; otherwise
+        (and no explicit activation budget) the measured room becomes the plans' memory as it is
+        ([Note: measured memory is not margined twice] in budget.py), so that budgeted recompute
+        chooses the split of activations and gathers again; otherwise
         the gathers get ``budget_bytes``. The new graphs re-gather every weight in backward;
         nothing is kept until ``settle`` chooses from their records."""
         self.set_kept(())
         self.options = dataclasses.replace(self.options, measuring=False, persist=False)
         o = self.options
         if o.recompute == "auto" and o.activation_budget_bytes is None:
-            free = math.ceil(room_bytes / (1.0 - o.margin_fraction))
-            self.options = dataclasses.replace(o, free_memory_bytes=free)
+            self.options = dataclasses.replace(o, measured_room_bytes=room_bytes)
         else:
             self.options = dataclasses.replace(o, budget_bytes=budget_bytes)
         self.plan_starts.append(

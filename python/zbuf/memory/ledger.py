@@ -48,7 +48,7 @@ from .agreement import MEASURED_BITS, agree_extremes, stable_budget, stable_byte
 from .phases import StepPhases
 
 __all__ = ["Ledger", "MARGIN_DIVISOR", "PPM", "without_margin", "fragmentation_ppm",
-           "measured_room"]
+           "beside_fragmentation", "measured_room"]
 
 MARGIN_DIVISOR = 64
 """``limit / MARGIN_DIVISOR`` stays unplanned: allocations that differ from the measured step
@@ -80,6 +80,13 @@ def fragmentation_ppm(row: StepPhases) -> int:
     return min(worst, MAX_FRAGMENTATION_PPM)
 
 
+def beside_fragmentation(nbytes: int, frag_ppm: int) -> int:
+    """What may be put into ``nbytes`` of memory when each byte put there fragments the
+    allocator as the measured step did: ``nbytes`` divided by one plus the fragmentation
+    ([Note: fragmentation grows with the room]), rounded down."""
+    return nbytes * PPM // (PPM + frag_ppm)
+
+
 def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict[str, int],
                   held_bytes: Optional[int], frag_ppm: int) -> int:
     """What activations and gathered weights may share, rounded ([Note: stable agreed memory]
@@ -97,10 +104,10 @@ def measured_room(usable_bytes: int, reserved: dict[str, int], activations: dict
         own = activations.get(phase, 0)
         free = usable_bytes - (peak - own)
         if held_bytes is None:
-            rooms.append(stable_budget(free * PPM // (PPM + frag_ppm)))
+            rooms.append(stable_budget(beside_fragmentation(free, frag_ppm)))
             continue
         face = held_bytes + own
-        spare = (free - face) * PPM // (PPM + frag_ppm)
+        spare = beside_fragmentation(free - face, frag_ppm)
         if spare >= 0:
             rooms.append(face + stable_bytes(spare, bits=MEASURED_BITS))
         else:

@@ -166,12 +166,7 @@ class PhaseMeter:
         if self._phase is None:
             return None
         self._end_phase()
-        p = self._peaks
-        fw = p.get("forward", (self._start, self._start))
-        bw = p.get("backward", fw)
-        opt = p.get("optimizer") if self.optimizer is not None else None
-        row = StepPhases(self.closed, self._start, fw[0], bw[0], opt[0] if opt else None,
-                         fw[1], bw[1], opt[1] if opt else None)
+        row = self.row_so_far()
         self.rows.append(row)
         self.closed += 1
         self._phase = None
@@ -205,6 +200,16 @@ class PhaseMeter:
         if self.off_device_bytes is not None:
             total -= self.off_device_bytes()
         return total
+
+    def row_so_far(self) -> StepPhases:
+        """The open step's row from its ended phases (a phase not ended yet: as the one before
+        it; the optimizer's: None)."""
+        p = self._peaks
+        fw = p.get("forward", (self._start, self._start))
+        bw = p.get("backward", fw)
+        opt = p.get("optimizer") if self.optimizer is not None else None
+        return StepPhases(self.closed, self._start, fw[0], bw[0], opt[0] if opt else None,
+                          fw[1], bw[1], opt[1] if opt else None)
 
     def reserved_peak_so_far(self) -> int:
         """The largest reserved peak of the open step's ended phases (its start if none)."""

@@ -13,7 +13,8 @@ one way: ``zbuf.compile`` builds a planner and gives it to ``StepMemory``; nothi
 
 Each decision is made once, in order, on every rank at the same program point ([Note: bounded
 re-plan] in compile/replan.py): ``PlanPhase`` names where a planner stands, and ``PlanPhases``
-is the machine both planners share.
+is the machine both planners share, and ``StepMemory`` with them (its decisions are the phases'
+entries).
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class StatePlacement(Protocol):
     def offloaded(self) -> bool:
         """Some of the state lives in host memory."""
 
-    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int) -> None:
-        """Choose from step 0's rank-agreed peak and what the optimizer step starts from."""
+    def decide(self, usable_bytes: int, peak_bytes: int, step_start_bytes: int,
+               fragmentation_ppm: int) -> None:
+        """Choose from step 0's rank-agreed peak, what the optimizer step starts from and the
+        fragmentation step 0 measured so far ([Note: fragmentation grows with the room] in
+        ledger.py)."""
 
     def report(self) -> dict[str, Any]:
         """For the run record: who chose, why, and what moved."""

@@ -75,7 +75,7 @@ from .agreement import agree_extremes
 from .device import local_free_bytes
 from .ledger import PPM, Ledger, fragmentation_ppm, without_margin
 from .phases import ROWS_KEPT, PhaseMeter, StepPhases
-from .planner import StatePlacement, StructurePlanner
+from .planner import PlanPhase, PlanPhases, StatePlacement, StructurePlanner
 from .shared import SharedMemory
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget"]
@@ -199,15 +199,19 @@ class StepMemory:
         self.memory = SharedMemory(pool)
         self.meter = PhaseMeter(pool.device, model, optimizer)
         self.replanner = replanner
+        self.phases = PlanPhases()
+        """Where the step's memory stands, as its planner's ([Note: one planner interface] in
+        planner.py): measuring until the measured step's decision, grown until the steady
+        step's, then settled."""
         self.measured: Optional[MeasuredBudget] = None
         """The decision after the measured step (the plan grown into the room, [Note: measure
         first, then spend])."""
         self.steady: Optional[MeasuredBudget] = None
         """The check after the steady step (the plan shrunk if its headroom fell short)."""
-        self._steady_row: Optional[tuple[StepPhases, int]] = None
+        self._judged: Optional[tuple[StepPhases, int]] = None
+        """The closed step the next decision reads (phases, pool held), until it is made."""
         self.rows: collections.deque[StepMemoryRow] = collections.deque(maxlen=ROWS_KEPT)
         """The latest closed steps' rows, oldest first."""
-        self._measured_row: Optional[tuple[StepPhases, int]] = None  # (phases, pool held)
         self._replan_steps: set[int] = set()
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
@@ -251,10 +255,15 @@ class StepMemory:
     # -- hooks --------------------------------------------------------------------------------
 
     def _on_forward(self) -> None:
-        if self.measured is None and self._measured_row is not None:
-            self.measured = self._decide(*self._measured_row, grow=True)
-        elif self.steady is None and self._steady_row is not None:
-            self.steady = self._decide(*self._steady_row, grow=False)
+        if self._judged is not None:
+            grow = self.phases.phase is PlanPhase.MEASURING
+            decision = self._decide(*self._judged, grow=grow)  # a refusal leaves the phase
+            self.phases.enter(PlanPhase.GROWN if grow else PlanPhase.SETTLED)
+            self._judged = None
+            if grow:
+                self.measured = decision
+            else:
+                self.steady = decision
         self.memory.observe_step()
         self.memory.take_back()  # the pool's share may have moved (first runs size it)
 
@@ -274,22 +283,26 @@ class StepMemory:
     def _choose_offload(self) -> None:
         """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
         reserved bytes and the pool's, on the CPU stand-in with the plans' projected
-        activations) and what the optimizer step starts from (allocated now, and the pool's
-        blocks left after it lent), agreed over the ranks, decide where the state goes."""
+        activations), what the optimizer step starts from (allocated now, and the pool's
+        blocks left after it lent) and the fragmentation of step 0's forward and backward,
+        agreed over the ranks, decide where the state goes."""
         peak = self.meter.reserved_peak_so_far() + (self._pool_after_backward or 0)
         if self._host_limit is not None and self.replanner is not None:
             peak += max(self.replanner.activation_peaks(gradients=False).values(), default=0)
         held = self.meter.resident_bytes() + self.memory.pool.stats().charged_bytes
-        (limit,), (peak, held) = agree_extremes(self.group, self.memory.device,
-                                                smallest=[self.limit_bytes()],
-                                                largest=[peak, held])
+        frag = fragmentation_ppm(self.meter.row_so_far())
+        (limit,), (peak, held, frag) = agree_extremes(self.group, self.memory.device,
+                                                      smallest=[self.limit_bytes()],
+                                                      largest=[peak, held, frag])
         resumed = any(isinstance(v, torch.Tensor) and v.dim() > 0
                       for st in self.optimizer.state.values() for v in st.values())
-        self.offload_choice.decide(without_margin(limit), peak, held)
+        self.offload_choice.decide(without_margin(limit), peak, held, frag)
         if resumed and self.offload_choice.offloaded:
-            # [Note: a state made inside the measured phase], the other way round: a resumed
-            # run's step 0 ran forward and backward beside the state it loaded, which moves to
-            # the host now; step 1 runs without it, so it is the step measured.
+            # [Note: a state made inside the measured phase], the other way round: a run that
+            # loaded its state before zbuf.compile installed the offload ran step 0's forward
+            # and backward beside it, which moves to the host now; step 1 runs without it, so
+            # it is the step measured. (Loaded after, the state is held aside until this
+            # decision: [Note: loading streamed state] in zbuf/optimizer_step_offload.py.)
             self.measured_step += 1
             self.steady_step += 1
 
@@ -384,10 +397,10 @@ class StepMemory:
         s = self.memory.pool.stats()
         held = self._pool_after_backward
         held = s.charged_bytes if held is None else held
-        if phases.step == self.measured_step:
-            self._measured_row = (phases, held)
-        elif phases.step == self.steady_step:
-            self._steady_row = (phases, held)
+        judged = {PlanPhase.MEASURING: self.measured_step,
+                  PlanPhase.GROWN: self.steady_step}.get(self.phases.phase)
+        if phases.step == judged:
+            self._judged = (phases, held)
         self._pool_after_backward = None
         counts = self._event_counts()
         m = self.measured
