@@ -4,8 +4,8 @@
 
 Error messages are found statically: string literals (f-string parts included) inside ``raise``
 statements, inside calls of ``*Error`` / ``*Exception`` / ``*Warning`` classes, ``warn`` and
-``print_error``, and in functions whose name says they build a message (``*message*``,
-``*difference*``, ``_damaged``, ``way_back``).
+``print_error``, and anywhere in functions whose name says they build a message
+(``*message*``, ``*difference*``, ``_damaged``, ``way_back``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ def _message_strings(tree: ast.AST):
         elif isinstance(node, ast.Call) and MESSAGE_CALLS.search(_callee(node)):
             yield from _strings(node)
         elif isinstance(node, ast.FunctionDef) and MESSAGE_FUNCTIONS.search(node.name):
-            for ret in ast.walk(node):
-                if isinstance(ret, ast.Return) and ret.value is not None:
-                    yield from _strings(ret.value)
+            # Every literal of a function that builds a message is a part of one (its advice may
+            # be chosen before the return), its docstring left out.
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            for stmt in body:
+                yield from _strings(stmt)
 
 
 def _mentions() -> dict[str, set[str]]:
