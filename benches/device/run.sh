@@ -2,8 +2,7 @@
 # One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
 # (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
 #   bash benches/device/run.sh tests      # every tests/gpu test (over 9 min at 960201a: split
-#                                           test_simulate_gpu.py + test_cli_gpu.py off into a call of their own,
-#                                           and test_modes_gpu.py, 18 Inductor compiles, into a third)
+#                                           test_simulate_gpu.py + test_cli_gpu.py off into a call of their own)
 #   bash benches/device/run.sh tests tests/gpu/test_compile_gpu.py ...  # only the files named
 #   bash benches/device/run.sh pool       # pool GPU tests, pool and op-dispatch benchmarks (~2 min)
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
