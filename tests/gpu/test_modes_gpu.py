@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")]  # conftest.py
 
+
 @pytest.mark.parametrize("modes", legal_modes(), ids=mode_name)
 def test_every_legal_combination_trains_on_cuda_as_the_unsharded_model(modes):
     modes_train_as_unsharded(modes, torch.device("cuda", torch.cuda.current_device()),
