@@ -13,10 +13,10 @@ beside that peak and in the optimizer step with its temporaries, nothing changes
 state is offloaded ([Note: optimizer state offloaded after backward] in
 zbuf/optimizer_step_offload.py), keeping on the device what fits beside the forward/backward
 peak and in the optimizer's own step with its temporaries and the two slots the streamed
-part passes through (``place_state``): the less moved, the less exposed. Decided there, it is decided for the run, on every rank alike, before the state
-exists, so nothing has to move afterwards; the measured step's decision ([Note: whole-step
-budget]) then sees only the state that stayed as the step's growth, and the slots in the
-optimizer's peak.
+part passes through (``place_state``): the less moved, the less exposed. Decided there, it is
+decided for the run, on every rank alike, before the state exists, so nothing has to move
+afterwards; the measured step's decision ([Note: whole-step budget]) then sees only the state
+that stayed as the step's growth, and the slots in the optimizer's peak.
 
 One case is known before step 0: when the whole state plus the gradients and the optimizer's
 temporaries exceed the free memory agreed at compile time, a plan made with the state reserved
