@@ -162,6 +162,37 @@ def test_aot_eager_matches_eager_and_gathers_only_what_it_planned(plan):
         assert fw.prefetched > 0
 
 
+@pytest.mark.parametrize("structure", ["graph", "blocks"])
+def test_an_inference_forward_between_training_steps(structure):
+    """A forward under ``no_grad`` (an evaluation between steps) compiles an inference graph
+    through the same inner compiler as training (``backend.compile_inner``): it gives the
+    unsharded model's output, leaves no gathered buffer out of the pool, and the training step
+    after it still matches the unsharded model's."""
+    from zbuf.models import build_model, loss, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=2, vocab_size=97)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    ref = copy.deepcopy(init)
+    model = zbuf.shard.shard(copy.deepcopy(init))
+    cm = zbuf.compile(model, inner="aot_eager", structure=structure)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for _ in range(2):  # compiled, then run again from Dynamo's cache
+            torch.testing.assert_close(cm(tokens), ref(tokens), rtol=1e-5, atol=1e-6)
+    assert zbuf.shard.root_of(model).pool.stats().checked_out == 0
+    got = loss(cm, tokens[:, :-1], tokens[:, 1:])
+    want = loss(ref, tokens[:, :-1], tokens[:, 1:])
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, shard in model.named_parameters():
+        full = grads[name].flatten()
+        torch.testing.assert_close(shard.grad[:full.numel()], full[:shard.grad.numel()],
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _zbuf_calls(code: str) -> list[str]:
     """Every zbuf op called by generated code, in order."""
     return re.findall(r"torch\.ops\.zbuf\.(\w+)\.default\(", code)
