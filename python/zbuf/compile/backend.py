@@ -9,8 +9,8 @@ Only public hooks are used (``compile_inner``, which block frames compile with t
 ``compile_fx(..., config_patches=...)`` (applied to the forward and to the lazily compiled
 backward alike) with ``custom_partitioner_fn`` and ``post_grad_custom_post_pass``; for aot_eager,
 ``aot_autograd`` with the same partitioner and the schedule pass as forward/backward compilers.
-Before either, Dynamo's graph is only checked: a nested compile region may not be called under the caller's checkpoint ([Note:
-region bodies] step 0 in region_graphs.py).
+Before either, Dynamo's graph is only checked: a nested compile region may not be called under
+the caller's checkpoint ([Note: region bodies] step 0 in region_graphs.py).
 
 [Note: cacheable recompute of seeded ops]
 When activation checkpointing recomputes an op tagged ``nondeterministic_seeded`` (on CUDA,
@@ -62,23 +62,19 @@ def zbuf_backend(
 
 
 def compile_inner(gm: torch.fx.GraphModule, example_inputs: list[Any], inner: str,
-                  partitioner: Optional[CustomPartitionerFn] = None,
-                  graph_pass: Optional[CustomGraphPass] = None):
+                  partitioner: CustomPartitionerFn, graph_pass: Optional[CustomGraphPass] = None):
     """What compiles a graph for both structures (the whole graph's, a block frame's): Inductor,
     with ``partitioner`` splitting the joint graph and ``graph_pass`` run on the forward and the
     backward graphs after Inductor's post-grad passes; or ``aot_eager``, AOTAutograd with the same
-    partitioner and the pass run on the graphs it hands on, which then run as they are. Without a
-    partitioner, both partition as Inductor does (the min-cut partitioner); with a graph pass,
-    ``reorder_for_peak_memory`` is off, because it sinks hoisted gather starts back to their
-    waits, undoing prefetch. Either way seeded ops replay cacheably ([Note: cacheable recompute of
-    seeded ops])."""
+    partitioner and the pass run on the graphs it hands on, which then run as they are. With a
+    graph pass, ``reorder_for_peak_memory`` is off, because it sinks hoisted gather starts back to
+    their waits, undoing prefetch. Either way seeded ops replay cacheably ([Note: cacheable
+    recompute of seeded ops])."""
     with torch._functorch.config.patch(graphsafe_rng_functionalization=False):
         if inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            patches: dict[str, Any] = {}
-            if partitioner is not None:
-                patches["custom_partitioner_fn"] = partitioner
+            patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
             if graph_pass is not None:
                 patches |= {"post_grad_custom_post_pass": graph_pass,
                             "reorder_for_peak_memory": False}
@@ -86,7 +82,6 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: list[Any], inner: st
 
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def run_as_is(fx: torch.fx.GraphModule, _inputs):
             if graph_pass is not None:
@@ -95,7 +90,7 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: list[Any], inner: st
             return make_boxed_func(fx.forward)
 
         return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
-                            partition_fn=partitioner or min_cut_rematerialization_partition,
+                            partition_fn=partitioner,
                             keep_inference_input_mutations=True)(gm, example_inputs)
 
 

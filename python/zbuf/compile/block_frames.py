@@ -257,9 +257,10 @@ class FramePartitioner(CustomPartitionerFn):
 
         kwargs.setdefault("compiler", "inductor")
         forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
-        if self.recompute == "none":
-            regions = find_regions(gm.graph, forward)
-            apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
+        if self.recompute != "auto":
+            if self.recompute == "none":
+                regions = find_regions(gm.graph, forward)
+                apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         region = _block_region(gm.graph, forward)
         specs = None

@@ -143,7 +143,7 @@ def compile_model(
     zbuf/optimizer_offload.py). ``False``: on the device. Each costs two copies of the moved
     state over the host link per step, one each way at once, overlapped with the step.
     """
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(CompileOptions)})
+    unknown = CompileOptions.unknown(options)
     if unknown:
         raise TypeError(f"zbuf.compile: unknown option(s) {', '.join(unknown)}; the options are "
                         f"zbuf.compile.CompileOptions' fields")

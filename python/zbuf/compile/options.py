@@ -249,13 +249,16 @@ class CompileOptions(FilledIn, CostModel, UserOptions):
             return cls()
         if isinstance(options, CompileOptions):
             return options
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        unknown = cls.unknown(options)
         if unknown:
-            raise ValueError(
-                f"unknown zbuf compile option(s) {unknown}; valid options: {sorted(known)}"
-            )
+            raise ValueError(f"unknown zbuf compile option(s) {unknown}; valid options: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
         return cls(**dict(options))
+
+    @classmethod
+    def unknown(cls, names) -> list[str]:
+        """The ``names`` that are no option, sorted."""
+        return sorted(set(names) - {f.name for f in dataclasses.fields(cls)})
 
     @property
     def modes(self) -> Modes:

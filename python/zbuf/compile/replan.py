@@ -19,8 +19,8 @@ compiled. A plan has two parts, and a re-plan changes the cheaper one when it ca
 * structure: the gather budget the graphs were planned within, and ``recompute="auto"``'s kept
   activations. The model is compiled again when the keep-set cannot help: ``auto`` has regions
   to keep (its activations are graph structure), or a plan does not fit the measured budget
-  even with nothing kept. So a model is compiled at most three times. The plans live in compiled code, so a new plan needs a new
-  compile of the model's frames, and nothing else:
+  even with nothing kept. So a model is compiled at most three times. The plans live in
+  compiled code, so a new plan needs a new compile of the model's frames, and nothing else:
 
   - the compiled module's ``forward`` is a ``PlannedForward`` that calls the current compiled
     callable. Re-planning compiles the same module again with ``torch.compile(...,
@@ -273,8 +273,8 @@ class Replanner:
         """[Note: whole-step budget] step 3 in zbuf/memory/step.py: with ``recompute="auto"``
         (and no explicit activation budget) the measured room becomes the plans' memory as it is
         ([Note: measured memory is not margined twice] in budget.py), so that budgeted recompute
-        chooses the split of activations and gathers again; otherwise
-        the gathers get ``budget_bytes``. The new graphs re-gather every weight in backward;
+        chooses the split of activations and gathers again; otherwise the gathers get
+        ``budget_bytes``. The new graphs re-gather every weight in backward;
         nothing is kept until ``settle`` chooses from their records."""
         self.set_kept(())
         self.options = dataclasses.replace(self.options, measuring=False, persist=False)
