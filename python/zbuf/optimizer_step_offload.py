@@ -205,6 +205,10 @@ class StepOffload:
         user's) run once per step. Torch's global optimizer hooks run per bucket."""
         self.optimizer = optimizer
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # The shards' device carries its index, and ``_own`` compares with it: "cuda"
+            # alone matched no parameter and streamed nothing.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.copies_async = self.device.type == "cuda"
         self.bucket_bytes = bucket_bytes
         self.resident_bytes = 0
