@@ -86,9 +86,9 @@
 #                                           variant per call (~5-6 min for zbuf.compile)
 #   bash benches/device/run.sh offload14 [ARGS]  # qwen3-14b, zbuf blocks, the same call twice: the
 #                                           state on the device, then all of it in host memory
-#                                           (--offload-optimizer) (~6 min estimated); then:
-#                                           zbuf bench --merge $OUT/offload14_*.json --out
-#                                           benches/results/offload14.json
+#                                           (--offload-optimizer); with --steps 16 --warmup 6
+#                                           both ran in 204 s (2026-12-05); two records (they
+#                                           differ in offload_optimizer, so they do not merge)
 #   bash benches/device/run.sh fit32b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-32b (blocks), doubling
 #                                           from MIN (default 1) to MAX (default 8); fit8b as above
 #   bash benches/device/run.sh fitcheck 8b|32b MB  # zbuf fit's answer checked: zbuf bench at
