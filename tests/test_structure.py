@@ -5,6 +5,8 @@
   than through a package ``__init__``'s re-exports;
 * the pool's budget is set only by the memory package (``zbuf/memory/``: [Note: one writer of
   the pool's budget] in pool_budget.py);
+* comments and docstrings say what and why, and leave history (which commit did what) to commit
+  messages and ``benches/results/``: no commit hash in them;
 * no module keeps mutable state at module level (dicts, lists, sets, counters assigned at module
   level, ``global`` statements) unless it is named in ``MUTABLE_GLOBALS`` with the reason it
   must stay.
@@ -13,6 +15,9 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "zbuf"
@@ -315,3 +320,37 @@ def test_the_budget_check_sees_a_setter():
     # the check itself: a call through any receiver counts, a mention or a definition does not
     assert budget_setters("frames.pool.set_budget(n)\nx = pool.set_budget\n") == [1]
     assert budget_setters("def set_budget(self, n):\n    return n\n") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# history stays out of the code
+
+COMMIT_HASH = re.compile(r"(?<![0-9A-Za-z_])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}(?![0-9A-Za-z_])")
+"""An abbreviated commit hash: 7-12 lowercase hex digits, at least one letter and one digit."""
+NOT_COMMITS = {"13494faf321"}
+"""Hex words that are no commit: a fingerprint shown as an example (train/progress.py)."""
+
+
+def commit_hashes(source: str) -> list[tuple[int, str]]:
+    """(line, hash) of every commit-like hash in ``source``'s comments and strings."""
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            for m in COMMIT_HASH.finditer(tok.string):
+                if m.group(0) not in NOT_COMMITS:
+                    found.append((tok.start[0] + tok.string.count("\n", 0, m.start()), m.group(0)))
+    return found
+
+
+def test_no_commit_hashes_in_comments_or_docstrings():
+    found = [f"{module} line {line}: {h}" for module, path in MODULES.items()
+             for line, h in commit_hashes(path.read_text())]
+    assert not found, (
+        "history in the code (say why, not when; the measurement and its commit belong in "
+        "benches/results/ and the commit message): " + ", ".join(found))
+
+
+def test_the_hash_check_sees_a_hash():
+    assert commit_hashes('x = 1  # as zbuf did up to 4fed11d\n') == [(1, "4fed11d")]
+    assert commit_hashes('"""a\nmeasured at b734542"""\n') == [(2, "b734542")]
+    assert commit_hashes("y = 0xdeadbeef1  # 1234567 deadbee\n") == []

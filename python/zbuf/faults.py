@@ -132,7 +132,7 @@ class _StopRequest:
     every gathered buffer's death), where an exception is printed as "Exception ignored" and
     dropped. A Ctrl-C or SIGTERM landing there was lost: the rank trained on, its peers stopped,
     and no record of the steps done was written (``test_interrupt_leaves_no_orphans_and_a_record``
-    failed about one run in four, at 845ca7f too). So the handlers note the signal before they
+    failed about one run in four). So the handlers note the signal before they
     raise, and the training loop raises it again at the next step boundary
     (``raise_swallowed_stop``) if it never arrived. Process-wide like ``_ProcessRelease``: a
     signal is delivered to the process.

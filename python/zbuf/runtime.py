@@ -32,8 +32,8 @@ free the old buffer twice. ``allgather_into_tensor_coalesced`` runs as ``ALLGATH
 ``ALLREDUCE``) have short names, which never leave the string's inline buffer. With coalesced
 gathers in flight beside other collectives, about one CPU training run in three of 300 steps on
 two busy cores died: a segfault in malloc on a gloo worker thread, or with glibc's tcache off,
-"double free or corruption (fasttop)" in ``runLoop`` on a chunk holding "ALLGATHER_COALESCED"
-(e0ebc16 crashed alike). So on gloo a coalesced gather is one ``all_gather_into_tensor`` per
+"double free or corruption (fasttop)" in ``runLoop`` on a chunk holding "ALLGATHER_COALESCED".
+So on gloo a coalesced gather is one ``all_gather_into_tensor`` per
 block, waited together (``_Works``); NCCL keeps its coalesced launch.
 """
 
@@ -99,8 +99,8 @@ def count_into(param_ids, counts) -> None:
 
 
 # The lookup is written out in both counting functions: a shared helper was one Python call more
-# per op, 150-260 ns per count more than 4fed11d's module-global counter instead of 90-190 (one
-# process, interleaved: benches/results/op_dispatch_cpu_counts.md).
+# per op, 150-260 ns per count more than a module-global counter instead of 90-190 (one process,
+# interleaved: benches/results/op_dispatch_cpu_counts.md).
 
 
 def count_gather(param_id: int, nbytes: int) -> None:

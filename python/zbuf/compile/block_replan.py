@@ -32,8 +32,8 @@ planner, and keeps weights a block at a time:
    the room the agreed memory predicts (the frames' memory less their pool;
    ``choose_shared_level`` in block_frames.py), "keep" on a tie or when none fits. The measured re-plan plans the same way in the measured
    room, smaller by step 0's peaks and the fragmentation, so a memory-bound model (qwen3-14b as
-   rank 0 of 8 on 80 GiB kept 19 blocks selective and none whole, at 30eb72f with "keep"
-   shared: 7.5 s of re-plan compile) shares "selective", and one with room for every block
+   rank 0 of 8 on 80 GiB keeps blocks selective and none whole: with "keep" shared, its re-plan
+   compiled a second frame, 7.5 s) shares "selective", and one with room for every block
    kept (qwen3-1.7b on a whole H200) shares "keep". A wrong guess costs one block compile at
    the re-plan, what every re-plan cost before the choice. The cost of sharing "selective":
    a level-0 block's recompute in backward runs the selective frame, whose backward recomputes
@@ -218,12 +218,10 @@ class BlockReplanner:
         within ``weights_room`` and the persistence share of the room, as
         ``Replanner.choose_kept`` caps the whole graph's keep-set.
 
-        Opt-in because the default path ran out of memory with them: qwen3-14b as rank 0 of 8
-        on an 80 GiB card (simulated), the user's decoder checkpointing inside each block, its
-        fp32 loss outside the model, ``zbuf.compile(model, optimizer=opt)``: steps 0 and 1 ran,
-        the grown plan kept about 12 GiB of blocks' weights, and step 2 failed to allocate the
-        9.27 GiB logits with 12.1 GiB of torch's cache fragmented (issue 36; the same plan
-        without kept blocks is step 0's, which FSDP2's matches)."""
+        Opt-in because the default path ran out of memory with them: the weights kept in the
+        room measured at step 0 left torch's cache too fragmented for the next step's
+        allocation of the user's logits, outside the model (the plain setup at qwen3-14b:
+        benches/results/onepath14.md)."""
         if self.options.persist is not True:
             return 0
         cap = min(int(self.options.persist_fraction * room_bytes), weights_room)

@@ -40,8 +40,8 @@ A gathered buffer is a tensor over a pool block, returned by ``gather_buffer``; 
 is a buffer like any other, dead after its last reader, which is its release. Inductor's wrapper
 reuses dead buffers' storage for later tensors (``buf243 = reinterpret_tensor(buf47, ...); del
 buf47  # reuse``), so it wrote a norm weight's gradient, or a saved activation, into a block the
-pool had taken back and handed to the next gather: on one H200 (main 3a9b429, world 1, fp32, no
-collective involved) eight gradients of layer 0 and the embedding were 55-77 % off eager's,
+pool had taken back and handed to the next gather: on one H200 (world 1, fp32, no collective
+involved) eight gradients of layer 0 and the embedding were 55-77 % off eager's,
 deterministically (the same with CUDA_LAUNCH_BLOCKING=1; exact under ``aot_eager``, which reuses
 nothing), and poisoned releases could not see it: the reuse overwrites the poison. So the
 rewrite ends every graph with ``hold_released``, which takes every released buffer as written:

@@ -24,8 +24,8 @@ budget (never eating into what a single node needs at once), in this order:
    H200). Weights needed late are re-gathered behind the backward of the layers after them, and
    kept weights that backward needs early are released early, freeing their memory sooner.
 At world 1 nothing is kept (unless ``persist=True`` asks for it): a gather there moves no bytes over a link (the cost model gives it
-no time), so persistence would spend memory to save nothing (qwen3-1.7b on one H200 kept all
-3.2 GiB of bf16 weights up to 4fed11d). Kept bytes are charged to the backward graph's budget
+no time), so persistence would spend memory to save nothing (qwen3-1.7b on one H200 would keep
+all 3.2 GiB of its bf16 weights). Kept bytes are charged to the backward graph's budget
 as live throughout. Candidates are the
 gathers with a backward consumer in the joint graph, or a consumer that activation
 checkpointing tags for recompute (backward re-runs it, so it needs the weight again). A gather

@@ -39,7 +39,7 @@ by the time the next one must begin ([Note: modelled exposure] measures what is 
 [Note: prefetch deadline]
 The time the next fetch must begin is a point on the compute timeline, inside some node; its
 start is issued at the slot before that node. Taking the slot's start as the earlier fetch's
-deadline (as zbuf did up to 4fed11d) pushes that fetch back by up to a whole node, and the one
+deadline pushes that fetch back by up to a whole node, and the one
 before it again: where a block is one node (a nested compile region, an ``invoke_subgraph``) each
 fetch of a block moved every earlier fetch back a whole block. On qwen3-14b as rank 0 of 8,
 258 of 323 fetches started in the first slot and 21.2 GiB of the pool were live at once, against

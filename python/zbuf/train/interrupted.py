@@ -2,8 +2,8 @@
 
 [Note: every rank's stopped steps]
 A stopped run's ranks cannot gather their rows with a collective (their peers are stopping
-too), so up to b734542 the record of an interrupted run held rank 0's alone: one entry of
-``per_rank``, one allocator-retry value for 2 ranks in the summary. Now each rank writes the
+too), and rank 0's record alone would hold one entry of ``per_rank``, one allocator-retry value
+for 2 ranks in the summary. So each rank writes the
 steps it finished beside rank 0's partial record (``rank_path``), and the launcher joins them
 the way ``loop`` combines the rows of a finished run: a step's time and memory are the largest
 over the ranks, its per-rank fields (lists indexed by rank) hold every rank's value, and only

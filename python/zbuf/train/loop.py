@@ -38,8 +38,8 @@ overtook] in faults.py.
 A step that fails on this rank (an out-of-memory error, above all) is kept the same way, with
 status ``"failed"`` and ``failed_at``: the step and phase it failed in, the step-memory
 decisions made so far and the plans in force (their projected peaks). Without it the record of
-qwen3-14b's ``zbuf:auto`` as rank 0 of 8 (one H200, d32c336) said only "CUDA out of memory" and
-not whether step 0's plan or the grown one ran out.
+a run that ran out of memory (qwen3-14b's ``zbuf:auto`` as rank 0 of 8 on one H200) says only
+"CUDA out of memory", and not whether step 0's plan or the grown one ran out.
 """
 
 from __future__ import annotations

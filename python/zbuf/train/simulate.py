@@ -19,7 +19,7 @@ collective completes at once and moves nothing, everything else is real. So unde
   GPU. The optimizer turns them into NaN shards; a gathered buffer holds this rank's own chunk
   (copied in before the collective) and otherwise whatever its memory held. So the losses
   depend on what the memory last held: qwen3-14b as rank 0 of 8 on the H200 ended at 12.96 for
-  FSDP2 and at 20.2 (d32c336) or NaN (d22971a) for ``zbuf bench``; the tiny preset on CPU at
+  FSDP2 and at 20.2 or NaN for ``zbuf bench`` on different trees; the tiny preset on CPU at
   world 4 stays finite. The run goes on regardless: the training loop and zbuf have no path that
   depends on a value being finite, and on CPU denormals are flushed to zero in a simulated run
   (``torch.set_flush_denormal``) so that garbage bit patterns cannot slow the arithmetic down.
