@@ -46,6 +46,7 @@ __all__ = [
     "latest_checkpoint",
     "tmp_dir_for",
     "old_dir_for",
+    "standing_checkpoint",
     "fsync_dir",
     "write_json_durably",
     "read_manifest",
@@ -89,6 +90,15 @@ def old_dir_for(path: Path) -> Path:
 
 def is_complete(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
+
+
+def standing_checkpoint(path: Path) -> Optional[Path]:
+    """The complete checkpoint that stands for ``path``: ``path`` itself, or the ``.<name>.old``
+    a replace cut short between its renames left ([Note: atomic checkpoint commit]); None."""
+    if is_complete(path):
+        return path
+    old = old_dir_for(path)
+    return old if is_complete(old) else None
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:

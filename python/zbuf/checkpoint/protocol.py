@@ -260,9 +260,7 @@ def _save_state(inv: layout.ModelInventory, optimizer, extra) -> tuple[dict, dic
 def _someone_elses(path: Path, run: Optional[dict]) -> Optional[str]:
     """Why a save of ``run`` must not replace what is at ``path`` (None: nothing there, or a
     checkpoint of the same run id); read by rank 0 only."""
-    old = files.old_dir_for(path)  # a replace that died between its renames left it there
-    existing = path if files.is_complete(path) else old if old.is_dir() and files.is_complete(old) \
-        else None
+    existing = files.standing_checkpoint(path)
     if existing is None:
         return None
     try:

@@ -284,13 +284,12 @@ def _refuse_to_replace(model: nn.Module, path: Path, step: int) -> None:
 def _held_at(path: Path) -> Optional[str]:
     """What a step directory at ``path`` holds, in words; None when there is none (a replace
     cut short leaves it at ``.<name>.old``: [Note: atomic checkpoint commit])."""
-    for where in (path, files.old_dir_for(path)):
-        if where.is_dir():
-            if not files.is_complete(where):
-                return "a step directory without a complete checkpoint"
-            theirs = _run_id(where)
-            return f"a checkpoint of run {theirs}" if theirs else \
-                "a checkpoint of no zbuf train run"
+    standing = files.standing_checkpoint(path)
+    if standing is not None:
+        theirs = _run_id(standing)
+        return f"a checkpoint of run {theirs}" if theirs else "a checkpoint of no zbuf train run"
+    if path.is_dir() or files.old_dir_for(path).is_dir():
+        return "a step directory without a complete checkpoint"
     return None
 
 
