@@ -4,8 +4,9 @@ Reads a torch.profiler trace (``*.trace.json.gz`` under a ``--profile-dir``) and
 between the first two ``Optimizer.step`` ranges. The loss is the span of the softmax kernels
 (a cross-entropy's log-softmax forward and backward), so this fits any model whose loss is a
 softmax over logits; forward is what runs before it and backward (its recompute included) what
-runs after. Matmul and attention kernels (cuBLAS ``nvjet``/``gemm``, cuDNN ``sdpa``) are summed
-apart: they are the work a recompute plan can add or remove.
+runs after. Matmul and attention kernels (``kernel_family`` "gemm" and "attention", as the
+profile summaries of ``zbuf bench --profile-dir`` count them) are summed apart: they are the work
+a recompute plan can add or remove.
 
     python3 benches/step_phases.py benches/results/.../profile/*.trace.json.gz
 """
@@ -13,18 +14,17 @@ import argparse
 import gzip
 import json
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+from zbuf.train.profile import DEVICE_CATEGORIES, kernel_family
 
 
 def is_matmul(event) -> bool:
-    name = event["name"]
-    return "nvjet" in name or "gemm" in name or "sdpa" in name
+    return kernel_family(event["name"]) in ("gemm", "attention")
 
 
 def phases(trace_path: str) -> dict:
     with gzip.open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     steps = sorted((e for e in events if e.get("cat") == "gpu_user_annotation"
                     and "Optimizer.step" in e["name"]), key=lambda e: e["ts"])
     if len(steps) < 2:

@@ -25,10 +25,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["PROFILED_STEPS", "StepProfiler", "summarize_trace"]
+__all__ = ["PROFILED_STEPS", "StepProfiler", "summarize_trace", "kernel_family",
+           "DEVICE_CATEGORIES"]
 
 PROFILED_STEPS = 2
-_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""A Chrome trace's categories of work that runs on the device."""
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -63,7 +65,7 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     return total
 
 
-def _kernel_family(name: str) -> str:
+def kernel_family(name: str) -> str:
     """A short, stable label for a kernel (Triton names carry per-graph suffixes)."""
     low = name.lower()
     if "nccl" in low:
@@ -84,7 +86,7 @@ def _kernel_family(name: str) -> str:
 
 def summarize_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """Device-time summary of a Chrome trace's events (see [Note: exposed communication])."""
-    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
               and "dur" in e]
     if not device:
         return {"error": "no device events in the trace (CPU run, or the profiler saw no CUDA)"}
@@ -98,7 +100,7 @@ def summarize_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     per_family: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for e in device:
-        fam = _kernel_family(e.get("name", ""))
+        fam = kernel_family(e.get("name", ""))
         per_family[fam] += float(e["dur"])
         counts[fam] += 1
     top = sorted(per_family.items(), key=lambda kv: -kv[1])[:20]
