@@ -315,7 +315,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         out = {"variant": variant, "status": _failure(e), "failed_step": len(times),
                "error": str(e).splitlines()[0][:400], "losses": losses,
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)
-               if device.type == "cuda" else 0}
+               if device.type == "cuda" else 0,
+               "cache_at_failure": _cache_of(device) if device.type == "cuda" else None}
         del step_loss, opt, model, pool, card
         gc.collect()
         if device.type == "cuda":
@@ -351,6 +352,19 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
+
+
+def _cache_of(device: torch.device) -> dict:
+    """What torch's cache held when an allocation failed: whether the free bytes were in one
+    piece."""
+    segments = [seg for seg in torch.cuda.memory_snapshot() if seg["device"] == device.index]
+    free = [b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive"]
+    return {"segments": len(segments),
+            "reserved_bytes": sum(seg["total_size"] for seg in segments),
+            "allocated_bytes": sum(seg["allocated_size"] for seg in segments),
+            "largest_free_block_bytes": max(free, default=0),
+            "free_in_used_segments_bytes": sum(seg["total_size"] - seg["allocated_size"]
+                                               for seg in segments if seg["allocated_size"])}
 
 
 def _failure(e: BaseException) -> str:

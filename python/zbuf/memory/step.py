@@ -297,6 +297,9 @@ class StepMemory:
         resumed = any(isinstance(v, torch.Tensor) and v.dim() > 0
                       for st in self.optimizer.state.values() for v in st.values())
         self.offload_choice.decide(without_margin(limit), peak, held, frag)
+        if self.memory.device.type == "cuda":
+            # [Note: the state in segments of its own] in zbuf/offload_choice.py.
+            torch.cuda.empty_cache()
         if resumed and self.offload_choice.offloaded:
             # [Note: a state made inside the measured phase], the other way round: a run that
             # loaded its state before zbuf.compile installed the offload ran step 0's forward
