@@ -3,6 +3,8 @@ offloaded after backward] in zbuf/optimizer_step_offload.py): pinned host copies
 slots during the step, copies on their own streams; the same updates bit for bit, the state's device memory
 given back, the compute stream's waits measured."""
 
+import gc
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ def _run(offload: bool, steps: int = 4, fused: bool = True):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in SHAPES]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused)
     off = StepOffload(opt, torch.device("cuda"), bucket_bytes=12 << 20) if offload else None
+    gc.collect()  # an earlier run's optimizer and offload (their hooks make cycles) go now
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()  # what an earlier run in this process still holds
     held = []
