@@ -41,15 +41,17 @@ on the CPU stand-in, which fragments nothing, the state may fill the usable memo
 
 [Note: the state in segments of its own]
 Left to itself, the caching allocator carves the state, made in step 0's optimizer step, out
-of the largest blocks step 0's forward and backward freed: the segment of the user's fp32 loss
-(9.27 GiB at qwen3-32b, mb 4, seq 4096) is the one a first moment fits best once smaller ones
-are gone. Each such segment then holds live state for good, and the next step's loss finds no
-contiguous room in the cache and none left on the card beside it: at qwen3-32b as rank 0 of 8
-on an 80 GiB card, ``zbuf.compile(model, optimizer=opt)`` ran out of memory in step 1 asking
-for 9.27 GiB with 56.0 GiB allocated and 14.4 GiB cached but unallocated. So once the decision
-is made, the step's memory owner empties torch's cache: the state (and the step's
-temporaries) gets segments of its own, sized by what it asks for, and the next step's
-activations new ones beside them. Step 1 pays its forward's device allocations once.
+of the blocks step 0's forward and backward freed, the largest among them the segment of the
+user's fp32 loss (9.27 GiB at qwen3-32b, mb 4, seq 4096). Such a segment then holds live state
+for good, and the next step's loss finds no contiguous room in the cache and none left on the
+card beside it: at qwen3-32b as rank 0 of 8 on an 80 GiB card, ``zbuf.compile(model,
+optimizer=opt)`` ran out of memory in step 1 asking for 9.27 GiB with 56.0 GiB allocated and
+14.4 GiB cached but unallocated. So once the decision is made, the step's memory owner empties
+torch's cache: the segments step 0 left wholly free go back to the device, and the state (and
+the step's temporaries) is made in new segments sized by what it asks for, or in the free parts
+of segments still in use (the gradients'), which it could not have made whole anyway. The next
+step's activations get new segments beside it; step 1 pays its forward's device allocations
+once. The same run then completed with no retry after step 2 (benches/results/onepath32b.md).
 """
 
 from __future__ import annotations
