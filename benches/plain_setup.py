@@ -19,8 +19,12 @@ the bench engine to the plain setup's, so that the step times say where a differ
     fsdp2            the plain setup under FSDP2 as torchtitan runs it: fully_shard per block and
                      the root, each block compiled (run it with expandable segments, its best)
 
-``--placement``: where the user checkpoints each block: inside the block's forward (``inside``)
-or around the block call in the parent's loop (``parent``, issue 36's crash).
+``--placement``: where the user checkpoints each block: inside the block's forward (``inside``),
+around the block call in the parent's loop (``parent``, issue 36's crash), by
+``apply_activation_checkpointing`` on the blocks (``wrapper``, torchtitan's full AC), inside the
+block with torchtitan's op-level selective policy, matmul outputs kept (``selective``), or not at
+all (``none``). ``--attn-dropout P`` adds dropout to the attention (the checkpoint then replays
+the RNG, unless ``--no-preserve-rng-state``).
 
 Every variant starts from the same weights (the plain decoder loads the preset's state dict)
 and trains on the same synthetic batches. Per variant: median step time (10 warm-up steps by
@@ -49,24 +53,56 @@ import gc
 import json
 import os
 import statistics
+import functools
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing, checkpoint_wrapper)
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 VARIANTS = ("bench", "bench+fused", "bench+eager-loss", "bench+torch.compile",
             "bench+plain-model", "plain", "zbuf.compile", "fsdp2")
-PLACEMENTS = ("inside", "parent")
+PLACEMENTS = ("inside", "parent", "wrapper", "selective", "none")
+
+
+class UserCheckpointing(NamedTuple):
+    """How the user's own code checkpoints its blocks."""
+
+    placement: str
+    """One of ``PLACEMENTS``."""
+    attn_dropout: float = 0.0
+    """Dropout probability inside the attention (training mode)."""
+    preserve_rng_state: bool = True
+    """``checkpoint``'s own argument: replay the RNG in the recompute."""
+
+    def checkpoint(self, fn, *args):
+        if self.placement == "selective":
+            return checkpoint(fn, *args, use_reentrant=False,
+                              preserve_rng_state=self.preserve_rng_state,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                           _save_matmuls))
+        return checkpoint(fn, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """torchtitan's op-level selective checkpointing: keep matmul outputs, recompute the rest."""
+    return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 # ----------------------------------------------------------------------------- the plain model
 class PlainAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -81,7 +117,8 @@ class PlainAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                             dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -102,10 +139,10 @@ class PlainMLP(nn.Module):
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, cfg, ac: str | None) -> None:
+    def __init__(self, cfg, ac: UserCheckpointing) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.self_attn = PlainAttention(cfg)
+        self.self_attn = PlainAttention(cfg, ac.attn_dropout)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = PlainMLP(cfg)
         self.ac = ac
@@ -115,16 +152,15 @@ class PlainBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin):
-        if self.ac == "inside":
-            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+        if self.ac.placement in ("inside", "selective"):
+            return self.ac.checkpoint(self._body, x, cos, sin)
         return self._body(x, cos, sin)
 
 
 class PlainDecoder(nn.Module):
     """The preset's architecture in plain modules, with the preset's parameter names."""
 
-    def __init__(self, cfg, ac: str | None) -> None:
-        """``ac``: the checkpoint's placement (``PLACEMENTS``), None for none."""
+    def __init__(self, cfg, ac: UserCheckpointing) -> None:
         super().__init__()
         self.config = cfg
         self.ac = ac
@@ -133,6 +169,11 @@ class PlainDecoder(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
                                                                   bias=False)
+        if ac.placement == "wrapper":  # its state dict keeps the plain names
+            apply_activation_checkpointing(
+                self, check_fn=lambda m: isinstance(m, PlainBlock),
+                checkpoint_wrapper_fn=functools.partial(
+                    checkpoint_wrapper, preserve_rng_state=ac.preserve_rng_state))
 
     def forward(self, tokens):
         from zbuf.models import rotary_tables
@@ -141,8 +182,8 @@ class PlainDecoder(nn.Module):
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
                                  h.device, h.dtype)
         for layer in self.layers:
-            if self.ac == "parent":
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            if self.ac.placement == "parent":
+                h = self.ac.checkpoint(layer, h, cos, sin)
             else:
                 h = layer(h, cos, sin)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -186,7 +227,7 @@ def _fsdp2(model, cfg, device, dtype):
     return model
 
 
-def _setup(variant: str, cfg, device, dtype, placement: str):
+def _setup(variant: str, cfg, device, dtype, user_ac: UserCheckpointing):
     """(step_loss(batch) -> loss, optimizer, the sharded model, its pool) of one variant."""
     import zbuf
     from zbuf.pool import default_pool
@@ -197,7 +238,7 @@ def _setup(variant: str, cfg, device, dtype, placement: str):
         setup = build_engine(Engine.ZBUF, cfg, device)
         return setup.step_loss, setup.optimizer, setup.model, setup.pool
     plain = variant in ("bench+plain-model", "plain", "zbuf.compile", "fsdp2")
-    ac = placement if cfg.ac != "off" else None
+    ac = user_ac if cfg.ac != "off" else user_ac._replace(placement="none")
     if cfg.simulated:  # meta models, materialised shard by shard by zbuf.shard below
         if plain:
             with torch.device("meta"):
@@ -263,7 +304,8 @@ def _planned(model) -> dict:
 
 
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
-                placement: str = "inside", profile_dir: str | None = None) -> dict:
+                user_ac: UserCheckpointing = UserCheckpointing("inside"),
+                profile_dir: str | None = None) -> dict:
     from zbuf.train.data import rank_batch
 
     torch._dynamo.reset()
@@ -277,7 +319,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         # follows once the variant's pool exists ([Note: emulated capacity] in zbuf/memory/shared.py).
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory / total, device)
-    step_loss, opt, model, pool = _setup(variant, cfg, device, dtype, placement)
+    step_loss, opt, model, pool = _setup(variant, cfg, device, dtype, user_ac)
     if cfg.gpu_memory is not None and device.type == "cuda" and pool is not None:
         from zbuf.memory import SharedMemory
 
@@ -385,7 +427,11 @@ def markdown(result: dict) -> str:
                 "communication, losses are not meaningful)" if result.get("simulated") else "")
              + (f", card {result['gpu_memory_bytes'] / (1 << 30):.1f} GiB"
                 if result.get("gpu_memory_bytes") else "")
-             + f", AC {a['ac']}, {result['device']}",
+             + f", AC {a['ac']}"
+             + (f", the user's checkpoint: {a['placement']}" if a.get("placement") else "")
+             + (f", attention dropout {a['attn_dropout']}" if a.get("attn_dropout") else "")
+             + ("" if a.get("preserve_rng_state", True) else ", preserve_rng_state=False")
+             + f", {result['device']}",
              "", f"torch {result['torch']}; {a['warmup']} warm-up + {a['steps'] - a['warmup']} "
                  f"measured steps. Ratios against `bench`.", "",
              "| variant | step median (ms) | min-max | vs bench | peak memory | peak reserved | "
@@ -427,6 +473,10 @@ def main() -> None:
     p.add_argument("--ac", default=None, choices=["off", "full", "auto"])
     p.add_argument("--placement", default="inside", choices=PLACEMENTS,
                    help="where the user checkpoints each block (with --ac full)")
+    p.add_argument("--attn-dropout", type=float, default=0.0, metavar="P",
+                   help="dropout probability in the attention")
+    p.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
+                   help="the user's checkpoint does not replay the RNG in its recompute")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--simulate-world", type=int, default=None, metavar="N",
@@ -479,7 +529,8 @@ def main() -> None:
               "device": torch.cuda.get_device_name(device) if cuda else "CPU",
               "torch": torch.__version__, "variants": results}
     for v in variants:
-        results.append(run_variant(v, cfg, device, dtype, rank, world, args.placement,
+        user_ac = UserCheckpointing(args.placement, args.attn_dropout, args.preserve_rng_state)
+        results.append(run_variant(v, cfg, device, dtype, rank, world, user_ac,
                                    args.profile_dir))
         if rank != 0:
             continue

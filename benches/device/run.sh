@@ -70,7 +70,7 @@
 #                                           bench engine, AC full (default) or auto; one variant
 #                                           per call (bench+eager-loss full: 3.6 min at d22971a)
 #   bash benches/device/run.sh plain8b [VARIANTS] [AC]  # the same, qwen3-8b as rank 0 of 2, whole card
-#   bash benches/device/run.sh onepath 14b|17b inside|parent [VARIANTS]  # issue 36: the plain
+#   bash benches/device/run.sh onepath 14b|17b|32b PLACEMENT [VARIANTS]  # issue 36: the plain
 #                                           setup, FSDP2 (expandable segments) beside
 #                                           zbuf.compile(model, optimizer=opt), cold caches
 # Issue 38 (qwen3-32b; the optimizer's state offloaded around the step after backward; zbuf fit
@@ -258,7 +258,8 @@ case "${1:-}" in
       --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
   onepath)  # ONE H200, issue 36: onepath MODEL PLACEMENT [VARIANTS]: the plain user setup
-    # (benches/plain_setup.py, the user's checkpoint PLACEMENT: inside|parent), each variant a
+    # (benches/plain_setup.py, the user's checkpoint PLACEMENT: inside|parent|wrapper|selective|
+    # none; PLAIN_ARGS go to plain_setup.py, e.g. "--attn-dropout 0.1"), each variant a
     # process of its own with an empty Inductor cache (cold first steps): FSDP2 with expandable
     # segments (its best), then zbuf.compile(model, optimizer=opt), then any other VARIANTS
     # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf")). MODEL: 14b (qwen3-14b
@@ -276,8 +277,8 @@ case "${1:-}" in
       rm -rf "/tmp/inductor_$v"
       PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
         timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
-        --seq-len 4096 --ac full --placement "${3:?give inside or parent}" --steps 30 --warmup 10 \
-        --variants "$v" --out "$OUT/onepath_$2_$3_$v" \
+        --seq-len 4096 --ac full --placement "${3:?give inside, parent, wrapper, selective or none}" --steps 30 --warmup 10 \
+        --variants "$v" --out "$OUT/onepath_$2_$3_$v" ${PLAIN_ARGS:-} \
         ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" | tail -3
       [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/onepath_$2_$3_$v/profile/*.summary.json')]"
     done ;;

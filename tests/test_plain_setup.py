@@ -1,0 +1,37 @@
+"""benches/plain_setup.py, the script every issue-36 GPU row runs through, in the placements only
+the GPU calls would otherwise try first: the user's checkpoint by ``apply_activation_checkpointing``,
+selective, none; with attention dropout whose RNG the checkpoint does not replay. Each one trains
+``zbuf.compile(model, optimizer=opt)`` beside FSDP2 on the same model and batches (one gloo rank),
+and the two agree step by step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("placement,extra", [
+    ("wrapper", []),
+    ("selective", []),
+    ("none", ["--attn-dropout", "0.1", "--no-preserve-rng-state"]),
+])
+def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_path):
+    out = tmp_path / placement
+    subprocess.run([sys.executable, os.path.join(ROOT, "benches", "plain_setup.py"),
+                    "--preset", "tiny", "--steps", "3", "--warmup", "1", "--ac", "full",
+                    "--placement", placement, "--variants", "zbuf.compile,fsdp2",
+                    "--out", str(out), *extra],
+                   check=True, capture_output=True, text=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads((out / "plain_setup.json").read_text())
+    assert result["args"]["placement"] == placement
+    runs = {v["variant"]: v for v in result["variants"]}
+    assert runs["zbuf.compile"]["status"] == runs["fsdp2"]["status"] == "ok"
+    assert runs["zbuf.compile"]["losses"] == pytest.approx(runs["fsdp2"]["losses"], rel=1e-5)
+    assert f"the user's checkpoint: {placement}" in (out / "plain_setup.md").read_text()
