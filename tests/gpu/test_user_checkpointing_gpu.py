@@ -2,7 +2,9 @@
 optimizer=opt)`` with no other option trains the user's SDPA decoder (tests/test_user_checkpointing.py)
 as the unsharded reference does (fp32), and holds no more device memory at its peak than FSDP2
 (``fully_shard`` per block and the root, each block compiled) on the same model and batches.
-One rank over NCCL; zbuf's peak is torch's allocated peak plus its pool's high water.
+One rank over NCCL; zbuf's peak is torch's allocated peak plus its pool's high water. The
+whole-graph path, ``torch.compile(backend="zbuf")`` and Hugging Face's layers under their own
+checkpointing train as the reference too.
 """
 
 from __future__ import annotations
@@ -81,3 +83,59 @@ def test_every_placement_on_cuda():
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA GPU")
     print(run_distributed(_worker, 1, backend="nccl", timeout=900))
+
+
+def _other_paths_worker(rank, world):
+    """The API paths beside the default on CUDA with Inductor: the whole graph
+    (``structure="graph"``) and ``torch.compile(backend="zbuf")``, the user's checkpoint inside
+    the block and around its call; and Hugging Face's Qwen3 layers under their own gradient
+    checkpointing through the default."""
+    import zbuf.compile
+    from test_user_checkpointing import VOCAB, Decoder, _Logits, _hf_qwen3
+    from test_user_checkpointing import train_steps as _steps
+    from zbuf.shard import root_of, shard
+
+    dev = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (8, 513), generator=g).to(dev) for _ in range(4)]
+
+    def compiled(path, model, opt):
+        if path == "graph":
+            return zbuf.compile(model, optimizer=opt, structure="graph")
+        return torch.compile(model, backend="zbuf")
+
+    def against_reference(init, wrap, path):
+        torch._dynamo.reset()
+        ref = copy.deepcopy(init)
+        ref_losses = _steps(wrap(ref), torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+        model = shard(copy.deepcopy(init))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cm = compiled(path, wrap(model), opt) if path != "default" else zbuf.compile(
+            wrap(model), optimizer=opt)
+        losses = _steps(cm, opt, batches)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
+        assert root_of(model).pool.stats().checked_out == 0
+        return losses[-1]
+
+    out = {}
+    for path in ("graph", "torch.compile"):
+        for placement in ("inside", "parent"):
+            torch.manual_seed(0)
+            out[(path, placement)] = against_reference(Decoder(placement).to(dev),
+                                                       lambda m: m, path)
+    try:
+        hf = _hf_qwen3()
+    except pytest.skip.Exception:
+        out["hf"] = "transformers not installed"
+    else:
+        torch.manual_seed(0)
+        out["hf"] = against_reference(hf.to(dev), _Logits, "default")
+    return out
+
+
+def test_the_other_paths_and_hugging_face_on_cuda():
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    print(run_distributed(_other_paths_worker, 1, backend="nccl", timeout=900))
