@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_utils import run_distributed  # noqa: E402
@@ -50,7 +51,7 @@ class Net(nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.layers:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=False)
         return self.head(x)
 
 
