@@ -22,9 +22,9 @@ the bench engine to the plain setup's, so that the step times say where a differ
 ``--placement``: where the user checkpoints each block: inside the block's forward (``inside``),
 around the block call in the parent's loop (``parent``, issue 36's crash), by
 ``apply_activation_checkpointing`` on the blocks (``wrapper``, torchtitan's full AC), inside the
-block with torchtitan's op-level selective policy, matmul outputs kept (``selective``), or not at
-all (``none``). ``--attn-dropout P`` adds dropout to the attention (the checkpoint then replays
-the RNG, unless ``--no-preserve-rng-state``).
+block with torchtitan's op-level selective policy (``selective``: [Note: selective
+checkpointing] in zbuf/models.py), or not at all (``none``). ``--attn-dropout P`` adds dropout
+to the attention (the checkpoint then replays the RNG, unless ``--no-preserve-rng-state``).
 
 Every variant starts from the same weights (the plain decoder loads the preset's state dict)
 and trains on the same synthetic batches. Per variant: median step time (10 warm-up steps by
@@ -64,8 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing, checkpoint_wrapper)
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import checkpoint
 
 VARIANTS = ("bench", "bench+fused", "bench+eager-loss", "bench+torch.compile",
             "bench+plain-model", "plain", "zbuf.compile", "fsdp2")
@@ -84,18 +83,14 @@ class UserCheckpointing(NamedTuple):
 
     def checkpoint(self, fn, *args):
         if self.placement == "selective":
+            from zbuf.models import selective_checkpoint_context
+
             return checkpoint(fn, *args, use_reentrant=False,
                               preserve_rng_state=self.preserve_rng_state,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                           _save_matmuls))
+                              context_fn=selective_checkpoint_context)
         return checkpoint(fn, *args, use_reentrant=False,
                           preserve_rng_state=self.preserve_rng_state)
 
-
-def _save_matmuls(ctx, op, *args, **kwargs):
-    """torchtitan's op-level selective checkpointing: keep matmul outputs, recompute the rest."""
-    return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,)
-            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 # ----------------------------------------------------------------------------- the plain model

@@ -29,8 +29,9 @@ about 69 GB free, while step 0's measurement keeps most of the state on the card
 The record says which it was (``report``): chosen by the user or by the plan, and why, in bytes.
 
 [Note: the state placed beside the measured fragmentation]
-The state is allocated at step 0's optimizer step, and from then on later steps' activations
-must find room around it. That is the allocator's
+The state is allocated at step 0's optimizer step ([Note: the state in segments of its own] in
+zbuf/memory/step.py), and from then on later steps' activations must find room around it. That
+is the allocator's
 fragmentation growing with what is put into the memory, which the ledger already measures and
 charges ([Note: fragmentation grows with the room] in zbuf/memory/ledger.py): so the state, and
 its step's temporaries, are placed in the usable memory (the limit less the ledger's one margin)
@@ -39,19 +40,6 @@ backward's, rank-agreed (``beside_fragmentation``), whether the whole state fits
 of it stays. The placement has no margin of its own: the step's one margin is the ledger's, and
 on the CPU stand-in, which fragments nothing, the state may fill the usable memory.
 
-[Note: the state in segments of its own]
-Left to itself, the caching allocator carves the state, made in step 0's optimizer step, out
-of the blocks step 0's forward and backward freed, the largest among them the segment of the
-user's fp32 loss (9.27 GiB at qwen3-32b, mb 4, seq 4096). Such a segment then holds live state
-for good, and the next step's loss finds no contiguous room in the cache and none left on the
-card beside it: at qwen3-32b as rank 0 of 8 on an 80 GiB card, ``zbuf.compile(model,
-optimizer=opt)`` ran out of memory in step 1 asking for 9.27 GiB with 56.0 GiB allocated and
-14.4 GiB cached but unallocated. So once the decision is made, the step's memory owner empties
-torch's cache: the segments step 0 left wholly free go back to the device, and the state (and
-the step's temporaries) is made in new segments sized by what it asks for, or in the free parts
-of segments still in use (the gradients'), which it could not have made whole anyway. The next
-step's activations get new segments beside it; step 1 pays its forward's device allocations
-once. The same run then completed with no retry after step 2 (benches/results/onepath32b.md).
 """
 
 from __future__ import annotations

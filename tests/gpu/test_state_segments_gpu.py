@@ -1,5 +1,5 @@
 """The optimizer's state is not carved out of the segments step 0 left wholly free ([Note: the state
-in segments of its own] in zbuf/offload_choice.py): at qwen3-32b as rank 0 of 8 on an 80 GiB card
+in segments of its own] in zbuf/memory/step.py): at qwen3-32b as rank 0 of 8 on an 80 GiB card
 the state, made in step 0's optimizer step, took the user's fp32 loss segment from step 0, and
 ``zbuf.compile(model, optimizer=opt)`` ran out of memory in step 1 asking for the loss again with
 14.4 GiB of torch's cache free but in pieces (benches/results/onepath32b.md).

@@ -57,6 +57,22 @@ the CPU stand-in. Creating the state eagerly was the alternative; it needs a rea
 (AdamW's state is created inside ``step()``, and a dry step would advance its step counter), so
 the measured first step is used instead. Without ``optimizer=`` the budget is still measured,
 with the optimizer counted as part of backward.
+
+[Note: the state in segments of its own]
+Left to itself, the caching allocator carves the optimizer's state, made in step 0's optimizer
+step, out of the blocks step 0's forward and backward freed, the largest among them the segment
+of the user's fp32 loss (9.27 GiB at qwen3-32b, mb 4, seq 4096). Such a segment then holds live
+state for good, and the next step's loss finds no contiguous room in the cache and none left on
+the card beside it: at qwen3-32b as rank 0 of 8 on an 80 GiB card, ``zbuf.compile(model,
+optimizer=opt)`` ran out of memory in step 1 asking for 9.27 GiB with 56.0 GiB allocated and
+14.4 GiB cached but unallocated. So as step 0's optimizer step begins (after the plan has
+decided where the state goes, [Note: offloading when the step does not fit] in
+zbuf/offload_choice.py), the memory owner empties torch's cache: the segments step 0 left wholly
+free go back to the device, and the state (and the step's temporaries) is made in new segments
+sized by what it asks for, or in the free parts of segments still in use (the gradients'), which
+it could not have made whole anyway. The next step's activations get new segments beside it;
+step 1 pays its forward's device allocations once. The same run then completed with no retry
+after step 2 (benches/results/onepath32b.md).
 """
 
 from __future__ import annotations
@@ -279,6 +295,8 @@ class StepMemory:
             self._yielded += self.memory.yield_idle()
         if self.offload_choice is not None and self.offload_choice.pending:
             self._choose_offload()
+        if self.meter.closed == 0 and self.memory.device.type == "cuda":
+            torch.cuda.empty_cache()  # [Note: the state in segments of its own]
 
     def _choose_offload(self) -> None:
         """[Note: offloading when the step does not fit]: step 0's largest peak so far (torch's
@@ -297,9 +315,6 @@ class StepMemory:
         resumed = any(isinstance(v, torch.Tensor) and v.dim() > 0
                       for st in self.optimizer.state.values() for v in st.values())
         self.offload_choice.decide(without_margin(limit), peak, held, frag)
-        if self.memory.device.type == "cuda":
-            # [Note: the state in segments of its own] in zbuf/offload_choice.py.
-            torch.cuda.empty_cache()
         if resumed and self.offload_choice.offloaded:
             # [Note: a state made inside the measured phase], the other way round: a run that
             # loaded its state before zbuf.compile installed the offload ran step 0's forward
