@@ -24,19 +24,26 @@ pytestmark = pytest.mark.cuda
 PLACEMENTS = ("inside", "parent", "wrapper", "selective", "none")
 
 
-def _worker(rank, world):
-    from torch.distributed.fsdp import fully_shard
-
-    import zbuf.compile
-    from test_user_checkpointing import VOCAB, Decoder
-    from test_user_checkpointing import train_steps as _steps
-    from zbuf.shard import root_of, shard
+def _fp32_batches(rank):
+    """The rank's device with TF32 off (the reference is fp32), and four batches on it."""
+    from test_user_checkpointing import VOCAB
 
     dev = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, VOCAB, (8, 513), generator=g).to(dev) for _ in range(4)]
+    return dev, [torch.randint(0, VOCAB, (8, 513), generator=g).to(dev) for _ in range(4)]
+
+
+def _worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import zbuf.compile
+    from test_user_checkpointing import Decoder
+    from test_user_checkpointing import train_steps as _steps
+    from zbuf.shard import root_of, shard
+
+    dev, batches = _fp32_batches(rank)
     out = {}
     for placement in PLACEMENTS:
         torch._dynamo.reset()
@@ -91,17 +98,15 @@ def _other_paths_worker(rank, world):
     the block and around its call; and Hugging Face's Qwen3 layers under their own gradient
     checkpointing through the default."""
     import zbuf.compile
-    from test_user_checkpointing import VOCAB, Decoder, _Logits, _hf_qwen3
+    from test_user_checkpointing import Decoder, _Logits, _hf_qwen3
     from test_user_checkpointing import train_steps as _steps
     from zbuf.shard import root_of, shard
 
-    dev = torch.device("cuda", rank)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, VOCAB, (8, 513), generator=g).to(dev) for _ in range(4)]
+    dev, batches = _fp32_batches(rank)
 
     def compiled(path, model, opt):
+        if path == "default":
+            return zbuf.compile(model, optimizer=opt)
         if path == "graph":
             return zbuf.compile(model, optimizer=opt, structure="graph")
         return torch.compile(model, backend="zbuf")
@@ -112,9 +117,7 @@ def _other_paths_worker(rank, world):
         ref_losses = _steps(wrap(ref), torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
         model = shard(copy.deepcopy(init))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cm = compiled(path, wrap(model), opt) if path != "default" else zbuf.compile(
-            wrap(model), optimizer=opt)
-        losses = _steps(cm, opt, batches)
+        losses = _steps(compiled(path, wrap(model), opt), opt, batches)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert root_of(model).pool.stats().checked_out == 0
         return losses[-1]
