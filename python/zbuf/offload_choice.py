@@ -50,6 +50,9 @@ import torch
 
 from .memory.ledger import PPM, beside_fragmentation
 from .memory.optimizer_state import OptimizerPolicy
+from .memory.phases import StepProfile
+from .memory.progress import Point
+from .offload_window import plan_window
 from .optimizer_step_offload import BUCKET_BYTES, SLOTS, StepOffload
 
 __all__ = ["OffloadChoice", "Placement", "place_state", "slot_estimate_bytes"]
@@ -117,6 +120,9 @@ class OffloadChoice:
         """Step 0's numbers the plan decided on."""
         self.expected: Optional[str] = None
         """Why compile time already expected the state not to fit (``expect``)."""
+        self.window_sized_from: Optional[dict[str, int]] = None
+        """The profiled step the window was sized from ([Note: the step's window] in
+        zbuf/offload_window.py)."""
 
     @property
     def pending(self) -> bool:
@@ -167,10 +173,27 @@ class OffloadChoice:
                     f"{_gib(self.offload.resident_bytes)} of it stays on the device, the rest "
                     f"in host memory")
 
+    def plan_window(self, profile: StepProfile, usable_bytes: int,
+                    fragmentation_ppm: int) -> None:
+        """[Note: the step's window] in zbuf/offload_window.py."""
+        off = self.offload
+        if off is None or not off.active or not off.buckets:
+            return
+        off.window = plan_window(profile, len(off.buckets), off.slot_bytes, usable_bytes,
+                                 fragmentation_ppm, min(SLOTS, len(off.buckets)))
+        self.window_sized_from = {"step": profile.step, "peak_bytes": profile.peak,
+                                  "usable_bytes": usable_bytes,
+                                  "fragmentation_ppm": fragmentation_ppm}
+
+    def at(self, point: Point) -> None:
+        if self.offload is not None:
+            self.offload.at(point)
+
     def report(self) -> dict[str, Any]:
         """For the run record: who chose, why, and what the offload moved."""
         out = {"mode": "auto" if self.mode is None else "on", "chosen_by": self.chosen_by,
-               "why": self.why, "measured": self.measured}
+               "why": self.why, "measured": self.measured,
+               "window_sized_from": self.window_sized_from}
         if self.offload is not None:
             out.update(self.offload.report())
         return out

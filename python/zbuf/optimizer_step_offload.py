@@ -65,8 +65,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from .optimizer_offload import ARENA_ALIGN, _registered_arena
 from .memory.optimizer_state import OptimizerPolicy
+from .memory.progress import Point
+from .offload_window import OffloadWindow
+from .optimizer_offload import ARENA_ALIGN, _registered_arena
 
 __all__ = ["StepOffload", "streamed_state_of", "Op", "step_schedule", "plan_buckets",
            "BUCKET_BYTES", "SLOTS"]
@@ -235,6 +237,14 @@ class StepOffload:
         self._pending: Optional[tuple[int, int, float]] = None
         """The running step's (uploaded, downloaded, CPU copy seconds)."""
         self.records: list[StepRecord] = []
+        self.window: Optional[OffloadWindow] = None
+        """Where the streamed buckets are on the device beyond the optimizer step, once the
+        memory owner planned it ([Note: the step's window] in zbuf/offload_window.py); None:
+        inside the step only."""
+        self.window_off: Optional[str] = None
+        """Why the window was turned off, if it was."""
+        self._draining = False
+        """The step ended and its slots wait for the window's release point."""
         self._aside: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         """Loaded parameter-shaped state kept out of the optimizer, as it was given: active, the
         streamed parameters' during ``load_state_dict``; inactive, every parameter's, until the
@@ -318,7 +328,8 @@ class StepOffload:
 
     def device_bytes(self) -> int:
         """Device bytes the streamed state takes during the step: its slots (none outside)."""
-        return self.slot_bytes * min(SLOTS, len(self.buckets))
+        slots = SLOTS if self.window is None else self.window.slots
+        return self.slot_bytes * min(slots, len(self.buckets))
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -330,20 +341,17 @@ class StepOffload:
         if self._groups is not None:  # the last step raised before its post-hook
             self.optimizer.param_groups = self._groups
             self._groups = None
+        self._release()  # no forward since the last step: its downloads are waited for here
         self._read_waits()
-        self._pending = (0, 0, 0.0)
-        count = min(SLOTS, len(self.buckets))
-        # Made on the compute stream, now that backward's activations are gone.
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-                      for _ in range(count)]
-        self._freed = [None] * count
-        if self.copies_async and count:
-            # Their blocks were the compute stream's until now (backward's activations): the
-            # uploads write them once the compute stream is past this point.
-            self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
-        for op in step_schedule(len(self.buckets), count):
+        if self._pending is None:
+            self._pending = (0, 0, 0.0)
+        uploaded = len(self.slots)  # the window's buckets, uploaded in backward
+        if not uploaded:
+            self._make_slots(min(SLOTS, len(self.buckets)))
+        for op in step_schedule(len(self.buckets), len(self.slots)):
             if op.kind == "upload":
-                self._upload(op.bucket, op.slot)
+                if op.bucket >= uploaded:
+                    self._upload(op.bucket, op.slot)
             elif op.kind == "step":
                 self._step_bucket(op.bucket, op.slot)
             else:
@@ -353,22 +361,84 @@ class StepOffload:
         opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in self.streamed])
                             for g in self._groups]
 
+    def _make_slots(self, count: int) -> None:
+        """``count`` slots, made on the compute stream where its own memory is free: in the
+        optimizer step, backward's activations are gone; at the window's upload point, the
+        activations after it are measured to fit beside them ([Note: the step's window] in
+        zbuf/offload_window.py)."""
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(count)]
+        self._freed = [None] * count
+        if self.copies_async and count:
+            # Their blocks were the compute stream's until now: the uploads write them once the
+            # compute stream is past this point.
+            self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def _after_step(self) -> None:
         if self._groups is None:
             return
         self.optimizer.param_groups = self._groups
         self._groups = None
+        self._draining = True
+        if self.window is None:
+            self._release()
+        up, down, seconds = self._pending
+        self._pending = None
+        self.records.append(StepRecord(up, down, seconds * 1e3))
+        del self.records[:-STEPS_KEPT]
+
+    # -- the window ---------------------------------------------------------------------------
+
+    def at(self, point: Point) -> None:
+        """A progress point of the step ([Note: progress points] in zbuf/memory/progress.py):
+        where the window uploads ahead and lets its slots go ([Note: the step's window] in
+        zbuf/offload_window.py)."""
+        window = self.window
+        if window is None or not self.active:
+            return
+        if point.phase == "forward":
+            if point.index == 0 and self.slots and not self._draining:
+                self._accumulating()
+            elif point.index >= window.release_at:
+                self._release()
+            return
+        self._release()  # the forward was too short to reach the release point
+        if point.index == window.upload_at and not self.slots:
+            self._pending = (0, 0, 0.0)
+            self._make_slots(min(window.slots, len(self.buckets)))
+            for i in range(len(self.slots)):
+                self._upload(i, i)
+
+    def _accumulating(self) -> None:
+        """A forward between the window's uploads and the optimizer step: the loop accumulates
+        gradients over several backwards, and the uploads made for the step would be held
+        through this forward's peak. The window turns off for the run (which backward is the
+        last before a step is the loop's to know); the step uploads these buckets again (its
+        record counts both uploads)."""
         if self.copies_async:
-            # The slots' blocks go back to the compute stream once their downloads are done.
+            compute = torch.cuda.current_stream(self.device)
+            for b in self.buckets[:len(self.slots)]:
+                if b.ready is not None:
+                    self._timed_wait(compute, b.ready)
+        for b in self.buckets[:len(self.slots)]:
+            b.ready = None
+        self.slots, self._freed = [], []
+        self.window = None
+        self.window_off = ("a forward ran between backward and the optimizer step (gradient "
+                           "accumulation): the state is uploaded in the optimizer step")
+
+    def _release(self) -> None:
+        """The slots go back to the caching allocator, on the compute stream, once the downloads
+        from them are done; the time the compute stream waits is the step's exposed time."""
+        if not self._draining:
+            return
+        self._draining = False
+        if self.copies_async:
             compute = torch.cuda.current_stream(self.device)
             for event in self._freed:
                 if event is not None:
                     self._timed_wait(compute, event)
         self.slots, self._freed = [], []
-        up, down, seconds = self._pending
-        self._pending = None
-        self.records.append(StepRecord(up, down, seconds * 1e3))
-        del self.records[:-STEPS_KEPT]
 
     def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         """``compute`` waits for ``event``, between two timing events: the time it stood
@@ -598,6 +668,8 @@ class StepOffload:
         if not (self.active or self._aside):
             return
         self.settle()
+        if not self._draining:
+            self.slots, self._freed = [], []  # uploaded in backward: the state before the load
         state = self.optimizer.state
         aside, self._aside = self._aside, {}
         for b in self.buckets:
@@ -639,6 +711,8 @@ class StepOffload:
             "offloaded_state_bytes": self.offloaded_bytes(),
             "device_slot_bytes": self.device_bytes(),
             "buckets": len(self.buckets),
+            "window": None if self.window is None else self.window._asdict(),
+            "window_off": self.window_off,
             "bytes_moved_per_step": moved[-1] if moved else None,
             "exposed_ms_median": exposed[len(exposed) // 2] if exposed else None,
             "steps": [r._asdict() for r in self.records],

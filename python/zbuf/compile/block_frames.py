@@ -392,6 +392,10 @@ class BlockFrames:
         """id(block) -> its forward's gather when kept, of each block whose last forward ran
         under the caller's saved-tensor hooks ([Note: a block under the caller's checkpoint];
         producer: that forward; consumer: the block's recompute, which takes it out)."""
+        self.forward_observers: list[Callable[[], None]] = []
+        """Called as each block's forward begins, outside backward (producer: whoever wants the
+        step's progress points, [Note: progress points] in zbuf/memory/progress.py; consumer:
+        ``run``)."""
         self._frames: dict[int, Callable] = {}
         """Level (``SHARED`` for the shared frame) -> its compiled frame, each compiled on first
         use (producer and consumer: ``frame_of``)."""
@@ -469,6 +473,9 @@ class BlockFrames:
 
     def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
+        if not in_backward():
+            for observer in self.forward_observers:
+                observer()
         self.called.setdefault(id(block), slot)
         self._by_weights.setdefault(id(slot.weights), id(block))
         level = self.levels.get(id(block), 0)

@@ -211,10 +211,11 @@ def compile_model(
         # blocks kept for backward ([Note: block levels] in block_replan.py).
         frames = install_block_frames(model, opts, fullgraph=fullgraph, dynamic=dynamic)
         block_replanner = BlockReplanner(frames) if budget_bytes is None else None
-        model.__dict__["_zbuf_step_memory"] = StepMemory(model, optimizer, hooked=model,
-                                                         replanner=block_replanner,
-                                                         host_free_bytes=host_free)
-        _attach_offload(model.__dict__["_zbuf_step_memory"], choice)
+        step_memory = StepMemory(model, optimizer, hooked=model, replanner=block_replanner,
+                                 host_free_bytes=host_free)
+        frames.forward_observers.append(step_memory.progress.forward_block)
+        model.__dict__["_zbuf_step_memory"] = step_memory
+        _attach_offload(step_memory, choice)
         return model
     compiled = torch.compile(
         model, backend="zbuf", options=dataclasses.asdict(opts), fullgraph=fullgraph, dynamic=dynamic

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from ..runtime import in_backward
+from .progress import Point
 
-__all__ = ["StepPhases", "PhaseMeter", "PHASES"]
+__all__ = ["StepPhases", "StepProfile", "PhaseMeter", "PHASES"]
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -84,6 +85,25 @@ def _tensor_bytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
+class StepProfile(NamedTuple):
+    """One step's allocated peaks between its progress points ([Note: progress points] in
+    progress.py), in bytes, as the meter read them (CPU: the tracked bytes)."""
+
+    step: int
+    forward: tuple[int, ...]
+    """``forward[k]``: the peak from forward point ``k`` to point ``k + 1`` (the last: to the
+    forward's end)."""
+    backward: tuple[int, ...]
+    """``backward[j]``: the peak from backward point ``j`` to point ``j + 1`` (the last: to the
+    optimizer step)."""
+    optimizer: int
+    """The optimizer step's peak."""
+
+    @property
+    def peak(self) -> int:
+        return max((*self.forward, *self.backward, self.optimizer))
+
+
 class PhaseMeter:
     """Per-phase memory peaks of the steps of ``module`` (+ ``optimizer``) on ``device`` ([Note:
     phase peaks]).
@@ -109,6 +129,10 @@ class PhaseMeter:
         self._boundary = 0  # CPU: tracked bytes at the running phase's start
         self._handles: list[Any] = []
         self._optimizer_ran = False
+        self._segments: Optional[dict[str, list[int]]] = None
+        """While the open step is profiled: each phase's segment peaks so far."""
+        self.profile: Optional[StepProfile] = None
+        """The last profiled step's peaks between its progress points."""
         self.off_device_bytes: Optional[Callable[[], int]] = None
         """CPU stand-in: bytes of the optimizer's state held in its host copies, not counted
         ([Note: optimizer state offloaded after backward] in zbuf/optimizer_step_offload.py;
@@ -168,6 +192,11 @@ class PhaseMeter:
         self._end_phase()
         row = self.row_so_far()
         self.rows.append(row)
+        if self._segments is not None:
+            seg, self._segments = self._segments, None
+            if seg["forward"] and seg["backward"] and row.optimizer_peak_bytes is not None:
+                self.profile = StepProfile(row.step, tuple(seg["forward"]),
+                                           tuple(seg["backward"]), row.optimizer_peak_bytes)
         self.closed += 1
         self._phase = None
         if self.on_close is not None:
@@ -225,6 +254,13 @@ class PhaseMeter:
             self._start = self._boundary = self.tracked_bytes()
 
     def _end_phase(self) -> None:
+        alloc = self._fold()
+        if self._segments is not None and self._phase in self._segments:
+            self._segments[self._phase].append(alloc)
+
+    def _fold(self) -> int:
+        """Read and reset the peaks since the last read, fold them into the running phase's;
+        returns the allocated peak read."""
         if self.cuda:
             alloc = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
@@ -235,3 +271,19 @@ class PhaseMeter:
             self._boundary = now
         old = self._peaks.get(self._phase, (0, 0))
         self._peaks[self._phase] = (max(old[0], alloc), max(old[1], reserved))
+        return alloc
+
+    # -- the step's profile -------------------------------------------------------------------
+
+    def profile_open_step(self) -> None:
+        """Read the open step's allocated peak between each two progress points ([Note:
+        progress points] in progress.py) of its forward and backward (from now: call it at its
+        forward's start); ``profile`` holds them once it closes."""
+        self._segments = {"forward": [], "backward": []}
+
+    def segment(self, point: Point) -> None:
+        """A progress point: while profiling, the segment before it ends (the phase's first
+        point is its start: nothing before it)."""
+        if self._segments is None or point.phase != self._phase or point.index == 0:
+            return
+        self._segments[self._phase].append(self._fold())

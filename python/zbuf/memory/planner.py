@@ -22,6 +22,9 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
+from .phases import StepProfile
+from .progress import Point
+
 __all__ = ["PlanPhase", "PlanPhases", "Replan", "StructurePlanner", "StatePlacement"]
 
 
@@ -123,6 +126,14 @@ class StatePlacement(Protocol):
         """Choose from step 0's rank-agreed peak, what the optimizer step starts from and the
         fragmentation step 0 measured so far ([Note: fragmentation grows with the room] in
         ledger.py)."""
+
+    def plan_window(self, profile: StepProfile, usable_bytes: int,
+                    fragmentation_ppm: int) -> None:
+        """Size the step's window from one profiled step, rank-agreed ([Note: the step's
+        window] in zbuf/offload_window.py)."""
+
+    def at(self, point: Point) -> None:
+        """A progress point of the running step ([Note: progress points] in progress.py)."""
 
     def report(self) -> dict[str, Any]:
         """For the run record: who chose, why, and what moved."""

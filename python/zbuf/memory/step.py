@@ -78,6 +78,7 @@ after step 2 (benches/results/onepath32b.md).
 from __future__ import annotations
 
 import collections
+import enum
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -90,11 +91,21 @@ from . import pool_budget
 from .agreement import agree_extremes
 from .device import local_free_bytes
 from .ledger import PPM, Ledger, fragmentation_ppm, without_margin
-from .phases import ROWS_KEPT, PhaseMeter, StepPhases
+from .phases import ROWS_KEPT, PhaseMeter, StepPhases, StepProfile
+from .progress import Point, StepProgress
 from .planner import PlanPhase, PlanPhases, StatePlacement, StructurePlanner
 from .shared import SharedMemory
 
 __all__ = ["StepMemory", "StepMemoryRow", "MeasuredBudget"]
+
+
+class _Window(enum.Enum):
+    """Where sizing the offload's window stands ([Note: the step's window] in
+    zbuf/offload_window.py)."""
+
+    WAITING = "waiting for the settled plan"
+    PROFILING = "profiling a step"
+    DONE = "sized (or found none)"
 
 
 class MeasuredBudget(NamedTuple):
@@ -250,10 +261,17 @@ class StepMemory:
         # it is the step measured, and nothing is added twice.
         self.measured_step = self.MEASURED_STEP + int(root.steps_in_backward)
         self.steady_step = self.measured_step + self.STEADY_STEP - self.MEASURED_STEP
+        self.progress = StepProgress(model)
+        """The step's progress points ([Note: progress points] in progress.py): the meter reads
+        its segments at them while it profiles, and the offload's window acts at them."""
+        self.progress.listeners += [self.meter.segment, self._at_point]
+        self._window = _Window.WAITING
         hooked = hooked if hooked is not None else model
-        # Order matters: the meter closes step 0 before the decision reads it.
+        # Order matters: the meter closes step 0 before the decision reads it, and starts the
+        # backward before its first progress point.
         self.meter.attach(hooked)
-        self._handles = [hooked.register_forward_pre_hook(lambda _m, _a: self._on_forward())]
+        self._handles = [hooked.register_forward_pre_hook(lambda _m, _a: self._on_forward()),
+                         hooked.register_forward_hook(lambda _m, _a, _o: self._on_output())]
         if optimizer is not None:
             # Steps inside backward (the optimizer in backward) are backward's, as the meter's.
             self._handles.append(optimizer.register_step_pre_hook(
@@ -262,8 +280,9 @@ class StepMemory:
                 lambda _o, _a, _k: None if in_backward() else self.memory.take_back()))
 
     def detach(self) -> None:
-        """Remove every hook (the meter's too)."""
+        """Remove every hook (the meter's and the progress points' too)."""
         self.meter.detach()
+        self.progress.detach()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -282,6 +301,49 @@ class StepMemory:
                 self.steady = decision
         self.memory.observe_step()
         self.memory.take_back()  # the pool's share may have moved (first runs size it)
+        self._size_window()
+        self.progress.forward_started()
+
+    def _on_output(self) -> None:
+        if torch.is_grad_enabled():  # an evaluation forward has no backward to mark
+            self.progress.backward_started()
+
+    def _at_point(self, point: Point) -> None:
+        if self.offload_choice is not None:
+            self.offload_choice.at(point)
+
+    def _size_window(self) -> None:
+        """[Note: the step's window] in zbuf/offload_window.py: once the plan has settled and
+        the state is offloaded, the next step is profiled, and the forward after it sizes the
+        window from that step, agreed over the ranks."""
+        if (self._window is _Window.DONE or self.phases.phase is not PlanPhase.SETTLED
+                or self.offload_choice is None or not self.offload_choice.offloaded):
+            return
+        profile = self.meter.profile
+        if self._window is _Window.PROFILING and profile is not None:
+            self._window = _Window.DONE
+            self._plan_window(profile)
+            return
+        self._window = _Window.PROFILING
+        self.meter.profile_open_step()  # again, if the last step had no backward or no step
+
+    def _plan_window(self, profile: StepProfile) -> None:
+        lengths = [len(profile.forward), len(profile.backward)]
+        low, high = agree_extremes(self.group, self.memory.device, smallest=lengths,
+                                   largest=lengths)
+        if low != high:  # ranks whose steps differ have no common points to act at
+            return
+        row = next(r for r in self.meter.rows if r.step == profile.step)
+        usable = without_margin(self.limit_bytes()) - self.memory.pool_share_bytes()
+        (usable,), agreed = agree_extremes(
+            self.group, self.memory.device, smallest=[usable],
+            largest=[fragmentation_ppm(row), profile.optimizer, *profile.forward,
+                     *profile.backward])
+        frag, optimizer, rest = agreed[0], agreed[1], agreed[2:]
+        forward = tuple(rest[:lengths[0]])
+        self.offload_choice.plan_window(
+            StepProfile(profile.step, forward, tuple(rest[lengths[0]:]), optimizer),
+            usable, frag)
 
     def _before_optimizer(self) -> None:
         self._pool_after_backward = self.memory.pool.stats().charged_bytes

@@ -155,6 +155,7 @@ def summary_table(record: dict[str, Any]) -> Table:
             or offload(s).get("bytes_moved_per_step") is None else
             f"{format_bytes(offload(s)['bytes_moved_per_step'])} / "
             f"{offload(s)['exposed_ms_median']:.1f} ms")
+        row("offload window", lambda s: _window(offload(s)))
     row("schedule budget", lambda s: format_bytes(s.get("schedule_budget_bytes")))
     row("peak live gathered", lambda s: format_bytes(s.get("schedule_peak_live_bytes")))
     # Recompute rows say what is true of the mode: without checkpointed blocks (--ac off) the
@@ -272,3 +273,13 @@ def comparison_table(record: dict[str, Any]) -> Optional[Table]:
                       or not b.get("time_to_final_plan_s")
                       else f"{s['time_to_final_plan_s'] / b['time_to_final_plan_s']:.3f}x")
     return table
+
+
+def _window(offload: dict) -> str:
+    """[Note: the step's window] in zbuf/offload_window.py, in a table cell."""
+    w = offload.get("window")
+    if w is None:
+        return offload.get("window_off") or ("none fits" if offload.get("window_sized_from")
+                                             else "-")
+    return (f"{w['slots']} slots, up at backward point {w['upload_at']}, back at forward "
+            f"point {w['release_at']}")

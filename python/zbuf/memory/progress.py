@@ -1,0 +1,90 @@
+"""Program points inside a step's forward and backward, the same in every step and on every rank.
+
+[Note: progress points]
+The meter's phases ([Note: phase peaks] in phases.py) say what a step holds between its
+forward, backward and optimizer step; what the step's window ([Note: the step's window] in
+zbuf/offload_window.py) needs is finer: how much memory is free late in backward and early in
+forward. Two kinds of points mark a step's progress there, each counted from its phase's start:
+
+* forward: point 0 is the forward's start (the model's forward pre-hook), point ``k`` the start
+  of the ``k``-th block frame called outside backward (``BlockFrames``' observers; the whole
+  graph has none, and its forward only point 0);
+* backward: point 0 is the backward's start (the model's output: the meter's own boundary),
+  point ``j`` the gradient that brings the bytes arrived in this backward past ``j *
+  MARK_BYTES`` (post-accumulate-grad hooks on the model's trainable parameters: a block frame's
+  backward delivers its block's gradients as it ends, the whole graph all of them at its end).
+
+Both depend only on the sequence of calls and the parameters' sizes, never on timing, so a
+point names the same place in the program in every step of a run and on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from torch import nn
+
+__all__ = ["Point", "StepProgress", "MARK_BYTES"]
+
+MARK_BYTES = 256 << 20
+"""Gradient bytes between two backward points: a few per block of a large model (qwen3-14b as
+rank 0 of 8: 0.19 GB of fp32 gradients a block, 29 points in all), few enough that reading the
+allocator's peaks at each costs nothing measurable."""
+
+
+class Point(NamedTuple):
+    """A progress point ([Note: progress points])."""
+
+    phase: str
+    """"forward" or "backward"."""
+    index: int
+
+
+class StepProgress:
+    """Calls each of ``listeners`` with every progress point of ``model``'s steps ([Note:
+    progress points]). ``forward_started`` and ``backward_started`` are called by the step's
+    memory owner at its phase boundaries; ``forward_block`` by the block frames."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.listeners: list[Callable[[Point], None]] = []
+        self._forward_blocks = 0
+        self._arrived = 0
+        self._next_mark = MARK_BYTES
+        self._marks = 0
+        seen: set[int] = set()
+        self._handles = []
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                nbytes = p.numel() * p.element_size()  # the gradient has the shard's dtype
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, n=nbytes: self._gradient(n)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def forward_started(self) -> None:
+        self._forward_blocks = 0
+        self._emit(Point("forward", 0))
+
+    def forward_block(self) -> None:
+        self._forward_blocks += 1
+        self._emit(Point("forward", self._forward_blocks))
+
+    def backward_started(self) -> None:
+        self._arrived, self._next_mark, self._marks = 0, MARK_BYTES, 0
+        self._emit(Point("backward", 0))
+
+    def _gradient(self, nbytes: int) -> None:
+        self._arrived += nbytes
+        while self._arrived >= self._next_mark:
+            self._next_mark += MARK_BYTES
+            self._marks += 1
+            self._emit(Point("backward", self._marks))
+
+    def _emit(self, point: Point) -> None:
+        for listener in self.listeners:
+            listener(point)
+
