@@ -1,6 +1,6 @@
 """The optimizer's state in host memory for an optimizer stepped after backward, streamed through
-two device slots by a schedule that overlaps the link's two directions with each other and with
-the step.
+device slots by a schedule that overlaps the link's two directions with each other, with the
+step and, in the step's window, with the end of backward and the next forward.
 
 [Note: optimizer state offloaded after backward]
 ``StateOffload`` (optimizer_offload.py) needs the optimizer in backward, which needs the whole
@@ -34,15 +34,19 @@ the activations are gone. ``StepOffload`` keeps them in pinned host memory:
   blocks never change hands between streams (what made ``record_stream`` unusable for
   ``StateOffload``: [Note: the state's device blocks stay with the compute stream] there).
 
-Why the slots are not kept for the next step, prefetched under its forward (as ``StateOffload``
-prefetches): that would hide two buckets' copies (about 50 ms a step at 50 GB/s and 512 MiB
-buckets) with device memory held through forward and backward, where it is scarce. The same
-bytes kept as resident state hide more: they are never copied at all ([Note: offloading when the
-step does not fit] in zbuf/offload_choice.py sizes that).
+Why the slots are not kept through the next forward and backward, prefetched under them (as
+``StateOffload`` prefetches): that would hide two buckets' copies (about 50 ms a step at 50
+GB/s and 512 MiB buckets) with device memory held at the step's peak, where it is scarce. The
+same bytes kept as resident state hide more: they are never copied at all ([Note: offloading
+when the step does not fit] in zbuf/offload_choice.py sizes that). What the slots may do
+instead is reach out of the step to where the peak is not: uploaded late in backward, released
+early in the next forward, as many as the measured step had room for there ([Note: the step's
+window] in zbuf/offload_window.py; ``window``).
 
 What it costs: both directions of the link carry the streamed state once per step, at the same
-time, so the step lasts about ``streamed bytes / link bandwidth`` longer (0.3 s for qwen3-14b's
-14.8 GB at 50 GB/s), less the compute it overlaps. Each step measures what the compute stream
+time, so without a window the step lasts about ``streamed bytes / link bandwidth`` longer (0.3 s
+for qwen3-14b's 14.8 GB at 50 GB/s), less the compute it overlaps; a window hides the copies of
+its buckets behind backward and forward. Each step measures what the compute stream
 waited: CUDA events around each of its waits (read a step later, without a host sync);
 ``bytes_moved`` counts what was copied each way.
 

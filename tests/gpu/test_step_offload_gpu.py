@@ -139,3 +139,49 @@ def test_the_plain_loop_offloaded_on_cuda_trains_bit_for_bit(monkeypatch):
         assert torch.equal(a, b)
     assert rep["chosen_by"] == "user" and rep["buckets"] > 2
     assert [s["uploaded_bytes"] for s in rep["steps"]][1:] == [rep["bytes_moved_per_step"] // 2] * 3
+
+
+def test_the_window_trains_bit_for_bit_on_cuda_and_never_raises_the_steps_peak(monkeypatch):
+    """[Note: the step's window] in zbuf/offload_window.py on CUDA's copy streams: a model whose
+    activations dominate its step (a long batch), the state offloaded; the window is sized from
+    the first settled step's profile, the steps after it upload ahead in backward and release in
+    the next forward, train the same floats as the state on the device, and peak no higher than
+    the profiled step did."""
+    import torch.distributed as dist
+    from tied_net import TiedNet
+
+    import zbuf.compile
+    import zbuf.memory.progress
+    import zbuf.offload_choice
+
+    monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 64 << 10)  # many buckets
+    monkeypatch.setattr(zbuf.memory.progress, "MARK_BYTES", 64 << 10)  # points in backward
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    torch.manual_seed(0)
+    base = TiedNet(vocab=97, width=128, blocks=4)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 97, (16, 1024), generator=g).cuda(),
+                torch.randint(0, 97, (16, 1024), generator=g).cuda()) for _ in range(8)]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    peaks = []
+    real = zbuf.compile.step_memory_of
+
+    def rows_too(cm):
+        memory = real(cm)
+        peaks[:] = [r.phases.allocated_peak_bytes for r in memory.rows]
+        return memory
+
+    try:
+        kept, _ = _plain(base, batches, False)
+        monkeypatch.setattr(zbuf.compile, "step_memory_of", rows_too)
+        moved, rep = _plain(base, batches, True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for a, b in zip(kept, moved):
+        assert torch.equal(a, b)
+    assert rep["window"] is not None, rep
+    profiled = rep["window_sized_from"]["step"]
+    assert max(peaks[profiled + 1:]) <= peaks[profiled] + (1 << 20), peaks
+    assert [s["uploaded_bytes"] for s in rep["steps"]][1:] == [rep["bytes_moved_per_step"] // 2] * 7
