@@ -69,6 +69,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from .devices import indexed
 from .memory.optimizer_state import OptimizerPolicy
 from .memory.progress import Point
 from .offload_window import OffloadWindow
@@ -210,11 +211,7 @@ class StepOffload:
         the optimizer's step hooks set aside, so that they (the step's memory phases, the
         user's) run once per step. Torch's global optimizer hooks run per bucket."""
         self.optimizer = optimizer
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # The shards' device carries its index, and ``_own`` compares with it: "cuda"
-            # alone matched no parameter and streamed nothing.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = indexed(device)  # ``_own`` compares it with the shards'
         self.copies_async = self.device.type == "cuda"
         self.bucket_bytes = bucket_bytes
         self.resident_bytes = 0

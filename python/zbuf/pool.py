@@ -34,6 +34,7 @@ import torch
 from torch.profiler import record_function
 
 from ._core import DLPackBuffer, PoolCore
+from .devices import current_cuda
 from .errors import InvalidDeviceError, InvalidRequestError
 from .kept_weights import KeptWeights
 
@@ -103,7 +104,7 @@ def _parse_device(device: Any) -> tuple[str, int]:
     if dev.type == "cuda":
         if dev.index is not None:
             return "cuda", dev.index
-        return "cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return "cuda", current_cuda().index if torch.cuda.is_available() else 0
     raise InvalidDeviceError(
         f"device {device!r} is not supported by the gather-buffer pool: use 'cpu', 'cuda' or 'cuda:N'"
     )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime, state_dict
+from .devices import current_cuda, indexed
 from .materialise import materialise
 from .param import ShardSpec, local_shard_of, shard_numel_for
 from .param_access import gather_param, sharded_class
@@ -176,8 +177,7 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
                 f"device={device} but CUDA is not available in this process (no GPU or driver); "
                 f"use device='cpu' with a gloo group, or run on a machine with a GPU"
             )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = indexed(device)
         if real and next(iter(real)) != device:
             raise ShardingError(
                 f"device={device} but the module's materialised tensors are on "
@@ -188,7 +188,7 @@ def _pick_device(module: nn.Module, device, group) -> tuple[torch.device, bool]:
         return next(iter(real)), on_meta
     types = {d.type for d in getattr(group, "_device_types", [])}
     if "cuda" in types and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device()), on_meta
+        return current_cuda(), on_meta
     return torch.device("cpu"), on_meta
 
 

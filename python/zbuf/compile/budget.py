@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from ..devices import current_cuda
 from ..memory import agree_extremes, host_bytes, local_free_bytes, stable_free_memory
 from .graph_info import activation_profile, block_of, gather_nodes, gathered_nbytes, weight_tree
 from .options import CompileOptions
@@ -76,7 +77,7 @@ def agree_free_memory(group: dist.ProcessGroup | None = None, device: torch.devi
     ``reserve_bytes``: memory the step will hold that is not allocated yet and that this rank
     knows exactly (``zbuf.compile`` passes its gradients' bytes), taken off the free memory."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = current_cuda() if torch.cuda.is_available() else torch.device("cpu")
     (free,), _ = agree_extremes(group, device,
                                 smallest=[max(0, local_free_bytes(device) - reserve_bytes)])
     return stable_free_memory(free)

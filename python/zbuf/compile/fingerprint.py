@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.fx
 
 from .. import runtime
+from ..devices import current_cuda
 
 __all__ = [
     "ScheduleMismatchError",
@@ -140,7 +141,7 @@ def fingerprint_of(description: str) -> str:
 
 def _device_for(pg: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda()
     return torch.device("cpu")
 
 
