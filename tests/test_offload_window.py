@@ -32,37 +32,57 @@ def _ceiling(profile, usable, frag):
     return min(profile.peak, usable * PPM // (PPM + frag))
 
 
-def _holds(profile, window, slot, ceiling):
-    """Every segment the window's slots are held through, and its optimizer step, fit."""
-    extra = window.slots * slot
-    held = list(profile.backward[window.upload_at:]) + list(profile.forward[:window.release_at])
-    return (all(p + extra <= ceiling for p in held)
-            and profile.optimizer + (window.slots - SLOTS) * slot <= ceiling)
+def _fits(profile, window, slot, ceiling, step_slots=SLOTS):
+    """Every segment with the slots the window holds through it, and its optimizer step, fit
+    under ``ceiling`` (raw segments, counted slot by slot: the planner's promise restated)."""
+    def fit(peak, held):
+        return held == 0 or peak + held * slot <= ceiling
+
+    backward = all(fit(p, sum(u <= j for u in window.uploads))
+                   for j, p in enumerate(profile.backward))
+    forward = all(fit(p, sum(r > k for r in window.releases))
+                  for k, p in enumerate(profile.forward))
+    return (backward and forward
+            and profile.optimizer + max(0, window.slots - step_slots) * slot <= ceiling)
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @given(forward=peaks, backward=peaks, optimizer=st.integers(0, 100),
        buckets=st.integers(0, 12), slot=st.integers(1, 20), usable=st.integers(0, 150),
        frag=st.integers(0, PPM))
-def test_the_window_holds_its_slots_only_where_the_profiled_step_had_room(
+def test_the_window_holds_each_slot_only_where_the_profiled_step_had_room(
         forward, backward, optimizer, buckets, slot, usable, frag):
     profile = StepProfile(0, tuple(forward), tuple(backward), optimizer)
     ceiling = _ceiling(profile, usable, frag)
     window = plan_window(profile, buckets, slot, usable, frag, SLOTS)
-    candidates = [OffloadWindow(s, j, 0) for s in range(SLOTS + 1, buckets + 1)
-                  for j in range(len(backward))]
-    fitting = [w for w in candidates if _holds(profile, w, slot, ceiling)]
+    last = len(forward) - 1
+
+    def window_of(slots):  # every bucket at the end of backward, every slot released at once
+        return OffloadWindow((len(backward) - 1,) * slots, (0,) * slots)
+
     if window is None:
-        assert not fitting  # nothing beyond the step's own slots fits anywhere
+        # Not even the step's own slots (or every bucket, if fewer) fit at the end of backward.
+        assert buckets == 0 or not _fits(profile, window_of(min(SLOTS, buckets)), slot, ceiling)
         return
-    assert SLOTS < window.slots <= buckets
-    assert 0 <= window.upload_at < len(backward) and 0 <= window.release_at < len(forward)
-    assert _holds(profile, window, slot, ceiling)  # never above the step's own peak
-    # The most slots that fit anywhere, uploading as early and releasing as late as they allow.
-    assert window.slots == max(w.slots for w in fitting)
-    assert window.upload_at == min(w.upload_at for w in fitting if w.slots == window.slots)
-    later = window._replace(release_at=window.release_at + 1)
-    assert later.release_at >= len(forward) or not _holds(profile, later, slot, ceiling)
+    assert min(SLOTS, buckets) <= window.slots <= buckets
+    assert list(window.uploads) == sorted(window.uploads)
+    assert list(window.releases) == sorted(window.releases)
+    assert all(0 <= u < len(backward) for u in window.uploads)
+    assert all(0 <= r <= last for r in window.releases)
+    assert _fits(profile, window, slot, ceiling)  # never above the step's own peak
+    # The most slots, each bucket uploaded as early and each slot released as late as fits.
+    assert window.slots == buckets or not _fits(profile, window_of(window.slots + 1), slot,
+                                                ceiling)
+    for i, u in enumerate(window.uploads):
+        if u > 0:
+            earlier = window.uploads[:i] + (u - 1,) * (window.slots - i)
+            assert not _fits(profile, window._replace(uploads=tuple(
+                min(a, b) for a, b in zip(window.uploads, earlier))), slot, ceiling)
+    for t, r in enumerate(window.releases):
+        if r < last:
+            later = tuple(max(x, r + 1) if k <= t else x
+                          for k, x in enumerate(window.releases))
+            assert not _fits(profile, window._replace(releases=later), slot, ceiling)
 
 
 def test_the_window_fits_under_the_peak_the_offload_saved():
@@ -75,20 +95,29 @@ def test_the_window_fits_under_the_peak_the_offload_saved():
                           optimizer=16 * gib)
     window = plan_window(profile, buckets=28, slot_bytes=gib // 2, usable_bytes=70 * gib,
                          fragmentation_ppm=0, step_slots=SLOTS)
-    # 20 slots fit beside the optimizer step's 16 GiB under 25, and beside backward's last
-    # segment and forward's first.
-    assert window == OffloadWindow(slots=20, upload_at=3, release_at=1)
+    # 20 slots fit at the end of backward (25 - 15 GiB), beside the optimizer step's 16 GiB
+    # with its own two; 8 of them from point 1 on (25 - 21), 14 from point 2 (25 - 18). In the
+    # next forward 16 may stay past its start (25 - 17), 10 past point 1 (25 - 20).
+    assert window.slots == 20
+    assert window.uploads == (1,) * 8 + (2,) * 6 + (3,) * 6
+    assert window.releases == (1,) * 4 + (2,) * 6 + (3,) * 10
     # On a card with less room than the step's peak leaves, the card decides: 20 GiB charged
-    # 10 % fragmentation.
-    assert plan_window(profile, 28, gib // 2, 20 * gib, PPM // 10, SLOTS) == OffloadWindow(
-        slots=6, upload_at=3, release_at=1)
+    # 10 % fragmentation (18.18 GiB) leaves 6 slots at the end of backward, 6 past the forward's
+    # start, 2 past its first block.
+    small = plan_window(profile, 28, gib // 2, 20 * gib, PPM // 10, SLOTS)
+    assert small == OffloadWindow((3,) * 6, (1,) * 4 + (2,) * 2)
 
 
 # -- the executor on CPU -----------------------------------------------------------------------
 
-def _windowed_train(kind, steps, window, bucket=300, accumulate=1, points=(4, 3)):
+def _live(off):
+    return sum(s is not None for s in off.slots)
+
+
+def _windowed_train(kind, steps, window, bucket=100, accumulate=1, points=(4, 3)):
     """Steps driven as ``zbuf.compile``'s progress points drive them: forward points, backward
-    points (``accumulate`` backwards a step), then the optimizer step."""
+    points (``accumulate`` backwards a step), then the optimizer step. ``bucket=100``: five
+    buckets of ``SHAPES``' AdamW state, four of SGD's."""
     params = _params(0)
     opt = _optimizer(kind, params)
     off = StepOffload(opt, torch.device("cpu"), bucket_bytes=bucket)
@@ -105,46 +134,55 @@ def _windowed_train(kind, steps, window, bucket=300, accumulate=1, points=(4, 3)
         for _ in range(accumulate):
             for k in range(forward):
                 off.at(Point("forward", k))
-                log.append(("forward", k, len(off.slots)))
+                log.append(("forward", k, _live(off)))
             for j in range(backward):
                 off.at(Point("backward", j))
-                log.append(("backward", j, len(off.slots)))
+                log.append(("backward", j, _live(off)))
         _grads(params, step)
         opt.step()
         opt.zero_grad()
-        log.append(("after step", len(off.slots)))
+        log.append(("after step", _live(off)))
     return params, opt, off, log
 
 
+WINDOWS = [OffloadWindow((1, 1, 1), (2, 2, 2)), OffloadWindow((0, 1, 2, 2), (0, 1, 1, 3)),
+           OffloadWindow((0,) * 4, (3,) * 4), OffloadWindow((2, 2), (0, 0))]
+
+
 @pytest.mark.parametrize("kind", ["adamw", "adamw-fused", "sgd"])
-@pytest.mark.parametrize("window", [OffloadWindow(3, 1, 2), OffloadWindow(4, 0, 0),
-                                    OffloadWindow(6, 2, 3)])
+@pytest.mark.parametrize("window", WINDOWS)
 def test_the_windowed_step_is_bit_exact_and_moves_each_byte_once_each_way(kind, window):
     ref, ref_opt, _ = _train(kind, 4)
     params, opt, off, log = _windowed_train(kind, 4, window)
+    n = len(off.buckets)
+    assert n == (4 if kind == "sgd" else 5)
     for a, b in zip(ref, params):
         assert torch.equal(a, b)
     _state_equal(ref_opt, opt, ref, params)
     streamed = sum(b.used for b in off.buckets)
     assert [r.uploaded_bytes for r in off.records] == [0] + [streamed] * 3
     assert [r.downloaded_bytes for r in off.records] == [streamed] * 4
-    slots = min(window.slots, len(off.buckets))
-    # From step 1 on the window's buckets are uploaded at its backward point, and its slots
-    # stay until the next forward's release point.
+    # From step 1 on, bucket i is uploaded at backward point uploads[i], each slot stays until
+    # its release point in the next forward, and the step's ring has the window's slots.
     step2 = log[log.index(("step", 2)):log.index(("step", 3))]
-    at_upload = step2.index(("backward", window.upload_at, slots))
-    assert [e for e in step2[:at_upload] if e[0] == "upload"] == [
-        ("upload", i) for i in range(slots)]
-    assert not [e for e in step2[at_upload:] if e[0] == "upload" and e[1] < slots]
-    assert ("after step", slots) in step2
+    for j in range(3):
+        mark = step2.index(("backward", j, sum(u <= j for u in window.uploads)))
+        before = [e[1] for e in step2[:mark] if e[0] == "upload"]
+        assert before == [i for i, u in enumerate(window.uploads) if u <= j]
+    stepped = step2.index(("step_bucket", 0))
+    assert sorted(e[1] for e in step2[stepped:] if e[0] == "upload") == list(
+        range(window.slots, n))
+    assert ("after step", window.slots) in step2
     for k in range(4):
-        assert ("forward", k, slots if k < window.release_at else 0) in step2
-    assert off.report()["device_slot_bytes"] == slots * off.slot_bytes
+        assert ("forward", k, sum(r > k for r in window.releases)) in step2
+    assert off.report()["device_slot_bytes"] == window.slots * off.slot_bytes
+    assert off.report()["window"] == window._asdict()
 
 
 def test_gradient_accumulation_turns_the_window_off_without_changing_a_number():
     ref, ref_opt, _ = _train("adamw", 4)
-    params, opt, off, log = _windowed_train("adamw", 4, OffloadWindow(3, 1, 2), accumulate=2)
+    window = OffloadWindow((1, 1, 1), (2, 2, 2))
+    params, opt, off, log = _windowed_train("adamw", 4, window, accumulate=2)
     for a, b in zip(ref, params):
         assert torch.equal(a, b)
     _state_equal(ref_opt, opt, ref, params)
@@ -174,7 +212,7 @@ def test_the_plain_loop_profiles_a_settled_step_and_trains_bit_exact_in_its_wind
 
     def sized(profile, buckets, *args):
         profiles.append(profile)
-        return OffloadWindow(min(buckets, 5), 1, 2)
+        return OffloadWindow((0, 1, 1, 2, 2), (1, 1, 2, 2, 2))
 
     kept = _plain_run(False, steps=7)
     with mock.patch.object(zbuf.offload_choice, "plan_window", sized):
@@ -184,7 +222,7 @@ def test_the_plain_loop_profiles_a_settled_step_and_trains_bit_exact_in_its_wind
         assert torch.equal(a, b)
     (profile,) = profiles
     rec = moved[2]
-    assert rec["window"] == {"slots": 5, "upload_at": 1, "release_at": 2}
+    assert rec["window"] == {"uploads": (0, 1, 1, 2, 2), "releases": (1, 1, 2, 2, 2)}
     assert rec["window_sized_from"]["step"] == profile.step == 3  # the first settled step
     assert len(profile.forward) == 3  # the forward's start and two block frames
     params = sum(p.numel() * 4 for p in moved[1])

@@ -11,12 +11,18 @@ out of the step hides nothing: the downloads alone still take as long.
 
 The memory the offload saves is saved at the step's peak: the end of forward and the start of
 backward, where the activations are. Late in backward the checkpointed inputs are mostly freed,
-and early in the next forward few are made yet. So a *window* of ``slots`` device slots may
-hold streamed buckets from a point late in backward (``upload_at``: the first ``slots`` buckets
-are uploaded there, under the rest of backward) through the optimizer step (the buckets beyond
-them pass through the same slots as before) to a point early in the next forward
-(``release_at``: the compute stream waits there for the last downloads, which ran under the
-forward so far, and the slots go back to the caching allocator).
+and early in the next forward few are made yet. So a *window* of ``slots`` device slots reaches
+out of the optimizer step on both sides:
+
+* late in backward, bucket ``i < slots`` gets its slot and is uploaded at backward point
+  ``uploads[i]``, each as early as the room after that point holds it beside the buckets
+  uploaded before it: the copies run under the rest of backward;
+* in the optimizer step, the ``slots`` slots are the ring the buckets beyond them pass through,
+  as the step's own two slots were;
+* early in the next forward, the ``t``-th slot whose last download was issued goes back to the
+  caching allocator at forward point ``releases[t]`` (the compute stream waits there for that
+  download, which ran under the forward so far), each as late as the room before that point
+  holds it.
 
 The points are the step's progress marks ([Note: progress points] in zbuf/memory/progress.py):
 in backward, each ``MARK_BYTES`` of gradients that arrived; in forward, the start of the forward
@@ -24,16 +30,18 @@ and of each block frame. They are the same program points in every step and on e
 
 Sized from one measured step ([Note: whole-step budget] in zbuf/memory/step.py): the first step
 of the settled plan is profiled, its allocated peak between each two points read, and
-``plan_window`` picks the window from those peaks, rank-agreed. The window never raises the
-step's own peak (the memory the offload was asked to save stays saved): the slots fit beside
-every segment they are held through, under the profiled step's largest peak and under the
-usable memory charged the measured fragmentation. Of the windows that fit, the one holding the
-most slots (the most buckets moved outside the step), uploading as early and releasing as late
-as that many slots allow. None fits: the step keeps its two slots inside the optimizer step.
+``plan_window`` sizes the window from those peaks, rank-agreed. The window never raises the
+step's own peak (the memory the offload was asked to save stays saved): every segment, with the
+slots held through it, fits under the profiled step's largest peak and under the usable memory
+charged the measured fragmentation. Within that, more slots never cost time (a bucket uploaded
+late in backward is still a bucket less to wait for in the step), so the window holds the most
+slots the optimizer step and the end of backward have room for; fewer than the step's own two
+fit: no window, the step keeps its slots inside the optimizer step.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple, Optional
 
 from .memory.ledger import PPM
@@ -45,12 +53,16 @@ __all__ = ["OffloadWindow", "plan_window"]
 class OffloadWindow(NamedTuple):
     """Where a step's streamed buckets are on the device ([Note: the step's window])."""
 
-    slots: int
-    """Device slots: the first ``slots`` buckets are uploaded at ``upload_at``."""
-    upload_at: int
-    """The backward point the uploads start from."""
-    release_at: int
-    """The next forward's point where the slots go back (0: the forward's start)."""
+    uploads: tuple[int, ...]
+    """``uploads[i]``: the backward point bucket ``i`` is uploaded at (non-decreasing); one per
+    slot."""
+    releases: tuple[int, ...]
+    """``releases[t]``: the next forward's point where the ``t``-th slot to be downloaded from
+    goes back (non-decreasing; 0: the forward's start)."""
+
+    @property
+    def slots(self) -> int:
+        return len(self.uploads)
 
 
 def plan_window(profile: StepProfile, buckets: int, slot_bytes: int, usable_bytes: int,
@@ -59,20 +71,22 @@ def plan_window(profile: StepProfile, buckets: int, slot_bytes: int, usable_byte
     step's window]). ``profile``: the measured step, its optimizer step with ``step_slots``
     slots; ``usable_bytes``: the limit less the margin and what the pool holds."""
     ceiling = min(profile.peak, usable_bytes * PPM // (PPM + fragmentation_ppm))
-    if buckets <= step_slots:
-        return None  # every bucket already fits the step's own slots: nothing to move out
-    for slots in range(buckets, step_slots, -1):
-        extra = slots * slot_bytes
-        if profile.optimizer + (slots - step_slots) * slot_bytes > ceiling:
-            continue
-        upload_at = next((j for j in range(len(profile.backward))
-                          if max(profile.backward[j:]) + extra <= ceiling), None)
-        if upload_at is None:
-            continue
-        release_at = 0
-        while (release_at < len(profile.forward) - 1
-               and profile.forward[release_at] + extra <= ceiling):
-            release_at += 1
-        return OffloadWindow(slots, upload_at, release_at)
-    return None
 
+    def room(peak: int) -> int:  # slots that fit beside ``peak``
+        return max(0, (ceiling - peak) // slot_bytes)
+
+    # The rest of backward after each point, and the forward up to each point.
+    after = list(accumulate(reversed(profile.backward), max))[::-1]
+    before = list(accumulate(profile.forward, max))
+    slots = min(buckets, room(after[-1]))
+    if profile.optimizer <= ceiling:
+        slots = min(slots, step_slots + room(profile.optimizer))
+    else:
+        slots = 0
+    if buckets == 0 or slots < min(step_slots, buckets):
+        return None
+    uploads = tuple(next(j for j, a in enumerate(after) if room(a) > i) for i in range(slots))
+    last = len(profile.forward) - 1  # the last block's start: its segment ends the forward
+    releases = tuple(next((k for k, b in enumerate(before) if room(b) < slots - t), last)
+                     for t in range(slots))
+    return OffloadWindow(uploads, releases)

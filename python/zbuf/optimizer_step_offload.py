@@ -225,8 +225,8 @@ class StepOffload:
         """Id of a streamed parameter -> its bucket."""
         self.slot_bytes = 0
         """Bytes of each slot: the largest bucket's."""
-        self.slots: list[torch.Tensor] = []
-        """The slots, during a step only."""
+        self.slots: list[Optional[torch.Tensor]] = []
+        """The slots, during a step (and its window) only; None: one given back."""
         self._freed: list[Any] = []
         """CUDA: each slot's last download event."""
         self._arena: Optional[torch.Tensor] = None
@@ -244,8 +244,13 @@ class StepOffload:
         inside the step only."""
         self.window_off: Optional[str] = None
         """Why the window was turned off, if it was."""
-        self._draining = False
-        """The step ended and its slots wait for the window's release point."""
+        self._draining: list[int] = []
+        """The last step's slots still held, in the order their last downloads were issued
+        (each goes back at its release point: ``_release``)."""
+        self._released = 0
+        """How many of the last step's slots went back so far."""
+        self._ahead = 0
+        """Buckets the window uploaded in this step's backward so far."""
         self._aside: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         """Loaded parameter-shaped state kept out of the optimizer, as it was given: active, the
         streamed parameters' during ``load_state_dict``; inactive, every parameter's, until the
@@ -346,10 +351,11 @@ class StepOffload:
         self._read_waits()
         if self._pending is None:
             self._pending = (0, 0, 0.0)
-        uploaded = len(self.slots)  # the window's buckets, uploaded in backward
-        if not uploaded:
-            self._make_slots(min(SLOTS, len(self.buckets)))
-        for op in step_schedule(len(self.buckets), len(self.slots)):
+        uploaded, self._ahead = self._ahead, 0  # the window's buckets, uploaded in backward
+        ring = min(SLOTS if self.window is None else self.window.slots, len(self.buckets))
+        while len(self.slots) < ring:
+            self._add_slot()
+        for op in step_schedule(len(self.buckets), ring):
             if op.kind == "upload":
                 if op.bucket >= uploaded:
                     self._upload(op.bucket, op.slot)
@@ -362,16 +368,15 @@ class StepOffload:
         opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) not in self.streamed])
                             for g in self._groups]
 
-    def _make_slots(self, count: int) -> None:
-        """``count`` slots, made on the compute stream where its own memory is free: in the
-        optimizer step, backward's activations are gone; at the window's upload point, the
-        activations after it are measured to fit beside them ([Note: the step's window] in
+    def _add_slot(self) -> None:
+        """One more slot, made on the compute stream where its own memory is free: in the
+        optimizer step, backward's activations are gone; at a window's upload point, what runs
+        after it is measured to fit beside it ([Note: the step's window] in
         zbuf/offload_window.py)."""
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-                      for _ in range(count)]
-        self._freed = [None] * count
-        if self.copies_async and count:
-            # Their blocks were the compute stream's until now: the uploads write them once the
+        self.slots.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
+        self._freed.append(None)
+        if self.copies_async:
+            # Its block was the compute stream's until now: the upload writes it once the
             # compute stream is past this point.
             self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -380,7 +385,9 @@ class StepOffload:
             return
         self.optimizer.param_groups = self._groups
         self._groups = None
-        self._draining = True
+        n, ring = len(self.buckets), len(self.slots)
+        # The slots in the order their last downloads were issued: bucket n - ring + t's.
+        self._draining = [(n - ring + t) % ring for t in range(ring)]
         if self.window is None:
             self._release()
         up, down, seconds = self._pending
@@ -392,23 +399,25 @@ class StepOffload:
 
     def at(self, point: Point) -> None:
         """A progress point of the step ([Note: progress points] in zbuf/memory/progress.py):
-        where the window uploads ahead and lets its slots go ([Note: the step's window] in
-        zbuf/offload_window.py)."""
+        where the window uploads its buckets and lets its slots go ([Note: the step's window]
+        in zbuf/offload_window.py)."""
         window = self.window
         if window is None or not self.active:
             return
         if point.phase == "forward":
-            if point.index == 0 and self.slots and not self._draining:
+            if point.index == 0 and self._ahead:
                 self._accumulating()
-            elif point.index >= window.release_at:
-                self._release()
+            else:
+                self._release(window.releases, point.index)
             return
-        self._release()  # the forward was too short to reach the release point
-        if point.index == window.upload_at and not self.slots:
-            self._pending = (0, 0, 0.0)
-            self._make_slots(min(window.slots, len(self.buckets)))
-            for i in range(len(self.slots)):
-                self._upload(i, i)
+        self._release()  # the forward was too short to reach the release points
+        while (self._ahead < min(window.slots, len(self.buckets))
+               and window.uploads[self._ahead] <= point.index):
+            if self._pending is None:
+                self._pending = (0, 0, 0.0)
+            self._add_slot()
+            self._upload(self._ahead, self._ahead)
+            self._ahead += 1
 
     def _accumulating(self) -> None:
         """A forward between the window's uploads and the optimizer step: the loop accumulates
@@ -416,29 +425,36 @@ class StepOffload:
         through this forward's peak. The window turns off for the run (which backward is the
         last before a step is the loop's to know); the step uploads these buckets again (its
         record counts both uploads)."""
+        ahead, self._ahead = self.buckets[:self._ahead], 0
         if self.copies_async:
             compute = torch.cuda.current_stream(self.device)
-            for b in self.buckets[:len(self.slots)]:
+            for b in ahead:
                 if b.ready is not None:
                     self._timed_wait(compute, b.ready)
-        for b in self.buckets[:len(self.slots)]:
+        for b in ahead:
             b.ready = None
         self.slots, self._freed = [], []
         self.window = None
         self.window_off = ("a forward ran between backward and the optimizer step (gradient "
                            "accumulation): the state is uploaded in the optimizer step")
 
-    def _release(self) -> None:
-        """The slots go back to the caching allocator, on the compute stream, once the downloads
-        from them are done; the time the compute stream waits is the step's exposed time."""
+    def _release(self, points: tuple[int, ...] = (), reached: int = 0) -> None:
+        """The last step's slots go back to the caching allocator, on the compute stream, each
+        once its last download is done: those whose release point (``points``, in download
+        order) ``reached`` has come to, or all of them. The time the compute stream waits is
+        its step's exposed time."""
         if not self._draining:
             return
-        self._draining = False
-        if self.copies_async:
-            compute = torch.cuda.current_stream(self.device)
-            for event in self._freed:
-                if event is not None:
-                    self._timed_wait(compute, event)
+        compute = torch.cuda.current_stream(self.device) if self.copies_async else None
+        while self._draining:
+            if self._released < len(points) and points[self._released] > reached:
+                return
+            slot = self._draining.pop(0)
+            self._released += 1
+            if compute is not None and self._freed[slot] is not None:
+                self._timed_wait(compute, self._freed[slot])
+            self.slots[slot] = None
+        self._released = 0
         self.slots, self._freed = [], []
 
     def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -669,8 +685,8 @@ class StepOffload:
         if not (self.active or self._aside):
             return
         self.settle()
-        if not self._draining:
-            self.slots, self._freed = [], []  # uploaded in backward: the state before the load
+        if not self._draining:  # uploaded in backward: the state before the load
+            self.slots, self._freed, self._ahead = [], [], 0
         state = self.optimizer.state
         aside, self._aside = self._aside, {}
         for b in self.buckets:

@@ -281,5 +281,6 @@ def _window(offload: dict) -> str:
     if w is None:
         return offload.get("window_off") or ("none fits" if offload.get("window_sized_from")
                                              else "-")
-    return (f"{w['slots']} slots, up at backward point {w['upload_at']}, back at forward "
-            f"point {w['release_at']}")
+    up, back = w["uploads"], w["releases"]
+    return (f"{len(up)} slots, up from backward point {up[0]} to {up[-1]}, back from forward "
+            f"point {back[0]} to {back[-1]}")
