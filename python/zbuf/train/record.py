@@ -155,7 +155,7 @@ def _offload_summary(offload: Optional[dict[str, Any]]) -> Optional[dict[str, An
         return None
     keys = ("mode", "chosen_by", "why", "active", "offloaded_state_bytes",
             "resident_state_bytes", "device_slot_bytes", "bytes_moved_per_step",
-            "exposed_ms_median")
+            "exposed_ms_median", "window", "window_off", "window_sized_from")
     return {k: offload.get(k) for k in keys}
 
 
