@@ -88,7 +88,11 @@
 #                                           state on the device, then all of it in host memory
 #                                           (--offload-optimizer); with --steps 16 --warmup 6
 #                                           both ran in 204 s (2026-12-05); two records (they
-#                                           differ in offload_optimizer, so they do not merge)
+#                                           differ in offload_optimizer, so they do not merge).
+#                                           The window ([Note: the step's window]) is sized at
+#                                           step 4 from step 3's profile: keep --warmup >= 5 so
+#                                           the measured steps all run in it; the summary's
+#                                           "offload window" row says what it held
 #   bash benches/device/run.sh fit32b [ENGINE] [MIN] [MAX]  # zbuf fit qwen3-32b (blocks), doubling
 #                                           from MIN (default 1) to MAX (default 8); fit8b as above
 #   bash benches/device/run.sh fitcheck 8b|32b MB  # zbuf fit's answer checked: zbuf bench at

@@ -11,8 +11,10 @@ forward. Two kinds of points mark a step's progress there, each counted from its
   graph has none, and its forward only point 0);
 * backward: point 0 is the backward's start (the model's output: the meter's own boundary),
   point ``j`` the gradient that brings the bytes arrived in this backward past ``j *
-  MARK_BYTES`` (post-accumulate-grad hooks on the model's trainable parameters: a block frame's
-  backward delivers its block's gradients as it ends, the whole graph all of them at its end).
+  MARK_BYTES`` (post-accumulate-grad hooks on the model's trainable parameters, installed
+  when a step is first profiled, so that a run without the window pays no hook per gradient: a
+  block frame's backward delivers its block's gradients as it ends, the whole graph all of them
+  at its end).
 
 Both depend only on the sequence of calls and the parameters' sizes, never on timing, so a
 point names the same place in the program in every step of a run and on every rank.
@@ -43,17 +45,25 @@ class Point(NamedTuple):
 class StepProgress:
     """Calls each of ``listeners`` with every progress point of ``model``'s steps ([Note:
     progress points]). ``forward_started`` and ``backward_started`` are called by the step's
-    memory owner at its phase boundaries; ``forward_block`` by the block frames."""
+    memory owner at its phase boundaries; ``forward_block`` by the block frames. Backward's
+    gradient marks need a hook on every trainable parameter, installed by ``watch_gradients``
+    when something first needs them (until then a backward has only its point 0)."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.listeners: list[Callable[[Point], None]] = []
         self._forward_blocks = 0
         self._arrived = 0
         self._next_mark = MARK_BYTES
         self._marks = 0
+        self._handles: list = []
+
+    def watch_gradients(self) -> None:
+        """Mark backward's progress from now on (idempotent)."""
+        if self._handles:
+            return
         seen: set[int] = set()
-        self._handles = []
-        for p in model.parameters():
+        for p in self.model.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 nbytes = p.numel() * p.element_size()  # the gradient has the shard's dtype

@@ -325,6 +325,7 @@ class StepMemory:
             self._plan_window(profile)
             return
         self._window = _Window.PROFILING
+        self.progress.watch_gradients()
         self.meter.profile_open_step()  # again, if the last step had no backward or no step
 
     def _plan_window(self, profile: StepProfile) -> None:
