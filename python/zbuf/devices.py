@@ -2,8 +2,8 @@
 used, so everything zbuf keeps or compares carries the index.
 
 A shard's device carries its index (``torch.device("cuda", i)``), and ``torch.device("cuda") !=
-torch.device("cuda", 0)``: an offload given the unindexed name matched no parameter and streamed
-nothing (0122eb4). So every place that takes a device from a user, or makes one for the current
+torch.device("cuda", 0)``: an offload given the unindexed name once matched no parameter and
+streamed nothing. So every place that takes a device from a user, or makes one for the current
 CUDA device, names it through ``indexed``.
 """
 
