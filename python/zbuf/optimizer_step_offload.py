@@ -235,8 +235,9 @@ class StepOffload:
         parameters."""
         self._waits: list[tuple[Any, Any]] = []
         """CUDA: (before, after) events around the compute stream's waits of the last step."""
-        self._pending: Optional[tuple[int, int, float]] = None
-        """The running step's (uploaded, downloaded, CPU copy seconds)."""
+        self._pending: tuple[int, int, float] = (0, 0, 0.0)
+        """What the copies since the last step's record moved: (uploaded, downloaded, CPU copy
+        seconds); the window's uploads in backward count toward the step they are for."""
         self.records: list[StepRecord] = []
         self.window: Optional[OffloadWindow] = None
         """Where the streamed buckets are on the device beyond the optimizer step, once the
@@ -247,10 +248,6 @@ class StepOffload:
         self._draining: list[int] = []
         """The last step's slots still held, in the order their last downloads were issued
         (each goes back at its release point: ``_release``)."""
-        self._released = 0
-        """How many of the last step's slots went back so far."""
-        self._ahead = 0
-        """Buckets the window uploaded in this step's backward so far."""
         self._aside: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         """Loaded parameter-shaped state kept out of the optimizer, as it was given: active, the
         streamed parameters' during ``load_state_dict``; inactive, every parameter's, until the
@@ -349,9 +346,7 @@ class StepOffload:
             self._groups = None
         self._release()  # no forward since the last step: its downloads are waited for here
         self._read_waits()
-        if self._pending is None:
-            self._pending = (0, 0, 0.0)
-        uploaded, self._ahead = self._ahead, 0  # the window's buckets, uploaded in backward
+        uploaded = len(self.slots)  # the window's buckets, uploaded in backward
         ring = min(SLOTS if self.window is None else self.window.slots, len(self.buckets))
         while len(self.slots) < ring:
             self._add_slot()
@@ -391,7 +386,7 @@ class StepOffload:
         if self.window is None:
             self._release()
         up, down, seconds = self._pending
-        self._pending = None
+        self._pending = (0, 0, 0.0)
         self.records.append(StepRecord(up, down, seconds * 1e3))
         del self.records[:-STEPS_KEPT]
 
@@ -405,19 +400,16 @@ class StepOffload:
         if window is None or not self.active:
             return
         if point.phase == "forward":
-            if point.index == 0 and self._ahead:
+            if point.index == 0 and self.slots and not self._draining:
                 self._accumulating()
             else:
                 self._release(window.releases, point.index)
             return
         self._release()  # the forward was too short to reach the release points
-        while (self._ahead < min(window.slots, len(self.buckets))
-               and window.uploads[self._ahead] <= point.index):
-            if self._pending is None:
-                self._pending = (0, 0, 0.0)
+        while (len(self.slots) < min(window.slots, len(self.buckets))
+               and window.uploads[len(self.slots)] <= point.index):
             self._add_slot()
-            self._upload(self._ahead, self._ahead)
-            self._ahead += 1
+            self._upload(len(self.slots) - 1, len(self.slots) - 1)
 
     def _accumulating(self) -> None:
         """A forward between the window's uploads and the optimizer step: the loop accumulates
@@ -425,7 +417,7 @@ class StepOffload:
         through this forward's peak. The window turns off for the run (which backward is the
         last before a step is the loop's to know); the step uploads these buckets again (its
         record counts both uploads)."""
-        ahead, self._ahead = self.buckets[:self._ahead], 0
+        ahead = self.buckets[:len(self.slots)]
         if self.copies_async:
             compute = torch.cuda.current_stream(self.device)
             for b in ahead:
@@ -447,14 +439,13 @@ class StepOffload:
             return
         compute = torch.cuda.current_stream(self.device) if self.copies_async else None
         while self._draining:
-            if self._released < len(points) and points[self._released] > reached:
+            released = len(self.slots) - len(self._draining)
+            if released < len(points) and points[released] > reached:
                 return
             slot = self._draining.pop(0)
-            self._released += 1
             if compute is not None and self._freed[slot] is not None:
                 self._timed_wait(compute, self._freed[slot])
             self.slots[slot] = None
-        self._released = 0
         self.slots, self._freed = [], []
 
     def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -477,9 +468,8 @@ class StepOffload:
             self._pending = (up, down, seconds + time.perf_counter() - t0)
 
     def _count(self, up: int = 0, down: int = 0) -> None:
-        if self._pending is not None:
-            u, d, s = self._pending
-            self._pending = (u + up, d + down, s)
+        u, d, s = self._pending
+        self._pending = (u + up, d + down, s)
 
     def _upload(self, i: int, slot: int) -> None:
         """Bucket ``i``'s host region into ``slot``, after the slot's last download."""
@@ -686,7 +676,7 @@ class StepOffload:
             return
         self.settle()
         if not self._draining:  # uploaded in backward: the state before the load
-            self.slots, self._freed, self._ahead = [], [], 0
+            self.slots, self._freed = [], []
         state = self.optimizer.state
         aside, self._aside = self._aside, {}
         for b in self.buckets:

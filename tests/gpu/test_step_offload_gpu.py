@@ -83,7 +83,8 @@ def test_loading_the_state_never_puts_it_on_the_device():
 
 
 def _plain(base, batches, offload):
-    """``zbuf.compile(model, optimizer=opt)`` and the user's loop, stepping after backward."""
+    """``zbuf.compile(model, optimizer=opt)`` and the user's loop, stepping after backward;
+    returns the parameters, the offload's record and each step's allocated peak."""
     import copy
     import gc
 
@@ -104,36 +105,41 @@ def _plain(base, batches, offload):
         opt.zero_grad(set_to_none=True)
     memory = zbuf.compile.step_memory_of(cm)
     report = memory.report()["optimizer_offload"]
+    peaks = [r.phases.allocated_peak_bytes for r in memory.rows]
     memory.detach()
     torch.cuda.synchronize()
-    return [p.detach().cpu().clone() for p in model.parameters()], report
+    return [p.detach().cpu().clone() for p in model.parameters()], report, peaks
+
+
+def _kept_and_moved(width, batch, steps):
+    """The same TiedNet trained with the state on the device and offloaded (deterministic
+    kernels: [Note: optimizer state off the device]'s GPU test says why): both runs' results."""
+    import torch.distributed as dist
+    from tied_net import TiedNet
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    torch.manual_seed(0)
+    base = TiedNet(vocab=97, width=width, blocks=4)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 97, batch, generator=g).cuda(),
+                torch.randint(0, 97, batch, generator=g).cuda()) for _ in range(steps)]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _plain(base, batches, False), _plain(base, batches, True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_the_plain_loop_offloaded_on_cuda_trains_bit_for_bit(monkeypatch):
     """The default path (one frame per block, the user's ``opt.step()`` after backward) with
     the state streamed through the step's slots on CUDA's copy streams: the same floats as
-    with the state on the device (eager kernels, deterministic versions: [Note: optimizer state
-    off the device]'s GPU test says why)."""
-    import torch.distributed as dist
-    from tied_net import TiedNet
-
+    with the state on the device."""
     import zbuf.offload_choice
 
     monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 16 << 10)  # several buckets
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    torch.manual_seed(0)
-    base = TiedNet(vocab=97, width=64, blocks=4)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 97, (4, 32), generator=g).cuda(),
-                torch.randint(0, 97, (4, 32), generator=g).cuda()) for _ in range(4)]
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        kept, none = _plain(base, batches, False)
-        moved, rep = _plain(base, batches, True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    (kept, none, _), (moved, rep, _) = _kept_and_moved(width=64, batch=(4, 32), steps=4)
     assert none is None
     for a, b in zip(kept, moved):
         assert torch.equal(a, b)
@@ -147,38 +153,12 @@ def test_the_window_trains_bit_for_bit_on_cuda_and_never_raises_the_steps_peak(m
     the first settled step's profile, the steps after it upload ahead in backward and release in
     the next forward, train the same floats as the state on the device, and peak no higher than
     the profiled step did."""
-    import torch.distributed as dist
-    from tied_net import TiedNet
-
-    import zbuf.compile
     import zbuf.memory.progress
     import zbuf.offload_choice
 
     monkeypatch.setattr(zbuf.offload_choice, "BUCKET_BYTES", 64 << 10)  # many buckets
     monkeypatch.setattr(zbuf.memory.progress, "MARK_BYTES", 64 << 10)  # points in backward
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    torch.manual_seed(0)
-    base = TiedNet(vocab=97, width=128, blocks=4)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 97, (16, 1024), generator=g).cuda(),
-                torch.randint(0, 97, (16, 1024), generator=g).cuda()) for _ in range(8)]
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    peaks = []
-    real = zbuf.compile.step_memory_of
-
-    def rows_too(cm):
-        memory = real(cm)
-        peaks[:] = [r.phases.allocated_peak_bytes for r in memory.rows]
-        return memory
-
-    try:
-        kept, _ = _plain(base, batches, False)
-        monkeypatch.setattr(zbuf.compile, "step_memory_of", rows_too)
-        moved, rep = _plain(base, batches, True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    (kept, _, _), (moved, rep, peaks) = _kept_and_moved(width=128, batch=(16, 1024), steps=8)
     for a, b in zip(kept, moved):
         assert torch.equal(a, b)
     assert rep["window"] is not None, rep

@@ -54,7 +54,6 @@ class StepProgress:
         self.listeners: list[Callable[[Point], None]] = []
         self._forward_blocks = 0
         self._arrived = 0
-        self._next_mark = MARK_BYTES
         self._marks = 0
         self._handles: list = []
 
@@ -62,10 +61,8 @@ class StepProgress:
         """Mark backward's progress from now on (idempotent)."""
         if self._handles:
             return
-        seen: set[int] = set()
-        for p in self.model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
+        for p in self.model.parameters():  # each once, tied ones too
+            if p.requires_grad:
                 nbytes = p.numel() * p.element_size()  # the gradient has the shard's dtype
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda _p, n=nbytes: self._gradient(n)))
@@ -84,13 +81,12 @@ class StepProgress:
         self._emit(Point("forward", self._forward_blocks))
 
     def backward_started(self) -> None:
-        self._arrived, self._next_mark, self._marks = 0, MARK_BYTES, 0
+        self._arrived = self._marks = 0
         self._emit(Point("backward", 0))
 
     def _gradient(self, nbytes: int) -> None:
         self._arrived += nbytes
-        while self._arrived >= self._next_mark:
-            self._next_mark += MARK_BYTES
+        while self._arrived >= (self._marks + 1) * MARK_BYTES:
             self._marks += 1
             self._emit(Point("backward", self._marks))
 
