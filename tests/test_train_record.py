@@ -473,3 +473,20 @@ def test_an_interrupted_run_joins_every_rank_and_plots_what_it_did(tmp_path):
     names = sorted(p.rsplit("/", 1)[1] for p in make_plots(rec, str(tmp_path / "plots")))
     assert names == ["loss.png", "memory.png", "step_time.png"], names
     assert read_stopped(str(tmp_path / "none.json"), world=2) is None
+
+
+def test_the_blocks_offloaded_to_host_get_a_row_of_their_own():
+    """Block frames' levels come from the step memory's re-plan; the kept blocks whose
+    activations wait in host memory ([Note: offloaded blocks] in zbuf/compile/block_offload.py)
+    are counted apart, and the row is there only when some are."""
+    times, losses = [3, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1.5, 1.2]
+    texts = []
+    for offloaded in (0, 3):
+        levels = dict(_recompute_stats("auto", 4, 1, 3, 3 << 30, 5e12),
+                      regions_offloaded=offloaded)
+        engine = _engine("zbuf", times, losses)
+        engine["step_memory"] = {"measured": {"recompute": levels, "replanned": True}}
+        texts.append(_table_text(_record([engine])))
+    assert "blocks kept/selective/recomputed │ 4/1/3" in texts[0], texts[0]
+    assert "offloaded to host" not in texts[0], texts[0]
+    assert "of them offloaded to host │ 3" in texts[1], texts[1]

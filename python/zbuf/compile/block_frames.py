@@ -111,6 +111,7 @@ from ..frame_inputs import gathered_for_shards
 from ..runtime import in_backward
 from ..shard import roots
 from .block_gather import BlockWeights
+from .block_offload import BlockOffload
 from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from .budget import PlanExceedsMemoryError, graph_memory
 from .dynamo_settings import traced_as_zbuf
@@ -388,6 +389,9 @@ class BlockFrames:
         """id(block) of the blocks whose forward gather is kept for backward ([Note: blocks
         kept for backward] in block_prefetch.py; producer: the re-planner; consumer:
         ``run``)."""
+        self.offload = BlockOffload(pool.device)
+        """The block calls whose kept activations wait in host memory ([Note: offloaded blocks]
+        in block_offload.py; its plan's producer: the re-planner; consumer: ``run``)."""
         self._caller_checkpointed: dict[int, HeldGather] = {}
         """id(block) -> its forward's gather when kept, of each block whose last forward ran
         under the caller's saved-tensor hooks ([Note: a block under the caller's checkpoint];
@@ -465,7 +469,8 @@ class BlockFrames:
                 # the model's own checkpointing says (or, under "none", nothing).
                 "levels": ([LEVELS[self.levels.get(b, 0)] for b in self.called]
                            if self.options.recompute == "auto" else None),
-                "kept_for_backward": kept}
+                "kept_for_backward": kept,
+                "activation_offload": self.offload.report()}
 
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
@@ -480,9 +485,11 @@ class BlockFrames:
         self._by_weights.setdefault(id(slot.weights), id(block))
         level = self.levels.get(id(block), 0)
         hold = id(block) in self.kept
+        offloaded = id(block) in self.offload.offloaded
         # What a re-plan may make differ enters the block order check ([Note: block levels]).
         label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
-                           else []) + (["its weights kept for backward"] if hold else []))
+                           else []) + (["its weights kept for backward"] if hold else [])
+                          + (["its activations offloaded"] if offloaded else []))
         frame_level = self._frame_level(level)
         out = self._run(slot, block, level, self.frame_of(frame_level), label, hold, args, kwargs)
         if frame_level not in self._compiled_levels and not self._warned_eager:
@@ -496,10 +503,19 @@ class BlockFrames:
 
     def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
              hold: bool, args: tuple, kwargs: dict) -> Any:
+        offload = self.offload
+        if offload.offloaded and in_backward():
+            offload.reached_block(id(block))  # a recompute: this block's backward begins
         if callers_hooks_active():
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
-            return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold)
+            if not offload.offloaded:
+                return self.prefetch.run(slot, frame, block, args, kwargs, label=label,
+                                         hold=hold)
+            return self.prefetch.run(
+                slot, frame, block, args, kwargs, label=label, hold=hold,
+                activations=None if in_backward() else offload.start(id(block), args),
+                reached=functools.partial(offload.reached_block, id(block)))
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
         # recompute in backward gathers again, prefetching the block before it when that one
@@ -514,6 +530,10 @@ class BlockFrames:
                                      checkpointed=held, prefetch_previous=ahead)
 
         return eager_checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+    def finish_forward(self) -> None:
+        self.prefetch.finish_forward()
+        self.offload.finish_forward()
 
     def _block_before(self, slot: FrameSlot) -> Optional[int]:
         """id of the block called before ``slot``'s in its stack, once it ran; else None."""
@@ -624,8 +644,7 @@ def install_block_frames(model: nn.Module, options: CompileOptions, *, fullgraph
     pool_budget.set_to(root.pool, plan.pool_bytes)
     model.__dict__[_FRAMES_KEY] = frames
     # Nothing gathered ahead outlives the forward ([Note: two blocks live]).
-    model.register_forward_hook(lambda _m, _a, _o: frames.prefetch.finish_forward(),
-                                always_call=True)
+    model.register_forward_hook(lambda _m, _a, _o: frames.finish_forward(), always_call=True)
     return frames
 
 

@@ -83,6 +83,7 @@ import torch
 from torch import nn
 
 from .block_gather import BlockWeights, FrameGather, InFlightGather, launch_block_gather
+from .block_offload import OffloadedCall, OffloadedTensor
 from ..runtime import in_backward
 from .fingerprint import check_across_ranks, fingerprint_of
 
@@ -129,11 +130,19 @@ class SavedBlock:
     prefetched then."""
 
     __slots__ = ("weights", "previous", "prefetch", "_buffer_index", "_packed", "_unpacks_left",
-                 "_regather", "_saved", "_position", "_held")
+                 "_regather", "_saved", "_position", "_held", "activations", "reached")
 
     def __init__(self, weights: BlockWeights, forward_gather: InFlightGather,
-                 previous: Optional["SavedBlock"], prefetch: bool, *, hold: bool = False) -> None:
+                 previous: Optional["SavedBlock"], prefetch: bool, *, hold: bool = False,
+                 activations: Optional[OffloadedCall] = None,
+                 reached: Optional[Callable[[], None]] = None) -> None:
         self.weights = weights
+        self.activations = activations
+        """Where the call's other saved tensors go when the call is offloaded ([Note: offloaded
+        blocks] in block_offload.py); None: they stay where autograd keeps them."""
+        self.reached = reached
+        """Called when the call's backward first unpacks a weight: the offloaded calls before it
+        start their uploads (None when no call is offloaded)."""
         self.previous = previous
         """The block called just before this one in the same forward (its stack predecessor),
         or None: its re-gather is launched when this block's backward starts (producer: the
@@ -165,7 +174,9 @@ class SavedBlock:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
             return t
         found = self._buffer_index.get(t.untyped_storage().data_ptr())
-        if found is None or found[2] != t.dtype:
+        if found is None:
+            return t if self.activations is None else self.activations.pack(t)
+        if found[2] != t.dtype:
             return t
         index, base_offset, _ = found
         self._saved.add(index)
@@ -194,6 +205,8 @@ class SavedBlock:
     def buffer_for_backward(self, index: int) -> torch.Tensor:
         """The re-gathered padded buffer of parameter ``index`` (launches this block's gather if
         it was not prefetched, and prefetches the previous block's)."""
+        if self.reached is not None and self._unpacks_left == self._packed:
+            self.reached()
         self._launch()
         gather = self._regather
         previous = self.previous
@@ -211,6 +224,8 @@ class SavedBlock:
 
     @staticmethod
     def unpack(saved: Any) -> Any:
+        if isinstance(saved, OffloadedTensor):
+            return OffloadedCall.unpack(saved)
         if not isinstance(saved, _SavedWeight):
             return saved
         buffer = saved.block.buffer_for_backward(saved.index)
@@ -265,7 +280,9 @@ class BlockPrefetch:
 
     def run(self, slot: FrameSlot, frame: Callable, block: nn.Module, args: tuple,
             kwargs: dict, *, label: str = "", hold: bool = False,
-            checkpointed: Optional[HeldGather] = None, prefetch_previous: bool = False) -> Any:
+            checkpointed: Optional[HeldGather] = None, prefetch_previous: bool = False,
+            activations: Optional[OffloadedCall] = None,
+            reached: Optional[Callable[[], None]] = None) -> Any:
         """Gather ``block``'s weights (prefetched if launched one block ahead), launch the next
         block's, and run ``frame(block, weights, args, kwargs)`` with autograd saving recipes
         instead of the weights. ``label``: what else of the call the ranks check (its frame's
@@ -275,7 +292,8 @@ class BlockPrefetch:
         compile/block_replan.py): no saved-tensor hooks of its own (the checkpoint's own keep
         nothing but the block's inputs), the forward's gather kept there when ``hold``, and in
         the recompute (backward) the block before it prefetched when ``prefetch_previous`` (it
-        recomputes next)."""
+        recomputes next). ``activations`` and ``reached``: ``SavedBlock``'s, for an offloaded
+        call and for every call while any is ([Note: offloaded blocks] in block_offload.py)."""
         weights = slot.weights
         backward = in_backward()
         if self._checked_calls is not None and not backward:
@@ -316,7 +334,8 @@ class BlockPrefetch:
         previous = self._last_saved
         if previous is None or previous.weights is not slot.previous:
             previous = None
-        saved = SavedBlock(weights, gather, previous, self.prefetch, hold=hold)
+        saved = SavedBlock(weights, gather, previous, self.prefetch, hold=hold,
+                           activations=activations, reached=reached)
         self._last_saved = saved
         del gather, ahead
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBlock.unpack):

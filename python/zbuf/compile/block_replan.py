@@ -63,6 +63,9 @@ planner, and keeps weights a block at a time:
    with ``base_bytes=0`` (the extra bytes of a level are what it keeps beyond level 0, all of it
    live together at the start of backward). Identical specs tie, and ties go to later blocks
    (the first that backward reaches): the last blocks are kept first, then made selective.
+   On CUDA the plan has a third choice for the blocks it leaves at level 0: "keep", with what
+   the block keeps waiting in host memory ([Note: offloaded blocks] in block_offload.py); such
+   a block runs the "keep" frame and is named in the order check as offloaded.
 3. Each level in use is one frame, its own copy of the frame's code object
    (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
    (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
@@ -117,11 +120,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..memory import PlanPhase, PlanPhases, Replan, pool_budget
+from .. import runtime
+from ..memory import PlanPhase, PlanPhases, Replan, agree_extremes, host_share_bytes, pool_budget
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
-from .recompute import RecomputeStats
-from .recompute_plan import RecomputePlan, plan_block_levels
+from .recompute import LEVELS, RecomputeStats
+from .recompute_plan import HostLink, RecomputePlan, plan_block_levels
 from .replan import Replanner
 
 __all__ = ["BlockReplanner", "blocks_to_keep"]
@@ -177,8 +181,10 @@ class BlockReplanner:
 
     @property
     def kept_activation_bytes(self) -> int:
-        """Activation bytes the plan in force keeps beyond level 0 (every block's)."""
-        return 0 if self.plan is None else self.plan.kept_bytes
+        """Activation bytes the plan in force keeps on the device beyond level 0 (every
+        block's), with what its offloaded blocks hold on their way ([Note: offloaded blocks] in
+        block_offload.py)."""
+        return 0 if self.plan is None else self.plan.modelled_peak_bytes
 
     def activation_peaks(self, *, gradients: bool = True) -> dict[str, int]:
         """The plan's projected activations beyond step 0's ([Note: block levels])."""
@@ -196,6 +202,7 @@ class BlockReplanner:
         return RecomputeStats(
             mode="auto", regions=blocks, regions_recomputed=chosen.count(0),
             regions_selective=chosen.count(1), regions_kept=chosen.count(2),
+            regions_offloaded=0 if self.plan is None else len(self.plan.offloaded),
             activation_budget_bytes=self.room_bytes,
             requested_activation_budget_bytes=self.room_bytes,
             kept_bytes=blocks * estimate.saved_bytes + self.kept_activation_bytes,
@@ -211,7 +218,26 @@ class BlockReplanner:
         self.room_bytes = max(0, room_bytes)
         if estimate is None or not self.frames.called:
             return None
-        return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes)
+        return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes,
+                                 self._host_link())
+
+    def _host_link(self) -> Optional[HostLink]:
+        """What offloading a block's kept activations costs, on CUDA ([Note: offloaded blocks]
+        in block_offload.py): the cost model's times, and half of this rank's share of the
+        host's available memory, agreed over the ranks (pinned memory cannot be paged out)."""
+        frames = self.frames
+        device = frames.pool.device
+        estimate = frames.estimate
+        keep = LEVELS.index("keep")
+        if device.type != "cuda" or len(estimate.levels) <= keep:
+            return None
+        weights = next(iter(frames.called.values())).weights
+        (share,), _ = agree_extremes(runtime.process_group(weights.specs[0].group_name), device,
+                                     smallest=[host_share_bytes() // 2])
+        opts = self.options
+        nbytes = estimate.levels[keep].extra_bytes
+        return HostLink(nbytes, nbytes / opts.host_link_bytes_per_second,
+                        estimate.forward_flops / opts.flops_per_second, share)
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
         """How many blocks keep their weights: none unless ``persist=True`` asks for them, else
@@ -236,12 +262,16 @@ class BlockReplanner:
         order = list(frames.called)
         levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
         kept = frozenset(order[len(order) - kept_blocks:]) if kept_blocks else frozenset()
-        if levels == frames.levels and kept == frames.kept:
-            return None
         if levels != frames.levels and before is not None:
             self.replaced.append(before)
+        offloaded = (frozenset() if plan is None
+                     else frozenset(order[p] for p in plan.offloaded))
+        if levels == frames.levels and kept == frames.kept and offloaded == frames.offload.offloaded:
+            return None
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
+        frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
+                            0 if plan is None else plan.offload_spacing)
         self.plan = plan if levels else None
         self.kept = tuple(
             KeepCandidate(spec.param_id, frames.pool.capacity_for(spec.gathered_nbytes),

@@ -165,8 +165,15 @@ class CostModel:
     memory_bytes_per_second: float = 3e12
     """Memory bandwidth of the cost model (elementwise and data-movement nodes)."""
 
+    host_link_bytes_per_second: float = 40e9
+    """Host link (PCIe) bandwidth of the cost model, one direction: what offloading a block's
+    activations costs ([Note: offloaded blocks] in block_offload.py). A PCIe 5 x16 link moved
+    47.6 GB/s each way at once on an H200 (benches/results/offload14.md); the default is below
+    it, so the plan errs on the side of fewer offloaded blocks."""
+
     def _check_cost(self, need) -> None:
-        for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second"):
+        for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second",
+                     "host_link_bytes_per_second"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
         need(self.collective_latency_seconds >= 0,

@@ -125,6 +125,9 @@ class RecomputeStats:
     """Regions keeping their matmul and attention outputs, recomputing the rest."""
     regions_kept: int = 0
     """Regions recomputing nothing."""
+    regions_offloaded: int = 0
+    """Of those, blocks whose kept activations wait in host memory ([Note: offloaded blocks] in
+    block_offload.py)."""
     activation_budget_bytes: int = 0
     """``"auto"``: the budget of the activation peak (A of [Note: budgeted recompute], after any
     raise to the base); 0 in other modes."""

@@ -31,12 +31,14 @@ peak, the start of backward.
 
 from __future__ import annotations
 
+import math
 import time
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
 
-__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "plan_recompute", "plan_block_levels",
-           "hull_steps"]
+__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "plan_recompute",
+           "plan_block_levels", "hull_steps"]
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,20 @@ class RecomputePlan:
     saved_seconds: float
     """Modelled recompute time saved against every region at level 0."""
     planning_seconds: float = field(default=0.0, compare=False)
+    offloaded: tuple[int, ...] = ()
+    """Blocks (by position) at "keep" whose kept activations wait in host memory from their
+    forward to their backward ([Note: offloaded blocks]); their bytes are not in
+    ``kept_bytes``."""
+    offload_reserve_bytes: int = 0
+    """Device bytes the offloaded blocks hold at once at most, on their way to and from the
+    host (two blocks' worth); in the budget beside ``kept_bytes``."""
+    offload_spacing: int = 0
+    """Blocks from one offloaded block to the next: those whose forward one block's copy takes
+    (0: none offloaded)."""
 
     @property
     def modelled_peak_bytes(self) -> int:
-        return self.base_bytes + self.kept_bytes
+        return self.base_bytes + self.kept_bytes + self.offload_reserve_bytes
 
 
 def hull_steps(spec: RegionSpec) -> list[tuple[int, int, int, float]]:
@@ -171,10 +183,58 @@ def plan_recompute(specs: list[RegionSpec] | tuple[RegionSpec, ...], base_bytes:
         saved_seconds=base_seconds - seconds, planning_seconds=time.perf_counter() - t0)
 
 
-def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int,
-                      room_bytes: int) -> RecomputePlan:
+class HostLink(NamedTuple):
+    """What moving one block's kept activations through host memory costs ([Note: offloaded
+    blocks]); every field is rank-invariant."""
+
+    block_bytes: int
+    """Bytes one block at "keep" keeps beyond level 0: what it moves each way."""
+    copy_seconds: float
+    """Modelled time of ``block_bytes`` over the host link, one direction."""
+    forward_seconds: float
+    """Modelled time of one block's forward: the compute a copy runs under."""
+    host_bytes: int
+    """Host memory the offloaded blocks may hold together."""
+
+
+def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
+                      link: Optional[HostLink] = None) -> RecomputePlan:
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
-    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2)."""
+    keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
+    and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
+    offloaded blocks]) when that saves more recompute than keeping them on the device does."""
+    on_device = _device_levels(levels, blocks, room_bytes)
+    keep = next((i for i, lv in enumerate(levels) if lv.name == "keep"), None)
+    if link is None or keep is None or link.block_bytes <= 0 or blocks == 0:
+        return on_device
+    reserve = 2 * link.block_bytes
+    if room_bytes < reserve:
+        return on_device
+    beside = _device_levels(levels, blocks, room_bytes - reserve)
+    spacing = (max(1, math.ceil(link.copy_seconds / link.forward_seconds))
+               if link.forward_seconds > 0 else blocks)
+    # The blocks left at level 0 are the first ones (the levels ascend). Backward starts a
+    # block's upload ``spacing`` blocks before it needs it, so the last one offloaded is the last
+    # of them with ``spacing`` blocks after it, then every ``spacing``-th before it.
+    last = min(beside.levels.count(0) - 1, blocks - 1 - spacing)
+    offloaded = sorted(range(last, -1, -spacing))
+    offloaded = offloaded[len(offloaded) - min(len(offloaded),
+                                               link.host_bytes // link.block_bytes):]
+    gain = len(offloaded) * (levels[0].recompute_seconds - levels[keep].recompute_seconds)
+    if not offloaded or beside.saved_seconds + gain <= on_device.saved_seconds:
+        return on_device
+    chosen = list(beside.levels)
+    for b in offloaded:
+        chosen[b] = keep
+    return dataclasses.replace(
+        beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
+        saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
+        offload_reserve_bytes=reserve, offload_spacing=spacing, requested_budget_bytes=max(1, room_bytes),
+        budget_bytes=max(1, room_bytes))
+
+
+def _device_levels(levels: tuple[RegionLevel, ...], blocks: int,
+                   room_bytes: int) -> RecomputePlan:
     specs = [RegionSpec(f"block {i}", i, levels) for i in range(blocks)]
     plan = plan_recompute(specs, 0, max(1, room_bytes))
     # The blocks are alike, so any order of the chosen levels keeps as many bytes and recomputes

@@ -5,7 +5,7 @@ the pool's budget] in pool_budget.py). ``zbuf.compile`` asks it; it never plans 
 
 from . import pool_budget
 from .agreement import agree_extremes, stable_budget, stable_bytes, stable_free_memory
-from .device import host_bytes, local_free_bytes, user_capacity_bytes
+from .device import host_bytes, host_share_bytes, local_free_bytes, user_capacity_bytes
 from .ledger import Ledger
 from .optimizer_state import OptimizerPolicy
 from .phases import PhaseMeter, StepPhases
@@ -14,7 +14,8 @@ from .shared import MemoryEvents, SharedMemory
 from .step import MeasuredBudget, StepMemory, StepMemoryRow
 
 __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
-           "stable_free_memory", "host_bytes", "local_free_bytes", "user_capacity_bytes",
+           "stable_free_memory", "host_bytes", "host_share_bytes", "local_free_bytes",
+           "user_capacity_bytes",
            "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "PlanPhase", "PlanPhases",
            "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory", "MeasuredBudget",
            "StepMemory", "StepMemoryRow"]

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["user_capacity_bytes", "host_bytes", "local_free_bytes"]
+__all__ = ["user_capacity_bytes", "host_bytes", "host_share_bytes", "local_free_bytes"]
 
 
 def user_capacity_bytes(device: torch.device) -> Optional[int]:
@@ -45,6 +45,11 @@ def host_bytes(kind: str) -> int:
         return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
+def host_share_bytes() -> int:
+    """This rank's share of the host's available memory ([Note: ranks share the host])."""
+    return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def local_free_bytes(device: torch.device) -> int:
     """Memory this rank could still allocate (CPU: its share of the available host memory).
 
@@ -64,4 +69,4 @@ def local_free_bytes(device: torch.device) -> int:
         available = free + torch.cuda.memory_reserved(device) - allocated
         cap = torch.cuda.get_per_process_memory_fraction(device) * total
         return max(0, int(min(available, cap - allocated)))
-    return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return host_share_bytes()

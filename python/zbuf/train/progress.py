@@ -177,6 +177,12 @@ def summary_table(record: dict[str, Any]) -> Table:
 
         row("blocks kept/selective/recomputed",
             lambda s: levels(s["recompute"]) if s.get("recompute") else "-")
+        if any((s.get("recompute") or {}).get("regions_offloaded") for s in summaries):
+            # Of the kept blocks, those whose activations wait in host memory ([Note: offloaded
+            # blocks] in zbuf/compile/block_offload.py).
+            row("of them offloaded to host",
+                lambda s: str(s["recompute"].get("regions_offloaded", 0))
+                if s.get("recompute") else "-")
         row("activations kept / recomputed",
             lambda s: activations(s["recompute"]) if s.get("recompute") else "-")
         row(f"recomputed {unit} per step", lambda s: (

@@ -1,0 +1,243 @@
+"""Block calls whose kept activations wait in host memory between their forward and their
+backward: the planner's third choice beside keeping and recomputing.
+
+[Note: offloaded blocks]
+Under ``recompute="auto"`` each block call keeps its activations for backward, or some of them,
+or recomputes them ([Note: block levels] in block_replan.py). Kept on the device, a block's
+activations cost device memory from its forward to its backward, all of them together at the
+start of backward, the step's peak; recomputed, they cost the block's forward again in
+backward. A memory-bound model (qwen3-14b as rank 0 of 8 on an 80 GiB card) has room for few
+kept blocks, so most of its blocks recompute (about 500 ms of a 3 s step). The host link is
+idle all that while: the gathers run over NVLink, the optimizer's state stays on the device.
+So a block may run at "keep" and send what it keeps to pinned host memory in its forward,
+while the blocks after it compute, and take it back in backward, while the blocks after it in
+forward run their backward. Its device bytes are held only on the way: the block's own while
+its copy runs, the next offloaded block's while its upload waits to be used.
+
+The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): with the room less
+two blocks' kept bytes (the most the offloaded blocks hold on the device at once), the levels
+are planned as before; of the blocks left at level 0, the last with ``spacing`` blocks after
+it and every ``spacing``-th before it are offloaded, ``spacing`` the blocks whose forward it
+takes to copy one block's bytes over the host link (the cost model's ``host_link_bytes_per_second`` and ``flops_per_second``), as
+many as the agreed host memory holds. The plan is taken only when it saves more modelled
+recompute than the plan without it. Only on CUDA: on the host there is no link to use.
+
+The run (``BlockOffload``, one per model's frames), each saved tensor of the block's frame
+that is not a gathered weight ([Note: two blocks live] in block_prefetch.py) nor one of the
+block call's own inputs (level 0 keeps those too; they are alive anyway):
+
+* forward, when the frame saves it (``OffloadedCall.pack``: after the frame's forward ran):
+  the first tensor of a call makes the compute stream wait for the previous offloaded call's
+  copies (so at most two calls' bytes wait on the device, the planned reserve) and records
+  where the compute stream stands; each tensor is then copied into pinned host memory on the
+  ``down`` stream, which waits for that point, and its device memory goes back to the caching
+  allocator once the copy has run (``record_stream``);
+* backward, when the block ``distance`` calls after an offloaded one in forward begins its
+  backward (``BlockOffload.reached``), that call's tensors
+  are uploaded on the ``up`` stream into device memory allocated there; the frame's backward
+  unpacks them (``OffloadedCall.unpack``), the compute stream waiting for the upload first. A
+  call unpacked before it was reached uploads then (exposed, still correct).
+
+Streams and events, each with who produces and who consumes it:
+``down`` runs the downloads (producer: ``pack``); ``_saved`` is where the compute stream stood
+when the frame saved (producer: the call's first ``pack``; consumer: ``down``); ``_downloaded``
+is the end of the call's downloads (producer: ``pack``; consumers: the next offloaded call's
+first ``pack``, and this call's upload); ``up`` runs the uploads (producer: ``upload``);
+``_uploaded`` is the end of the upload (producer: ``upload``; consumer: the first ``unpack``).
+
+Rank agreement: which calls are offloaded is the plan's (rank-agreed: [Note: block levels]),
+and the copies issue no collective, so a rank's offload changes nothing another rank sees but
+its step time. On the host (the CPU stand-in) the tensors are copied to host memory on the one
+stream there is: the same program, nothing hidden, for tests.
+
+Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so
+its device bytes stay until its copies have run (the reserve counts two calls); the copies
+share the link with the optimizer state's window when that state is offloaded too ([Note: the
+step's window] in zbuf/offload_window.py), which the plan does not model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
+
+
+class OffloadedTensor(NamedTuple):
+    """What a frame's autograd saves in place of an offloaded tensor."""
+
+    call: "OffloadedCall"
+    index: int
+
+
+class OffloadedCall:
+    """One block call's saved activations in host memory ([Note: offloaded blocks])."""
+
+    __slots__ = ("owner", "position", "inputs", "_host", "_device", "_saved", "_downloaded",
+                 "_uploaded", "_unpacks_left", "__weakref__")
+
+    def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
+        self.owner = owner
+        self.position = position
+        """The call's place in the forward (the plan's block position)."""
+        self.inputs = inputs
+        """Storages of the call's own tensor inputs, which stay where they are."""
+        self._host: list[torch.Tensor] = []
+        """The saved tensors' host copies, in save order (producer: ``pack``)."""
+        self._device: Optional[list[torch.Tensor]] = None
+        """Their uploads (producer: ``upload``; consumer: ``unpack``, which drops the list once
+        each was unpacked)."""
+        self._saved: Optional[torch.cuda.Event] = None
+        self._downloaded: Optional[torch.cuda.Event] = None
+        self._uploaded: Optional[torch.cuda.Event] = None
+        self._unpacks_left = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._host)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Send ``t`` to host memory, or keep it: an input of the call, a tensor not on the device,
+        or a view that is not its whole storage (its base may live on; copying it would free
+        nothing)."""
+        storage = t.untyped_storage()
+        if (t.device != self.owner.device or storage.data_ptr() in self.inputs
+                or t.storage_offset() != 0 or t.numel() * t.element_size() != storage.nbytes()):
+            return t
+        owner = self.owner
+        copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
+                                   pin_memory=owner.down is not None)
+        if owner.down is None:
+            copy.copy_(t)
+        else:
+            if self._saved is None:
+                owner.wait_for_previous(self)
+                self._saved = torch.cuda.current_stream(owner.device).record_event()
+                owner.down.wait_event(self._saved)
+            with torch.cuda.stream(owner.down):
+                copy.copy_(t, non_blocking=True)
+            t.record_stream(owner.down)
+            self._downloaded = owner.down.record_event()
+        self._host.append(copy)
+        self._unpacks_left += 1
+        owner.moved_down += copy.untyped_storage().nbytes()
+        return OffloadedTensor(self, len(self._host) - 1)
+
+    def upload(self) -> None:
+        """Bring the tensors back to the device (once per backward)."""
+        if self._device is not None or not self._host:
+            return
+        owner = self.owner
+        if owner.up is None:
+            self._device = [h.clone() for h in self._host]
+        else:
+            owner.up.wait_event(self._downloaded)
+            with torch.cuda.stream(owner.up):
+                self._device = [torch.empty_strided(h.size(), h.stride(), dtype=h.dtype,
+                                                    device=owner.device).copy_(h, non_blocking=True)
+                                for h in self._host]
+            self._uploaded = owner.up.record_event()
+        owner.moved_up += sum(h.untyped_storage().nbytes() for h in self._host)
+
+    @staticmethod
+    def unpack(saved: OffloadedTensor) -> torch.Tensor:
+        call = saved.call
+        owner = call.owner
+        if call._device is None:
+            owner.late_uploads += 1  # no block after it told ``reached``: uploaded on demand
+            owner.reached(call.position)
+        device = call._device
+        t = device[saved.index]
+        if call._uploaded is not None:
+            compute = torch.cuda.current_stream(owner.device)
+            compute.wait_event(call._uploaded)
+            t.record_stream(compute)  # allocated on the upload stream, freed by backward
+        call._unpacks_left -= 1
+        if call._unpacks_left <= 0:
+            # Every tensor is backward's now; a second backward (retain_graph) uploads again.
+            call._unpacks_left = len(call._host)
+            call._device = None
+            call._uploaded = None
+        return t
+
+
+class BlockOffload:
+    """The offloaded block calls of one model's frames ([Note: offloaded blocks])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.down = torch.cuda.Stream(device) if cuda else None
+        """Copies to host memory (see the Note for each stream's and event's producer)."""
+        self.up = torch.cuda.Stream(device) if cuda else None
+        """Copies back to the device."""
+        self.order: dict[int, int] = {}
+        """id(block) -> its position in the forward, of every block (producer: the re-planner;
+        consumers: ``start``, and the frames in backward, which tell ``reached``)."""
+        self.offloaded: frozenset[int] = frozenset()
+        """id(block) of the blocks whose calls are offloaded (producer: the re-planner; consumer:
+        ``start``)."""
+        self.distance = 1
+        """How many blocks after an offloaded one its upload starts, in backward (producer: the
+        re-planner: the plan's spacing)."""
+        self.moved_down = 0
+        """Bytes sent to host memory so far (producer: ``OffloadedCall.pack``)."""
+        self.moved_up = 0
+        """Bytes brought back so far (producer: ``OffloadedCall.upload``)."""
+        self.late_uploads = 0
+        """Calls whose backward began before their upload did (producer:
+        ``OffloadedCall.unpack``)."""
+        self._calls: weakref.WeakValueDictionary[int, OffloadedCall] = (
+            weakref.WeakValueDictionary())
+        """Position -> the latest forward's offloaded call there, while its graph lives
+        (producer: ``start``; consumer: ``reached``)."""
+        self._previous: Optional[OffloadedCall] = None
+        """The forward's latest offloaded call (producer: ``start``; consumer:
+        ``wait_for_previous``)."""
+
+    def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int) -> None:
+        self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
+
+    def start(self, block: int, args: tuple) -> Optional[OffloadedCall]:
+        """The call of ``block`` now starting its forward, if it is offloaded."""
+        if block not in self.offloaded:
+            return None
+        position = self.order[block]
+        inputs = frozenset(a.untyped_storage().data_ptr() for a in args
+                           if isinstance(a, torch.Tensor))
+        call = OffloadedCall(self, position, inputs)
+        self._calls[position] = call
+        return call
+
+    def wait_for_previous(self, call: OffloadedCall) -> None:
+        """The compute stream waits for the previous offloaded call's copies: at most two calls'
+        bytes on their way to the host."""
+        previous, self._previous = self._previous, call
+        if previous is not None and previous._downloaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(previous._downloaded)
+
+    def finish_forward(self) -> None:
+        self._previous = None
+
+    def reached_block(self, block: int) -> None:
+        """Backward begins ``block``'s backward (``reached``)."""
+        position = self.order.get(block)
+        if position is not None and self.offloaded:
+            self.reached(position)
+
+    def reached(self, position: int) -> None:
+        """Backward begins the block at ``position``: upload the offloaded calls at most
+        ``distance`` blocks before it."""
+        for p in range(position - self.distance, position + 1):
+            call = self._calls.get(p)
+            if call is not None:
+                call.upload()
+
+    def report(self) -> dict[str, Any]:
+        return {"blocks": sorted(self.order[b] for b in self.offloaded),
+                "distance": self.distance,
+                "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
+                "late_uploads": self.late_uploads}

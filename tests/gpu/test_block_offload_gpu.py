@@ -1,0 +1,54 @@
+"""Offloaded blocks on CUDA ([Note: offloaded blocks] in zbuf/compile/block_offload.py): the
+kept activations of every offloaded block call copied to pinned host memory on the ``down``
+stream and back on the ``up`` stream; the same floats as the same plan with them kept on the
+device, and a lower peak.
+
+Written without a GPU run (the session that wrote it had no device): its first run on the
+device is its first."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parity import token_batches  # noqa: E402
+from test_block_offload import _train  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")]
+
+
+def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypatch):
+    """Eight blocks of a decoder whose activations outweigh its weights, every block but the
+    last offloaded (spacing 1): the losses and parameters of the same plan with those blocks
+    kept on the device, bit for bit (deterministic kernels), every upload started before its
+    backward, and each step's allocated peak lower by more than four blocks' activations."""
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=8, vocab_size=97, hidden_size=512,
+                                         ffn_hidden_size=1408, head_dim=64)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, True)
+    batches = token_batches(4, vocab=97, rows=4, length=257)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        moved = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
+        kept = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches, to_host=False)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    offload = moved.frames.offload
+    assert offload.report()["blocks"] == list(range(7))
+    assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    assert kept.frames.offload.moved_down == 0
+    assert moved.losses == kept.losses
+    assert all(torch.equal(moved.params[k], kept.params[k]) for k in kept.params)
+    per_block = offload.moved_down // 3 // 7  # steps 1-3 moved every offloaded call's bytes
+    for with_host, on_device in zip(moved.peaks[2:], kept.peaks[2:]):
+        assert with_host < on_device - 4 * per_block, (moved.peaks, kept.peaks, per_block)

@@ -1,0 +1,212 @@
+"""Offloaded blocks ([Note: offloaded blocks] in zbuf/compile/block_offload.py): the planner's
+third choice beside keeping and recomputing a block's activations, planned on random inputs, and
+run on the CPU stand-in through ``zbuf.compile(model, optimizer=opt, structure="blocks",
+recompute="auto")`` against an unsharded reference and against the same blocks kept on the
+device."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zbuf.compile
+from zbuf.compile import block_offload, block_replan
+from zbuf.compile.block_frames import block_frames_of
+from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
+from zbuf.shard import root_of, shard
+from zbuf.state_dict import full_state_dict
+from parity import rel_err, token_batches, train_adamw
+from test_block_auto import clamp_room, decoder
+
+pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
+
+MAX_EXAMPLES = int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150"))
+
+GiB = 1 << 30
+
+
+@st.composite
+def block_levels(draw):
+    """Recompute, selective, keep: each higher level keeps more and recomputes less."""
+    base = draw(st.floats(1e-4, 1e-1))
+    selective = draw(st.integers(1, 1 << 12))
+    keep = selective + draw(st.integers(0, 1 << 12))
+    return (RegionLevel("recompute", 0, base),
+            RegionLevel("selective", selective, base * draw(st.floats(0, 1))),
+            RegionLevel("keep", keep, 0.0))
+
+
+@st.composite
+def host_links(draw, levels):
+    nbytes = levels[2].extra_bytes
+    return HostLink(nbytes, draw(st.floats(0, 1e-1)), draw(st.floats(0, 1e-1)),
+                    draw(st.integers(0, 16 * nbytes)))
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(st.data(), block_levels(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16))
+def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_save_time(
+        data, lv, blocks, room):
+    link = data.draw(host_links(lv))
+    on_device = plan_block_levels(lv, blocks, room)
+    plan = plan_block_levels(lv, blocks, room, link)
+    assert len(plan.levels) == blocks
+    if not plan.offloaded:
+        assert plan == on_device  # nothing offloaded: the plan without a link
+        return
+    # On the device: what the other blocks keep, and two offloaded blocks on their way.
+    kept = sum(lv[level].extra_bytes for b, level in enumerate(plan.levels)
+               if b not in plan.offloaded)
+    assert plan.kept_bytes == kept
+    assert plan.offload_reserve_bytes == 2 * link.block_bytes
+    assert plan.modelled_peak_bytes <= max(room, 1)
+    # In the host's memory; at "keep"; each a copy's worth of forward after the one before.
+    assert len(plan.offloaded) * link.block_bytes <= link.host_bytes
+    assert all(plan.levels[b] == 2 for b in plan.offloaded)
+    spacing = plan.offload_spacing
+    assert spacing >= 1 and spacing * link.forward_seconds >= link.copy_seconds - 1e-12
+    assert all(b - a == spacing for a, b in zip(plan.offloaded, plan.offloaded[1:]))
+    # The offloaded blocks come before every block the plan keeps on the device.
+    on_device_levels = [level for b, level in enumerate(plan.levels) if b not in plan.offloaded]
+    assert on_device_levels == sorted(on_device_levels)
+    assert max(plan.offloaded) < on_device_levels.count(0) + len(plan.offloaded)
+    # Taken only when it saves more modelled recompute than the plan without it.
+    assert plan.saved_seconds > on_device.saved_seconds
+    base = blocks * lv[0].recompute_seconds
+    assert plan.recompute_seconds == pytest.approx(base - plan.saved_seconds, abs=1e-9)
+
+
+def test_at_qwen3_14b_shapes_a_third_of_the_blocks_go_to_the_host():
+    """40 blocks of 2.3 GiB kept each beyond level 0, 8.9 GiB of room (issue 36's setup as
+    rank 0 of 8 on 80 GiB), a 40 GB/s host link and a 30 ms block forward: a block's copy takes
+    about 62 ms, so every third block is offloaded, 13 of them, beside what the room keeps."""
+    lv = (RegionLevel("recompute", 0, 0.013), RegionLevel("selective", int(1.4 * GiB), 0.004),
+          RegionLevel("keep", int(2.3 * GiB), 0.0))
+    nbytes = lv[2].extra_bytes
+    plan = plan_block_levels(lv, 40, int(8.9 * GiB),
+                             HostLink(nbytes, nbytes / 40e9, 0.030, 64 * GiB))
+    assert plan.offload_spacing == 3
+    assert plan.offloaded == tuple(range(0, 37, 3))
+    assert plan.levels[37:] == (1, 1, 1)  # the 4.3 GiB beside the reserve: three selective
+    assert plan.saved_seconds == pytest.approx(13 * 0.013 + 3 * 0.009)
+    assert plan.modelled_peak_bytes <= 8.9 * GiB
+    # A host with room for 4 blocks offloads 4, the last ones.
+    small = plan_block_levels(lv, 40, int(8.9 * GiB),
+                              HostLink(nbytes, nbytes / 40e9, 0.030, 4 * nbytes + 1))
+    assert small.offloaded == (27, 30, 33, 36)
+
+
+def _cpu_link(spacing: int):
+    """A stand-in for ``BlockReplanner._host_link`` on the CPU, which has no host link: one
+    block's copy takes ``spacing`` blocks' forward, and the host holds every block."""
+
+    def link(self):
+        nbytes = self.frames.estimate.levels[2].extra_bytes
+        return HostLink(nbytes, spacing * 1e-3, 1e-3, 1 << 40)
+
+    return link
+
+
+def _reserve_only(lv, n):
+    """Room for two blocks on their way to the host, and nothing else."""
+    return 2 * lv[2].extra_bytes
+
+
+class Trained(NamedTuple):
+    losses: list
+    params: dict
+    frames: object
+    pool: object
+    memory: object
+    peaks: list
+    """Each step's allocated peak (CUDA only)."""
+
+
+def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
+           batches=None) -> Trained:
+    """``init`` sharded on ``device``, compiled under blocks and ``auto`` with its optimizer,
+    the host link ``_cpu_link(spacing)`` and the room ``_reserve_only`` at the grow and settle,
+    trained on ``batches`` (default: ``steps`` tiny ones); with ``to_host`` False, the blocks
+    the plan offloads keep their activations on the device."""
+    monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(spacing))
+    if not to_host:
+        monkeypatch.setattr(block_offload.BlockOffload, "start", lambda self, block, args: None)
+    torch._dynamo.reset()
+    gc.collect()
+    model = shard(copy.deepcopy(init).to(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt)
+    clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
+    peaks: list = []
+
+    def after_step():
+        if device == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]
+    losses = train_adamw(cm, model, data, opt, after_step)
+    monkeypatch.undo()
+    return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
+                   zbuf.compile.step_memory_of(cm), peaks)
+
+
+@pytest.mark.parametrize("spacing", [1, 2])
+def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(monkeypatch,
+                                                                          spacing):
+    """Seven blocks, room for two on their way to the host only (or two kept on the device):
+    the re-plan after the measured step offloads every ``spacing``-th block, the last with
+    ``spacing`` after it, which saves more recompute than keeping two. Losses and
+    parameters match the unsharded reference (1e-5) and, bit for bit, the same plan with those
+    blocks' activations kept on the device; every byte sent to the host comes back once per
+    step, each call's upload starts before its backward, and no copy outlives its step."""
+    steps = 4
+    init = decoder(7)
+    losses, params, frames, pool, _, _ = _train(monkeypatch, init, spacing, steps)
+    offload = frames.offload
+    plan = frames.levels, offload.report()["blocks"]
+    expected = list(range(6 - spacing, -1, -spacing))[::-1]
+    assert offload.report()["blocks"] == expected and offload.distance == spacing
+    assert [frames.levels.get(b, 0) == 2 for b in frames.called] == [
+        i in expected for i in range(7)]
+    # Offloaded from step 1 on (the re-plan came at its forward), the same bytes every step.
+    assert offload.moved_down == offload.moved_up > 0
+    assert offload.moved_down % (steps - 1) == 0
+    assert offload.late_uploads == 0
+    gc.collect()
+    assert len(offload._calls) == 0
+    assert pool.stats().checked_out == 0
+
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, token_batches(steps),
+                             torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    ref_sd = ref.state_dict()
+    assert max(rel_err(params[k], ref_sd[k]) for k in ref_sd) <= 1e-5
+
+    kept_losses, kept_params, kept_frames, _, _, _ = _train(monkeypatch, init, spacing, steps,
+                                                      to_host=False)
+    assert (kept_frames.levels.values().__len__(), kept_frames.offload.report()["blocks"]) == (
+        len(plan[0]), plan[1])
+    assert kept_frames.offload.moved_down == 0
+    assert kept_losses == losses
+    assert all(torch.equal(kept_params[k], params[k]) for k in params)
+
+
+def test_the_record_says_which_blocks_went_to_the_host(monkeypatch):
+    """The re-plan's levels in the step memory's report count the offloaded blocks, and the
+    frames' schedule names them with the bytes moved."""
+    _, _, frames, _, memory, _ = _train(monkeypatch, decoder(7), 2, 3)
+    levels = memory.report()["measured"]["recompute"]
+    assert (levels["regions_offloaded"], levels["regions_kept"]) == (3, 3)
+    schedule = frames.schedule()
+    assert schedule["activation_offload"]["blocks"] == [0, 2, 4]
+    assert schedule["activation_offload"]["moved_down_bytes"] > 0
