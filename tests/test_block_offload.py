@@ -127,6 +127,7 @@ class Trained(NamedTuple):
     memory: object
     peaks: list
     """Each step's allocated peak (CUDA only)."""
+    compiled: object
 
 
 def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
@@ -156,7 +157,7 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
     losses = train_adamw(cm, model, data, opt, after_step)
     monkeypatch.undo()
     return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
-                   zbuf.compile.step_memory_of(cm), peaks)
+                   zbuf.compile.step_memory_of(cm), peaks, cm)
 
 
 @pytest.mark.parametrize("spacing", [1, 2])
@@ -170,7 +171,7 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     step, each call's upload starts before its backward, and no copy outlives its step."""
     steps = 4
     init = decoder(7)
-    losses, params, frames, pool, _, _ = _train(monkeypatch, init, spacing, steps)
+    losses, params, frames, pool, _, _, _ = _train(monkeypatch, init, spacing, steps)
     offload = frames.offload
     plan = frames.levels, offload.report()["blocks"]
     expected = list(range(6 - spacing, -1, -spacing))[::-1]
@@ -192,7 +193,7 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     ref_sd = ref.state_dict()
     assert max(rel_err(params[k], ref_sd[k]) for k in ref_sd) <= 1e-5
 
-    kept_losses, kept_params, kept_frames, _, _, _ = _train(monkeypatch, init, spacing, steps,
+    kept_losses, kept_params, kept_frames, _, _, _, _ = _train(monkeypatch, init, spacing, steps,
                                                       to_host=False)
     assert (kept_frames.levels.values().__len__(), kept_frames.offload.report()["blocks"]) == (
         len(plan[0]), plan[1])
@@ -204,9 +205,36 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
 def test_the_record_says_which_blocks_went_to_the_host(monkeypatch):
     """The re-plan's levels in the step memory's report count the offloaded blocks, and the
     frames' schedule names them with the bytes moved."""
-    _, _, frames, _, memory, _ = _train(monkeypatch, decoder(7), 2, 3)
+    _, _, frames, _, memory, _, _ = _train(monkeypatch, decoder(7), 2, 3)
     levels = memory.report()["measured"]["recompute"]
     assert (levels["regions_offloaded"], levels["regions_kept"]) == (3, 3)
     schedule = frames.schedule()
     assert schedule["activation_offload"]["blocks"] == [0, 2, 4]
     assert schedule["activation_offload"]["moved_down_bytes"] > 0
+
+
+def test_two_forwards_before_one_backward_upload_on_demand_and_match_the_kept_blocks(
+        monkeypatch):
+    """Accumulation written as two forwards and one backward of their sum: the second
+    forward's calls take the positions the backward reaches first, so the first forward's
+    calls upload when their backward unpacks them (counted late), with the same gradients,
+    bit for bit, as the same blocks kept on the device."""
+    grads = []
+    late = []
+    for to_host in (True, False):
+        run = _train(monkeypatch, decoder(7), 1, 3, to_host=to_host)
+        if not to_host:
+            monkeypatch.setattr(block_offload.BlockOffload, "start",
+                                lambda self, block, args: None)
+        from zbuf.models import loss
+
+        first, second = token_batches(2)
+        before = run.frames.offload.late_uploads
+        total = (loss(run.compiled, first[:, :-1], first[:, 1:])
+                 + loss(run.compiled, second[:, :-1], second[:, 1:]))
+        total.backward()
+        monkeypatch.undo()
+        late.append(run.frames.offload.late_uploads - before)
+        grads.append([p.grad.clone() for p in run.compiled.parameters()])
+    assert late[0] > 0 and late[1] == 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

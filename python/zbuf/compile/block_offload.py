@@ -140,7 +140,7 @@ class OffloadedCall:
                                                     device=owner.device).copy_(h, non_blocking=True)
                                 for h in self._host]
             self._uploaded = owner.up.record_event()
-        owner.moved_up += sum(h.untyped_storage().nbytes() for h in self._host)
+        owner.moved_up += self.nbytes
 
     @staticmethod
     def unpack(saved: OffloadedTensor) -> torch.Tensor:
@@ -148,7 +148,8 @@ class OffloadedCall:
         owner = call.owner
         if call._device is None:
             owner.late_uploads += 1  # no block after it told ``reached``: uploaded on demand
-            owner.reached(call.position)
+            owner.reached(call.position)  # and the calls before it, as its own reach would
+            call.upload()  # (a later forward's call may hold its position)
         device = call._device
         t = device[saved.index]
         if call._uploaded is not None:
