@@ -16,6 +16,8 @@ the bench engine to the plain setup's, so that the step times say where a differ
     plain            every factor the plain setup's
     zbuf.compile     the plain setup through the README's call, zbuf.compile(model, optimizer=opt)
                      with no other option (issue 36)
+    zbuf.compile+auto ... with recompute="auto": the blocks kept, offloaded to host memory (on
+                     CUDA) and recomputed as the measured room plans them
     fsdp2            the plain setup under FSDP2 as torchtitan runs it: fully_shard per block and
                      the root, each block compiled (run it with expandable segments, its best)
 
@@ -67,7 +69,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint
 
 VARIANTS = ("bench", "bench+fused", "bench+eager-loss", "bench+torch.compile",
-            "bench+plain-model", "plain", "zbuf.compile", "fsdp2")
+            "bench+plain-model", "plain", "zbuf.compile", "zbuf.compile+auto", "fsdp2")
 PLACEMENTS = ("inside", "parent", "wrapper", "selective", "none")
 
 
@@ -232,7 +234,8 @@ def _setup(variant: str, cfg, device, dtype, user_ac: UserCheckpointing):
     if variant == "bench":
         setup = build_engine(Engine.ZBUF, cfg, device)
         return setup.step_loss, setup.optimizer, setup.model, setup.pool
-    plain = variant in ("bench+plain-model", "plain", "zbuf.compile", "fsdp2")
+    readme_call = variant.startswith("zbuf.compile")  # zbuf.compile(model, optimizer=opt, ...)
+    plain = readme_call or variant in ("bench+plain-model", "plain", "fsdp2")
     ac = user_ac if cfg.ac != "off" else user_ac._replace(placement="none")
     if cfg.simulated:  # meta models, materialised shard by shard by zbuf.shard below
         if plain:
@@ -247,8 +250,8 @@ def _setup(variant: str, cfg, device, dtype, user_ac: UserCheckpointing):
             model.load_state_dict(preset.state_dict())
         else:
             model = preset
-    eager_loss = variant in ("bench+eager-loss", "plain", "zbuf.compile", "fsdp2")
-    fused = variant in ("bench+fused", "plain", "zbuf.compile", "fsdp2")
+    eager_loss = readme_call or variant in ("bench+eager-loss", "plain", "fsdp2")
+    fused = readme_call or variant in ("bench+fused", "plain", "fsdp2")
     if variant == "fsdp2":
         model = _fsdp2(model, cfg, device, dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, fused=True)
@@ -263,6 +266,8 @@ def _setup(variant: str, cfg, device, dtype, user_ac: UserCheckpointing):
     inner = {} if cfg.compiler == "inductor" else {"inner": cfg.compiler}
     if variant == "zbuf.compile":
         compiled = zbuf.compile(target, optimizer=opt, **inner)
+    elif variant == "zbuf.compile+auto":  # the measured room planned: kept, offloaded, recomputed
+        compiled = zbuf.compile(target, optimizer=opt, recompute="auto", **inner)
     elif variant in ("bench+torch.compile", "plain"):
         compiled = torch.compile(target, backend="zbuf", **({"options": inner} if inner else {}))
     else:  # as the bench engine calls it (train/engines.py)

@@ -266,7 +266,8 @@ case "${1:-}" in
     # none; PLAIN_ARGS go to plain_setup.py, e.g. "--attn-dropout 0.1"), each variant a
     # process of its own with an empty Inductor cache (cold first steps): FSDP2 with expandable
     # segments (its best), then zbuf.compile(model, optimizer=opt), then any other VARIANTS
-    # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf")). MODEL: 14b (qwen3-14b
+    # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf"); zbuf.compile+auto =
+    # recompute="auto", its blocks kept, offloaded or recomputed). MODEL: 14b (qwen3-14b
     # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
     # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json; PROFILE=1: two extra steps
     # profiled per variant, the summary under .../profile/ and printed
