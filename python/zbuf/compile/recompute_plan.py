@@ -211,8 +211,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     if room_bytes < reserve:
         return on_device
     beside = _device_levels(levels, blocks, room_bytes - reserve)
-    spacing = (max(1, math.ceil(link.copy_seconds / link.forward_seconds))
-               if link.forward_seconds > 0 else blocks)
+    # A copy that takes ``blocks`` forwards or more leaves no block to offload.
+    copies = link.copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
+    spacing = blocks if copies >= blocks else max(1, math.ceil(copies))
     # The blocks left at level 0 are the first ones (the levels ascend). Backward starts a
     # block's upload ``spacing`` blocks before it needs it, so the last one offloaded is the last
     # of them with ``spacing`` blocks after it, then every ``spacing``-th before it.
