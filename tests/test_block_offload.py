@@ -142,7 +142,7 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
     the plan offloads keep their activations on the device."""
     monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(spacing))
     if not to_host:
-        monkeypatch.setattr(block_offload.BlockOffload, "start", lambda self, block, args: None)
+        monkeypatch.setattr(block_offload.BlockOffload, "start", lambda self, block, args, kwargs: None)
     torch._dynamo.reset()
     gc.collect()
     model = shard(copy.deepcopy(init).to(device))
@@ -229,7 +229,7 @@ def test_two_forwards_before_one_backward_upload_on_demand_and_match_the_kept_bl
         run = _train(monkeypatch, decoder(7), 1, 3, to_host=to_host)
         if not to_host:
             monkeypatch.setattr(block_offload.BlockOffload, "start",
-                                lambda self, block, args: None)
+                                lambda self, block, args, kwargs: None)
         from zbuf.models import loss
 
         first, second = token_batches(2)
@@ -242,3 +242,61 @@ def test_two_forwards_before_one_backward_upload_on_demand_and_match_the_kept_bl
         grads.append([p.grad.clone() for p in run.compiled.parameters()])
     assert late[0] > 0 and late[1] == 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_calls_inputs_stay_on_the_device_and_its_own_tensors_go():
+    """The call's positional and keyword inputs (a Hugging Face layer's rotary tables come as
+    ``position_embeddings=(cos, sin)``, every layer's) and views that are not their whole
+    storage stay where they are; a tensor the block made goes to host memory and comes back
+    equal."""
+    offload = block_offload.BlockOffload(torch.device("cpu"))
+    offload.plan({7: 0}, frozenset({7}), 1)
+    x, cos, sin = torch.randn(4, 8), torch.randn(4, 2), torch.randn(4, 2)
+    assert offload.start(8, (x,), {}) is None  # not offloaded
+    call = offload.start(7, (x,), {"position_embeddings": (cos, sin)})
+    made = torch.randn(4, 8)
+    assert call.pack(x) is x and call.pack(cos) is cos and call.pack(sin) is sin
+    assert call.pack(made[1:]) is not None and isinstance(call.pack(made[1:]), torch.Tensor)
+    saved = call.pack(made.t())
+    assert isinstance(saved, block_offload.OffloadedTensor)
+    assert offload.moved_down == made.numel() * made.element_size()
+    back = block_offload.OffloadedCall.unpack(saved)
+    assert torch.equal(back, made.t()) and back.stride() == made.t().stride()
+    assert offload.late_uploads == 1  # nothing reached it first
+
+
+def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch):
+    """Seven Hugging Face Qwen3 layers under their own checkpointing, every layer but the last
+    offloaded: the losses and parameters of the same layers kept on the device, bit for bit,
+    with no late upload (the layers' rotary tables, a keyword input, stay on the device)."""
+    pytest.importorskip("transformers")
+    from parity import tiny_qwen3
+
+    init = tiny_qwen3(checkpointed=True, layers=7)
+    data = token_batches(3)
+    runs = []
+    for to_host in (True, False):
+        monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(1))
+        if not to_host:
+            monkeypatch.setattr(block_offload.BlockOffload, "start",
+                                lambda self, block, args, kwargs: None)
+        torch._dynamo.reset()
+        model = shard(copy.deepcopy(init))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                          optimizer=opt)
+        clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
+        losses = []
+        for tokens in data:
+            out = cm(input_ids=tokens, labels=tokens, use_cache=False).loss
+            out.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(out.item())
+        monkeypatch.undo()
+        runs.append((losses, full_state_dict(model), block_frames_of(model).offload))
+    (moved, moved_params, offload), (kept, kept_params, _) = runs
+    assert offload.report()["blocks"] == list(range(6)) and offload.late_uploads == 0
+    assert offload.moved_down == offload.moved_up > 0
+    assert moved == kept
+    assert all(torch.equal(moved_params[k], kept_params[k]) for k in kept_params)

@@ -514,7 +514,7 @@ class BlockFrames:
                                          hold=hold)
             return self.prefetch.run(
                 slot, frame, block, args, kwargs, label=label, hold=hold,
-                activations=None if in_backward() else offload.start(id(block), args),
+                activations=None if in_backward() else offload.start(id(block), args, kwargs),
                 reached=functools.partial(offload.reached_block, id(block)))
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its

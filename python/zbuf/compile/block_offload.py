@@ -202,13 +202,16 @@ class BlockOffload:
     def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int) -> None:
         self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
 
-    def start(self, block: int, args: tuple) -> Optional[OffloadedCall]:
-        """The call of ``block`` now starting its forward, if it is offloaded."""
+    def start(self, block: int, args: tuple, kwargs: dict) -> Optional[OffloadedCall]:
+        """The call of ``block`` now starting its forward with ``args`` and ``kwargs``, if it is
+        offloaded."""
         if block not in self.offloaded:
             return None
         position = self.order[block]
-        inputs = frozenset(a.untyped_storage().data_ptr() for a in args
-                           if isinstance(a, torch.Tensor))
+        # Hugging Face layers take the rotary tables as a keyword (a tuple): every layer's.
+        inputs = frozenset(t.untyped_storage().data_ptr()
+                           for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor))
         call = OffloadedCall(self, position, inputs)
         self._calls[position] = call
         return call
