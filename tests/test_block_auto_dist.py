@@ -10,6 +10,9 @@ compile/block_replan.py). One launch per world size:
   into, settled out of, one block's gathers fewer per step while kept, parity throughout;
 * level 0 run as the "keep" frame under an eager checkpoint: the re-plan to every block kept
   compiles nothing, parity throughout, each gradient reduce-scattered once per step;
+* offloaded blocks ([Note: offloaded blocks] in compile/block_offload.py, the host link stood
+  in on the CPU): every rank offloads the same blocks, parity throughout, and a rank that
+  offloads others stops every rank at the first forward after the re-plan;
 * a rank whose blocks run at other levels than its peers' stops every rank with
   ``ScheduleMismatchError`` at the first forward after the re-plan ([Note: block order check]).
 """
@@ -162,6 +165,53 @@ def _shared_case(rank, world):
             "measured": memory.measured._asdict(), "errors": errors}
 
 
+def _offload_case(rank, world):
+    """Five blocks, room for two on their way to the host only, the host link stood in on the
+    CPU (one copy per block forward): the first four blocks offloaded from step 1 on, parity
+    with the unsharded reference; then a rank that offloads one block fewer is refused."""
+    import zbuf.compile
+    from zbuf.compile import ScheduleMismatchError, block_replan
+    from zbuf.compile.block_frames import block_frames_of
+    from zbuf.models import loss
+
+    import test_block_auto as unit
+    import test_block_offload as offload_tests
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init = unit.decoder(5)
+    data = sm_tests._batches(97, world, STEPS)
+    ref_losses, ref_states = sm_tests._reference(init, data, steps_to_keep={STEPS - 1})
+    link = block_replan.BlockReplanner._host_link
+    block_replan.BlockReplanner._host_link = offload_tests._cpu_link(1)
+    try:
+        model = zbuf.shard(copy.deepcopy(init))
+        opt, sched = sm_tests._adamw(model.parameters())
+        cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                          fullgraph=True, optimizer=opt)
+        memory = zbuf.compile.step_memory_of(cm)
+        unit.clamp_room(memory, offload_tests._reserve_only, offload_tests._reserve_only)
+        frames = block_frames_of(model)
+        losses, states, _ = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world,
+                                                 memory, keep={STEPS - 1})
+    finally:
+        block_replan.BlockReplanner._host_link = link
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    error = sm_tests._worst(states[STEPS - 1], ref_states[STEPS - 1])
+    assert error <= RTOL, error
+    report = frames.offload.report()
+    if rank == 1:  # a rank that offloads otherwise (a bug the check must catch)
+        frames.offload.offloaded = frames.offload.offloaded - {id(model.layers[0])}
+    frames.prefetch.check_next_forward()
+    tokens = token_batches(1)[0]
+    try:
+        loss(cm, tokens[:, :-1], tokens[:, 1:])
+        refused = None
+    except ScheduleMismatchError as e:
+        refused = str(e)
+    return {"report": report, "levels": _levels(frames, model), "refused": refused}
+
+
 def _mismatch_case(rank, world):
     import zbuf.compile
     from zbuf.compile import ScheduleMismatchError
@@ -191,7 +241,8 @@ def _mismatch_case(rank, world):
 
 def _worker(rank, world):
     return {"parity": _parity_case(rank, world), "weights": _weights_case(rank, world),
-            "shared": _shared_case(rank, world), "mismatch": _mismatch_case(rank, world)}
+            "shared": _shared_case(rank, world), "offload": _offload_case(rank, world),
+            "mismatch": _mismatch_case(rank, world)}
 
 
 def _check(results):
@@ -247,6 +298,14 @@ def _check(results):
     for o in shared[1:]:
         for key in ("reduces", "gathers", "levels", "measured"):
             assert o[key] == shared[0][key], (key, o[key], shared[0][key])
+    offload = [r["offload"] for r in results]
+    for o in offload:
+        assert o["report"]["blocks"] == [0, 1, 2, 3] and o["report"]["late_uploads"] == 0, o
+        assert o["report"]["moved_down_bytes"] == o["report"]["moved_up_bytes"] > 0, o
+        assert o["levels"] == [2, 2, 2, 2, 0], o
+        assert o["refused"] is not None and "activations offloaded" in o["refused"], o
+    for o in offload[1:]:
+        assert o["report"] == offload[0]["report"]
     for rank, r in enumerate(results):
         error = r["mismatch"]
         assert error is not None, rank
