@@ -142,7 +142,8 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
     the plan offloads keep their activations on the device."""
     monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(spacing))
     if not to_host:
-        monkeypatch.setattr(block_offload.BlockOffload, "start", lambda self, block, args, kwargs: None)
+        monkeypatch.setattr(block_offload.BlockOffload, "start",
+                            lambda self, block, args, kwargs: None)
     torch._dynamo.reset()
     gc.collect()
     model = shard(copy.deepcopy(init).to(device))

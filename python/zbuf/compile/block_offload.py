@@ -14,17 +14,19 @@ while the blocks after it compute, and take it back in backward, while the block
 forward run their backward. Its device bytes are held only on the way: the block's own while
 its copy runs, the next offloaded block's while its upload waits to be used.
 
-The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): with the room less
-two blocks' kept bytes (the most the offloaded blocks hold on the device at once), the levels
-are planned as before; of the blocks left at level 0, the last with ``spacing`` blocks after
-it and every ``spacing``-th before it are offloaded, ``spacing`` the blocks whose forward it
-takes to copy one block's bytes over the host link (the cost model's ``host_link_bytes_per_second`` and ``flops_per_second``), as
-many as the agreed host memory holds. The plan is taken only when it saves more modelled
-recompute than the plan without it. Only on CUDA: on the host there is no link to use.
+The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): with the room less two
+blocks' kept bytes (the most the offloaded blocks hold on the device at once), the levels are
+planned as before; of the blocks left at level 0, the last with ``spacing`` blocks after it and
+every ``spacing``-th before it are offloaded, ``spacing`` the blocks whose forward it takes to
+copy one block's bytes over the host link (the cost model's ``host_link_bytes_per_second`` and
+``flops_per_second``), as many as the agreed host memory holds. The plan is taken only when it
+saves more modelled recompute than the plan without it. Only on CUDA: on the host there is no
+link to use.
 
 The run (``BlockOffload``, one per model's frames), each saved tensor of the block's frame
-that is not a gathered weight ([Note: two blocks live] in block_prefetch.py) nor one of the
-block call's own inputs (level 0 keeps those too; they are alive anyway):
+that is not a gathered weight ([Note: two blocks live] in block_prefetch.py), nor one of the
+block call's own inputs, positional or keyword (level 0 keeps those too, and a Hugging Face
+layer's rotary tables are every layer's), nor a view that is not its whole storage:
 
 * forward, when the frame saves it (``OffloadedCall.pack``: after the frame's forward ran):
   the first tensor of a call makes the compute stream wait for the previous offloaded call's
@@ -53,7 +55,12 @@ stream there is: the same program, nothing hidden, for tests.
 Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so
 its device bytes stay until its copies have run (the reserve counts two calls); the copies
 share the link with the optimizer state's window when that state is offloaded too ([Note: the
-step's window] in zbuf/offload_window.py), which the plan does not model.
+step's window] in zbuf/offload_window.py), which the plan does not model; the first step that
+offloads pins its host memory (torch's host caching allocator keeps it for the steps after);
+where the shared frame is "selective", the offloaded blocks' "keep" frame is one more block
+compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
+place after its block (which autograd refuses without hooks) is copied as the stream has it.
+Not yet measured on a GPU.
 """
 
 from __future__ import annotations

@@ -205,7 +205,8 @@ class BlockReplanner:
             regions_offloaded=0 if self.plan is None else len(self.plan.offloaded),
             activation_budget_bytes=self.room_bytes,
             requested_activation_budget_bytes=self.room_bytes,
-            kept_bytes=blocks * estimate.saved_bytes + self.kept_activation_bytes,
+            kept_bytes=blocks * estimate.saved_bytes + (0 if self.plan is None
+                                                        else self.plan.kept_bytes),
             forward_flops=blocks * estimate.forward_flops,
             recomputed_flops=sum(estimate.levels[lv].recompute_flops for lv in chosen),
             partitions=len(set(chosen)))
@@ -262,12 +263,12 @@ class BlockReplanner:
         order = list(frames.called)
         levels = {} if plan is None else {b: lv for b, lv in zip(order, plan.levels) if lv}
         kept = frozenset(order[len(order) - kept_blocks:]) if kept_blocks else frozenset()
-        if levels != frames.levels and before is not None:
-            self.replaced.append(before)
         offloaded = (frozenset() if plan is None
                      else frozenset(order[p] for p in plan.offloaded))
-        if levels == frames.levels and kept == frames.kept and offloaded == frames.offload.offloaded:
+        if (levels, kept, offloaded) == (frames.levels, frames.kept, frames.offload.offloaded):
             return None
+        if levels != frames.levels and before is not None:
+            self.replaced.append(before)
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
         frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,

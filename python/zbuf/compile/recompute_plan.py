@@ -230,7 +230,8 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     return dataclasses.replace(
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_reserve_bytes=reserve, offload_spacing=spacing, requested_budget_bytes=max(1, room_bytes),
+        offload_reserve_bytes=reserve, offload_spacing=spacing,
+        requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 
 
