@@ -74,6 +74,7 @@ from .memory.optimizer_state import OptimizerPolicy
 from .memory.progress import Point
 from .offload_window import OffloadWindow
 from .optimizer_offload import ARENA_ALIGN, _registered_arena
+from .stream_waits import TimedWaits
 
 __all__ = ["StepOffload", "streamed_state_of", "Op", "step_schedule", "plan_buckets",
            "BUCKET_BYTES", "SLOTS"]
@@ -233,8 +234,8 @@ class StepOffload:
         self._groups: Optional[list[dict]] = None
         """The user's ``param_groups`` while the step runs narrowed to all but the streamed
         parameters."""
-        self._waits: list[tuple[Any, Any]] = []
-        """CUDA: (before, after) events around the compute stream's waits of the last step."""
+        self._waits = TimedWaits()
+        """CUDA: the compute stream's waits of the last step."""
         self._pending: tuple[int, int, float] = (0, 0, 0.0)
         """What the copies since the last step's record moved: (uploaded, downloaded, CPU copy
         seconds); the window's uploads in backward count toward the step they are for."""
@@ -422,7 +423,7 @@ class StepOffload:
             compute = torch.cuda.current_stream(self.device)
             for b in ahead:
                 if b.ready is not None:
-                    self._timed_wait(compute, b.ready)
+                    self._waits.wait(compute, b.ready)
         for b in ahead:
             b.ready = None
         self.slots, self._freed = [], []
@@ -444,19 +445,9 @@ class StepOffload:
                 return
             slot = self._draining.pop(0)
             if compute is not None and self._freed[slot] is not None:
-                self._timed_wait(compute, self._freed[slot])
+                self._waits.wait(compute, self._freed[slot])
             self.slots[slot] = None
         self.slots, self._freed = [], []
-
-    def _timed_wait(self, compute: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        """``compute`` waits for ``event``, between two timing events: the time it stood
-        still."""
-        before = torch.cuda.Event(enable_timing=True)
-        after = torch.cuda.Event(enable_timing=True)
-        before.record(compute)
-        compute.wait_event(event)
-        after.record(compute)
-        self._waits.append((before, after))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copies_async:
@@ -497,12 +488,12 @@ class StepOffload:
         if self.copies_async:
             compute = torch.cuda.current_stream(self.device)
             if b.ready is not None:
-                self._timed_wait(compute, b.ready)  # the upload waited for the slot's download
+                self._waits.wait(compute, b.ready)  # the upload waited for the slot's download
                 b.ready = None
             elif self._freed[slot] is not None:
                 # Nothing uploaded (its first step): the state it makes is copied into the slot
                 # below, after the slot's last download.
-                self._timed_wait(compute, self._freed[slot])
+                self._waits.wait(compute, self._freed[slot])
         self._point(b, base)
         opt = self.optimizer
         everything = opt.param_groups
@@ -576,11 +567,7 @@ class StepOffload:
         forward and backward ran since)."""
         if not self._waits or not self.records:
             return
-        ms = 0.0
-        for before, after in self._waits:
-            after.synchronize()
-            ms += before.elapsed_time(after)
-        self._waits.clear()
+        ms = self._waits.read_ms()
         last = self.records[-1]
         self.records[-1] = last._replace(exposed_ms=last.exposed_ms + ms)
 

@@ -46,6 +46,7 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     offload = moved.frames.offload
     assert offload.report()["blocks"] == list(range(7))
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    assert offload.forwards == 3 and offload.report()["exposed_ms_per_step"] >= 0.0
     assert kept.frames.offload.moved_down == 0
     assert moved.losses == kept.losses
     assert all(torch.equal(moved.params[k], kept.params[k]) for k in kept.params)

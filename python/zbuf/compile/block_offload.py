@@ -70,6 +70,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ..stream_waits import TimedWaits
+
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
 
 
@@ -157,11 +159,12 @@ class OffloadedCall:
             owner.late_uploads += 1  # no block after it told ``reached``: uploaded on demand
             owner.reached(call.position)  # and the calls before it, as its own reach would
             call.upload()  # (a later forward's call may hold its position)
-        device = call._device
-        t = device[saved.index]
-        if call._uploaded is not None:
+        t = call._device[saved.index]
+        if owner.up is not None:
             compute = torch.cuda.current_stream(owner.device)
-            compute.wait_event(call._uploaded)
+            if call._uploaded is not None:  # the call's first unpack: later work queues after it
+                owner.waits.wait(compute, call._uploaded)
+                call._uploaded = None
             t.record_stream(compute)  # allocated on the upload stream, freed by backward
         call._unpacks_left -= 1
         if call._unpacks_left <= 0:
@@ -198,6 +201,17 @@ class BlockOffload:
         self.late_uploads = 0
         """Calls whose backward began before their upload did (producer:
         ``OffloadedCall.unpack``)."""
+        self.waits = TimedWaits()
+        """The compute stream's waits for the copies: the throttle's in forward, the uploads' in
+        backward (producers: ``wait_for_previous``, ``OffloadedCall.unpack``; consumer:
+        ``finish_forward``, which reads those the device has passed)."""
+        self.exposed_ms = 0.0
+        """Milliseconds the compute stream stood still in those waits, read so far."""
+        self.forwards = 0
+        """Forwards that offloaded a call (producer: ``start``)."""
+        self._counted = False
+        """This forward is in ``forwards`` (producer: ``start``; consumer: ``finish_forward``,
+        which clears it)."""
         self._calls: weakref.WeakValueDictionary[int, OffloadedCall] = (
             weakref.WeakValueDictionary())
         """Position -> the latest forward's offloaded call there, while its graph lives
@@ -220,6 +234,8 @@ class BlockOffload:
                            for t in torch.utils._pytree.tree_leaves((args, kwargs))
                            if isinstance(t, torch.Tensor))
         call = OffloadedCall(self, position, inputs)
+        if not self._counted:
+            self.forwards, self._counted = self.forwards + 1, True
         self._calls[position] = call
         return call
 
@@ -228,10 +244,12 @@ class BlockOffload:
         bytes on their way to the host."""
         previous, self._previous = self._previous, call
         if previous is not None and previous._downloaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(previous._downloaded)
+            self.waits.wait(torch.cuda.current_stream(self.device), previous._downloaded)
 
     def finish_forward(self) -> None:
-        self._previous = None
+        self._previous, self._counted = None, False
+        if self.waits:
+            self.exposed_ms += self.waits.read_ms(done_only=True)
 
     def reached_block(self, block: int) -> None:
         """Backward begins ``block``'s backward (``reached``)."""
@@ -248,7 +266,9 @@ class BlockOffload:
                 call.upload()
 
     def report(self) -> dict[str, Any]:
+        self.exposed_ms += self.waits.read_ms()
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
                 "distance": self.distance,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
-                "late_uploads": self.late_uploads}
+                "late_uploads": self.late_uploads,
+                "exposed_ms_per_step": self.exposed_ms / self.forwards if self.forwards else None}
