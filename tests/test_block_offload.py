@@ -303,3 +303,30 @@ def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch
     assert offload.moved_down == offload.moved_up > 0
     assert moved == kept
     assert all(torch.equal(moved_params[k], kept_params[k]) for k in kept_params)
+
+
+def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
+    """``zbuf report``'s block schedule table names the offloaded blocks, the bytes they move
+    each step and the copies' exposed time, from the frames' schedule of a run that offloaded;
+    a run that offloaded nothing has no such rows."""
+    from rich.console import Console
+
+    from zbuf.train.report import block_schedule_table
+
+    run = _train(monkeypatch, decoder(7), 2, 3)
+
+    def table(schedule):
+        engine = {"engine": "zbuf", "status": "ok", "steps": [{"step": 0}],
+                  "schedule": {"graphs": [], "blocks": schedule}}
+        console = Console(width=200, record=True)
+        console.print(block_schedule_table({"engines": [engine]}))
+        return " ".join(console.export_text().split())
+
+    offload = run.frames.offload
+    text = table(run.frames.schedule())
+    assert "of the kept, offloaded to host │ 3 │" in text, text
+    per_step = offload.moved_down / offload.forwards / 1024
+    assert f"to host and back per step │ {per_step:.2f} KiB │" in text, text
+    assert "copies exposed per step │ 0.0 ms │" in text and "uploads started late │ 0 │" in text
+    quiet = dict(run.frames.schedule(), activation_offload={"blocks": []})
+    assert "offloaded" not in table(quiet)

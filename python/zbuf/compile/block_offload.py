@@ -268,7 +268,7 @@ class BlockOffload:
     def report(self) -> dict[str, Any]:
         self.exposed_ms += self.waits.read_ms()
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
-                "distance": self.distance,
+                "distance": self.distance, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
                 "exposed_ms_per_step": self.exposed_ms / self.forwards if self.forwards else None}

@@ -307,6 +307,11 @@ def _blocks(eng: dict[str, Any]) -> list[dict[str, Any]]:
     return [blocks] if isinstance(blocks, dict) else []
 
 
+def _offload(blocks: dict[str, Any]) -> dict[str, Any]:
+    """A block frames run's offloaded blocks (records from before them have none)."""
+    return blocks.get("activation_offload") or {"blocks": []}
+
+
 def _profile(g: dict[str, Any], *names: str) -> Optional[list[float]]:
     for n in names:
         v = g.get(n)
@@ -716,6 +721,19 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
             ("blocks kept/selective/recomputed", levels),
             ("blocks kept for backward", lambda b: str(sum(b["kept_for_backward"]))),
             ("frames compiled", lambda b: str(b["frames_compiled"]))]
+    if any(_offload(b)["blocks"] for _, b in runs):
+        # [Note: offloaded blocks] in zbuf/compile/block_offload.py
+        def per_step(b, key):
+            o = _offload(b)
+            return o[key] / o["forwards"] if o.get("forwards") else None
+
+        rows += [("of the kept, offloaded to host", lambda b: str(len(_offload(b)["blocks"]))),
+                 ("to host and back per step", lambda b: format_bytes(
+                     per_step(b, "moved_down_bytes"))),
+                 ("copies exposed per step", lambda b: (
+                     "-" if _offload(b).get("exposed_ms_per_step") is None
+                     else f"{_offload(b)['exposed_ms_per_step']:.1f} ms")),
+                 ("uploads started late", lambda b: str(_offload(b).get("late_uploads", 0)))]
     for label, fn in rows:
         table.add_row(label, *[fn(b) for _, b in runs])
     return table
