@@ -21,15 +21,29 @@ def token_batches(n: int = 3, vocab: int = 97, rows: int = 2, length: int = 12,
     return [torch.randint(0, vocab, (rows, length), generator=g) for _ in range(n)]
 
 
-def train_adamw(step_fn, model, batches, opt=None, after_step=None) -> list[float]:
-    """AdamW (lr 1e-3 unless ``opt`` is given) over ``batches`` through ``step_fn`` (the model, or
-    its compiled form); ``after_step()`` runs after each optimizer step. Returns the losses."""
+def decoder_loss(step_fn, tokens):
+    """The built-in decoder's next-token loss over ``tokens``."""
     from zbuf.models import loss
 
+    return loss(step_fn, tokens[:, :-1], tokens[:, 1:])
+
+
+def hf_loss(step_fn, tokens):
+    """A Hugging Face causal LM's own loss over ``tokens``. Training keeps no KV cache: a cache
+    is per-layer state that the layer reads, so with one each block would be a frame of its
+    own."""
+    return step_fn(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+
+def train_adamw(step_fn, model, batches, opt=None, after_step=None,
+                loss_of=decoder_loss) -> list[float]:
+    """AdamW (lr 1e-3 unless ``opt`` is given) over ``batches`` through ``step_fn`` (the model, or
+    its compiled form), each step's loss ``loss_of(step_fn, tokens)``; ``after_step()`` runs
+    after each optimizer step. Returns the losses."""
     opt = opt if opt is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for tokens in batches:
-        out = loss(step_fn, tokens[:, :-1], tokens[:, 1:])
+        out = loss_of(step_fn, tokens)
         out.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

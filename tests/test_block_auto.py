@@ -26,7 +26,7 @@ from zbuf.compile.recompute_plan import RegionLevel, plan_block_levels
 from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 from zbuf.shard import root_of, shard
 from zbuf.state_dict import full_state_dict
-from parity import rel_err, tiny_qwen3, token_batches, train_adamw
+from parity import hf_loss, rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -248,17 +248,8 @@ def test_hugging_face_layers_take_levels():
     data = token_batches(3)
 
     def run(fn, model, memory=None):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out = []
-        for tokens in data:
-            lo = fn(input_ids=tokens, labels=tokens, use_cache=False).loss
-            lo.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if memory is not None:
-                memory.close_step()
-            out.append(lo.item())
-        return out
+        return train_adamw(fn, model, data, loss_of=hf_loss,
+                           after_step=None if memory is None else memory.close_step)
 
     ref = copy.deepcopy(init)
     ref_losses = run(ref, ref)

@@ -22,7 +22,7 @@ from zbuf.pool import GatherBufferPool
 from zbuf.models import apply_activation_checkpointing, build_model, loss, resolve_config
 from zbuf.shard import op_counts, root_of, shard
 from zbuf.state_dict import full_state_dict
-from parity import rel_err, tiny_qwen3, token_batches, train_adamw
+from parity import hf_loss, rel_err, tiny_qwen3, token_batches, train_adamw
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
 
@@ -326,17 +326,7 @@ def test_hugging_face_layers_run_as_frames(ac):
     batches = token_batches(2)
 
     def run(fn, model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out = []
-        for tokens in batches:
-            # Training keeps no KV cache: a cache is per-layer state that the layer reads (its
-            # entry's ``is_initialized``), so with one each block would be a frame of its own.
-            lo = fn(input_ids=tokens, labels=tokens, use_cache=False).loss
-            lo.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(lo.item())
-        return out
+        return train_adamw(fn, model, batches, loss_of=hf_loss)
 
     ref = copy.deepcopy(init)
     ref_losses = run(ref, ref)

@@ -22,7 +22,7 @@ from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
 from zbuf.shard import root_of, shard
 from zbuf.state_dict import full_state_dict
-from parity import rel_err, token_batches, train_adamw
+from parity import hf_loss, rel_err, token_batches, train_adamw
 from test_block_auto import clamp_room, decoder
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
@@ -289,13 +289,7 @@ def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch
         cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
                           optimizer=opt)
         clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
-        losses = []
-        for tokens in data:
-            out = cm(input_ids=tokens, labels=tokens, use_cache=False).loss
-            out.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(out.item())
+        losses = train_adamw(cm, model, data, opt, loss_of=hf_loss)
         monkeypatch.undo()
         runs.append((losses, full_state_dict(model), block_frames_of(model).offload))
     (moved, moved_params, offload), (kept, kept_params, _) = runs

@@ -218,9 +218,7 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     # block's upload ``spacing`` blocks before it needs it, so the last one offloaded is the last
     # of them with ``spacing`` blocks after it, then every ``spacing``-th before it.
     last = min(beside.levels.count(0) - 1, blocks - 1 - spacing)
-    offloaded = sorted(range(last, -1, -spacing))
-    offloaded = offloaded[len(offloaded) - min(len(offloaded),
-                                               link.host_bytes // link.block_bytes):]
+    offloaded = sorted(range(last, -1, -spacing)[:link.host_bytes // link.block_bytes])
     gain = len(offloaded) * (levels[0].recompute_seconds - levels[keep].recompute_seconds)
     if not offloaded or beside.saved_seconds + gain <= on_device.saved_seconds:
         return on_device
