@@ -284,6 +284,7 @@ def _setup(variant: str, cfg, device, dtype, user_ac: UserCheckpointing):
 
 def _planned(model) -> dict:
     import zbuf
+    from zbuf.compile.block_frames import block_frames_of
 
     recs = zbuf.schedule_report(model)
     out = {"graphs": len(recs)}
@@ -297,6 +298,11 @@ def _planned(model) -> dict:
         out["persistent_bytes"] = r.persistent_bytes
         if r.recompute is not None:
             out["recompute"] = r.recompute.to_dict()
+    frames = block_frames_of(model)
+    if frames is not None:  # the block structure: each call's level, and what went to host
+        schedule = frames.schedule()
+        out["block_levels"] = schedule["levels"]
+        out["activation_offload"] = schedule["activation_offload"]
     memory = zbuf.compile.step_memory_of(model)
     if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
         out["optimizer_offload"] = memory.report()["optimizer_offload"]

@@ -284,7 +284,8 @@ case "${1:-}" in
         timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
         --seq-len 4096 --ac full --placement "${3:?give inside, parent, wrapper, selective or none}" --steps 30 --warmup 10 \
         --variants "$v" --out "$OUT/onepath_$2_$3_$v" ${PLAIN_ARGS:-} \
-        ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" | tail -3
+        ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" \
+        | tee "$OUT/onepath_$2_$3_$v.log" | tail -3
       [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/onepath_$2_$3_$v/profile/*.summary.json')]"
     done ;;
   32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card
