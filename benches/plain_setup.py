@@ -395,6 +395,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
            if retries else 0,
            # The measure: retries once the measured step has re-planned (steps 0-2).
            "alloc_retries_after_step2": retries[-1] - retries[2] if len(retries) > 3 else 0,
+           "alloc_retries_by_step": retries,
+           "card": card.capacity_fraction() if card is not None else None,
            "losses": losses, "planned": _planned(model)}
     del step_loss, opt, model, pool, card
     if device.type == "cuda":

@@ -279,14 +279,15 @@ case "${1:-}" in
     esac
     for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
       alloc=; [ "$v" = fsdp2 ] && alloc=expandable_segments:True
+      name=onepath_$2_$3_${v//+/-}  # the device tool brings back no file named with a '+'
       rm -rf "/tmp/inductor_$v"
       PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
         timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
         --seq-len 4096 --ac full --placement "${3:?give inside, parent, wrapper, selective or none}" --steps 30 --warmup 10 \
-        --variants "$v" --out "$OUT/onepath_$2_$3_$v" ${PLAIN_ARGS:-} \
-        ${PROFILE:+--profile-dir "$OUT/onepath_$2_$3_$v/profile"} 2>&1 | grep -v "Warning\|warn" \
-        | tee "$OUT/onepath_$2_$3_$v.log" | tail -3
-      [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/onepath_$2_$3_$v/profile/*.summary.json')]"
+        --variants "$v" --out "$OUT/$name" ${PLAIN_ARGS:-} \
+        ${PROFILE:+--profile-dir "$OUT/$name/profile"} 2>&1 | grep -v "Warning\|warn" \
+        | tee "$OUT/$name.log" | tail -3
+      [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
     done ;;
   32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card
     engine=${2:?give fsdp2 or zbuf}
