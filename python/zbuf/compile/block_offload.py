@@ -36,16 +36,20 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
   allocator once the copy has run (``record_stream``);
 * backward, when the block ``distance`` calls after an offloaded one in forward begins its
   backward (``BlockOffload.reached``), that call's tensors
-  are uploaded on the ``up`` stream into device memory allocated there; the frame's backward
-  unpacks them (``OffloadedCall.unpack``), the compute stream waiting for the upload first. A
-  call unpacked before it was reached uploads then (exposed, still correct).
+  are uploaded on the ``up`` stream into device memory allocated on the compute stream (torch's
+  caching allocator keeps each stream's blocks apart, and backward frees them into compute's),
+  ``up`` first waiting for the compute work queued so far, which may still use that memory; the
+  frame's backward unpacks them (``OffloadedCall.unpack``), the compute stream waiting for the
+  upload first. A call unpacked before it was reached uploads then (exposed, still correct).
 
 Streams and events, each with who produces and who consumes it:
 ``down`` runs the downloads (producer: ``pack``); ``_saved`` is where the compute stream stood
 when the frame saved (producer: the call's first ``pack``; consumer: ``down``); ``_downloaded``
 is the end of the call's downloads (producer: ``pack``; consumers: the next offloaded call's
 first ``pack``, and this call's upload); ``up`` runs the uploads (producer: ``upload``);
-``_uploaded`` is the end of the upload (producer: ``upload``; consumer: the first ``unpack``).
+``_uploaded`` is the end of the upload (producer: ``upload``; consumers: the first ``unpack``,
+and a call dropped before its backward, whose compute stream waits for it before the memory
+goes back).
 
 Rank agreement: which calls are offloaded is the plan's (rank-agreed: [Note: block levels]),
 and the copies issue no collective, so a rank's offload changes nothing another rank sees but
@@ -86,7 +90,7 @@ class OffloadedCall:
     """One block call's saved activations in host memory ([Note: offloaded blocks])."""
 
     __slots__ = ("owner", "position", "inputs", "_host", "_device", "_saved", "_downloaded",
-                 "_uploaded", "_unpacks_left", "__weakref__")
+                 "_uploaded", "_compute", "_unpacks_left", "__weakref__")
 
     def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
         self.owner = owner
@@ -102,7 +106,16 @@ class OffloadedCall:
         self._saved: Optional[torch.cuda.Event] = None
         self._downloaded: Optional[torch.cuda.Event] = None
         self._uploaded: Optional[torch.cuda.Event] = None
+        self._compute: Optional[torch.cuda.Stream] = None
+        """The stream the upload's memory was allocated on (producer: ``upload``; consumer:
+        ``__del__``)."""
         self._unpacks_left = 0
+
+    def __del__(self) -> None:
+        # A graph dropped after its upload began and before its backward: the compute stream
+        # may reuse the upload's memory only once the copy into it has run.
+        if self._uploaded is not None and self._compute is not None:
+            self._compute.wait_event(self._uploaded)
 
     @property
     def nbytes(self) -> int:
@@ -143,12 +156,22 @@ class OffloadedCall:
         if owner.up is None:
             self._device = [h.clone() for h in self._host]
         else:
+            # Allocated from the compute stream's cache, which backward frees into: torch's
+            # caching allocator serves each stream from its own blocks, and uploads allocated on
+            # ``up`` held segments of their own beside compute's cache, which ran into the
+            # emulated card's cap and made torch's allocator retry twice a step (qwen3-14b as
+            # rank 0 of 8, benches/results/onepath14.md). ``up`` waits for the compute work
+            # queued so far, which may still use that memory.
+            compute = torch.cuda.current_stream(owner.device)
+            self._device = [torch.empty_strided(h.size(), h.stride(), dtype=h.dtype,
+                                                device=owner.device) for h in self._host]
+            owner.up.wait_stream(compute)
             owner.up.wait_event(self._downloaded)
             with torch.cuda.stream(owner.up):
-                self._device = [torch.empty_strided(h.size(), h.stride(), dtype=h.dtype,
-                                                    device=owner.device).copy_(h, non_blocking=True)
-                                for h in self._host]
+                for d, h in zip(self._device, self._host):
+                    d.copy_(h, non_blocking=True)
             self._uploaded = owner.up.record_event()
+            self._compute = compute
         owner.moved_up += self.nbytes
 
     @staticmethod
@@ -160,12 +183,9 @@ class OffloadedCall:
             owner.reached(call.position)  # and the calls before it, as its own reach would
             call.upload()  # (a later forward's call may hold its position)
         t = call._device[saved.index]
-        if owner.up is not None:
-            compute = torch.cuda.current_stream(owner.device)
-            if call._uploaded is not None:  # the call's first unpack: later work queues after it
-                owner.waits.wait(compute, call._uploaded)
-                call._uploaded = None
-            t.record_stream(compute)  # allocated on the upload stream, freed by backward
+        if call._uploaded is not None:  # the call's first unpack: later work queues after it
+            owner.waits.wait(torch.cuda.current_stream(owner.device), call._uploaded)
+            call._uploaded = None
         call._unpacks_left -= 1
         if call._unpacks_left <= 0:
             # Every tensor is backward's now; a second backward (retain_graph) uploads again.
