@@ -131,6 +131,8 @@ class Trained(NamedTuple):
     memory: object
     peaks: list
     """Each step's allocated peak (CUDA only)."""
+    reserved: list
+    """Each step's peak of torch's reserved memory (CUDA only)."""
     compiled: object
 
 
@@ -152,17 +154,19 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
                       fullgraph=True, optimizer=opt)
     clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
     peaks: list = []
+    reserved: list = []
 
     def after_step():
         if device == "cuda":
             peaks.append(torch.cuda.max_memory_allocated())
+            reserved.append(torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
 
     data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]
     losses = train_adamw(cm, model, data, opt, after_step)
     monkeypatch.undo()
     return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
-                   zbuf.compile.step_memory_of(cm), peaks, cm)
+                   zbuf.compile.step_memory_of(cm), peaks, reserved, cm)
 
 
 @pytest.mark.parametrize("spacing", [1, 2])
@@ -176,7 +180,8 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     step, each call's upload starts before its backward, and no copy outlives its step."""
     steps = 4
     init = decoder(7)
-    losses, params, frames, pool, _, _, _ = _train(monkeypatch, init, spacing, steps)
+    run = _train(monkeypatch, init, spacing, steps)
+    losses, params, frames, pool = run.losses, run.params, run.frames, run.pool
     offload = frames.offload
     plan = frames.levels, offload.report()["blocks"]
     expected = list(range(6 - spacing, -1, -spacing))[::-1]
@@ -200,8 +205,8 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     ref_sd = ref.state_dict()
     assert max(rel_err(params[k], ref_sd[k]) for k in ref_sd) <= 1e-5
 
-    kept_losses, kept_params, kept_frames, _, _, _, _ = _train(monkeypatch, init, spacing, steps,
-                                                      to_host=False)
+    kept = _train(monkeypatch, init, spacing, steps, to_host=False)
+    kept_losses, kept_params, kept_frames = kept.losses, kept.params, kept.frames
     assert (kept_frames.levels.values().__len__(), kept_frames.offload.report()["blocks"]) == (
         len(plan[0]), plan[1])
     assert kept_frames.offload.moved_down == 0
@@ -212,7 +217,8 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
 def test_the_record_says_which_blocks_went_to_the_host(monkeypatch):
     """The re-plan's levels in the step memory's report count the offloaded blocks, and the
     frames' schedule names them with the bytes moved."""
-    _, _, frames, _, memory, _, _ = _train(monkeypatch, decoder(7), 2, 3)
+    run = _train(monkeypatch, decoder(7), 2, 3)
+    frames, memory = run.frames, run.memory
     levels = memory.report()["measured"]["recompute"]
     assert (levels["regions_offloaded"], levels["regions_kept"]) == (3, 3)
     schedule = frames.schedule()

@@ -1,10 +1,7 @@
 """Offloaded blocks on CUDA ([Note: offloaded blocks] in zbuf/compile/block_offload.py): the
 kept activations of every offloaded block call copied to pinned host memory on the ``down``
 stream and back on the ``up`` stream; the same floats as the same plan with them kept on the
-device, and a lower peak.
-
-Written without a GPU run (the session that wrote it had no device): its first run on the
-device is its first."""
+device, and a lower peak, allocated and reserved."""
 
 from __future__ import annotations
 
@@ -27,7 +24,8 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     """Eight blocks of a decoder whose activations outweigh its weights, every block but the
     last offloaded (spacing 1): the losses and parameters of the same plan with those blocks
     kept on the device, bit for bit (deterministic kernels), every upload started before its
-    backward, and each step's allocated peak lower by more than four blocks' activations."""
+    backward, and each step's peak, allocated and reserved, lower by more than four blocks'
+    activations."""
     from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 
     cfg = resolve_config("tiny").replace(num_layers=8, vocab_size=97, hidden_size=512,
@@ -53,3 +51,7 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     per_block = offload.moved_down // 3 // 7  # steps 1-3 moved every offloaded call's bytes
     for with_host, on_device in zip(moved.peaks[2:], kept.peaks[2:]):
         assert with_host < on_device - 4 * per_block, (moved.peaks, kept.peaks, per_block)
+    # torch's cache too: the uploads come out of the blocks backward frees, not out of
+    # segments of their own (torch's caching allocator keeps each stream's blocks apart).
+    for with_host, on_device in zip(moved.reserved[2:], kept.reserved[2:]):
+        assert with_host < on_device - 4 * per_block, (moved.reserved, kept.reserved, per_block)
