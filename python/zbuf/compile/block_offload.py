@@ -64,7 +64,8 @@ offloads pins its host memory (torch's host caching allocator keeps it for the s
 where the shared frame is "selective", the offloaded blocks' "keep" frame is one more block
 compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
 place after its block (which autograd refuses without hooks) is copied as the stream has it.
-Not yet measured on a GPU.
+Measured once at qwen3-14b (benches/results/onepath14.md), before the uploads came out of the
+compute stream's cache.
 """
 
 from __future__ import annotations
