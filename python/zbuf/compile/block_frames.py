@@ -504,19 +504,18 @@ class BlockFrames:
     def _run(self, slot: FrameSlot, block: nn.Module, level: int, frame: Callable, label: str,
              hold: bool, args: tuple, kwargs: dict) -> Any:
         offload = self.offload
+        offloading = bool(offload.offloaded)
         backward = in_backward()
-        reached = None
-        if offload.offloaded:
-            if backward:
-                offload.reached_block(id(block))  # a recompute: this block's backward begins
-            reached = functools.partial(offload.reached_block, id(block))
+        if offloading and backward:
+            offload.reached_block(id(block))  # a recompute: this block's backward begins
         if callers_hooks_active():
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
-            activations = (None if backward or reached is None
-                           else offload.start(id(block), args, kwargs))
-            return self.prefetch.run(slot, frame, block, args, kwargs, label=label, hold=hold,
-                                     activations=activations, reached=reached)
+            return self.prefetch.run(
+                slot, frame, block, args, kwargs, label=label, hold=hold,
+                activations=(offload.start(id(block), args, kwargs)
+                             if offloading and not backward else None),
+                reached=functools.partial(offload.reached_block, id(block)) if offloading else None)
         # Level 0 under a shared frame ([Note: block levels], 1): the block's run, its gather
         # included, under a non-reentrant checkpoint, which keeps the block's inputs only; its
         # recompute in backward gathers again, prefetching the block before it when that one

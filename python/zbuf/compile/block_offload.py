@@ -157,12 +157,9 @@ class OffloadedCall:
         if owner.up is None:
             self._device = [h.clone() for h in self._host]
         else:
-            # Allocated from the compute stream's cache, which backward frees into: torch's
-            # caching allocator serves each stream from its own blocks, and uploads allocated on
-            # ``up`` held segments of their own beside compute's cache, which ran into the
-            # emulated card's cap and made torch's allocator retry twice a step (qwen3-14b as
-            # rank 0 of 8, benches/results/onepath14.md). ``up`` waits for the compute work
-            # queued so far, which may still use that memory.
+            # On the compute stream (see the Note): allocated on ``up``, the uploads took
+            # segments of their own and torch's allocator retried twice a step at qwen3-14b
+            # (benches/results/onepath14.md).
             compute = torch.cuda.current_stream(owner.device)
             self._device = [torch.empty_strided(h.size(), h.stride(), dtype=h.dtype,
                                                 device=owner.device) for h in self._host]
