@@ -88,9 +88,9 @@ def clamp_room(memory, grow_blocks, settle_blocks=None):
     def room(extra):
         return frames.plan.pool_bytes + extra(frames.estimate.levels, len(frames.called))
 
-    replanner.grow = lambda b, r, w: grow(b, room(grow_blocks), w)
+    replanner.grow = lambda b, r, w, p: grow(b, room(grow_blocks), w, p)
     if settle_blocks is not None:
-        replanner.settle = lambda b, r, w: settle(b, room(settle_blocks), w)
+        replanner.settle = lambda b, r, w, p: settle(b, room(settle_blocks), w, p)
 
 
 def all_selective_one_kept(lv, n):

@@ -297,7 +297,12 @@ def test_step_memory_measures_the_step():
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert len(memory.rows) >= 2 and memory.measured is not None
-    assert not memory.measured.replanned and memory.measured.recompute is None
+    assert not memory.measured.replanned
+    # The levels in force, reported: every block at the user's checkpointing (the CPU has no
+    # host link to offload over).
+    recompute = memory.measured.recompute
+    assert recompute["mode"] == "checkpointed" and recompute["regions_offloaded"] == 0
+    assert recompute["regions_recomputed"] == recompute["regions"] == 2
     assert root_of(model).pool.stats().budget_bytes == block_frames_of(model).plan.pool_bytes
 
 

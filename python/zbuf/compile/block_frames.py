@@ -258,10 +258,9 @@ class FramePartitioner(CustomPartitionerFn):
 
         kwargs.setdefault("compiler", "inductor")
         forward = forward_nodes(gm.graph, kwargs["num_fwd_outputs"])
-        if self.recompute != "auto":
-            if self.recompute == "none":
-                regions = find_regions(gm.graph, forward)
-                apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
+        if self.recompute == "none":
+            regions = find_regions(gm.graph, forward)
+            apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         region = _block_region(gm.graph, forward)
         specs = None
@@ -468,7 +467,7 @@ class BlockFrames:
                 # Levels are recompute="auto"'s choice; otherwise every block recomputes what
                 # the model's own checkpointing says (or, under "none", nothing).
                 "levels": ([LEVELS[self.levels.get(b, 0)] for b in self.called]
-                           if self.options.recompute == "auto" else None),
+                           if self.options.recompute != "none" else None),
                 "kept_for_backward": kept,
                 "activation_offload": self.offload.report()}
 
@@ -487,7 +486,7 @@ class BlockFrames:
         hold = id(block) in self.kept
         offloaded = id(block) in self.offload.offloaded
         # What a re-plan may make differ enters the block order check ([Note: block levels]).
-        label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute == "auto"
+        label = ", ".join(([f"at level {LEVELS[level]}"] if self.options.recompute != "none"
                            else []) + (["its weights kept for backward"] if hold else [])
                           + (["its activations offloaded"] if offloaded else []))
         frame_level = self._frame_level(level)
@@ -508,6 +507,8 @@ class BlockFrames:
         backward = in_backward()
         if offloading and backward:
             offload.reached_block(id(block))  # a recompute: this block's backward begins
+        elif offloading:
+            offload.forward_reaches(id(block))
         if callers_hooks_active():
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
@@ -583,7 +584,7 @@ class BlockFrames:
         recompute = self.options.recompute
         # The frame level 0 runs through estimates the levels: level 0's own, or the shared
         # frame ([Note: block levels], 1), whose first compile also chooses its level.
-        estimates = recompute == "auto" and level == self._frame_level(0)
+        estimates = recompute != "none" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
         fixed = self.shared_level if level == SHARED else level  # None: this compile chooses
         predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
@@ -603,6 +604,11 @@ class BlockFrames:
             if level == SHARED and self.shared_level is None:
                 self.shared_level = estimate.level  # its first compile chose it
             self._estimated(estimate)
+        if estimates and not found and level == SHARED and self.shared_level is None:
+            # No checkpointed region in the block: level 0 recomputes nothing, so it runs the
+            # frame as compiled, without the eager checkpoint, for good (rank-agreed: every
+            # rank's graph has the same regions).
+            self.shared, self.shared_level = False, 0
         return compiled
 
 

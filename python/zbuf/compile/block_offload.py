@@ -235,11 +235,16 @@ class BlockOffload:
         """Position -> the latest forward's offloaded call there, while its graph lives
         (producer: ``start``; consumer: ``reached``)."""
         self._previous: Optional[OffloadedCall] = None
-        """The forward's latest offloaded call (producer: ``start``; consumer:
-        ``wait_for_previous``)."""
+        """The forward's latest offloaded call whose copies no one waited for yet (producer:
+        ``wait_for_previous``; consumers: the next call's ``wait_for_previous``, and
+        ``forward_reaches`` after the last)."""
+        self._last = -1
+        """The position of the last offloaded block (producer: ``plan``; consumer:
+        ``forward_reaches``)."""
 
     def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int) -> None:
         self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
+        self._last = max((order[b] for b in offloaded), default=-1)
 
     def start(self, block: int, args: tuple, kwargs: dict) -> Optional[OffloadedCall]:
         """The call of ``block`` now starting its forward with ``args`` and ``kwargs``, if it is
@@ -263,6 +268,21 @@ class BlockOffload:
         previous, self._previous = self._previous, call
         if previous is not None and previous._downloaded is not None:
             self.waits.wait(torch.cuda.current_stream(self.device), previous._downloaded)
+
+    def forward_reaches(self, block: int) -> None:
+        """``block``'s forward begins: the block ``distance`` after the forward's last offloaded
+        call makes the compute stream wait for that call's copies, so that no offloaded bytes
+        are on the device after it ([Note: offloaded under the step's own peak] in
+        block_replan.py)."""
+        previous = self._previous
+        if previous is None or previous._downloaded is None or not self.offloaded:
+            return
+        position = self.order.get(block)
+        if position is None or position - previous.position < self.distance or (
+                position <= self._last):
+            return
+        self.waits.wait(torch.cuda.current_stream(self.device), previous._downloaded)
+        self._previous = None
 
     def finish_forward(self) -> None:
         self._previous, self._counted = None, False

@@ -121,14 +121,33 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import runtime
-from ..memory import PlanPhase, PlanPhases, Replan, agree_extremes, host_share_bytes, pool_budget
+from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes,
+                      host_share_bytes, pool_budget)
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
 from .recompute import LEVELS, RecomputeStats
 from .recompute_plan import HostLink, RecomputePlan, plan_block_levels
 from .replan import Replanner
 
-__all__ = ["BlockReplanner", "blocks_to_keep"]
+__all__ = ["BlockReplanner", "blocks_to_keep", "reserve_ceiling"]
+
+
+SETTLE_TOLERANCE = 64
+"""The default's steady step may peak above the measured step by 1/64 of it (allocator noise:
+the measured step compiled, the steady one did not) before its offloaded blocks go back to
+level 0 ([Note: offloaded under the step's own peak])."""
+
+
+def reserve_ceiling(profile: StepProfile) -> tuple[int, int]:
+    """The measured step's own peak, and the room the offloaded blocks' reserve has under it
+    where it is live ([Note: offloaded under the step's own peak]): the forward's block
+    segments but the last block's, and backward's segments after its first (every one if it
+    has no other)."""
+    peak = max((*profile.forward, *profile.backward))
+    forward = profile.forward[1:-1]
+    backward = profile.backward[1:] if len(profile.backward) > 1 else profile.backward
+    live = max((*forward, *backward), default=peak)
+    return peak, peak - live
 
 
 def blocks_to_keep(blocks: int, block_bytes: int, room_bytes: int) -> int:
@@ -149,6 +168,11 @@ class BlockReplanner:
     def __init__(self, frames: BlockFrames) -> None:
         self.frames = frames
         self.options = frames.options
+        self.plans_from_profile = self.options.recompute == "checkpointed"
+        """The default plans its offloaded blocks under the measured step's own peak ([Note:
+        offloaded under the step's own peak])."""
+        self.ceiling_bytes: Optional[int] = None
+        """That peak, the profiled measured step's (producer: ``grow``; consumer: ``settle``)."""
         self.phases = PlanPhases()
         """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
         zbuf/memory/planner.py)."""
@@ -200,7 +224,7 @@ class BlockReplanner:
         blocks = len(self.frames.called)
         chosen = self.plan.levels if self.plan is not None else (0,) * blocks
         return RecomputeStats(
-            mode="auto", regions=blocks, regions_recomputed=chosen.count(0),
+            mode=self.options.recompute, regions=blocks, regions_recomputed=chosen.count(0),
             regions_selective=chosen.count(1), regions_kept=chosen.count(2),
             regions_offloaded=0 if self.plan is None else len(self.plan.offloaded),
             activation_budget_bytes=self.room_bytes,
@@ -284,29 +308,53 @@ class BlockReplanner:
                            frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
         return Replan(compiles, self.kept_bytes, len(self.kept))
 
-    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+    def _under_own_peak(self, profile: Optional[StepProfile]) -> Optional[RecomputePlan]:
+        """The default's plan ([Note: offloaded under the step's own peak]): every block at
+        level 0 on the device, the offloaded ones in what ``profile``'s peak leaves where their
+        reserve is live."""
+        estimate = self.frames.estimate
+        self.room_bytes = 0
+        if profile is None or estimate is None or not self.frames.called:
+            return None
+        self.ceiling_bytes, reserve_room = reserve_ceiling(profile)
+        link = self._host_link()
+        if link is None:
+            return None
+        return plan_block_levels(estimate.levels, len(self.frames.called), 0, link,
+                                 reserve_room_bytes=reserve_room)
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
+             profile: Optional[StepProfile] = None) -> Optional[Replan]:
         """After the measured step, once: the blocks' levels in ``room_bytes`` less the pool,
-        then the blocks kept for backward in what is left ([Note: block levels], 2 and 5).
-        None when nothing changes (nothing compiled)."""
+        then the blocks kept for backward in what is left ([Note: block levels], 2 and 5);
+        the default's offloaded blocks under ``profile``'s peak. None when nothing changes
+        (nothing compiled)."""
         if not self.options.measuring or not self.phases.enter(PlanPhase.GROWN):
             return None
         self.frames.prefetch.check_next_forward()  # changed or not: see the Note
         before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
-        plan = self._levels(room)
+        plan = self._under_own_peak(profile) if self.plans_from_profile else self._levels(room)
         spent = 0 if plan is None else plan.kept_bytes
         if plan is not None and not any(plan.levels):
             plan = None
         return self._apply(plan, self._blocks_kept(room_bytes, room - spent), before)
 
-    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int,
+               profile: Optional[StepProfile] = None) -> Optional[Replan]:
         """At the steady step, once: if what is kept no longer fits the room measured there,
         keep fewer blocks' weights, and if the activations alone do not fit, plan them again in
-        it and keep no weights ([Note: block levels], 4)."""
+        it and keep no weights ([Note: block levels], 4); the default's offloaded blocks go
+        back to level 0 if the steady step's ``profile`` rose above the measured step's peak."""
         if not self.phases.enter(PlanPhase.SETTLED):
             return None
         self.frames.prefetch.check_next_forward()
         before = self.recompute_stats()
+        if self.plans_from_profile:
+            rose = (self.plan is not None and self.ceiling_bytes is not None
+                    and (profile is None or reserve_ceiling(profile)[0] > self.ceiling_bytes
+                         + self.ceiling_bytes // SETTLE_TOLERANCE))
+            return self._apply(None, 0, before) if rose else None
         room = room_bytes - self.frames.plan.pool_bytes
         activations = self.kept_activation_bytes
         if activations + self.kept_bytes <= room:

@@ -104,10 +104,15 @@ class RecomputePlan:
     offload_spacing: int = 0
     """Blocks from one offloaded block to the next: those whose forward one block's copy takes
     (0: none offloaded)."""
+    reserve_apart: bool = False
+    """The reserve was fitted apart from the step's peak, which it never meets ([Note:
+    offloaded under the step's own peak] in block_replan.py), so it is not in
+    ``modelled_peak_bytes``."""
 
     @property
     def modelled_peak_bytes(self) -> int:
-        return self.base_bytes + self.kept_bytes + self.offload_reserve_bytes
+        reserve = 0 if self.reserve_apart else self.offload_reserve_bytes
+        return self.base_bytes + self.kept_bytes + reserve
 
 
 def hull_steps(spec: RegionSpec) -> list[tuple[int, int, int, float]]:
@@ -198,19 +203,24 @@ class HostLink(NamedTuple):
 
 
 def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
-                      link: Optional[HostLink] = None) -> RecomputePlan:
+                      link: Optional[HostLink] = None,
+                      reserve_room_bytes: Optional[int] = None) -> RecomputePlan:
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
-    offloaded blocks]) when that saves more recompute than keeping them on the device does."""
+    offloaded blocks]) when that saves more recompute than keeping them on the device does.
+    ``reserve_room_bytes``: where the offloaded blocks' reserve is not live at the step's peak,
+    the room it has there ([Note: offloaded under the step's own peak] in block_replan.py), and
+    ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``."""
     on_device = _device_levels(levels, blocks, room_bytes)
     keep = next((i for i, lv in enumerate(levels) if lv.name == "keep"), None)
     if link is None or keep is None or link.block_bytes <= 0 or blocks == 0:
         return on_device
     reserve = 2 * link.block_bytes
-    if room_bytes < reserve:
+    apart = reserve_room_bytes is not None
+    if (reserve_room_bytes if apart else room_bytes) < reserve:
         return on_device
-    beside = _device_levels(levels, blocks, room_bytes - reserve)
+    beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
     # A copy that takes ``blocks`` forwards or more leaves no block to offload.
     copies = link.copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
     spacing = blocks if copies >= blocks else max(1, math.ceil(copies))
@@ -228,7 +238,7 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     return dataclasses.replace(
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_reserve_bytes=reserve, offload_spacing=spacing,
+        offload_reserve_bytes=reserve, offload_spacing=spacing, reserve_apart=apart,
         requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 

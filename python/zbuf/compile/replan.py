@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from ..memory import PlanPhase, PlanPhases, Replan, pool_budget
+from ..memory import PlanPhase, PlanPhases, Replan, StepProfile, pool_budget
 from .budget import PlanExceedsMemoryError
 from .dynamo_settings import traced_as_zbuf
 from .options import CompileOptions
@@ -233,7 +233,10 @@ class Replanner:
     def _outcome(self, recompiled: bool) -> Replan:
         return Replan(recompiled, self.kept_bytes, len(self.kept))
 
-    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+    plans_from_profile = False
+
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
+             profile: Optional[StepProfile] = None) -> Optional[Replan]:
         """After the measured step: spend the measured ``budget_bytes`` of gathered weights
         (``room_bytes`` for ``recompute="auto"``). Keeps weights for backward without compiling
         when the plan's structure may stay; compiles again when it must change ([Note: bounded
@@ -250,7 +253,8 @@ class Replanner:
         self.set_kept(kept)
         return self._outcome(recompiled=False)
 
-    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int,
+               profile: Optional[StepProfile] = None) -> Optional[Replan]:
         """At a steady step, once: compile again if a current plan does not fit the budget
         measured there even with nothing kept; else choose the keep-set again if the current one
         does not fit it, or if ``grow`` compiled the plan (its keep-set is chosen now, from its

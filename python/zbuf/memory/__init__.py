@@ -8,7 +8,7 @@ from .agreement import agree_extremes, stable_budget, stable_bytes, stable_free_
 from .device import host_bytes, host_share_bytes, local_free_bytes, user_capacity_bytes
 from .ledger import Ledger
 from .optimizer_state import OptimizerPolicy
-from .phases import PhaseMeter, StepPhases
+from .phases import PhaseMeter, StepPhases, StepProfile
 from .planner import PlanPhase, PlanPhases, Replan, StructurePlanner
 from .shared import MemoryEvents, SharedMemory
 from .step import MeasuredBudget, StepMemory, StepMemoryRow
@@ -16,6 +16,6 @@ from .step import MeasuredBudget, StepMemory, StepMemoryRow
 __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
            "stable_free_memory", "host_bytes", "host_share_bytes", "local_free_bytes",
            "user_capacity_bytes",
-           "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "PlanPhase", "PlanPhases",
+           "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase", "PlanPhases",
            "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory", "MeasuredBudget",
            "StepMemory", "StepMemoryRow"]

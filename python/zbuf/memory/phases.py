@@ -97,7 +97,7 @@ class StepProfile(NamedTuple):
     """``backward[j]``: the peak from backward point ``j`` to point ``j + 1`` (the last: to the
     optimizer step)."""
     optimizer: int
-    """The optimizer step's peak."""
+    """The optimizer step's peak (0: no optimizer measured)."""
 
     @property
     def peak(self) -> int:
@@ -194,9 +194,9 @@ class PhaseMeter:
         self.rows.append(row)
         if self._segments is not None:
             seg, self._segments = self._segments, None
-            if seg["forward"] and seg["backward"] and row.optimizer_peak_bytes is not None:
+            if seg["forward"] and seg["backward"]:
                 self.profile = StepProfile(row.step, tuple(seg["forward"]),
-                                           tuple(seg["backward"]), row.optimizer_peak_bytes)
+                                           tuple(seg["backward"]), row.optimizer_peak_bytes or 0)
         self.closed += 1
         self._phase = None
         if self.on_close is not None:

@@ -102,11 +102,20 @@ class StructurePlanner(Protocol):
                                step: int, growth_bytes: int) -> None:
         """Raise on every rank when torch's own measured peak exceeds what it may use."""
 
-    def grow(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
-        """After the measured step, once: spend the measured budget and room."""
+    plans_from_profile: bool
+    """Whether ``grow`` and ``settle`` need their step's profile ([Note: progress points] in
+    progress.py): the memory owner then profiles the measured and the steady step."""
 
-    def settle(self, budget_bytes: int, room_bytes: int, world_size: int) -> Optional[Replan]:
-        """At the steady step, once: shrink what no longer fits."""
+    def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
+             profile: Optional[StepProfile]) -> Optional[Replan]:
+        """After the measured step, once: spend the measured budget and room. ``profile``: the
+        measured step's, rank-agreed, what step 0 left resident added (None unless
+        ``plans_from_profile``, or where the ranks' points differ)."""
+
+    def settle(self, budget_bytes: int, room_bytes: int, world_size: int,
+               profile: Optional[StepProfile]) -> Optional[Replan]:
+        """At the steady step, once: shrink what no longer fits (``profile``: the steady
+        step's, as ``grow``'s)."""
 
 
 class StatePlacement(Protocol):

@@ -302,6 +302,9 @@ class StepMemory:
         self.memory.observe_step()
         self.memory.take_back()  # the pool's share may have moved (first runs size it)
         self._size_window()
+        if self._profiles_for_plan():
+            self.progress.watch_gradients()
+            self.meter.profile_open_step()
         self.progress.forward_started()
 
     def _on_output(self) -> None:
@@ -320,7 +323,8 @@ class StepMemory:
                 or self.offload_choice is None or not self.offload_choice.offloaded):
             return
         profile = self.meter.profile
-        if self._window is _Window.PROFILING and profile is not None:
+        last = self.meter.closed - 1  # the step before the one opening now
+        if self._window is _Window.PROFILING and profile is not None and profile.step == last:
             self._window = _Window.DONE
             self._plan_window(profile)
             return
@@ -328,23 +332,44 @@ class StepMemory:
         self.progress.watch_gradients()
         self.meter.profile_open_step()  # again, if the last step had no backward or no step
 
-    def _plan_window(self, profile: StepProfile) -> None:
+    def _profiles_for_plan(self) -> bool:
+        """Whether the step opening now is one the planner decides on from its profile (the
+        measured and the steady step, [Note: offloaded under the step's own peak] in
+        zbuf/compile/block_replan.py)."""
+        if self.replanner is None or not getattr(self.replanner, "plans_from_profile", False):
+            return False
+        due = {PlanPhase.MEASURING: self.measured_step,
+               PlanPhase.GROWN: self.steady_step}.get(self.phases.phase)
+        return self.meter.closed == due
+
+    def _agreed_profile(self, step: int, growth: int = 0) -> Optional[StepProfile]:
+        """The profile of ``step`` with ``growth`` added to its forward and backward segments,
+        each segment the largest over the ranks; None if ``step`` was not profiled or the ranks'
+        steps have different points (no common points to act at). Every rank must call it."""
+        profile = self.meter.profile
+        if profile is None or profile.step != step:
+            profile = StepProfile(step, (), (), 0)
         lengths = [len(profile.forward), len(profile.backward)]
         low, high = agree_extremes(self.group, self.memory.device, smallest=lengths,
                                    largest=lengths)
-        if low != high:  # ranks whose steps differ have no common points to act at
+        if low != high or not lengths[0]:
+            return None
+        _, agreed = agree_extremes(
+            self.group, self.memory.device, smallest=[],
+            largest=[profile.optimizer, *profile.forward, *profile.backward])
+        segments = [b + growth for b in agreed[1:]]
+        return StepProfile(step, tuple(segments[:lengths[0]]), tuple(segments[lengths[0]:]),
+                           agreed[0])
+
+    def _plan_window(self, profile: StepProfile) -> None:
+        agreed = self._agreed_profile(profile.step)
+        if agreed is None:
             return
         row = next(r for r in self.meter.rows if r.step == profile.step)
         usable = without_margin(self.limit_bytes()) - self.memory.pool_share_bytes()
-        (usable,), agreed = agree_extremes(
-            self.group, self.memory.device, smallest=[usable],
-            largest=[fragmentation_ppm(row), profile.optimizer, *profile.forward,
-                     *profile.backward])
-        frag, optimizer, rest = agreed[0], agreed[1], agreed[2:]
-        forward = tuple(rest[:lengths[0]])
-        self.offload_choice.plan_window(
-            StepProfile(profile.step, forward, tuple(rest[lengths[0]:]), optimizer),
-            usable, frag)
+        (usable,), (frag,) = agree_extremes(self.group, self.memory.device, smallest=[usable],
+                                            largest=[fragmentation_ppm(row)])
+        self.offload_choice.plan_window(agreed, usable, frag)
 
     def _before_optimizer(self) -> None:
         self._pool_after_backward = self.memory.pool.stats().charged_bytes
@@ -433,8 +458,10 @@ class StepMemory:
         planned = replan = None
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
+            profile = (self._agreed_profile(row.step, growth)
+                       if getattr(self.replanner, "plans_from_profile", False) else None)
             decide = self.replanner.grow if grow else self.replanner.settle
-            replan = decide(budget, room, self._world_size())
+            replan = decide(budget, room, self._world_size(), profile)
         if replan is not None:
             self._replan_steps.add(self.meter.closed)  # the step now opening
             if replan.recompiled and self.plan_sizes_pool:
