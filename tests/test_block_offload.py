@@ -20,6 +20,7 @@ import zbuf.compile
 from zbuf.compile import block_offload, block_replan
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
+from zbuf.memory import StepProfile
 from zbuf.shard import root_of, shard
 from zbuf.state_dict import full_state_dict
 from parity import hf_loss, rel_err, token_batches, train_adamw
@@ -136,13 +137,31 @@ class Trained(NamedTuple):
     compiled: object
 
 
+def _room_under_the_peak(rise: int = 0):
+    """A stand-in for ``block_replan.reserve_ceiling`` where the profile cannot see activations
+    (the CPU): the profile's own peak, ``rise`` more from the second profile on (the steady
+    step's), and room under it for any reserve."""
+    seen = []
+
+    def ceiling(profile):
+        seen.append(profile)
+        peak = max((*profile.forward, *profile.backward))
+        return peak + (rise if len(seen) > 1 else 0), 1 << 40
+
+    return ceiling
+
+
 def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
-           batches=None) -> Trained:
-    """``init`` sharded on ``device``, compiled under blocks and ``auto`` with its optimizer,
-    the host link ``_cpu_link(spacing)`` and the room ``_reserve_only`` at the grow and settle,
-    trained on ``batches`` (default: ``steps`` tiny ones); with ``to_host`` False, the blocks
-    the plan offloads keep their activations on the device."""
+           batches=None, recompute="auto", ceiling=None) -> Trained:
+    """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
+    link ``_cpu_link(spacing)``, trained on ``batches`` (default: ``steps`` tiny ones); with
+    ``to_host`` False, the blocks the plan offloads keep their activations on the device.
+    ``recompute="auto"``: the room ``_reserve_only`` at the grow and settle; the default
+    (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
+    ``reserve_ceiling``, on CUDA)."""
     monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(spacing))
+    if ceiling is not None:
+        monkeypatch.setattr(block_replan, "reserve_ceiling", ceiling)
     if not to_host:
         monkeypatch.setattr(block_offload.BlockOffload, "start",
                             lambda self, block, args, kwargs: None)
@@ -150,9 +169,10 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
     gc.collect()
     model = shard(copy.deepcopy(init).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute=recompute,
                       fullgraph=True, optimizer=opt)
-    clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
+    if recompute == "auto":
+        clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
     peaks: list = []
     reserved: list = []
 
@@ -212,6 +232,103 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     assert kept_frames.offload.moved_down == 0
     assert kept_losses == losses
     assert all(torch.equal(kept_params[k], params[k]) for k in params)
+
+
+@pytest.mark.parametrize("spacing", [1, 3])
+def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks_kept(
+        monkeypatch, spacing):
+    """``zbuf.compile``'s default ([Note: offloaded under the step's own peak] in
+    block_replan.py): with the measured step's peak leaving room for the reserve, every
+    ``spacing``-th block goes to the host, the last with ``spacing`` after it, and every other
+    block stays at the user's checkpointing, none kept on the device. Losses and parameters
+    match the unsharded reference (1e-5) and, bit for bit, the same blocks kept on the device;
+    the record names the mode and the offloaded blocks."""
+    steps = 4
+    init = decoder(7)
+    run = _train(monkeypatch, init, spacing, steps, recompute="checkpointed",
+                 ceiling=_room_under_the_peak())
+    frames, offload = run.frames, run.frames.offload
+    expected = list(range(6 - spacing, -1, -spacing))[::-1]
+    assert offload.report()["blocks"] == expected
+    assert [frames.levels.get(b, 0) for b in frames.called] == [
+        2 if i in expected else 0 for i in range(7)]
+    assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    levels = run.memory.report()["measured"]["recompute"]
+    assert levels["mode"] == "checkpointed"
+    assert (levels["regions_offloaded"], levels["regions_kept"]) == (len(expected),
+                                                                     len(expected))
+    assert run.memory.steady is not None and not run.memory.steady.replanned
+
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, token_batches(steps),
+                             torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
+    kept = _train(monkeypatch, init, spacing, steps, to_host=False, recompute="checkpointed",
+                  ceiling=_room_under_the_peak())
+    assert kept.frames.offload.moved_down == 0
+    assert kept.losses == run.losses
+    assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
+
+
+def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monkeypatch):
+    """The steady step peaks above the measured one by more than the tolerance: the settle puts
+    every block back at the user's checkpointing (no compile: level 0's frame is there), and
+    training goes on as the reference."""
+    steps = 5
+    init = decoder(7)
+    run = _train(monkeypatch, init, 2, steps, recompute="checkpointed",
+                 ceiling=_room_under_the_peak(rise=1 << 30))
+    memory = run.memory
+    assert memory.measured.recompute["regions_offloaded"] == 3
+    assert memory.steady.replanned and not memory.steady.recompiled
+    assert memory.steady.recompute["regions_offloaded"] == 0
+    assert run.frames.levels == {} and not run.frames.offload.offloaded
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, token_batches(steps),
+                             torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
+
+
+def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):
+    """On the CPU stand-in the profile sees no activations, so the measured step's peak is its
+    gradients' end of backward, and the reserve finds no room under it: nothing offloaded,
+    every block at the user's checkpointing, even with a host link."""
+    run = _train(monkeypatch, decoder(7), 1, 3, recompute="checkpointed")
+    assert not run.frames.offload.offloaded and run.frames.levels == {}
+    assert run.memory.measured.recompute["regions_offloaded"] == 0
+
+
+def test_the_reserve_has_the_room_under_the_peak_where_it_is_live():
+    """The forward's block segments but the last block's, and backward's after its first (the
+    loss and the start of backward, where the step peaks): the room is the peak less the
+    highest of them; a backward with one segment counts it."""
+    profile = StepProfile(0, (10, 20, 30, 40, 90), (100, 50, 45), 70)
+    assert block_replan.reserve_ceiling(profile) == (100, 50)
+    assert block_replan.reserve_ceiling(profile._replace(backward=(100,))) == (100, 0)
+    assert block_replan.reserve_ceiling(profile._replace(forward=(10, 120))) == (120, 70)
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16),
+       st.integers(0, 1 << 16))
+def test_offloaded_blocks_apart_from_the_peak_keep_the_device_plan_and_fit_their_own_room(
+        levels_link, blocks, room, reserve_room):
+    """With the reserve's room apart: the blocks not offloaded have the levels of the plan in
+    ``room`` alone, the reserve fits its own room and is not in the modelled peak, and the
+    offload is taken only when it saves time."""
+    lv, link = levels_link
+    on_device = plan_block_levels(lv, blocks, room)
+    plan = plan_block_levels(lv, blocks, room, link, reserve_room_bytes=reserve_room)
+    if not plan.offloaded:
+        assert plan == on_device
+        return
+    assert plan.reserve_apart and plan.offload_reserve_bytes == 2 * link.block_bytes
+    assert plan.offload_reserve_bytes <= reserve_room
+    assert plan.modelled_peak_bytes == on_device.modelled_peak_bytes <= max(room, 1)
+    assert [lv_ for b, lv_ in enumerate(plan.levels) if b not in plan.offloaded] == [
+        lv_ for b, lv_ in enumerate(on_device.levels) if b not in plan.offloaded]
+    assert all(on_device.levels[b] == 0 for b in plan.offloaded)
+    assert plan.saved_seconds > on_device.saved_seconds
 
 
 def test_the_record_says_which_blocks_went_to_the_host(monkeypatch):
