@@ -110,6 +110,41 @@ is replayed by the checkpoint's ``preserve_rng_state``, untested here (the teste
 none). The first block call of a run whose checkpoint turns out not to cover the block ran
 whole-block checkpointed before the fallback (see 1).
 
+[Note: offloaded under the step's own peak]
+The default (``recompute="checkpointed"``) holds no more than the user's checkpointing: a block
+kept on the device holds its activations at the step's peak, the start of backward, so it keeps
+none. An offloaded block ([Note: offloaded blocks] in block_offload.py) holds device bytes only
+on their way, two blocks' worth at most: in forward from the first offloaded block's call until
+the block ``spacing`` after the last one begins (``BlockOffload.forward_reaches`` makes the
+compute stream wait there for the last copies), in backward from the last offloaded block's
+backward on. Where the step peaks elsewhere (the user's fp32 loss outside the model: 23 GiB
+at qwen3-14b, mb 4, seq 4096, after the last block's forward and before its backward), that
+reserve fits under the peak, and the blocks it carries need no recompute:
+
+1. The measured step is profiled ([Note: progress points] in zbuf/memory/progress.py): its
+   allocated peak between each two forward block calls and each two backward gradient marks,
+   rank-agreed, what step 0 left resident added. Level 0's frame is compiled as the user
+   checkpointed and estimates the block's levels as under ``auto`` (1 above: its AOTAutograd
+   cache off).
+2. ``grow``: the room of the reserve is the profile's peak less the highest segment where the
+   reserve may be live (``reserve_ceiling``): the forward's block segments but the last block's,
+   and backward's segments after its first (the loss and the start of backward; every one when
+   backward has no other, so a model too small for gradient marks offloads nothing).
+   ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
+   ones in that room, with the same spacing and host memory as under ``auto``; the offloaded
+   blocks run the "keep" frame, compiled at the re-plan (one block compile).
+3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
+   step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
+   noise), every block goes back to level 0, which compiles nothing.
+
+Backward's first segment is left out of the room on the plan's word, not a measurement: the
+reserve begins at the last offloaded block's backward, ``spacing`` blocks after the last
+block's, and the segment ends at the first 256 MiB of gradients (the output projection's alone
+at qwen3-14b as rank 0 of 8). Where it ends later, the settle measures what the plan did.
+Not planned: a block under its caller's checkpoint (the frame has no region to estimate). Only
+on CUDA, as under ``auto``; on the CPU stand-in the profile sees no activations, so the
+reserve never fits.
+
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
 side of memory); ``activation_budget_bytes`` and an explicit ``budget_bytes`` (no measured step)
