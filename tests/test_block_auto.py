@@ -429,3 +429,36 @@ def test_level_0_keeps_only_the_blocks_inputs():
     assert checkpointed["frame"] > 0 and checkpointed["inputs"] == 0, checkpointed
     assert auto["frame"] == 0 and 0 < auto["inputs"] <= checkpointed["frame"], (auto,
                                                                                checkpointed)
+
+
+def test_a_block_without_checkpointing_runs_level_0_without_a_checkpoint(monkeypatch):
+    """Under ``auto`` a model the user did not checkpoint has nothing for level 0 to recompute:
+    once its frame's graph shows no checkpointed region, its blocks run without the eager
+    checkpoint that level 0 shares the frame under ([Note: block levels], 1), so backward
+    re-runs no block (before, every block of every step ran its forward twice)."""
+    from zbuf.compile import block_frames
+
+    cfg = resolve_config("tiny").replace(num_layers=3, vocab_size=97, hidden_size=64,
+                                         ffn_hidden_size=128, head_dim=16)
+    torch.manual_seed(0)
+    init = build_model(cfg)  # no apply_activation_checkpointing
+    model = shard(copy.deepcopy(init))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm = zbuf.compile(model, inner="aot_eager", structure="blocks", recompute="auto",
+                      fullgraph=True, optimizer=opt)
+    checkpointed = []
+    checkpoint = block_frames.eager_checkpoint
+
+    def counting(fn, *args, **kwargs):
+        checkpointed.append(fn)
+        return checkpoint(fn, *args, **kwargs)
+
+    monkeypatch.setattr(block_frames, "eager_checkpoint", counting)
+    batches = token_batches(3)
+    losses = train_adamw(cm, model, batches, opt)
+    frames = block_frames_of(model)
+    assert (frames.shared, frames.shared_level) == (False, 0)
+    assert len(checkpointed) == 1  # the call that compiled the frame, before its graph was seen
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
