@@ -47,7 +47,9 @@ planner, and keeps weights a block at a time:
    false) level 0 falls back to a frame of its own, compiled at "recompute" as ``"checkpointed"``
    compiles, for the rest of the run (rank-agreed: the estimate is); the block calls of step 0
    that ran before the first compile's estimate (the first call) ran whole-block checkpointed,
-   with the same gradients and no more activations.
+   with the same gradients and no more activations. A block with no checkpointed region (the
+   user checkpointed none) has nothing for level 0 to recompute: once the first compile finds
+   none, level 0 runs the shared frame as compiled, without the eager checkpoint.
    The frame level 0 runs through (the shared one, else level 0's own) estimates the block's
    levels in its partitioner, which sees the block's joint graph before the level is applied
    (``recompute.level_specs`` on every checkpointed region of the block taken as one region:
