@@ -1,0 +1,54 @@
+"""The default's offloaded blocks on CUDA ([Note: offloaded under the step's own peak] in
+zbuf/compile/block_replan.py): planned from the measured step's real profile, they train as the
+default that offloads nothing and never peak above it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parity import token_batches  # noqa: E402
+from test_block_offload import _train  # noqa: E402
+
+from zbuf.compile import block_replan  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")]
+
+
+def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkeypatch):
+    """Twelve checkpointed blocks and an fp32 loss outside the model over a 32k vocabulary,
+    whose logits peak the step after the forward: the measured step's profile leaves room for
+    the reserve under that peak, so the default offloads every second block (a host link whose
+    copy takes two blocks' forward), keeps its plan at the steady step, trains as the default
+    without a host link (1e-5), and peaks, allocated and reserved, no higher than it."""
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=12, vocab_size=32768, hidden_size=1024,
+                                         ffn_hidden_size=2816, num_heads=8, num_kv_heads=8,
+                                         head_dim=128)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, True)
+    batches = token_batches(5, vocab=32768, rows=8, length=513)
+    moved = _train(monkeypatch, init, 2, 5, device="cuda", batches=batches,
+                   recompute="checkpointed")
+    monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", lambda self: None)
+    plain = _train(monkeypatch, init, 2, 5, device="cuda", batches=batches,
+                   recompute="checkpointed")
+    offload = moved.frames.offload
+    assert offload.report()["blocks"] == [1, 3, 5, 7, 9], moved.memory.report()
+    assert not moved.memory.steady.replanned
+    assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    assert not plain.frames.offload.offloaded
+    torch.testing.assert_close(moved.losses, plain.losses, rtol=1e-5, atol=0)
+    slack = 1 + 1 / block_replan.SETTLE_TOLERANCE
+    for with_host, without in zip(moved.peaks[2:], plain.peaks[2:]):
+        assert with_host <= without * slack, (moved.peaks, plain.peaks)
+    for with_host, without in zip(moved.reserved[2:], plain.reserved[2:]):
+        assert with_host <= without * slack, (moved.reserved, plain.reserved)
