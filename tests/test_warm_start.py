@@ -125,7 +125,13 @@ def test_second_launch_is_served_from_the_caches(tmp_path, structure):
     # zbuf.compile's default runs this model as block frames ([Note: one path]).
     assert cold["blocks"] == warm["blocks"] == (structure == "default")
     assert cold["caches"]["fxgraph_miss"] >= 2
-    assert warm["caches"]["aot_hit"] >= 1 and warm["caches"]["aot_miss"] == 0
+    if structure == "graph":
+        assert warm["caches"]["aot_hit"] >= 1 and warm["caches"]["aot_miss"] == 0
+    else:
+        # The default's frame reads its joint graph for the offload plan, which a hit in
+        # AOTAutograd's cache would skip ([Note: offloaded under the step's own peak] in
+        # block_replan.py): it is traced again, its kernels served by Inductor's cache.
+        assert warm["caches"]["aot_hit"] == cold["caches"]["aot_hit"] == 0
     assert warm["caches"]["fxgraph_miss"] == 0
     assert cold["agreed"] == warm["agreed"] == stable_free_memory(BASE)
     # No kernel compiled: every cached kernel loads as built; one once-per-process C++ build stays

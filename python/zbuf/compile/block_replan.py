@@ -126,8 +126,9 @@ reserve fits under the peak, and the blocks it carries need no recompute:
 1. The measured step is profiled ([Note: progress points] in zbuf/memory/progress.py): its
    allocated peak between each two forward block calls and each two backward gradient marks,
    rank-agreed, what step 0 left resident added. Level 0's frame is compiled as the user
-   checkpointed and estimates the block's levels as under ``auto`` (1 above: its AOTAutograd
-   cache off).
+   checkpointed and estimates the block's levels as under ``auto`` (1 above), with
+   AOTAutograd's cache off: a warm start traces the frame's joint graph again, its kernels
+   still served by Inductor's cache (tests/test_warm_start.py).
 2. ``grow``: the room of the reserve is the profile's peak less the highest segment where the
    reserve may be live (``reserve_ceiling``): the forward's block segments but the last block's,
    and backward's segments after its first (the loss and the start of backward; every one when

@@ -705,7 +705,7 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
         table.add_column(run_label(eng), justify="right")
 
     def levels(b):
-        if b.get("levels") is None:  # not recompute="auto": no level was chosen
+        if b.get("recompute") != "auto":  # no level chosen; the offloaded blocks have rows
             return {"none": "all kept"}.get(b.get("recompute"), "as the model checkpoints")
         return "/".join(str(b["levels"].count(name)) for name in ("keep", "selective",
                                                                    "recompute"))
