@@ -13,6 +13,9 @@ compile/block_replan.py). One launch per world size:
 * offloaded blocks ([Note: offloaded blocks] in compile/block_offload.py, the host link stood
   in on the CPU): every rank offloads the same blocks, parity throughout, and a rank that
   offloads others stops every rank at the first forward after the re-plan;
+* the default's offloaded blocks ([Note: offloaded under the step's own peak] in
+  compile/block_replan.py): planned from one profile agreed over ranks whose own differ, the
+  same blocks offloaded on every rank, parity throughout;
 * a rank whose blocks run at other levels than its peers' stops every rank with
   ``ScheduleMismatchError`` at the first forward after the re-plan ([Note: block order check]).
 """
@@ -212,6 +215,55 @@ def _offload_case(rank, world):
     return {"report": report, "levels": _levels(frames, model), "refused": refused}
 
 
+def _default_offload_case(rank, world):
+    """The default ([Note: offloaded under the step's own peak] in compile/block_replan.py), the
+    host link and the room under the peak stood in on the CPU, each rank's profile a few KiB
+    apart: every rank plans from the same agreed profile (each segment the largest of the
+    ranks'), offloads the same blocks from step 1 on, keeps them at the steady step, and
+    matches the unsharded reference."""
+    import zbuf.compile
+    from zbuf.compile import block_replan
+    from zbuf.compile.block_frames import block_frames_of
+    from zbuf.memory import phases
+
+    import test_block_auto as unit
+    import test_block_offload as offload_tests
+    import test_step_memory as sm_tests
+
+    torch._dynamo.reset()
+    init = unit.decoder(5)
+    data = sm_tests._batches(97, world, STEPS)
+    ref_losses, ref_states = sm_tests._reference(init, data, steps_to_keep={STEPS - 1})
+    seen = []
+
+    def ceiling(profile):
+        seen.append((profile.forward, profile.backward))
+        return max((*profile.forward, *profile.backward)), 1 << 40
+
+    link, real_ceiling, fold = (block_replan.BlockReplanner._host_link,
+                                block_replan.reserve_ceiling, phases.PhaseMeter._fold)
+    block_replan.BlockReplanner._host_link = offload_tests._cpu_link(1)
+    block_replan.reserve_ceiling = ceiling
+    phases.PhaseMeter._fold = lambda self: fold(self) + 4096 * rank
+    try:
+        model = zbuf.shard(copy.deepcopy(init))
+        opt, sched = sm_tests._adamw(model.parameters())
+        cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, optimizer=opt)
+        memory = zbuf.compile.step_memory_of(cm)
+        frames = block_frames_of(model)
+        losses, states, _ = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world,
+                                                 memory, keep={STEPS - 1})
+    finally:
+        block_replan.BlockReplanner._host_link = link
+        block_replan.reserve_ceiling = real_ceiling
+        phases.PhaseMeter._fold = fold
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
+    error = sm_tests._worst(states[STEPS - 1], ref_states[STEPS - 1])
+    assert error <= RTOL, error
+    return {"report": frames.offload.report(), "levels": _levels(frames, model),
+            "profiles": seen, "steady_replanned": memory.steady.replanned}
+
+
 def _mismatch_case(rank, world):
     import zbuf.compile
     from zbuf.compile import ScheduleMismatchError
@@ -242,6 +294,7 @@ def _mismatch_case(rank, world):
 def _worker(rank, world):
     return {"parity": _parity_case(rank, world), "weights": _weights_case(rank, world),
             "shared": _shared_case(rank, world), "offload": _offload_case(rank, world),
+            "default_offload": _default_offload_case(rank, world),
             "mismatch": _mismatch_case(rank, world)}
 
 
@@ -306,6 +359,14 @@ def _check(results):
         assert o["refused"] is not None and "activations offloaded" in o["refused"], o
     for o in offload[1:]:
         assert o["report"] == offload[0]["report"]
+    default = [r["default_offload"] for r in results]
+    for o in default:
+        assert o["report"]["blocks"] == [0, 1, 2, 3] and o["report"]["late_uploads"] == 0, o
+        assert o["levels"] == [2, 2, 2, 2, 0] and not o["steady_replanned"], o
+        assert len(o["profiles"]) == 2, o  # the measured step's, the steady step's
+    for o in default[1:]:  # one agreed profile, though every rank's own differed
+        assert o["profiles"] == default[0]["profiles"], (o["profiles"], default[0]["profiles"])
+        assert o["report"] == default[0]["report"]
     for rank, r in enumerate(results):
         error = r["mismatch"]
         assert error is not None, rank
