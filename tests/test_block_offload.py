@@ -290,29 +290,6 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
 
 
-def test_the_default_gives_its_offload_up_when_the_allocator_retried_in_the_steady_step(
-        monkeypatch):
-    """The steady step's peak stays, but torch's allocator retried in it (its cache could not
-    serve the step: the offload's bytes on their way split segments the step needed whole):
-    the settle puts every block back at the user's checkpointing."""
-    from zbuf.memory import phases
-
-    calls = []
-
-    def retries(device):  # the steady step (the second profiled) retries once
-        calls.append(device)
-        return int(len(calls) >= 4)
-
-    monkeypatch.setattr(phases, "alloc_retries", retries)
-    run = _train(monkeypatch, decoder(7), 2, 5, recompute="checkpointed",
-                 ceiling=_room_under_the_peak())
-    memory = run.memory
-    assert len(calls) == 4  # the measured and the steady step, each opened and closed
-    assert memory.measured.recompute["regions_offloaded"] == 3
-    assert memory.steady.replanned and memory.steady.recompute["regions_offloaded"] == 0
-    assert not run.frames.offload.offloaded
-
-
 @pytest.mark.parametrize("short", [0, 1])
 def test_the_defaults_reserve_must_fit_the_measured_room_beside_torchs_cache(monkeypatch,
                                                                            short):

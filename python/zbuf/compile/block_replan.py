@@ -141,12 +141,10 @@ reserve fits under the peak, and the blocks it carries need no recompute:
    blocks run the "keep" frame, compiled at the re-plan (one block compile).
 3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
    step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
-   noise), or torch's allocator retried in it on any rank, every block goes back to level 0,
-   which compiles nothing. The retries are the cache's side of the same question: at
-   qwen3-14b as rank 0 of 8 on an 80 GiB card (the plain user setup) the offloaded blocks
-   left the allocated peak where it was but not torch's cache, whose segments the user's 9.3
-   GiB fp32 logits could no longer reuse whole, and the allocator retried once a step
-   (benches/results/onepath14.md).
+   noise), every block goes back to level 0, which compiles nothing. Torch's cache is the
+   other side of the same question: at qwen3-14b as rank 0 of 8 on an 80 GiB card (the plain
+   user setup) the offloaded blocks' first steps reshaped it, and its allocator retried once,
+   in step 2, and never after (benches/results/onepath14.md).
 
 Backward's first segment is left out of the room on the plan's word, not a measurement: the
 reserve begins at the last offloaded block's backward, ``spacing`` blocks after the last
@@ -400,8 +398,7 @@ class BlockReplanner:
         before = self.recompute_stats()
         if self.plans_from_profile:
             rose = (self.plan is not None and self.ceiling_bytes is not None
-                    and (profile is None or profile.retries > 0
-                         or reserve_ceiling(profile)[0] > self.ceiling_bytes
+                    and (profile is None or reserve_ceiling(profile)[0] > self.ceiling_bytes
                          + self.ceiling_bytes // SETTLE_TOLERANCE))
             return self._apply(None, 0, before) if rose else None
         room = room_bytes - self.frames.plan.pool_bytes

@@ -75,13 +75,6 @@ class StepPhases(NamedTuple):
                    self.optimizer_peak_bytes or 0)
 
 
-def alloc_retries(device: torch.device) -> int:
-    """torch's caching allocator's retries on ``device`` so far (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-
-
 def _tensor_bytes(t: Any) -> int:
     """Bytes this rank holds for ``t`` (a DTensor, as FSDP2's parameters: its local shard)."""
     if not isinstance(t, torch.Tensor):
@@ -105,10 +98,6 @@ class StepProfile(NamedTuple):
     optimizer step)."""
     optimizer: int
     """The optimizer step's peak (0: no optimizer measured)."""
-    retries: int = 0
-    """Times torch's caching allocator retried during the step (a cudaMalloc failed, it emptied
-    its cache and tried again: the step did not fit its memory as the cache held it); 0 on the
-    CPU."""
 
     @property
     def peak(self) -> int:
@@ -142,8 +131,6 @@ class PhaseMeter:
         self._optimizer_ran = False
         self._segments: Optional[dict[str, list[int]]] = None
         """While the open step is profiled: each phase's segment peaks so far."""
-        self._retries0 = 0
-        """The allocator's retries when the profiled step opened."""
         self.profile: Optional[StepProfile] = None
         """The last profiled step's peaks between its progress points."""
         self.off_device_bytes: Optional[Callable[[], int]] = None
@@ -209,8 +196,7 @@ class PhaseMeter:
             seg, self._segments = self._segments, None
             if seg["forward"] and seg["backward"]:
                 self.profile = StepProfile(row.step, tuple(seg["forward"]),
-                                           tuple(seg["backward"]), row.optimizer_peak_bytes or 0,
-                                           alloc_retries(self.device) - self._retries0)
+                                           tuple(seg["backward"]), row.optimizer_peak_bytes or 0)
         self.closed += 1
         self._phase = None
         if self.on_close is not None:
@@ -294,7 +280,6 @@ class PhaseMeter:
         progress points] in progress.py) of its forward and backward (from now: call it at its
         forward's start); ``profile`` holds them once it closes."""
         self._segments = {"forward": [], "backward": []}
-        self._retries0 = alloc_retries(self.device)
 
     def segment(self, point: Point) -> None:
         """A progress point: while profiling, the segment before it ends (the phase's first

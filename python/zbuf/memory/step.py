@@ -356,10 +356,10 @@ class StepMemory:
             return None
         _, agreed = agree_extremes(
             self.group, self.memory.device, smallest=[],
-            largest=[profile.retries, profile.optimizer, *profile.forward, *profile.backward])
-        segments = [b + growth for b in agreed[2:]]
+            largest=[profile.optimizer, *profile.forward, *profile.backward])
+        segments = [b + growth for b in agreed[1:]]
         return StepProfile(step, tuple(segments[:lengths[0]]), tuple(segments[lengths[0]:]),
-                           agreed[1], agreed[0])
+                           agreed[0])
 
     def _plan_window(self, profile: StepProfile) -> None:
         agreed = self._agreed_profile(profile.step)
