@@ -290,25 +290,6 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("short", [0, 1])
-def test_the_defaults_reserve_must_fit_the_measured_room_beside_torchs_cache(monkeypatch,
-                                                                           short):
-    """Room under the peak is not enough: the measured room beside torch's reserved peaks
-    (less the frames' pool) must hold the two blocks on their way too, since torch's cache does
-    not hand back what the loss freed. One byte short, nothing is offloaded."""
-    grow = block_replan.BlockReplanner.grow
-
-    def clamped(self, budget, room, world, profile=None):
-        reserve = _reserve_only(self.frames.estimate.levels, len(self.frames.called))
-        return grow(self, budget, self.frames.plan.pool_bytes + reserve - short, world, profile)
-
-    monkeypatch.setattr(block_replan.BlockReplanner, "grow", clamped)
-    run = _train(monkeypatch, decoder(7), 2, 3, recompute="checkpointed",
-                 ceiling=_room_under_the_peak())
-    offloaded = run.memory.measured.recompute["regions_offloaded"]
-    assert offloaded == (0 if short else 3), offloaded
-
-
 def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):
     """On the CPU stand-in the profile sees no activations, so the measured step's peak is its
     gradients' end of backward, and the reserve finds no room under it: nothing offloaded,

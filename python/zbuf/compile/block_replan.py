@@ -132,19 +132,18 @@ reserve fits under the peak, and the blocks it carries need no recompute:
 2. ``grow``: the room of the reserve is the profile's peak less the highest segment where the
    reserve may be live (``reserve_ceiling``): the forward's block segments but the last block's,
    and backward's segments after its first (the loss and the start of backward; every one when
-   backward has no other, so a model too small for gradient marks offloads nothing). It must
-   also fit the measured room less the frames' pool (the ledger's: beside torch's reserved
-   peaks, charged the fragmentation), because torch's cache does not hand back what the loss
-   freed: the reserve's bytes may need segments of their own.
+   backward has no other, so a model too small for gradient marks offloads nothing).
    ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
    ones in that room, with the same spacing and host memory as under ``auto``; the offloaded
    blocks run the "keep" frame, compiled at the re-plan (one block compile).
 3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
    step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
-   noise), every block goes back to level 0, which compiles nothing. Torch's cache is the
-   other side of the same question: at qwen3-14b as rank 0 of 8 on an 80 GiB card (the plain
-   user setup) the offloaded blocks' first steps reshaped it, and its allocator retried once,
-   in step 2, and never after (benches/results/onepath14.md).
+   noise), every block goes back to level 0, which compiles nothing.
+
+What this fits is the allocated peak, not torch's cache: at qwen3-14b as rank 0 of 8 on an 80
+GiB card (the plain user setup) the device peak rose from 69.86 to 74.46 GiB with 9 blocks
+offloaded (the allocated peak within the measured step's), and the allocator retried once, in
+step 2, never after (benches/results/onepath14.md).
 
 Backward's first segment is left out of the room on the plan's word, not a measurement: the
 reserve begins at the last offloaded block's backward, ``spacing`` blocks after the last
@@ -352,11 +351,10 @@ class BlockReplanner:
                            frames.plan.pool_bytes + kept_blocks * frames.plan.block_bytes)
         return Replan(compiles, self.kept_bytes, len(self.kept))
 
-    def _under_own_peak(self, profile: Optional[StepProfile],
-                        room_bytes: int) -> Optional[RecomputePlan]:
+    def _under_own_peak(self, profile: Optional[StepProfile]) -> Optional[RecomputePlan]:
         """The default's plan ([Note: offloaded under the step's own peak]): every block at
         level 0 on the device, the offloaded ones in what ``profile``'s peak leaves where their
-        reserve is live, and in ``room_bytes`` (the measured room beside torch's cache)."""
+        reserve is live."""
         estimate = self.frames.estimate
         self.room_bytes = 0
         if profile is None or estimate is None or not self.frames.called:
@@ -366,7 +364,7 @@ class BlockReplanner:
         if link is None:
             return None
         return plan_block_levels(estimate.levels, len(self.frames.called), 0, link,
-                                 reserve_room_bytes=min(under_peak, room_bytes))
+                                 reserve_room_bytes=under_peak)
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
              profile: Optional[StepProfile] = None) -> Optional[Replan]:
@@ -379,8 +377,7 @@ class BlockReplanner:
         self.frames.prefetch.check_next_forward()  # changed or not: see the Note
         before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
-        plan = (self._under_own_peak(profile, room) if self.plans_from_profile
-                else self._levels(room))
+        plan = self._under_own_peak(profile) if self.plans_from_profile else self._levels(room)
         spent = 0 if plan is None else plan.kept_bytes
         if plan is not None and not any(plan.levels):
             plan = None
