@@ -64,8 +64,9 @@ offloads pins its host memory (torch's host caching allocator keeps it for the s
 where the shared frame is "selective", the offloaded blocks' "keep" frame is one more block
 compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
 place after its block (which autograd refuses without hooks) is copied as the stream has it.
-Measured once at qwen3-14b (benches/results/onepath14.md), before the uploads came out of the
-compute stream's cache.
+Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the uploads came
+out of the compute stream's cache (two retries a step), and as the default's plan after it
+(one retry, in step 2).
 """
 
 from __future__ import annotations
