@@ -76,6 +76,9 @@ class Replanner:
     """Remakes the plans of ``compiled`` (what ``torch.compile(model, backend="zbuf")`` returned)
     at most once ([Note: bounded re-plan])."""
 
+    plans_from_profile = False
+    """The whole graph's plans need no step profile ([Note: one planner interface])."""
+
     def __init__(self, compiled: torch.nn.Module, options: CompileOptions, *, fullgraph: bool,
                  dynamic: Optional[bool]) -> None:
         self.compiled = compiled
@@ -232,8 +235,6 @@ class Replanner:
 
     def _outcome(self, recompiled: bool) -> Replan:
         return Replan(recompiled, self.kept_bytes, len(self.kept))
-
-    plans_from_profile = False
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
              profile: Optional[StepProfile] = None) -> Optional[Replan]:

@@ -16,6 +16,6 @@ from .step import MeasuredBudget, StepMemory, StepMemoryRow
 __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
            "stable_free_memory", "host_bytes", "host_share_bytes", "local_free_bytes",
            "user_capacity_bytes",
-           "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase", "PlanPhases",
-           "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory", "MeasuredBudget",
+           "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase",
+           "PlanPhases", "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory", "MeasuredBudget",
            "StepMemory", "StepMemoryRow"]
