@@ -505,10 +505,11 @@ class BlockFrames:
         offload = self.offload
         offloading = bool(offload.offloaded)
         backward = in_backward()
-        if offloading and backward:
-            offload.reached_block(id(block))  # a recompute: this block's backward begins
-        elif offloading:
-            offload.forward_reaches(id(block))
+        if offloading:
+            if backward:
+                offload.reached_block(id(block))  # a recompute: this block's backward begins
+            else:
+                offload.forward_reaches(id(block))
         if callers_hooks_active():
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:

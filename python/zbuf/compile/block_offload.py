@@ -263,27 +263,28 @@ class BlockOffload:
         self._calls[position] = call
         return call
 
+    def _wait_for_copies(self, call: Optional[OffloadedCall]) -> None:
+        """The compute stream waits for ``call``'s copies to the host (if any were issued)."""
+        if call is not None and call._downloaded is not None:
+            self.waits.wait(torch.cuda.current_stream(self.device), call._downloaded)
+
     def wait_for_previous(self, call: OffloadedCall) -> None:
         """The compute stream waits for the previous offloaded call's copies: at most two calls'
         bytes on their way to the host."""
         previous, self._previous = self._previous, call
-        if previous is not None and previous._downloaded is not None:
-            self.waits.wait(torch.cuda.current_stream(self.device), previous._downloaded)
+        self._wait_for_copies(previous)
 
     def forward_reaches(self, block: int) -> None:
-        """``block``'s forward begins: the block ``distance`` after the forward's last offloaded
-        call makes the compute stream wait for that call's copies, so that no offloaded bytes
-        are on the device after it ([Note: offloaded under the step's own peak] in
-        block_replan.py)."""
-        previous = self._previous
-        if previous is None or previous._downloaded is None or not self.offloaded:
-            return
+        """``block``'s forward begins (an offloaded plan is in force): the block ``distance``
+        after the forward's last offloaded call makes the compute stream wait for that call's
+        copies, so that no offloaded bytes are on the device after it ([Note: offloaded under
+        the step's own peak] in block_replan.py)."""
         position = self.order.get(block)
-        if position is None or position - previous.position < self.distance or (
-                position <= self._last):
+        if (self._previous is None or position is None or position <= self._last
+                or position - self._previous.position < self.distance):
             return
-        self.waits.wait(torch.cuda.current_stream(self.device), previous._downloaded)
-        self._previous = None
+        previous, self._previous = self._previous, None
+        self._wait_for_copies(previous)
 
     def finish_forward(self) -> None:
         self._previous, self._counted = None, False

@@ -17,5 +17,5 @@ __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
            "stable_free_memory", "host_bytes", "host_share_bytes", "local_free_bytes",
            "user_capacity_bytes",
            "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase",
-           "PlanPhases", "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory", "MeasuredBudget",
-           "StepMemory", "StepMemoryRow"]
+           "PlanPhases", "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory",
+           "MeasuredBudget", "StepMemory", "StepMemoryRow"]

@@ -336,7 +336,7 @@ class StepMemory:
         """Whether the step opening now is one the planner decides on from its profile (the
         measured and the steady step, [Note: offloaded under the step's own peak] in
         zbuf/compile/block_replan.py)."""
-        if self.replanner is None or not getattr(self.replanner, "plans_from_profile", False):
+        if self.replanner is None or not self.replanner.plans_from_profile:
             return False
         due = {PlanPhase.MEASURING: self.measured_step,
                PlanPhase.GROWN: self.steady_step}.get(self.phases.phase)
@@ -459,7 +459,7 @@ class StepMemory:
         if self.replanner is not None:
             planned = self.replanner.planned_budget()
             profile = (self._agreed_profile(row.step, growth)
-                       if getattr(self.replanner, "plans_from_profile", False) else None)
+                       if self.replanner.plans_from_profile else None)
             decide = self.replanner.grow if grow else self.replanner.settle
             replan = decide(budget, room, self._world_size(), profile)
         if replan is not None:
