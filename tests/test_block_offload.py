@@ -215,6 +215,11 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     assert offload.late_uploads == 0
     assert offload.forwards == steps - 1  # the host has no copies to wait for
     assert offload.report()["exposed_ms_per_step"] == 0.0
+    # Every host copy went to its position's arena, of the plan's estimate of a block's bytes.
+    report = offload.report()
+    assert report["unplanned_host_bytes"] == 0
+    per_call = offload.moved_down // (steps - 1) // len(expected)
+    assert per_call <= report["host_arena_bytes"] // len(expected) <= 2 * per_call
     gc.collect()
     assert len(offload._calls) == 0
     assert pool.stats().checked_out == 0
@@ -366,6 +371,8 @@ def test_two_forwards_before_one_backward_upload_on_demand_and_match_the_kept_bl
         total.backward()
         monkeypatch.undo()
         late.append(run.frames.offload.late_uploads - before)
+        # The second forward's calls found their positions' arenas holding the first's copies.
+        assert (run.frames.offload.unplanned_host_bytes > 0) == to_host
         grads.append([p.grad.clone() for p in run.compiled.parameters()])
     assert late[0] > 0 and late[1] == 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))

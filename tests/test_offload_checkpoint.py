@@ -98,7 +98,7 @@ def test_the_streamed_state_is_read_straight_into_the_host_regions(tmp_path, res
     read = []
     with _read_onto_the_device(read):
         ckpt.load_checkpoint(tmp_path / "c", model, opt)
-    host = _in(off._arena)
+    host = _in(off._arena.memory)
     assert len(off.buckets) > 1 and (off.resident_bytes > 0) == (resident > 0)
     # Read: the streamed state into the regions, only the resident state anywhere else.
     assert sum(t.numel() * t.element_size() for t in read if not host(t)) == off.resident_bytes
@@ -153,7 +153,7 @@ def test_an_undecided_offload_holds_the_loaded_state_on_the_host_until_the_step(
             assert not off.active and off.host_held_bytes() == 0
         else:
             assert off.active and off.host_held_bytes() > 0
-            assert _state_bytes(opt, lambda v: not _in(off._arena)(v)) == off.resident_bytes
+            assert _state_bytes(opt, lambda v: not _in(off._arena.memory)(v)) == off.resident_bytes
         _assert_same(_flat(reference, ref_opt), _flat(model, opt))
 
 

@@ -287,7 +287,7 @@ case "${1:-}" in
         --variants "$v" --out "$OUT/$name" ${PLAIN_ARGS:-} \
         ${PROFILE:+--profile-dir "$OUT/$name/profile"} 2>&1 | grep -v "Warning\|warn" \
         | tee "$OUT/$name.log" | tail -3
-      python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload')) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
+      python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload')) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
       [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
     done ;;
   32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card

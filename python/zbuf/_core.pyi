@@ -25,6 +25,15 @@ class InvalidRequestError(PoolError, ValueError): ...
 class UnsupportedDtypeError(PoolError, TypeError): ...
 class PoolBackendError(PoolError): ...
 
+def page_lock(device_index: int, ptr: int, nbytes: int) -> None:
+    """Page-locks the host range ``ptr .. ptr + nbytes`` (memory the caller keeps allocated until
+    ``page_unlock``) for ``cuda:device_index``, its pages first faulted in by several threads, the
+    GIL released throughout ([Note: page-locked host ranges] in rust/backend/cuda.rs). Contents
+    are unchanged. NoCudaDriverError without a driver; PoolOutOfMemoryError when the host cannot
+    lock that much; InvalidRequestError for an empty range."""
+def page_unlock(device_index: int, ptr: int) -> None:
+    """Undoes ``page_lock`` at ``ptr``; every copy that used the range must have completed."""
+
 @final
 class PoolCore:
     """One gather-buffer pool over the host or CUDA backend. Errors are the classes above; the

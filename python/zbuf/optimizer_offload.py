@@ -49,34 +49,17 @@ state is already in host memory: the state stays where it is and nothing is copi
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .host_arena import ALIGN, HostArena, span_bytes
 from .memory.optimizer_state import OptimizerPolicy
 
 __all__ = ["StateOffload"]
 
 BatchKey = tuple[int, ...]
-
-ARENA_ALIGN = 256
-"""Byte alignment of each host copy in its arena (what CUDA's copies like best)."""
-
-
-def _registered_arena(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked for as long as the tensor lives."""
-    arena = torch.empty(nbytes, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"zbuf: could not page-lock {nbytes / 2**30:.2f} GiB of host memory "
-                           f"for the offloaded optimizer state (cudaHostRegister error "
-                           f"{int(err)}); free host memory or drop offload_optimizer")
-    weakref.finalize(arena, cudart.cudaHostUnregister, arena.data_ptr())
-    return arena
-
 
 class StateOffload:
     """Keeps ``optimizer``'s parameter-shaped state in pinned host memory between the steps in
@@ -99,9 +82,8 @@ class StateOffload:
         self._homes: dict[tuple[int, str], torch.Tensor] = {}
         """Pinned host copy of each offloaded state tensor, by (id of its parameter, key): views
         of the arenas."""
-        self._arenas: list[torch.Tensor] = []
-        self._arena: Optional[torch.Tensor] = None
-        self._used = 0
+        self._arenas: list[HostArena] = []
+        """Where ``_homes`` are carved from ([Note: host arenas] in zbuf/host_arena.py)."""
         self._next: dict[BatchKey, BatchKey] = {}
         """The batch that followed each batch the last time (steps repeat their order)."""
         self._last: Optional[BatchKey] = None
@@ -211,25 +193,22 @@ class StateOffload:
         self._prefetched[key] = (ready, tensors)
 
     def _carve(self, like: torch.Tensor) -> torch.Tensor:
-        """A pinned host tensor shaped like ``like``, from the arena: one host allocation for
-        all the state, page-locked with ``cudaHostRegister``. (Pinned tensors of their own come
-        from torch's caching host allocator, which rounds each up to a power of two: up to twice
-        the state's bytes of page-locked memory.)"""
-        nbytes = like.numel() * like.element_size()
-        start = -(-self._used // ARENA_ALIGN) * ARENA_ALIGN
-        if self._arena is None or start + nbytes > self._arena.numel():
-            self._arena = _registered_arena(max(nbytes, self._arena_bytes()))
-            self._arenas.append(self._arena)
-            start = 0
-        self._used = start + nbytes
-        return self._arena[start:start + nbytes].view(like.dtype).view(like.shape)
+        """A pinned host tensor shaped like ``like``, from the arenas ([Note: host arenas] in
+        zbuf/host_arena.py): one for all the state, unless it changes shape."""
+        home = self._arenas[-1].carve(like) if self._arenas else None
+        if home is None:
+            self._arenas.append(HostArena(
+                max(span_bytes(like), self._arena_bytes()), self.device,
+                (self.upload_stream, self.download_stream)))
+            home = self._arenas[-1].carve(like)
+        return home
 
     def _arena_bytes(self) -> int:
         """Enough for every parameter's state at once ([Note: optimizer state bytes]), each copy
         aligned: one registration."""
         policy = OptimizerPolicy.of(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return policy.state_bytes(params) + policy.state_copies * len(params) * ARENA_ALIGN
+        return policy.state_bytes(params) + policy.state_copies * len(params) * ALIGN
 
     # -- the host's view -----------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ from .devices import indexed
 from .memory.optimizer_state import OptimizerPolicy
 from .memory.progress import Point
 from .offload_window import OffloadWindow
-from .optimizer_offload import ARENA_ALIGN, _registered_arena
+from .host_arena import ALIGN, HostArena
 from .stream_waits import TimedWaits
 
 __all__ = ["StepOffload", "streamed_state_of", "Op", "step_schedule", "plan_buckets",
@@ -152,7 +152,7 @@ _ATTRIBUTE = "_zbuf_step_offload"
 
 
 def _aligned(n: int) -> int:
-    return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 def _offloadable(param: torch.Tensor, value: Any) -> bool:
@@ -230,7 +230,8 @@ class StepOffload:
         """The slots, during a step (and its window) only; None: one given back."""
         self._freed: list[Any] = []
         """CUDA: each slot's last download event."""
-        self._arena: Optional[torch.Tensor] = None
+        self._arena: Optional[HostArena] = None
+        """Every bucket's host copies ([Note: host arenas] in zbuf/host_arena.py)."""
         self._groups: Optional[list[dict]] = None
         """The user's ``param_groups`` while the step runs narrowed to all but the streamed
         parameters."""
@@ -297,11 +298,11 @@ class StepOffload:
             for b in buckets]
         total = sum(b.capacity for b in self.buckets)
         if self.buckets:
-            self._arena = (_registered_arena(total) if self.copies_async
-                           else torch.empty(total, dtype=torch.uint8))
+            self._arena = HostArena(total, self.device, tuple(
+                s for s in (self.upload_stream, self.download_stream) if s is not None))
             start = 0
             for b in self.buckets:
-                b.host = self._arena[start:start + b.capacity]
+                b.host = self._arena.memory[start:start + b.capacity]
                 start += b.capacity
             self.slot_bytes = max(b.capacity for b in self.buckets)
         self._home = {id(p): b for b in self.buckets for p in b.params}
@@ -324,7 +325,8 @@ class StepOffload:
         streamed state)."""
         if self._arena is None:
             return 0
-        lo, hi = self._arena.data_ptr(), self._arena.data_ptr() + self._arena.numel()
+        lo = self._arena.memory.data_ptr()
+        hi = lo + self._arena.nbytes
         return sum(v.numel() * v.element_size()
                    for b in self.buckets for p in b.params
                    for v in self.optimizer.state.get(p, {}).values()

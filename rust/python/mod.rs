@@ -3,6 +3,7 @@
 mod buffer;
 mod dlpack;
 mod errors;
+mod page_lock;
 mod pool;
 mod shared;
 
@@ -13,6 +14,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add_to(m)?;
     m.add_class::<pool::PoolCore>()?;
     m.add_class::<buffer::DLPackBuffer>()?;
+    m.add_function(wrap_pyfunction!(page_lock::page_lock, m)?)?;
+    m.add_function(wrap_pyfunction!(page_lock::page_unlock, m)?)?;
     m.add("DLPACK_VERSION", (dlpack::DLPACK_MAJOR, dlpack::DLPACK_MINOR))?;
     m.add("DEFAULT_BUDGET_DIVISOR", pool::DEFAULT_BUDGET_DIVISOR)?;
     m.add("DEFAULT_HARD_CAP_DIVISOR", pool::DEFAULT_HARD_CAP_DIVISOR)?;

@@ -44,6 +44,10 @@ def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkey
     assert offload.report()["blocks"] == [1, 3, 5, 7, 9], moved.memory.report()
     assert not moved.memory.steady.replanned
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    # Every host copy in its position's page-locked arena ([Note: host arenas and the first
+    # offloaded step] in zbuf/compile/block_offload.py).
+    report = offload.report()
+    assert report["unplanned_host_bytes"] == 0 and report["lock_seconds"] > 0, report
     assert not plain.frames.offload.offloaded
     torch.testing.assert_close(moved.losses, plain.losses, rtol=1e-5, atol=0)
     slack = 1 + 1 / block_replan.SETTLE_TOLERANCE

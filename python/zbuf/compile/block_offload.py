@@ -59,11 +59,21 @@ stream there is: the same program, nothing hidden, for tests.
 Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so
 its device bytes stay until its copies have run (the reserve counts two calls); the copies
 share the link with the optimizer state's window when that state is offloaded too ([Note: the
-step's window] in zbuf/offload_window.py), which the plan does not model; the first step that
-offloads pins its host memory (torch's host caching allocator keeps it for the steps after);
+step's window] in zbuf/offload_window.py), which the plan does not model; the plan's
+estimate of a block's bytes sizes its arena (``unplanned_host_bytes`` in the record counts what
+did not fit);
 where the shared frame is "selective", the offloaded blocks' "keep" frame is one more block
 compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
 place after its block (which autograd refuses without hooks) is copied as the stream has it.
+[Note: host arenas and the first offloaded step]
+Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
+plan's estimate of a block's bytes, reused by its call every step. ``plan`` starts
+page-locking them on a thread of their own, in the order the forward needs them, so that the
+locking runs while the Python thread compiles the offloaded blocks' frame and runs the blocks
+before the first offloaded one; a call's first ``pack`` waits only for its own arena
+(``pin_wait_seconds`` in the record). A second call at a position whose arena holds a live
+call's copies (two forwards before one backward) copies through torch's pinned tensors instead.
+
 Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the uploads came
 out of the compute stream's cache (two retries a step), and as the default's plan after it
 (one retry, in step 2).
@@ -71,14 +81,21 @@ out of the compute stream's cache (two retries a step), and as the default's pla
 
 from __future__ import annotations
 
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ..host_arena import ALIGN, HostArena, span_bytes
 from ..stream_waits import TimedWaits
 
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
+
+ARENA_SLACK = 64
+"""A position's arena holds the plan's estimate of a block's bytes, 1/``ARENA_SLACK`` more, and
+``ARENA_SLACK`` tensors' alignment."""
 
 
 class OffloadedTensor(NamedTuple):
@@ -91,8 +108,8 @@ class OffloadedTensor(NamedTuple):
 class OffloadedCall:
     """One block call's saved activations in host memory ([Note: offloaded blocks])."""
 
-    __slots__ = ("owner", "position", "inputs", "_host", "_device", "_saved", "_downloaded",
-                 "_uploaded", "_compute", "_unpacks_left", "__weakref__")
+    __slots__ = ("owner", "position", "inputs", "nbytes", "_host", "_arena", "_device", "_saved",
+                 "_downloaded", "_uploaded", "_compute", "_unpacks_left", "__weakref__")
 
     def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
         self.owner = owner
@@ -100,8 +117,13 @@ class OffloadedCall:
         """The call's place in the forward (the plan's block position)."""
         self.inputs = inputs
         """Storages of the call's own tensor inputs, which stay where they are."""
+        self.nbytes = 0
+        """Bytes of the host copies (producer: ``pack``)."""
         self._host: list[torch.Tensor] = []
         """The saved tensors' host copies, in save order (producer: ``pack``)."""
+        self._arena: Optional[HostArena | bool] = None
+        """Where the host copies are carved from: the position's arena, False when it has none
+        free (producer: the call's first ``pack``, from ``BlockOffload.arena_for``)."""
         self._device: Optional[list[torch.Tensor]] = None
         """Their uploads (producer: ``upload``; consumer: ``unpack``, which drops the list once
         each was unpacked)."""
@@ -119,10 +141,6 @@ class OffloadedCall:
         if self._uploaded is not None and self._compute is not None:
             self._compute.wait_event(self._uploaded)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._host)
-
     def pack(self, t: torch.Tensor) -> Any:
         """Send ``t`` to host memory, or keep it: an input of the call, a tensor not on the device,
         or a view that is not its whole storage (its base may live on; copying it would free
@@ -132,8 +150,14 @@ class OffloadedCall:
                 or t.storage_offset() != 0 or t.numel() * t.element_size() != storage.nbytes()):
             return t
         owner = self.owner
-        copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
-                                   pin_memory=owner.down is not None)
+        if self._arena is None:
+            self._arena = owner.arena_for(self) or False
+        nbytes = span_bytes(t)
+        copy = self._arena.carve(t) if self._arena else None
+        if copy is None:
+            copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
+                                       pin_memory=owner.down is not None)
+            owner.unplanned_host_bytes += nbytes
         if owner.down is None:
             copy.copy_(t)
         else:
@@ -147,7 +171,8 @@ class OffloadedCall:
             self._downloaded = owner.down.record_event()
         self._host.append(copy)
         self._unpacks_left += 1
-        owner.moved_down += copy.untyped_storage().nbytes()
+        self.nbytes += nbytes
+        owner.moved_down += nbytes
         return OffloadedTensor(self, len(self._host) - 1)
 
     def upload(self) -> None:
@@ -242,10 +267,62 @@ class BlockOffload:
         self._last = -1
         """The position of the last offloaded block (producer: ``plan``; consumer:
         ``forward_reaches``)."""
+        self.unplanned_host_bytes = 0
+        """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
+        a call's tensors beyond its arena, or a second live call at one position."""
+        self.pin_wait_seconds = 0.0
+        """Time the forward waited for an arena still being page-locked (producer:
+        ``arena_for``)."""
+        self._arenas: dict[int, Future[HostArena]] = {}
+        """Position -> the host arena of its offloaded calls, built on ``_pinning`` (producer:
+        ``plan``; consumer: ``arena_for``)."""
+        self._holders: dict[int, weakref.ref[OffloadedCall]] = {}
+        """Position -> the call whose host copies are in its arena now (producer and consumer:
+        ``arena_for``)."""
+        self._pinning: Optional[ThreadPoolExecutor] = None
+        """The thread that builds the arenas, while the Python thread goes on (the re-plan's
+        compile, the step's first blocks)."""
 
-    def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int) -> None:
+    def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int,
+             block_bytes: int = 0) -> None:
+        """Offload the calls of ``offloaded`` (``block_bytes`` each, the plan's estimate),
+        uploading each ``distance`` blocks ahead in backward; their host arenas start being
+        page-locked now ([Note: host arenas and the first offloaded step])."""
         self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
         self._last = max((order[b] for b in offloaded), default=-1)
+        nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
+        positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
+        arenas = {p: f for p, f in self._arenas.items()
+                  if p in positions and (not f.done() or (f.exception() is None
+                                                          and f.result().nbytes == nbytes))}
+        self._arenas = {}
+        for p in positions:
+            if p not in arenas:
+                if self._pinning is None:
+                    self._pinning = ThreadPoolExecutor(1, thread_name_prefix="zbuf-pin")
+                    weakref.finalize(self, self._pinning.shutdown, wait=False)
+                arenas[p] = self._pinning.submit(HostArena, nbytes, self.device,
+                                                 tuple(s for s in (self.down, self.up) if s))
+            self._arenas[p] = arenas[p]
+        self._holders = {p: h for p, h in self._holders.items() if p in self._arenas}
+
+    def arena_for(self, call: OffloadedCall) -> Optional[HostArena]:
+        """The arena ``call``'s host copies go to: its position's, unless another live call's
+        copies are in it (two forwards before a backward), waited for if still being locked."""
+        pinning = self._arenas.get(call.position)
+        if pinning is None:
+            return None
+        if not pinning.done():
+            start = time.perf_counter()
+            pinning.result()
+            self.pin_wait_seconds += time.perf_counter() - start
+        arena = pinning.result()
+        holder = self._holders.get(call.position)
+        if holder is not None and holder() not in (None, call):
+            return None
+        self._holders[call.position] = weakref.ref(call)
+        arena.reset()
+        return arena
 
     def start(self, block: int, args: tuple, kwargs: dict) -> Optional[OffloadedCall]:
         """The call of ``block`` now starting its forward with ``args`` and ``kwargs``, if it is
@@ -307,8 +384,13 @@ class BlockOffload:
 
     def report(self) -> dict[str, Any]:
         self.exposed_ms += self.waits.read_ms()
+        arenas = [f.result() for f in self._arenas.values() if f.done() and not f.exception()]
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
                 "distance": self.distance, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
+                "host_arena_bytes": sum(a.nbytes for a in arenas),
+                "lock_seconds": sum(a.lock_seconds for a in arenas),
+                "pin_wait_seconds": self.pin_wait_seconds,
+                "unplanned_host_bytes": self.unplanned_host_bytes,
                 "exposed_ms_per_step": self.exposed_ms / self.forwards if self.forwards else None}

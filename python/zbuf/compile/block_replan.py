@@ -339,7 +339,8 @@ class BlockReplanner:
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
         frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
-                            0 if plan is None else plan.offload_spacing)
+                            0 if plan is None else plan.offload_spacing,
+                            0 if plan is None else plan.offload_block_bytes)
         self.plan = plan if levels else None
         self.kept = tuple(
             KeepCandidate(spec.param_id, frames.pool.capacity_for(spec.gathered_nbytes),

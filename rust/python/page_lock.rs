@@ -1,0 +1,30 @@
+//! `zbuf._core.page_lock` / `page_unlock`: host ranges locked for the device's asynchronous
+//! copies ([Note: page-locked host ranges] in backend/cuda.rs), with the GIL released.
+
+use pyo3::prelude::*;
+
+use super::errors::{invalid_request, to_py};
+use crate::backend::cuda;
+
+/// Threads that fault in a range's pages before it is registered.
+const TOUCH_THREADS: usize = 8;
+
+/// Page-locks `nbytes` at `ptr` (a CPU tensor's data, which the caller keeps alive until
+/// `page_unlock`) for `cuda:device_index`.
+#[pyfunction]
+pub fn page_lock(py: Python<'_>, device_index: u32, ptr: u64, nbytes: u64) -> PyResult<()> {
+    if ptr == 0 || nbytes == 0 {
+        return Err(invalid_request(py, format!(
+            "page_lock needs a host range: got address {ptr:#x}, {nbytes} bytes")));
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(TOUCH_THREADS);
+    // SAFETY: the caller's range (the Python caller owns the tensor and keeps it alive).
+    py.detach(move || unsafe { cuda::page_lock(device_index, ptr, nbytes, threads) }).map_err(to_py)
+}
+
+/// Undoes `page_lock` at `ptr`; the caller has waited for every copy that used it.
+#[pyfunction]
+pub fn page_unlock(py: Python<'_>, device_index: u32, ptr: u64) -> PyResult<()> {
+    // SAFETY: the caller's promise (see above).
+    py.detach(move || unsafe { cuda::page_unlock(device_index, ptr) }).map_err(to_py)
+}

@@ -1,0 +1,38 @@
+"""Host arenas on CUDA ([Note: host arenas] in zbuf/host_arena.py): page-locked on a thread of
+their own, their tensors take asynchronous copies both ways; collected, they are unlocked once
+the copies that may use them have run."""
+
+from __future__ import annotations
+
+import gc
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from zbuf.host_arena import HostArena
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_an_arena_locked_in_the_background_takes_async_copies_and_unlocks_when_collected():
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    with ThreadPoolExecutor(1) as pool:
+        arena = pool.submit(HostArena, 64 << 20, device, (stream,)).result()
+    assert arena.lock_seconds > 0
+    source = torch.randn(1024, 4096, device=device)
+    host = arena.carve(source.t())
+    assert host.is_pinned() and host.stride() == source.t().stride()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        host.copy_(source.t(), non_blocking=True)
+        back = torch.empty_like(source.t())
+        back.copy_(host, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, source.t())
+    del arena
+    gc.collect()
+    # The view keeps the bytes, no longer locked.
+    assert not host.is_pinned() and torch.equal(host, source.t().cpu())
