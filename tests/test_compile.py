@@ -104,6 +104,10 @@ def test_options_are_validated():
         CompileOptions(inner="eager")
     with pytest.raises(ValueError, match="persist_fraction"):
         CompileOptions(persist_fraction=1.5)
+    # The host link's speed: measured when left out, else a positive number.
+    assert CompileOptions().host_link_bytes_per_second is None
+    with pytest.raises(ValueError, match="host_link_bytes_per_second=0 must be a positive"):
+        CompileOptions(host_link_bytes_per_second=0)
     with pytest.raises(ValueError, match="takes no mode"):
         zbuf_backend(None, [], mode="max-autotune")
     assert CompileOptions().digest() != CompileOptions(prefetch=False).digest()

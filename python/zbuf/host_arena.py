@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import _core
+from ._core import page_lock, page_unlock
 
 __all__ = ["ALIGN", "HostArena", "span_bytes"]
 
@@ -49,12 +49,12 @@ def _unlock(index: int, ptr: int, streams: tuple[torch.cuda.Stream, ...],
     until then: the finalizer holds it)."""
     for stream in streams:
         stream.synchronize()
-    _core.page_unlock(index, ptr)
+    page_unlock(index, ptr)
 
 
 class HostArena:
-    """``nbytes`` of host memory, page-locked for ``device`` when it is a CUDA device ([Note:
-    host arenas])."""
+    """``nbytes`` of host memory, page-locked for ``device`` when it is a CUDA device (without
+    an index: the calling thread's current one) ([Note: host arenas])."""
 
     def __init__(self, nbytes: int, device: torch.device,
                  streams: Iterable[torch.cuda.Stream] = ()) -> None:
@@ -66,7 +66,7 @@ class HostArena:
         if device.type == "cuda" and nbytes > 0:
             index = torch.cuda.current_device() if device.index is None else device.index
             start = time.perf_counter()
-            _core.page_lock(index, self.memory.data_ptr(), nbytes)
+            page_lock(index, self.memory.data_ptr(), nbytes)
             self.lock_seconds = time.perf_counter() - start
             weakref.finalize(self, _unlock, index, self.memory.data_ptr(), tuple(streams),
                              self.memory)

@@ -36,3 +36,14 @@ def test_an_arena_locked_in_the_background_takes_async_copies_and_unlocks_when_c
     gc.collect()
     # The view keeps the bytes, no longer locked.
     assert not host.is_pinned() and torch.equal(host, source.t().cpu())
+
+
+def test_the_host_link_measures_a_plausible_speed():
+    """A PCIe link moves between 1 GB/s and 1 TB/s one way ([Note: the measured host link])."""
+    from zbuf.host_link import measure_host_link
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.memory_allocated(device)
+    speed = measure_host_link(device)
+    assert 1e9 < speed < 1e12, speed
+    assert torch.cuda.memory_allocated(device) == before

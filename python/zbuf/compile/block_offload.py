@@ -18,8 +18,9 @@ The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): with the
 blocks' kept bytes (the most the offloaded blocks hold on the device at once), the levels are
 planned as before; of the blocks left at level 0, the last with ``spacing`` blocks after it and
 every ``spacing``-th before it are offloaded, ``spacing`` the blocks whose forward it takes to
-copy one block's bytes over the host link (the cost model's ``host_link_bytes_per_second`` and
-``flops_per_second``), as many as the agreed host memory holds. The plan is taken only when it
+copy one block's bytes over the host link (its speed measured, [Note: the measured host link]
+in zbuf/host_link.py, and the cost model's ``flops_per_second``), as many as the agreed host
+memory holds. The plan is taken only when it
 saves more modelled recompute than the plan without it. Only on CUDA: on the host there is no
 link to use.
 
@@ -90,6 +91,7 @@ import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
 from ..stream_waits import TimedWaits
+from .recompute_plan import HostLink
 
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
 
@@ -223,8 +225,10 @@ class BlockOffload:
     """The offloaded block calls of one model's frames ([Note: offloaded blocks])."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         cuda = device.type == "cuda"
+        if cuda and device.index is None:  # the arenas are built on a thread of their own
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.down = torch.cuda.Stream(device) if cuda else None
         """Copies to host memory (see the Note for each stream's and event's producer)."""
         self.up = torch.cuda.Stream(device) if cuda else None
@@ -267,6 +271,8 @@ class BlockOffload:
         self._last = -1
         """The position of the last offloaded block (producer: ``plan``; consumer:
         ``forward_reaches``)."""
+        self.link: Optional[HostLink] = None
+        """What the plan's spacing came from (producer: ``plan``; consumer: ``report``)."""
         self.unplanned_host_bytes = 0
         """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
         a call's tensors beyond its arena, or a second live call at one position."""
@@ -284,12 +290,14 @@ class BlockOffload:
         compile, the step's first blocks)."""
 
     def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int,
-             block_bytes: int = 0) -> None:
-        """Offload the calls of ``offloaded`` (``block_bytes`` each, the plan's estimate),
+             link: Optional[HostLink] = None) -> None:
+        """Offload the calls of ``offloaded``, planned with ``link`` (its ``block_bytes`` each),
         uploading each ``distance`` blocks ahead in backward; their host arenas start being
         page-locked now ([Note: host arenas and the first offloaded step])."""
         self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
+        self.link = link
         self._last = max((order[b] for b in offloaded), default=-1)
+        block_bytes = 0 if link is None else link.block_bytes
         nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
         positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
         arenas = {p: f for p, f in self._arenas.items()
@@ -389,6 +397,9 @@ class BlockOffload:
                 "distance": self.distance, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
+                "planned_copy_ms": None if self.link is None else 1e3 * self.link.copy_seconds,
+                "planned_block_forward_ms": (None if self.link is None
+                                             else 1e3 * self.link.forward_seconds),
                 "host_arena_bytes": sum(a.nbytes for a in arenas),
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
                 "pin_wait_seconds": self.pin_wait_seconds,

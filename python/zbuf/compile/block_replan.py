@@ -164,6 +164,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import runtime
+from ..host_link import measure_host_link
 from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes,
                       host_share_bytes, pool_budget)
 from .block_frames import BlockFrames
@@ -216,6 +217,9 @@ class BlockReplanner:
         offloaded under the step's own peak])."""
         self.ceiling_bytes: Optional[int] = None
         """That peak, the profiled measured step's (producer: ``grow``; consumer: ``settle``)."""
+        self.link_bytes_per_second: Optional[float] = None
+        """This rank's host link speed, one direction (producer: ``_host_link``, once: the
+        options' or measured)."""
         self.phases = PlanPhases()
         """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
         zbuf/memory/planner.py)."""
@@ -291,20 +295,27 @@ class BlockReplanner:
 
     def _host_link(self) -> Optional[HostLink]:
         """What offloading a block's kept activations costs, on CUDA ([Note: offloaded blocks]
-        in block_offload.py): the cost model's times, and half of this rank's share of the
-        host's available memory, agreed over the ranks (pinned memory cannot be paged out)."""
+        in block_offload.py): a copy at the host link's speed (measured here once, unless the
+        options give it: [Note: the measured host link] in zbuf/host_link.py), a forward at the
+        cost model's flops, and half of this rank's share of the host's available memory (pinned
+        memory cannot be paged out); the speed and the share agreed over the ranks (the least
+        of each)."""
         frames = self.frames
         device = frames.pool.device
         estimate = frames.estimate
         keep = LEVELS.index("keep")
         if device.type != "cuda" or len(estimate.levels) <= keep:
             return None
-        weights = next(iter(frames.called.values())).weights
-        (share,), _ = agree_extremes(runtime.process_group(weights.specs[0].group_name), device,
-                                     smallest=[host_share_bytes() // 2])
         opts = self.options
+        if self.link_bytes_per_second is None:
+            self.link_bytes_per_second = (opts.host_link_bytes_per_second
+                                          or measure_host_link(device))
+        weights = next(iter(frames.called.values())).weights
+        (share, speed), _ = agree_extremes(
+            runtime.process_group(weights.specs[0].group_name), device,
+            smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second)])
         nbytes = estimate.levels[keep].extra_bytes
-        return HostLink(nbytes, nbytes / opts.host_link_bytes_per_second,
+        return HostLink(nbytes, nbytes / max(1, speed),
                         estimate.forward_flops / opts.flops_per_second, share)
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
@@ -340,7 +351,7 @@ class BlockReplanner:
         frames.levels, frames.kept = levels, kept
         frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
                             0 if plan is None else plan.offload_spacing,
-                            0 if plan is None else plan.offload_block_bytes)
+                            None if plan is None else plan.host_link)
         self.plan = plan if levels else None
         self.kept = tuple(
             KeepCandidate(spec.param_id, frames.pool.capacity_for(spec.gathered_nbytes),

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 from .modes import Modes, refusal
 
@@ -165,16 +165,18 @@ class CostModel:
     memory_bytes_per_second: float = 3e12
     """Memory bandwidth of the cost model (elementwise and data-movement nodes)."""
 
-    host_link_bytes_per_second: float = 40e9
-    """Host link (PCIe) bandwidth of the cost model, one direction: what offloading a block's
-    activations costs ([Note: offloaded blocks] in block_offload.py). A PCIe 5 x16 link moved
-    47.6 GB/s each way at once on an H200 (benches/results/offload14.md); the default is below
-    it, so the plan errs on the side of fewer offloaded blocks."""
+    host_link_bytes_per_second: Optional[float] = None
+    """Host link (PCIe) bandwidth, one direction: what offloading a block's activations costs
+    ([Note: offloaded blocks] in block_offload.py). None (the default): measured on the device
+    when the plan is first made ([Note: the measured host link] in zbuf/host_link.py); a PCIe 5
+    x16 link moved 47.6 GB/s each way at once on an H200 (benches/results/offload14.md)."""
 
     def _check_cost(self, need) -> None:
         for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second",
                      "host_link_bytes_per_second"):
             v = getattr(self, name)
+            if v is None and name == "host_link_bytes_per_second":
+                continue  # measured
             need(isinstance(v, (int, float)) and v > 0, f"{name}={v!r} must be a positive number")
         need(self.collective_latency_seconds >= 0,
              f"collective_latency_seconds={self.collective_latency_seconds!r} must be >= 0")

@@ -104,8 +104,8 @@ class RecomputePlan:
     offload_spacing: int = 0
     """Blocks from one offloaded block to the next: those whose forward one block's copy takes
     (0: none offloaded)."""
-    offload_block_bytes: int = 0
-    """Bytes each offloaded block moves each way: the host memory its calls take."""
+    host_link: Optional["HostLink"] = None
+    """What the offloaded blocks' copies were planned with (None: none offloaded)."""
     reserve_apart: bool = False
     """The reserve was fitted apart from the step's peak, which it never meets ([Note:
     offloaded under the step's own peak] in block_replan.py), so it is not in
@@ -241,7 +241,7 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
         offload_reserve_bytes=reserve, offload_spacing=spacing,
-        offload_block_bytes=link.block_bytes, reserve_apart=apart,
+        host_link=link, reserve_apart=apart,
         requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 

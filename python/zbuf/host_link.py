@@ -1,0 +1,50 @@
+"""The host link's speed, measured: what sending activations to host memory costs on this
+machine.
+
+[Note: the measured host link]
+The offload plan spaces its offloaded blocks by how many block forwards one block's copy takes
+([Note: offloaded blocks] in zbuf/compile/block_offload.py). The link's speed is the machine's:
+a PCIe 5 x16 link moved 47.6 GB/s each way at once on an H200 (benches/results/offload14.md),
+a PCIe 4 link moves about half of that, a GPU behind a shared switch less again. A constant errs
+on every machine but one: set too high, the compute stream waits for the copies at every
+offloaded block; too low, blocks recompute what the link could have carried (at qwen3-14b a
+40 GB/s constant spaced the blocks four apart where the copies were exposed 0.08 ms a step).
+So when the plan is first made, ``measure_host_link`` times, with CUDA events on a stream of its
+own, one copy of ``PROBE_BYTES`` each way between the device and a page-locked host arena, each
+after an untimed one (the first copy of a range pays for its mapping); the slower direction is
+the link's speed. The re-planner agrees it over the ranks (the slowest rank's), so every rank
+plans the same blocks. A ``host_link_bytes_per_second`` in the options replaces it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .host_arena import HostArena
+
+__all__ = ["PROBE_BYTES", "measure_host_link"]
+
+PROBE_BYTES = 64 << 20
+"""Bytes of each timed copy: milliseconds at any PCIe speed, far above a copy's fixed cost."""
+
+
+def measure_host_link(device: torch.device) -> float:
+    """Bytes per second of the slower direction of ``device``'s host link ([Note: the measured
+    host link])."""
+    stream = torch.cuda.Stream(device)
+    arena = HostArena(PROBE_BYTES, device, (stream,))
+    on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    timed = []
+    with torch.cuda.stream(stream):
+        for source, target in ((arena.memory, on_device), (on_device, arena.memory)):
+            target.copy_(source, non_blocking=True)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            target.copy_(source, non_blocking=True)
+            end.record(stream)
+            timed.append((start, end))
+    stream.synchronize()
+    slowest_ms = max(start.elapsed_time(end) for start, end in timed)
+    return PROBE_BYTES / (max(slowest_ms, 1e-3) / 1e3)
