@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import zbuf.compile
-from zbuf.compile import block_offload, block_replan
+from zbuf.compile import block_offload, block_replan, recompute_plan
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
 from zbuf.memory import StepProfile
@@ -48,13 +48,14 @@ def block_levels(draw):
 def levels_and_link(draw):
     lv = draw(block_levels())
     nbytes = lv[2].extra_bytes
-    return lv, HostLink(nbytes, draw(st.floats(0, 1e-1)), draw(st.floats(0, 1e-1)),
-                        draw(st.integers(0, 16 * nbytes)))
+    # A "keep" block's copy takes 0 to 100 ms; a block's forward 0 to 100 ms.
+    speed = nbytes / draw(st.floats(1e-9, 1e-1))
+    return lv, HostLink(speed, draw(st.floats(0, 1e-1)), draw(st.integers(0, 16 * nbytes)))
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @example(levels_link=((RegionLevel("recompute", 0, 0.0625), RegionLevel("selective", 1, 0.0),
-                       RegionLevel("keep", 1, 0.0)), HostLink(1, 0.0625, 5e-324, 0)),
+                       RegionLevel("keep", 1, 0.0)), HostLink(16.0, 5e-324, 0)),
          blocks=1, room=2)  # a copy that takes more forwards than a float holds
 @given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16))
 def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_save_time(
@@ -70,13 +71,17 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     kept = sum(lv[level].extra_bytes for b, level in enumerate(plan.levels)
                if b not in plan.offloaded)
     assert plan.kept_bytes == kept
-    assert plan.offload_reserve_bytes == 2 * link.block_bytes
+    # All at one level above 0, whose bytes each moves; two of them on the device at most.
+    level = plan.levels[plan.offloaded[0]]
+    assert level >= 1 and all(plan.levels[b] == level for b in plan.offloaded)
+    assert plan.offload_block_bytes == lv[level].extra_bytes and plan.host_link == link
+    assert plan.offload_reserve_bytes == 2 * plan.offload_block_bytes
     assert plan.modelled_peak_bytes <= max(room, 1)
-    # In the host's memory; at "keep"; each a copy's worth of forward after the one before.
-    assert len(plan.offloaded) * link.block_bytes <= link.host_bytes
-    assert all(plan.levels[b] == 2 for b in plan.offloaded)
+    # In the host's memory; each a copy's worth of forward after the one before.
+    assert len(plan.offloaded) * plan.offload_block_bytes <= link.host_bytes
     spacing = plan.offload_spacing
-    assert spacing >= 1 and spacing * link.forward_seconds >= link.copy_seconds - 1e-12
+    copy_seconds = plan.offload_block_bytes / link.bytes_per_second
+    assert spacing >= 1 and spacing * link.forward_seconds >= copy_seconds * (1 - 1e-12)
     assert all(b - a == spacing for a, b in zip(plan.offloaded, plan.offloaded[1:]))
     # The offloaded blocks come before every block the plan keeps on the device.
     on_device_levels = [level for b, level in enumerate(plan.levels) if b not in plan.offloaded]
@@ -86,35 +91,56 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     assert plan.saved_seconds > on_device.saved_seconds
     base = blocks * lv[0].recompute_seconds
     assert plan.recompute_seconds == pytest.approx(base - plan.saved_seconds, abs=1e-9)
+    # The level offloaded saves the most (a tie goes to the lower level, fewer bytes moved).
+    for other in range(1, len(lv)):
+        alternative = recompute_plan._offloaded_at(other, lv, blocks, room, link, None, on_device)
+        if alternative is not None:
+            assert alternative.saved_seconds <= plan.saved_seconds
+            assert alternative.saved_seconds < plan.saved_seconds or other >= level
 
 
-def test_at_qwen3_14b_shapes_a_third_of_the_blocks_go_to_the_host():
-    """40 blocks of 2.3 GiB kept each beyond level 0, 8.9 GiB of room (issue 36's setup as
-    rank 0 of 8 on 80 GiB), a 40 GB/s host link and a 30 ms block forward: a block's copy takes
-    about 62 ms, so every third block is offloaded, 13 of them, beside what the room keeps."""
+def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
+    """The default at issue 36's setup (qwen3-14b as rank 0 of 8 on 80 GiB, the user's fp32 loss
+    outside the model: no room on the device, 8 GiB under the step's peak for the reserve), a
+    47.6 GB/s host link and a 20 ms block forward (benches/results/onepath14.md): a block's
+    copy at "keep" (2.82 GB) takes three block forwards, at "selective" (1.58 GB, the matmul
+    and attention outputs) two, so "selective" offloads 19 blocks where "keep" would offload 13,
+    and saves more recompute though each of its blocks still recomputes the elementwise ops."""
+    lv = (RegionLevel("recompute", 0, 0.0135), RegionLevel("selective", 1_580_000_000, 0.002),
+          RegionLevel("keep", 2_820_000_000, 0.0))
+    link = HostLink(47.6e9, 0.020, 64 * GiB)
+    plan = plan_block_levels(lv, 40, 0, link, reserve_room_bytes=8 * GiB)
+    assert (plan.offload_spacing, plan.offloaded) == (2, tuple(range(1, 38, 2)))
+    assert set(plan.levels[b] for b in plan.offloaded) == {1} and plan.levels.count(0) == 21
+    assert plan.saved_seconds == pytest.approx(19 * 0.0115)
+    keep = recompute_plan._offloaded_at(2, lv, 40, 0, link, 8 * GiB,
+                                        plan_block_levels(lv, 40, 0))
+    assert (keep.offload_spacing, len(keep.offloaded)) == (3, 13)
+    assert keep.saved_seconds == pytest.approx(13 * 0.0135)
+    assert keep.saved_seconds < plan.saved_seconds
+    # Under "auto", 8.9 GiB of room on the device beside the reserve, a 40 GB/s link and a 30 ms
+    # forward: "keep" would offload 13 blocks and keep 3 selective (196 ms saved), "selective"
+    # offloads 18 and keeps 4 (198 ms).
     lv = (RegionLevel("recompute", 0, 0.013), RegionLevel("selective", int(1.4 * GiB), 0.004),
           RegionLevel("keep", int(2.3 * GiB), 0.0))
-    nbytes = lv[2].extra_bytes
-    plan = plan_block_levels(lv, 40, int(8.9 * GiB),
-                             HostLink(nbytes, nbytes / 40e9, 0.030, 64 * GiB))
-    assert plan.offload_spacing == 3
-    assert plan.offloaded == tuple(range(0, 37, 3))
-    assert plan.levels[37:] == (1, 1, 1)  # the 4.3 GiB beside the reserve: three selective
-    assert plan.saved_seconds == pytest.approx(13 * 0.013 + 3 * 0.009)
+    link = HostLink(40e9, 0.030, 64 * GiB)
+    plan = plan_block_levels(lv, 40, int(8.9 * GiB), link)
+    assert (plan.offload_spacing, plan.offloaded) == (2, tuple(range(1, 36, 2)))
+    assert plan.levels[36:] == (1, 1, 1, 1)
+    assert plan.saved_seconds == pytest.approx(22 * 0.009)
     assert plan.modelled_peak_bytes <= 8.9 * GiB
-    # A host with room for 4 blocks offloads 4, the last ones.
-    small = plan_block_levels(lv, 40, int(8.9 * GiB),
-                              HostLink(nbytes, nbytes / 40e9, 0.030, 4 * nbytes + 1))
-    assert small.offloaded == (27, 30, 33, 36)
+    # A host with room for 4 blocks at "keep" holds 6 at "selective": the last ones.
+    small = plan_block_levels(lv, 40, int(8.9 * GiB), link._replace(host_bytes=int(4 * 2.3 * GiB)))
+    assert small.offloaded == (25, 27, 29, 31, 33, 35)
 
 
 def _cpu_link(spacing: int):
     """A stand-in for ``BlockReplanner._host_link`` on the CPU, which has no host link: one
-    block's copy takes ``spacing`` blocks' forward, and the host holds every block."""
+    block's copy at "keep" takes ``spacing`` blocks' forward, and the host holds every block."""
 
     def link(self):
         nbytes = self.frames.estimate.levels[2].extra_bytes
-        return HostLink(nbytes, spacing * 1e-3, 1e-3, 1 << 40)
+        return HostLink(nbytes / (spacing * 1e-3), 1e-3, 1 << 40)
 
     return link
 
@@ -190,12 +216,17 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
                    zbuf.compile.step_memory_of(cm), peaks, reserved, cm)
 
 
-@pytest.mark.parametrize("spacing", [1, 2])
-def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(monkeypatch,
-                                                                          spacing):
-    """Seven blocks, room for two on their way to the host only (or two kept on the device):
-    the re-plan after the measured step offloads every ``spacing``-th block, the last with
-    ``spacing`` after it, which saves more recompute than keeping two. Losses and
+@pytest.mark.parametrize("spacing,expected,level,distance", [
+    (1, [0, 1, 2, 3, 4, 5], 2, 1),
+    # At "selective" (under half of "keep"'s bytes in these blocks) a copy takes one block's
+    # forward: four blocks offloaded, and the room beside their reserve keeps three selective.
+    (2, [0, 1, 2, 3], 1, 1)])
+def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(
+        monkeypatch, spacing, expected, level, distance):
+    """Seven blocks, room for two on their way to the host only (or two kept on the device),
+    a block's copy at "keep" taking ``spacing`` blocks' forward: the re-plan after the measured
+    step offloads every ``distance``-th block at ``level``, the last with ``distance`` after
+    it, which saves more recompute than keeping two. Losses and
     parameters match the unsharded reference (1e-5) and, bit for bit, the same plan with those
     blocks' activations kept on the device; every byte sent to the host comes back once per
     step, each call's upload starts before its backward, and no copy outlives its step."""
@@ -205,10 +236,9 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(mon
     losses, params, frames, pool = run.losses, run.params, run.frames, run.pool
     offload = frames.offload
     plan = frames.levels, offload.report()["blocks"]
-    expected = list(range(6 - spacing, -1, -spacing))[::-1]
-    assert offload.report()["blocks"] == expected and offload.distance == spacing
-    assert [frames.levels.get(b, 0) == 2 for b in frames.called] == [
-        i in expected for i in range(7)]
+    assert offload.report()["blocks"] == expected and offload.distance == distance
+    assert [frames.levels.get(b, 0) == level for b in frames.called] == [
+        i in expected or level == 1 for i in range(7)]
     # Offloaded from step 1 on (the re-plan came at its forward), the same bytes every step.
     assert offload.moved_down == offload.moved_up > 0
     assert offload.moved_down % (steps - 1) == 0
@@ -328,7 +358,7 @@ def test_offloaded_blocks_apart_from_the_peak_keep_the_device_plan_and_fit_their
     if not plan.offloaded:
         assert plan == on_device
         return
-    assert plan.reserve_apart and plan.offload_reserve_bytes == 2 * link.block_bytes
+    assert plan.reserve_apart and plan.offload_reserve_bytes == 2 * plan.offload_block_bytes
     assert plan.offload_reserve_bytes <= reserve_room
     assert plan.modelled_peak_bytes == on_device.modelled_peak_bytes <= max(room, 1)
     assert [lv_ for b, lv_ in enumerate(plan.levels) if b not in plan.offloaded] == [
@@ -343,9 +373,11 @@ def test_the_record_says_which_blocks_went_to_the_host(monkeypatch):
     run = _train(monkeypatch, decoder(7), 2, 3)
     frames, memory = run.frames, run.memory
     levels = memory.report()["measured"]["recompute"]
-    assert (levels["regions_offloaded"], levels["regions_kept"]) == (3, 3)
+    # Every block selective, four of them offloaded (the first test's second case).
+    assert (levels["regions_offloaded"], levels["regions_selective"], levels["regions_kept"]) == (
+        4, 7, 0)
     schedule = frames.schedule()
-    assert schedule["activation_offload"]["blocks"] == [0, 2, 4]
+    assert schedule["activation_offload"]["blocks"] == [0, 1, 2, 3]
     assert schedule["activation_offload"]["moved_down_bytes"] > 0
 
 
@@ -449,7 +481,7 @@ def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
 
     offload = run.frames.offload
     text = table(run.frames.schedule())
-    assert "of the kept, offloaded to host │ 3 │" in text, text
+    assert "of the kept, offloaded to host │ 4 │" in text, text
     per_step = offload.moved_down / offload.forwards / 1024
     assert f"to host and back per step │ {per_step:.2f} KiB │" in text, text
     assert "copies exposed per step │ 0.0 ms │" in text and "uploads started late │ 0 │" in text

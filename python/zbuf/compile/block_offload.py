@@ -9,20 +9,25 @@ start of backward, the step's peak; recomputed, they cost the block's forward ag
 backward. A memory-bound model (qwen3-14b as rank 0 of 8 on an 80 GiB card) has room for few
 kept blocks, so most of its blocks recompute (about 500 ms of a 3 s step). The host link is
 idle all that while: the gathers run over NVLink, the optimizer's state stays on the device.
-So a block may run at "keep" and send what it keeps to pinned host memory in its forward,
-while the blocks after it compute, and take it back in backward, while the blocks after it in
-forward run their backward. Its device bytes are held only on the way: the block's own while
-its copy runs, the next offloaded block's while its upload waits to be used.
+So a block may run at a level above 0 ("selective" or "keep") and send what it keeps to pinned
+host memory in its forward, while the blocks after it compute, and take it back in backward,
+while the blocks after it in forward run their backward. Its device bytes are held only on the
+way: the block's own while its copy runs, the next offloaded block's while its upload waits to
+be used.
 
-The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): with the room less two
-blocks' kept bytes (the most the offloaded blocks hold on the device at once), the levels are
-planned as before; of the blocks left at level 0, the last with ``spacing`` blocks after it and
-every ``spacing``-th before it are offloaded, ``spacing`` the blocks whose forward it takes to
-copy one block's bytes over the host link (its speed measured, [Note: the measured host link]
-in zbuf/host_link.py, and the cost model's ``flops_per_second``), as many as the agreed host
-memory holds. The plan is taken only when it
-saves more modelled recompute than the plan without it. Only on CUDA: on the host there is no
-link to use.
+The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): for each level above 0,
+with the room less two blocks' bytes at that level (the most the offloaded blocks hold on the
+device at once), the levels are planned as before; of the blocks left at level 0, the last with
+``spacing`` blocks after it and every ``spacing``-th before it are offloaded at that level,
+``spacing`` the blocks whose forward it takes to copy one block's bytes at that level over the
+host link (its speed measured, [Note: the measured host link] in zbuf/host_link.py, and the
+cost model's ``flops_per_second``), as many as the agreed host memory holds. The level that
+saves the most modelled recompute is taken, and only when it saves more than the plan without
+offload. The link decides: "selective" keeps the matmul and attention outputs, about 56 % of
+"keep"'s bytes, and leaves only the elementwise recompute, so where one block's copy at "keep"
+takes three block forwards and at "selective" two, "selective" offloads half as many blocks
+again at most of the saving each (qwen3-14b: tests/test_block_offload.py). Only on CUDA: on
+the host there is no link to use.
 
 The run (``BlockOffload``, one per model's frames), each saved tensor of the block's frame
 that is not a gathered weight ([Note: two blocks live] in block_prefetch.py), nor one of the
@@ -62,9 +67,8 @@ its device bytes stay until its copies have run (the reserve counts two calls); 
 share the link with the optimizer state's window when that state is offloaded too ([Note: the
 step's window] in zbuf/offload_window.py), which the plan does not model; the plan's
 estimate of a block's bytes sizes its arena (``unplanned_host_bytes`` in the record counts what
-did not fit);
-where the shared frame is "selective", the offloaded blocks' "keep" frame is one more block
-compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
+did not fit); where the offloaded blocks' level is not the shared frame's, its frame is one
+more block compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
 place after its block (which autograd refuses without hooks) is copied as the stream has it.
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
@@ -271,6 +275,8 @@ class BlockOffload:
         self._last = -1
         """The position of the last offloaded block (producer: ``plan``; consumer:
         ``forward_reaches``)."""
+        self.block_bytes = 0
+        """The plan's estimate of an offloaded call's bytes (producer: ``plan``)."""
         self.link: Optional[HostLink] = None
         """What the plan's spacing came from (producer: ``plan``; consumer: ``report``)."""
         self.unplanned_host_bytes = 0
@@ -290,14 +296,13 @@ class BlockOffload:
         compile, the step's first blocks)."""
 
     def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int,
-             link: Optional[HostLink] = None) -> None:
-        """Offload the calls of ``offloaded``, planned with ``link`` (its ``block_bytes`` each),
-        uploading each ``distance`` blocks ahead in backward; their host arenas start being
-        page-locked now ([Note: host arenas and the first offloaded step])."""
+             block_bytes: int = 0, link: Optional[HostLink] = None) -> None:
+        """Offload the calls of ``offloaded`` (``block_bytes`` each, the plan's estimate, over
+        ``link``), uploading each ``distance`` blocks ahead in backward; their host arenas start
+        being page-locked now ([Note: host arenas and the first offloaded step])."""
         self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
-        self.link = link
+        self.block_bytes, self.link = block_bytes, link
         self._last = max((order[b] for b in offloaded), default=-1)
-        block_bytes = 0 if link is None else link.block_bytes
         nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
         positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
         arenas = {p: f for p, f in self._arenas.items()
@@ -397,7 +402,10 @@ class BlockOffload:
                 "distance": self.distance, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
-                "planned_copy_ms": None if self.link is None else 1e3 * self.link.copy_seconds,
+                "planned_block_bytes": self.block_bytes,
+                "host_link_bytes_per_second": None if self.link is None else self.link.bytes_per_second,
+                "planned_copy_ms": (None if self.link is None
+                                    else 1e3 * self.block_bytes / self.link.bytes_per_second),
                 "planned_block_forward_ms": (None if self.link is None
                                              else 1e3 * self.link.forward_seconds),
                 "host_arena_bytes": sum(a.nbytes for a in arenas),

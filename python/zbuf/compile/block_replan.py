@@ -65,9 +65,10 @@ planner, and keeps weights a block at a time:
    with ``base_bytes=0`` (the extra bytes of a level are what it keeps beyond level 0, all of it
    live together at the start of backward). Identical specs tie, and ties go to later blocks
    (the first that backward reaches): the last blocks are kept first, then made selective.
-   On CUDA the plan has a third choice for the blocks it leaves at level 0: "keep", with what
-   the block keeps waiting in host memory ([Note: offloaded blocks] in block_offload.py); such
-   a block runs the "keep" frame and is named in the order check as offloaded.
+   On CUDA the plan has a third choice for the blocks it leaves at level 0: a level above 0,
+   with what the block keeps at it waiting in host memory ([Note: offloaded blocks] in
+   block_offload.py); such a block runs that level's frame and is named in the order check as
+   offloaded.
 3. Each level in use is one frame, its own copy of the frame's code object
    (``BlockFrames.frame_of``) whose partitioner applies the level to the whole block
    (``recompute.apply_levels``: "keep" drops the checkpoint tags as ``"none"`` does,
@@ -134,8 +135,8 @@ reserve fits under the peak, and the blocks it carries need no recompute:
    and backward's segments after its first (the loss and the start of backward; every one when
    backward has no other, so a model too small for gradient marks offloads nothing).
    ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
-   ones in that room, with the same spacing and host memory as under ``auto``; the offloaded
-   blocks run the "keep" frame, compiled at the re-plan (one block compile).
+   ones in that room, at the level, spacing and host memory chosen as under ``auto``; the
+   offloaded blocks run that level's frame, compiled at the re-plan (one block compile).
 3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
    step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
    noise), every block goes back to level 0, which compiles nothing.
@@ -314,9 +315,7 @@ class BlockReplanner:
         (share, speed), _ = agree_extremes(
             runtime.process_group(weights.specs[0].group_name), device,
             smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second)])
-        nbytes = estimate.levels[keep].extra_bytes
-        return HostLink(nbytes, nbytes / max(1, speed),
-                        estimate.forward_flops / opts.flops_per_second, share)
+        return HostLink(speed, estimate.forward_flops / opts.flops_per_second, share)
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
         """How many blocks keep their weights: none unless ``persist=True`` asks for them, else
@@ -351,6 +350,7 @@ class BlockReplanner:
         frames.levels, frames.kept = levels, kept
         frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
                             0 if plan is None else plan.offload_spacing,
+                            0 if plan is None else plan.offload_block_bytes,
                             None if plan is None else plan.host_link)
         self.plan = plan if levels else None
         self.kept = tuple(

@@ -104,6 +104,8 @@ class RecomputePlan:
     offload_spacing: int = 0
     """Blocks from one offloaded block to the next: those whose forward one block's copy takes
     (0: none offloaded)."""
+    offload_block_bytes: int = 0
+    """Bytes each offloaded block moves each way: the host memory each of its calls takes."""
     host_link: Optional["HostLink"] = None
     """What the offloaded blocks' copies were planned with (None: none offloaded)."""
     reserve_apart: bool = False
@@ -191,13 +193,12 @@ def plan_recompute(specs: list[RegionSpec] | tuple[RegionSpec, ...], base_bytes:
 
 
 class HostLink(NamedTuple):
-    """What moving one block's kept activations through host memory costs ([Note: offloaded
+    """What moving blocks' kept activations through host memory costs ([Note: offloaded
     blocks]); every field is rank-invariant."""
 
-    block_bytes: int
-    """Bytes one block at "keep" keeps beyond level 0: what it moves each way."""
-    copy_seconds: float
-    """Modelled time of ``block_bytes`` over the host link, one direction."""
+    bytes_per_second: float
+    """The host link's speed, one direction ([Note: the measured host link] in
+    zbuf/host_link.py)."""
     forward_seconds: float
     """Modelled time of one block's forward: the compute a copy runs under."""
     host_bytes: int
@@ -210,39 +211,56 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
-    offloaded blocks]) when that saves more recompute than keeping them on the device does.
+    offloaded blocks]) when that saves more recompute than keeping them on the device does:
+    at the level above 0 that saves the most (its bytes decide how far apart the link lets the
+    offloaded blocks be; a tie goes to the level that moves fewer bytes).
     ``reserve_room_bytes``: where the offloaded blocks' reserve is not live at the step's peak,
     the room it has there ([Note: offloaded under the step's own peak] in block_replan.py), and
     ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``."""
     on_device = _device_levels(levels, blocks, room_bytes)
-    keep = next((i for i, lv in enumerate(levels) if lv.name == "keep"), None)
-    if link is None or keep is None or link.block_bytes <= 0 or blocks == 0:
+    if link is None or blocks == 0:
         return on_device
-    reserve = 2 * link.block_bytes
+    best = on_device
+    for level in range(1, len(levels)):
+        plan = _offloaded_at(level, levels, blocks, room_bytes, link, reserve_room_bytes,
+                             on_device)
+        if plan is not None and plan.saved_seconds > best.saved_seconds:
+            best = plan
+    return best
+
+
+def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
+                  link: HostLink, reserve_room_bytes: Optional[int],
+                  on_device: RecomputePlan) -> Optional[RecomputePlan]:
+    """The plan that offloads blocks at ``level``, or None if none saves time."""
+    block_bytes = levels[level].extra_bytes
+    if block_bytes <= 0:
+        return None
+    reserve = 2 * block_bytes
     apart = reserve_room_bytes is not None
     if (reserve_room_bytes if apart else room_bytes) < reserve:
-        return on_device
+        return None
     beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
     # A copy that takes ``blocks`` forwards or more leaves no block to offload.
-    copies = link.copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
+    copy_seconds = block_bytes / link.bytes_per_second if link.bytes_per_second > 0 else math.inf
+    copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
     spacing = blocks if copies >= blocks else max(1, math.ceil(copies))
     # The blocks left at level 0 are the first ones (the levels ascend). Backward starts a
     # block's upload ``spacing`` blocks before it needs it, so the last one offloaded is the last
     # of them with ``spacing`` blocks after it, then every ``spacing``-th before it.
     last = min(beside.levels.count(0) - 1, blocks - 1 - spacing)
-    offloaded = sorted(range(last, -1, -spacing)[:link.host_bytes // link.block_bytes])
-    gain = len(offloaded) * (levels[0].recompute_seconds - levels[keep].recompute_seconds)
+    offloaded = sorted(range(last, -1, -spacing)[:link.host_bytes // block_bytes])
+    gain = len(offloaded) * (levels[0].recompute_seconds - levels[level].recompute_seconds)
     if not offloaded or beside.saved_seconds + gain <= on_device.saved_seconds:
-        return on_device
+        return None
     chosen = list(beside.levels)
     for b in offloaded:
-        chosen[b] = keep
+        chosen[b] = level
     return dataclasses.replace(
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_reserve_bytes=reserve, offload_spacing=spacing,
-        host_link=link, reserve_apart=apart,
-        requested_budget_bytes=max(1, room_bytes),
+        offload_reserve_bytes=reserve, offload_spacing=spacing, offload_block_bytes=block_bytes,
+        host_link=link, reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 
 
