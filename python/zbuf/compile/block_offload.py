@@ -68,8 +68,12 @@ share the link with the optimizer state's window when that state is offloaded to
 step's window] in zbuf/offload_window.py), which the plan does not model; the plan's
 estimate of a block's bytes sizes its arena (``unplanned_host_bytes`` in the record counts what
 did not fit); where the offloaded blocks' level is not the shared frame's, its frame is one
-more block compile at the re-plan ([Note: block levels], 1). A saved tensor that the program changes in
-place after its block (which autograd refuses without hooks) is copied as the stream has it.
+more block compile at the re-plan ([Note: block levels], 1). A saved tensor that the program
+changes in place after its block (which autograd refuses without hooks) is copied as the
+stream has it. Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the
+uploads came out of the compute stream's cache (two retries a step), and as the default's plan
+after it (one retry, in step 2).
+
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
 plan's estimate of a block's bytes, reused by its call every step. ``plan`` starts
@@ -78,10 +82,6 @@ locking runs while the Python thread compiles the offloaded blocks' frame and ru
 before the first offloaded one; a call's first ``pack`` waits only for its own arena
 (``pin_wait_seconds`` in the record). A second call at a position whose arena holds a live
 call's copies (two forwards before one backward) copies through torch's pinned tensors instead.
-
-Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the uploads came
-out of the compute stream's cache (two retries a step), and as the default's plan after it
-(one retry, in step 2).
 """
 
 from __future__ import annotations
@@ -403,7 +403,8 @@ class BlockOffload:
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
                 "planned_block_bytes": self.block_bytes,
-                "host_link_bytes_per_second": None if self.link is None else self.link.bytes_per_second,
+                "host_link_bytes_per_second": (None if self.link is None
+                                               else self.link.bytes_per_second),
                 "planned_copy_ms": (None if self.link is None
                                     else 1e3 * self.block_bytes / self.link.bytes_per_second),
                 "planned_block_forward_ms": (None if self.link is None

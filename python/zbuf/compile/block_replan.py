@@ -170,7 +170,7 @@ from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes
                       host_share_bytes, pool_budget)
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
-from .recompute import LEVELS, RecomputeStats
+from .recompute import RecomputeStats
 from .recompute_plan import HostLink, RecomputePlan, plan_block_levels
 from .replan import Replanner
 
@@ -304,8 +304,7 @@ class BlockReplanner:
         frames = self.frames
         device = frames.pool.device
         estimate = frames.estimate
-        keep = LEVELS.index("keep")
-        if device.type != "cuda" or len(estimate.levels) <= keep:
+        if device.type != "cuda" or len(estimate.levels) < 2:  # no level keeps anything
             return None
         opts = self.options
         if self.link_bytes_per_second is None:
