@@ -134,13 +134,15 @@ def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
     assert small.offloaded == (25, 27, 29, 31, 33, 35)
 
 
-def _cpu_link(spacing: int):
+def _cpu_link(spacing: int, host_below_keep: bool = False):
     """A stand-in for ``BlockReplanner._host_link`` on the CPU, which has no host link: one
-    block's copy at "keep" takes ``spacing`` blocks' forward, and the host holds every block."""
+    block's copy at "keep" takes ``spacing`` blocks' forward, and the host holds every block
+    (``host_below_keep``: less than one block at "keep")."""
 
     def link(self):
         nbytes = self.frames.estimate.levels[2].extra_bytes
-        return HostLink(nbytes / (spacing * 1e-3), 1e-3, 1 << 40)
+        host = nbytes - 1 if host_below_keep else 1 << 40
+        return HostLink(nbytes / (spacing * 1e-3), 1e-3, host)
 
     return link
 
@@ -178,7 +180,7 @@ def _room_under_the_peak(rise: int = 0):
 
 
 def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
-           batches=None, recompute="auto", ceiling=None) -> Trained:
+           batches=None, recompute="auto", ceiling=None, host_below_keep=False) -> Trained:
     """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
     link ``_cpu_link(spacing)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny ones); with
     ``to_host`` False, the blocks the plan offloads keep their activations on the device.
@@ -186,7 +188,7 @@ def _train(monkeypatch, init, spacing, steps, *, to_host=True, device="cpu",
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
     ``reserve_ceiling``, on CUDA)."""
     monkeypatch.setattr(block_replan.BlockReplanner, "_host_link",
-                        _cpu_link(spacing) if spacing else lambda self: None)
+                        _cpu_link(spacing, host_below_keep) if spacing else lambda self: None)
     if ceiling is not None:
         monkeypatch.setattr(block_replan, "reserve_ceiling", ceiling)
     if not to_host:
@@ -270,29 +272,32 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(
     assert all(torch.equal(kept_params[k], params[k]) for k in params)
 
 
-@pytest.mark.parametrize("spacing", [1, 3])
+@pytest.mark.parametrize("spacing,small_host,level,expected", [
+    (1, False, 2, [0, 1, 2, 3, 4, 5]), (3, False, 2, [0, 3]),
+    # A host that holds less than one block at "keep" holds two at "selective".
+    (1, True, 1, [4, 5])])
 def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks_kept(
-        monkeypatch, spacing):
+        monkeypatch, spacing, small_host, level, expected):
     """``zbuf.compile``'s default ([Note: offloaded under the step's own peak] in
-    block_replan.py): with the measured step's peak leaving room for the reserve, every
-    ``spacing``-th block goes to the host, the last with ``spacing`` after it, and every other
-    block stays at the user's checkpointing, none kept on the device. Losses and parameters
+    block_replan.py): with the measured step's peak leaving room for the reserve, the blocks a
+    copy's worth of forward apart go to the host at ``level``, the last with that many after
+    it, and every other block stays at the user's checkpointing, none kept on the device (a
+    block's copy at "keep" taking ``spacing`` blocks' forward). Losses and parameters
     match the unsharded reference (1e-5) and, bit for bit, the same blocks kept on the device;
     the record names the mode and the offloaded blocks."""
     steps = 4
     init = decoder(7)
     run = _train(monkeypatch, init, spacing, steps, recompute="checkpointed",
-                 ceiling=_room_under_the_peak())
+                 ceiling=_room_under_the_peak(), host_below_keep=small_host)
     frames, offload = run.frames, run.frames.offload
-    expected = list(range(6 - spacing, -1, -spacing))[::-1]
     assert offload.report()["blocks"] == expected
     assert [frames.levels.get(b, 0) for b in frames.called] == [
-        2 if i in expected else 0 for i in range(7)]
+        level if i in expected else 0 for i in range(7)]
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
     levels = run.memory.report()["measured"]["recompute"]
     assert levels["mode"] == "checkpointed"
-    assert (levels["regions_offloaded"], levels["regions_kept"]) == (len(expected),
-                                                                     len(expected))
+    at_level = levels["regions_kept" if level == 2 else "regions_selective"]
+    assert (levels["regions_offloaded"], at_level) == (len(expected), len(expected))
     assert run.memory.steady is not None and not run.memory.steady.replanned
 
     ref = copy.deepcopy(init)
@@ -300,7 +305,9 @@ def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks
                              torch.optim.AdamW(ref.parameters(), lr=1e-3))
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
     kept = _train(monkeypatch, init, spacing, steps, to_host=False, recompute="checkpointed",
-                  ceiling=_room_under_the_peak())
+                  ceiling=_room_under_the_peak(), host_below_keep=small_host)
+    assert [kept.frames.levels.get(b, 0) for b in kept.frames.called] == [
+        frames.levels.get(b, 0) for b in frames.called]
     assert kept.frames.offload.moved_down == 0
     assert kept.losses == run.losses
     assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
