@@ -13,13 +13,17 @@ So when the plan is first made, ``measure_host_link`` times, with CUDA events on
 own, one copy of ``PROBE_BYTES`` each way between the device and a page-locked host arena, each
 after an untimed one (the first copy of a range pays for its mapping); the slower direction is
 the link's speed. The re-planner agrees it over the ranks (the slowest rank's), so every rank
-plans the same blocks. A ``host_link_bytes_per_second`` in the options replaces it.
+plans the same blocks. A ``host_link_bytes_per_second`` in the options replaces it. A rank
+that cannot hold the probe (the device or the host out of memory) measures 0: every rank then
+plans without offload, still through the same agreement (a rank leaving it would hang the
+others).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .errors import PoolOutOfMemoryError
 from .host_arena import HostArena
 
 __all__ = ["PROBE_BYTES", "measure_host_link"]
@@ -29,11 +33,14 @@ PROBE_BYTES = 64 << 20
 
 
 def measure_host_link(device: torch.device) -> float:
-    """Bytes per second of the slower direction of ``device``'s host link ([Note: the measured
-    host link])."""
+    """Bytes per second of the slower direction of ``device``'s host link, 0 where the probe
+    does not fit ([Note: the measured host link])."""
     stream = torch.cuda.Stream(device)
-    arena = HostArena(PROBE_BYTES, device, (stream,))
-    on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    try:
+        arena = HostArena(PROBE_BYTES, device, (stream,))
+        on_device = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    except (torch.OutOfMemoryError, PoolOutOfMemoryError):
+        return 0.0
     stream.wait_stream(torch.cuda.current_stream(device))
     timed = []
     with torch.cuda.stream(stream):

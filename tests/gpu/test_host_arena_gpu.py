@@ -47,3 +47,16 @@ def test_the_host_link_measures_a_plausible_speed():
     speed = measure_host_link(device)
     assert 1e9 < speed < 1e12, speed
     assert torch.cuda.memory_allocated(device) == before
+
+
+def test_a_probe_that_does_not_fit_measures_no_link(monkeypatch):
+    """Out of host memory for the probe: 0, which every rank's agreement turns into a plan
+    without offload."""
+    from zbuf import host_link
+    from zbuf.errors import PoolOutOfMemoryError
+
+    def refuse(*_args, **_kwargs):
+        raise PoolOutOfMemoryError("cuMemHostRegister: the host could not page-lock that much")
+
+    monkeypatch.setattr(host_link, "HostArena", refuse)
+    assert host_link.measure_host_link(torch.device("cuda", torch.cuda.current_device())) == 0.0
