@@ -471,8 +471,9 @@ def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch
 
 def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
     """``zbuf report``'s block schedule table names the offloaded blocks, the bytes they move
-    each step and the copies' exposed time, from the frames' schedule of a run that offloaded;
-    a run that offloaded nothing has no such rows."""
+    each step, the copies' exposed time and their host arenas, from the frames' schedule of a
+    run that offloaded (an older record without arenas shows "-"); a run that offloaded nothing
+    has no such rows."""
     from rich.console import Console
 
     from zbuf.train.report import block_schedule_table
@@ -492,5 +493,12 @@ def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
     per_step = offload.moved_down / offload.forwards / 1024
     assert f"to host and back per step │ {per_step:.2f} KiB │" in text, text
     assert "copies exposed per step │ 0.0 ms │" in text and "uploads started late │ 0 │" in text
+    # The arenas, one per offloaded block (nothing to lock on the CPU stand-in).
+    arenas = offload.report()["host_arena_bytes"] / 1024
+    assert f"host memory page-locked │ {arenas:.2f} KiB in 0.0 s, waited" in text, text
+    old = dict(run.frames.schedule())
+    old["activation_offload"] = {k: v for k, v in old["activation_offload"].items()
+                                 if k != "host_arena_bytes"}
+    assert "host memory page-locked │ - │" in table(old)
     quiet = dict(run.frames.schedule(), activation_offload={"blocks": []})
     assert "offloaded" not in table(quiet)

@@ -733,10 +733,21 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
                  ("copies exposed per step", lambda b: (
                      "-" if _offload(b).get("exposed_ms_per_step") is None
                      else f"{_offload(b)['exposed_ms_per_step']:.1f} ms")),
-                 ("uploads started late", lambda b: str(_offload(b).get("late_uploads", 0)))]
+                 ("uploads started late", lambda b: str(_offload(b).get("late_uploads", 0))),
+                 ("host memory page-locked", lambda b: _locked(_offload(b)))]
     for label, fn in rows:
         table.add_row(label, *[fn(b) for _, b in runs])
     return table
+
+
+def _locked(offload: dict) -> str:
+    """The offloaded blocks' host arenas, the wall time their locking took on its own thread,
+    and the time the forward waited for it ([Note: host arenas and the first offloaded step] in
+    zbuf/compile/block_offload.py); records made before the arenas have none."""
+    if "host_arena_bytes" not in offload:
+        return "-"
+    return (f"{format_bytes(offload['host_arena_bytes'])} in {offload['lock_seconds']:.1f} s, "
+            f"waited {offload['pin_wait_seconds']:.1f} s")
 
 
 def main(path: str, out_dir: Optional[str] = None) -> int:
