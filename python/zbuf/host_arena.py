@@ -30,10 +30,15 @@ import torch
 
 from ._core import page_lock, page_unlock
 
-__all__ = ["ALIGN", "HostArena", "span_bytes"]
+__all__ = ["ALIGN", "HostArena", "aligned", "span_bytes"]
 
 ALIGN = 256
 """Byte alignment of each carved tensor (what CUDA's copies like best)."""
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def span_bytes(like: torch.Tensor) -> int:
@@ -79,7 +84,7 @@ class HostArena:
         """A host tensor with ``like``'s size, stride and dtype from the bytes not handed out
         yet, or None when they are too few."""
         nbytes = span_bytes(like)
-        start = -(-self.used // ALIGN) * ALIGN
+        start = aligned(self.used)
         if start + nbytes > self.nbytes:
             return None
         self.used = start + nbytes

@@ -73,7 +73,7 @@ from .devices import indexed
 from .memory.optimizer_state import OptimizerPolicy
 from .memory.progress import Point
 from .offload_window import OffloadWindow
-from .host_arena import ALIGN, HostArena
+from .host_arena import HostArena, aligned
 from .stream_waits import TimedWaits
 
 __all__ = ["StepOffload", "streamed_state_of", "Op", "step_schedule", "plan_buckets",
@@ -149,10 +149,6 @@ def streamed_state_of(optimizer: torch.optim.Optimizer) -> Optional["StepOffload
 
 
 _ATTRIBUTE = "_zbuf_step_offload"
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _offloadable(param: torch.Tensor, value: Any) -> bool:
@@ -293,7 +289,7 @@ class StepOffload:
         self.resident_bytes = sum(sizes[i][1] for i in resident)
         self.buckets = [
             _Bucket([params[i] for i in b], groups[b[0]],
-                    sum(_aligned(sizes[i][1] // policy.state_copies) * policy.state_copies
+                    sum(aligned(sizes[i][1] // policy.state_copies) * policy.state_copies
                         for i in b))
             for b in buckets]
         total = sum(b.capacity for b in self.buckets)
@@ -544,7 +540,7 @@ class StepOffload:
                 f"zbuf/memory/optimizer_state.py); add it to optimizer_state.STATE_COPIES or drop "
                 f"offload_optimizer")
         b.entries[(id(p), k)] = (b.used, v.dtype, v.shape)
-        b.used += _aligned(nbytes)
+        b.used += aligned(nbytes)
 
     def _download(self, i: int, slot: int) -> None:
         """Bucket ``i`` from ``slot`` to its host region, after the compute stream's step; the

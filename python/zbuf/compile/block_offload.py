@@ -288,6 +288,8 @@ class BlockOffload:
         self._arenas: dict[int, Future[HostArena]] = {}
         """Position -> the host arena of its offloaded calls, built on ``_pinning`` (producer:
         ``plan``; consumer: ``arena_for``)."""
+        self._arena_bytes = 0
+        """The size of each of ``_arenas`` (producer: ``plan``)."""
         self._holders: dict[int, weakref.ref[OffloadedCall]] = {}
         """Position -> the call whose host copies are in its arena now (producer and consumer:
         ``arena_for``)."""
@@ -305,19 +307,19 @@ class BlockOffload:
         self._last = max((order[b] for b in offloaded), default=-1)
         nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
         positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
-        arenas = {p: f for p, f in self._arenas.items()
-                  if p in positions and (not f.done() or (f.exception() is None
-                                                          and f.result().nbytes == nbytes))}
-        self._arenas = {}
-        for p in positions:
-            if p not in arenas:
-                if self._pinning is None:
-                    self._pinning = ThreadPoolExecutor(1, thread_name_prefix="zbuf-pin")
-                    weakref.finalize(self, self._pinning.shutdown, wait=False)
-                arenas[p] = self._pinning.submit(HostArena, nbytes, self.device,
-                                                 tuple(s for s in (self.down, self.up) if s))
-            self._arenas[p] = arenas[p]
+        # The arenas of positions still offloaded are kept, unless the calls' bytes changed.
+        arenas = self._arenas if nbytes == self._arena_bytes else {}
+        self._arena_bytes = nbytes
+        self._arenas = {p: arenas.get(p) or self._pin(nbytes) for p in positions}
         self._holders = {p: h for p, h in self._holders.items() if p in self._arenas}
+
+    def _pin(self, nbytes: int) -> Future[HostArena]:
+        """An arena of ``nbytes``, page-locked on the arenas' thread."""
+        if self._pinning is None:
+            self._pinning = ThreadPoolExecutor(1, thread_name_prefix="zbuf-pin")
+            weakref.finalize(self, self._pinning.shutdown, wait=False)
+        return self._pinning.submit(HostArena, nbytes, self.device,
+                                    tuple(s for s in (self.down, self.up) if s))
 
     def arena_for(self, call: OffloadedCall) -> Optional[HostArena]:
         """The arena ``call``'s host copies go to: its position's, unless another live call's

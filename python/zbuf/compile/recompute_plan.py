@@ -95,12 +95,9 @@ class RecomputePlan:
     """Modelled recompute time saved against every region at level 0."""
     planning_seconds: float = field(default=0.0, compare=False)
     offloaded: tuple[int, ...] = ()
-    """Blocks (by position) at "keep" whose kept activations wait in host memory from their
-    forward to their backward ([Note: offloaded blocks]); their bytes are not in
+    """Blocks (by position) at a level above 0 whose kept activations wait in host memory from
+    their forward to their backward ([Note: offloaded blocks]); their bytes are not in
     ``kept_bytes``."""
-    offload_reserve_bytes: int = 0
-    """Device bytes the offloaded blocks hold at once at most, on their way to and from the
-    host (two blocks' worth); in the budget beside ``kept_bytes``."""
     offload_spacing: int = 0
     """Blocks from one offloaded block to the next: those whose forward one block's copy takes
     (0: none offloaded)."""
@@ -112,6 +109,12 @@ class RecomputePlan:
     """The reserve was fitted apart from the step's peak, which it never meets ([Note:
     offloaded under the step's own peak] in block_replan.py), so it is not in
     ``modelled_peak_bytes``."""
+
+    @property
+    def offload_reserve_bytes(self) -> int:
+        """Device bytes the offloaded blocks hold at once at most, on their way to and from the
+        host (two blocks' worth); in the budget beside ``kept_bytes`` unless apart."""
+        return 2 * self.offload_block_bytes
 
     @property
     def modelled_peak_bytes(self) -> int:
@@ -259,8 +262,7 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
     return dataclasses.replace(
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_reserve_bytes=reserve, offload_spacing=spacing, offload_block_bytes=block_bytes,
-        host_link=link, reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
+        offload_spacing=spacing, offload_block_bytes=block_bytes, host_link=link, reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 
 
