@@ -509,6 +509,11 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     cuda = torch.cuda.is_available()
+    if card is not None and cuda and card > torch.cuda.get_device_properties(0).total_memory:
+        total = torch.cuda.get_device_properties(0).total_memory
+        p.error(f"--gpu-memory {args.gpu_memory} is more than this GPU's {total / (1 << 30):.1f} "
+                f"GiB ({torch.cuda.get_device_name(0)}): it emulates a smaller card; give at most "
+                f"{total >> 20}MiB")
     if args.simulate_world is not None:
         if args.simulate_world < 2 or "RANK" in os.environ:
             p.error("--simulate-world N: N >= 2, in one process (not under torchrun)")

@@ -112,6 +112,10 @@ source benches/device/env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 COMMON=(--micro-batch 4 --seq-len 4096 --ac --steps 30 --warmup 10 --no-progress)
+# The "80 GiB card" the references name: 80 GiB of an H200, or the whole of an 80 GB H100 (79.6 GiB,
+# the card DeepCompile's reference ran on), since no fraction of an H100 holds 80 GiB.
+CARD80=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory >> 20; print('80GiB' if t >= 80 << 10 else f'{t}MiB')")
+echo "80 GiB card: --gpu-memory $CARD80"
 
 summaries() {  # the per-rank profile summaries of one step, as one file
   python3 - "$1" <<'EOF'
@@ -223,16 +227,16 @@ case "${1:-}" in
     for e in "${specs[@]}"; do bench 17bac "$e" --preset qwen3-1.7b --steps 25; done ;;
   seed14)  # ONE H200: issue 19's reference configuration, one engine per call
     bench "seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}" "${2:?give one of zbuf zbuf:auto fsdp2}" \
-      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}" ;;
+      --preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80 "${@:3}" ;;
   seed14-twice)  # ONE H200: seed14-twice ENGINE[:MODE] [ARGS]: the reference configuration
     # launched twice with the same caches (issue 21's warm start): records *_cold and *_warm;
     # the first launch is cold only on a fresh machine (or after another tree's compile)
     # the cold launch measures the step (10 + 20 steps), the warm one only its first step (4 + 4)
     name="seed14${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}"
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench "${name}_cold" "${2:?give one of zbuf zbuf:auto fsdp2}" \
-      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB "${@:3}"
+      --preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80 "${@:3}"
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bench "${name}_warm" "$2" \
-      --preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB --steps 8 --warmup 4 "${@:3}" ;;
+      --preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80 --steps 8 --warmup 4 "${@:3}" ;;
   17b-blocks)  # ONE H200: issue 21 at qwen3-1.7b, 1 rank, under --compile-structure blocks: zbuf
     # full and auto beside FSDP2 full AC, caches cold (10 + 20 steps), then zbuf's warm relaunch
     # (4 + 4): records 17b_blocks_cold.json and 17b_blocks_warm.json
@@ -250,7 +254,7 @@ case "${1:-}" in
     for run in "blocks zbuf,fsdp2" "graph zbuf"; do
       set -- $run
       timeout "${BENCH_TIMEOUT:-200}" python3 -m zbuf.cli bench --engines "$2" "${COMMON[@]}" \
-        --preset qwen3-14b --layers 4 --simulate-world 8 --gpu-memory 80GiB --steps 10 --warmup 4 \
+        --preset qwen3-14b --layers 4 --simulate-world 8 --gpu-memory $CARD80 --steps 10 --warmup 4 \
         --compile-structure "$1" --profile-dir "$OUT/profile14_$1" --out "$OUT/profile14_$1.json" \
         2>&1 | grep -v "Warning\|warn" | tail -22
     done ;;
@@ -258,7 +262,7 @@ case "${1:-}" in
     bench 8bsim "${2:?give one of zbuf fsdp2}" --preset qwen3-8b --simulate-world 2 "${@:3}" ;;
   fit8b)  # ONE H200: zbuf fit qwen3-8b, world 8, 80 GiB card
     timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-8b --simulate-world 8 \
-      --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
+      --gpu-memory $CARD80 --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
       --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
   onepath)  # ONE H200, issue 36: onepath MODEL PLACEMENT [VARIANTS]: the plain user setup
@@ -273,9 +277,9 @@ case "${1:-}" in
     # profiled per variant, the summary under .../profile/ and printed
     limit=290
     case "${2:?give 14b, 17b or 32b}" in
-      14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB) ;;
+      14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80) ;;
       17b) model=(--preset qwen3-1.7b) ;;
-      32b) model=(--preset qwen3-32b --simulate-world 8 --gpu-memory 80GiB); limit=580 ;;  # one variant a call
+      32b) model=(--preset qwen3-32b --simulate-world 8 --gpu-memory $CARD80); limit=580 ;;  # one variant a call
     esac
     for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
       alloc=; [ "$v" = fsdp2 ] && alloc=expandable_segments:True
@@ -295,16 +299,16 @@ case "${1:-}" in
     structure=(); [ "$engine" = zbuf ] && structure=(--compile-structure blocks)
     alloc=; [ "$engine" = fsdp2 ] && alloc=expandable_segments:True  # FSDP2's best ([DEVICE.md])
     PYTORCH_CUDA_ALLOC_CONF=$alloc bench "32b${3:+_$(echo "${@:3}" | tr -cs 'a-z0-9' '_')}" \
-      "$engine" --preset qwen3-32b --simulate-world 8 --gpu-memory 80GiB "${structure[@]}" "${@:3}" ;;
+      "$engine" --preset qwen3-32b --simulate-world 8 --gpu-memory $CARD80 "${structure[@]}" "${@:3}" ;;
   offload14)  # ONE H200, issue 38: the optimizer's state on the device, then in host memory
     for where in device host; do
       flag=(); [ "$where" = host ] && flag=(--offload-optimizer)
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-290} bench "offload14_$where" zbuf --preset qwen3-14b \
-        --simulate-world 8 --gpu-memory 80GiB --compile-structure blocks "${flag[@]}" "${@:2}"
+        --simulate-world 8 --gpu-memory $CARD80 --compile-structure blocks "${flag[@]}" "${@:2}"
     done ;;
   fit32b)  # ONE H200, issue 38: zbuf fit qwen3-32b, world 8, 80 GiB card, blocks
     timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-32b --simulate-world 8 \
-      --gpu-memory 80GiB --seq-len 4096 --ac --steps 6 --warmup 3 --compile-structure blocks \
+      --gpu-memory $CARD80 --seq-len 4096 --ac --steps 6 --warmup 3 --compile-structure blocks \
       --min-micro-batch "${3:-1}" --max-micro-batch "${4:-8}" --probe-timeout 280 \
       --out "$OUT/fit32b_${2:-zbuf}_${3:-1}-${4:-8}.json" 2>&1 | grep -v "Warning\|warn" \
       | tee "$OUT/fit32b_${2:-zbuf}.log" | tail -20 ;;
@@ -315,14 +319,14 @@ case "${1:-}" in
       32b) model=(--preset qwen3-32b --compile-structure blocks) ;;
     esac
     bench "fitcheck_${2}_mb${3:?give the micro-batch}" zbuf "${model[@]}" --simulate-world 8 \
-      --gpu-memory 80GiB --micro-batch "$3" ;;
+      --gpu-memory $CARD80 --micro-batch "$3" ;;
   plain14|plain8b)  # ONE H200: plain14 [VARIANTS] [AC]: the plain setup as rank 0 of 8 on an
     # 80 GiB card (issue 19's first table; issue 20's API paths: plain = torch.compile(backend=
     # "zbuf"), bench+eager-loss = zbuf.compile(model, optimizer=opt), each with the fp32 loss
     # outside; AC full or auto); plain8b: qwen3-8b as rank 0 of 2 on the whole card (issue 20's
     # no-cap run). One variant per call.
     ac=${3:-full}
-    model=(--preset qwen3-14b --simulate-world 8 --gpu-memory 80GiB)
+    model=(--preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80)
     [ "$1" = plain8b ] && model=(--preset qwen3-8b --simulate-world 2)
     timeout "${BENCH_TIMEOUT:-580}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
