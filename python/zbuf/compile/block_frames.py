@@ -110,6 +110,7 @@ from ..regather import callers_hooks_active
 from ..frame_inputs import gathered_for_shards
 from ..runtime import in_backward
 from ..shard import roots
+from .block_clock import BlockClock
 from .block_gather import BlockWeights
 from .block_offload import BlockOffload
 from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
@@ -395,6 +396,9 @@ class BlockFrames:
         """id(block) -> its forward's gather when kept, of each block whose last forward ran
         under the caller's saved-tensor hooks ([Note: a block under the caller's checkpoint];
         producer: that forward; consumer: the block's recompute, which takes it out)."""
+        self.clock = BlockClock(pool.device)
+        """When each block's forward began on the device ([Note: the measured block forward] in
+        block_clock.py; producer: ``run``; consumer: the re-planner's host link)."""
         self.forward_observers: list[Callable[[], None]] = []
         """Called as each block's forward begins, outside backward (producer: whoever wants the
         step's progress points, [Note: progress points] in zbuf/memory/progress.py; consumer:
@@ -478,6 +482,7 @@ class BlockFrames:
     def run(self, slot: FrameSlot, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``block`` through the frame of its level, its weights gathered by the prefetch."""
         if not in_backward():
+            self.clock.block_started()
             for observer in self.forward_observers:
                 observer()
         self.called.setdefault(id(block), slot)
@@ -536,6 +541,7 @@ class BlockFrames:
     def finish_forward(self) -> None:
         self.prefetch.finish_forward()
         self.offload.finish_forward()
+        self.clock.forward_finished()
 
     def _block_before(self, slot: FrameSlot) -> Optional[int]:
         """id of the block called before ``slot``'s in its stack, once it ran; else None."""

@@ -21,7 +21,8 @@ device at once), the levels are planned as before; of the blocks left at level 0
 ``spacing`` blocks after it and every ``spacing``-th before it are offloaded at that level,
 ``spacing`` the blocks whose forward it takes to copy one block's bytes at that level over the
 host link (its speed measured, [Note: the measured host link] in zbuf/host_link.py, and the
-cost model's ``flops_per_second``), as many as the agreed host memory holds. The level that
+block's forward too, [Note: the measured block forward] in block_clock.py), as many as the
+agreed host memory holds. The level that
 saves the most modelled recompute is taken, and only when it saves more than the plan without
 offload. The link decides: "selective" keeps the matmul and attention outputs, about 56 % of
 "keep"'s bytes, and leaves only the elementwise recompute, so where one block's copy at "keep"

@@ -297,10 +297,11 @@ class BlockReplanner:
     def _host_link(self) -> Optional[HostLink]:
         """What offloading a block's kept activations costs, on CUDA ([Note: offloaded blocks]
         in block_offload.py): a copy at the host link's speed (measured here once, unless the
-        options give it: [Note: the measured host link] in zbuf/host_link.py), a forward at the
-        cost model's flops, and half of this rank's share of the host's available memory (pinned
-        memory cannot be paged out); the speed and the share agreed over the ranks (the least
-        of each)."""
+        options give it: [Note: the measured host link] in zbuf/host_link.py), a block's forward
+        as the last forward took it ([Note: the measured block forward] in block_clock.py; the
+        cost model's flops before one ran), and half of this rank's share of the host's
+        available memory (pinned memory cannot be paged out); each agreed over the ranks (the
+        least)."""
         frames = self.frames
         device = frames.pool.device
         estimate = frames.estimate
@@ -310,11 +311,13 @@ class BlockReplanner:
         if self.link_bytes_per_second is None:
             self.link_bytes_per_second = (opts.host_link_bytes_per_second
                                           or measure_host_link(device))
+        forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second
         weights = next(iter(frames.called.values())).weights
-        (share, speed), _ = agree_extremes(
+        (share, speed, forward_ns), _ = agree_extremes(
             runtime.process_group(weights.specs[0].group_name), device,
-            smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second)])
-        return HostLink(speed, estimate.forward_flops / opts.flops_per_second, share)
+            smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second),
+                      int(forward * 1e9)])
+        return HostLink(speed, forward_ns / 1e9, share)
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
         """How many blocks keep their weights: none unless ``persist=True`` asks for them, else

@@ -203,7 +203,8 @@ class HostLink(NamedTuple):
     """The host link's speed, one direction ([Note: the measured host link] in
     zbuf/host_link.py)."""
     forward_seconds: float
-    """Modelled time of one block's forward: the compute a copy runs under."""
+    """One block's forward, the compute a copy runs under (measured: [Note: the measured block
+    forward] in block_clock.py)."""
     host_bytes: int
     """Host memory the offloaded blocks may hold together."""
 

@@ -1,0 +1,57 @@
+"""How long a block's forward takes on the device, read off the forward that just ran.
+
+[Note: the measured block forward]
+An offloaded block's copy to host memory runs while the blocks after it compute their forward
+([Note: offloaded blocks] in block_offload.py), so how far apart the offloaded blocks must be is
+the copy's time over one block's forward. The cost model's flops (``flops_per_second``, one
+constant for every card) put qwen3-14b's block forward at 27 ms where an H100 ran it in about
+20: planned two forwards apart, each of 19 offloaded blocks' copies (47 ms over a 36 GB/s link)
+outran its two forwards, and the forward stood 127 ms a step waiting for them
+(benches/results/onepath14.md). So the plan reads the forward's time from the device: an event
+on the compute stream as each block's forward begins, and a block's forward is the median
+time between two consecutive ones of the last forward. The median, because a gap may hold what
+the host did in between (the first call's compile in step 0, an allocation the caching
+allocator had to make) and most do not. The ranks agree on the shortest (the copies must hide
+behind every rank's forward).
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Optional
+
+import torch
+
+__all__ = ["BlockClock"]
+
+
+class BlockClock:
+    """The compute stream's time at each block forward's start ([Note: the measured block
+    forward]); nothing on a device without events (the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._current: list[torch.cuda.Event] = []
+        """Events at this forward's block starts so far (producer: ``block_started``)."""
+        self._last: list[torch.cuda.Event] = []
+        """Those of the last forward that ended (producer: ``forward_finished``; consumer:
+        ``block_seconds``)."""
+
+    def block_started(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._current.append(event)
+
+    def forward_finished(self) -> None:
+        if len(self._current) > 1:
+            self._last = self._current
+        self._current = []
+
+    def block_seconds(self) -> Optional[float]:
+        """A block's forward in the last forward that called two blocks or more (waits for
+        it to end on the device), or None when none did."""
+        if not self._last:
+            return None
+        self._last[-1].synchronize()
+        return median(a.elapsed_time(b) for a, b in zip(self._last, self._last[1:])) / 1e3
