@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import zbuf.compile
 from zbuf.compile import block_offload, block_replan, recompute_plan
+from zbuf.compile.block_clock import BlockClock
 from zbuf.compile.block_frames import block_frames_of
 from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
 from zbuf.memory import StepProfile
@@ -502,3 +503,13 @@ def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
     assert "host memory page-locked │ - │" in table(old)
     quiet = dict(run.frames.schedule(), activation_offload={"blocks": []})
     assert "offloaded" not in table(quiet)
+
+
+def test_the_host_has_no_block_clock():
+    """On the host the block forward is not measured ([Note: the measured block forward]) and
+    the plan falls back to the cost model."""
+    clock = BlockClock(torch.device("cpu"))
+    for _ in range(3):
+        clock.block_started()
+    clock.forward_finished()
+    assert clock.block_seconds() is None
