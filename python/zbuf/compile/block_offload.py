@@ -78,16 +78,19 @@ after it (one retry, in step 2).
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
 plan's estimate of a block's bytes, reused by its call every step. ``plan`` starts
-page-locking them on a thread of their own, in the order the forward needs them, so that the
-locking runs while the Python thread compiles the offloaded blocks' frame and runs the blocks
-before the first offloaded one; a call's first ``pack`` waits only for its own arena
-(``pin_wait_seconds`` in the record). A second call at a position whose arena holds a live
-call's copies (two forwards before one backward) copies through torch's pinned tensors instead.
+page-locking them on ``PIN_THREADS`` threads of their own, in the order the forward needs them,
+so that the locking runs while the Python thread compiles the offloaded blocks' frame and runs
+the blocks before the first offloaded one. The forward never waits for it: a call whose arena
+is still being locked copies through ordinary (pageable) host memory, which holds the Python
+thread while its copy runs but costs only that step (``unlocked_host_bytes`` in the record).
+Waiting cost more: 33 GB of arenas took 25 s to lock at qwen3-14b on an H100 machine, and the
+first offloaded step waited 19.6 s of it (benches/results/onepath14.md). A second call at a
+position whose arena holds a live call's copies (two forwards before one backward) copies
+through torch's pinned tensors instead.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -99,6 +102,9 @@ from ..stream_waits import TimedWaits
 from .recompute_plan import HostLink
 
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
+
+PIN_THREADS = 4
+"""Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
 
 ARENA_SLACK = 64
 """A position's arena holds the plan's estimate of a block's bytes, 1/``ARENA_SLACK`` more, and
@@ -115,7 +121,8 @@ class OffloadedTensor(NamedTuple):
 class OffloadedCall:
     """One block call's saved activations in host memory ([Note: offloaded blocks])."""
 
-    __slots__ = ("owner", "position", "inputs", "nbytes", "_host", "_arena", "_device", "_saved",
+    __slots__ = ("owner", "position", "inputs", "nbytes", "_host", "_arena", "_pageable",
+                 "_device", "_saved",
                  "_downloaded", "_uploaded", "_compute", "_unpacks_left", "__weakref__")
 
     def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
@@ -131,6 +138,10 @@ class OffloadedCall:
         self._arena: Optional[HostArena | bool] = None
         """Where the host copies are carved from: the position's arena, False when it has none
         free (producer: the call's first ``pack``, from ``BlockOffload.arena_for``)."""
+        self._pageable = False
+        """Without an arena: the copies go to pageable host memory, the arena being still
+        locked ([Note: host arenas and the first offloaded step]; producer: the first
+        ``pack``)."""
         self._device: Optional[list[torch.Tensor]] = None
         """Their uploads (producer: ``upload``; consumer: ``unpack``, which drops the list once
         each was unpacked)."""
@@ -159,12 +170,16 @@ class OffloadedCall:
         owner = self.owner
         if self._arena is None:
             self._arena = owner.arena_for(self) or False
+            self._pageable = not self._arena and owner.locking(self.position)
         nbytes = span_bytes(t)
         copy = self._arena.carve(t) if self._arena else None
         if copy is None:
             copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
-                                       pin_memory=owner.down is not None)
-            owner.unplanned_host_bytes += nbytes
+                                       pin_memory=owner.down is not None and not self._pageable)
+            if self._pageable:
+                owner.unlocked_host_bytes += nbytes
+            else:
+                owner.unplanned_host_bytes += nbytes
         if owner.down is None:
             copy.copy_(t)
         else:
@@ -283,9 +298,9 @@ class BlockOffload:
         self.unplanned_host_bytes = 0
         """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
         a call's tensors beyond its arena, or a second live call at one position."""
-        self.pin_wait_seconds = 0.0
-        """Time the forward waited for an arena still being page-locked (producer:
-        ``arena_for``)."""
+        self.unlocked_host_bytes = 0
+        """Bytes copied through pageable host memory, their arena still being page-locked
+        (producer: ``OffloadedCall.pack``)."""
         self._arenas: dict[int, Future[HostArena]] = {}
         """Position -> the host arena of its offloaded calls, built on ``_pinning`` (producer:
         ``plan``; consumer: ``arena_for``)."""
@@ -317,21 +332,17 @@ class BlockOffload:
     def _pin(self, nbytes: int) -> Future[HostArena]:
         """An arena of ``nbytes``, page-locked on the arenas' thread."""
         if self._pinning is None:
-            self._pinning = ThreadPoolExecutor(1, thread_name_prefix="zbuf-pin")
+            self._pinning = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="zbuf-pin")
             weakref.finalize(self, self._pinning.shutdown, wait=False)
         return self._pinning.submit(HostArena, nbytes, self.device,
                                     tuple(s for s in (self.down, self.up) if s))
 
     def arena_for(self, call: OffloadedCall) -> Optional[HostArena]:
-        """The arena ``call``'s host copies go to: its position's, unless another live call's
-        copies are in it (two forwards before a backward), waited for if still being locked."""
+        """The arena ``call``'s host copies go to: its position's, unless it is still being
+        locked or another live call's copies are in it (two forwards before a backward)."""
         pinning = self._arenas.get(call.position)
-        if pinning is None:
+        if pinning is None or not pinning.done():
             return None
-        if not pinning.done():
-            start = time.perf_counter()
-            pinning.result()
-            self.pin_wait_seconds += time.perf_counter() - start
         arena = pinning.result()
         holder = self._holders.get(call.position)
         if holder is not None and holder() not in (None, call):
@@ -339,6 +350,11 @@ class BlockOffload:
         self._holders[call.position] = weakref.ref(call)
         arena.reset()
         return arena
+
+    def locking(self, position: int) -> bool:
+        """Whether the arena of ``position`` is still being page-locked."""
+        pinning = self._arenas.get(position)
+        return pinning is not None and not pinning.done()
 
     def start(self, block: int, args: tuple, kwargs: dict) -> Optional[OffloadedCall]:
         """The call of ``block`` now starting its forward with ``args`` and ``kwargs``, if it is
@@ -414,6 +430,6 @@ class BlockOffload:
                                              else 1e3 * self.link.forward_seconds),
                 "host_arena_bytes": sum(a.nbytes for a in arenas),
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
-                "pin_wait_seconds": self.pin_wait_seconds,
+                "unlocked_host_bytes": self.unlocked_host_bytes,
                 "unplanned_host_bytes": self.unplanned_host_bytes,
                 "exposed_ms_per_step": self.exposed_ms / self.forwards if self.forwards else None}

@@ -742,12 +742,15 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
 
 def _locked(offload: dict) -> str:
     """The offloaded blocks' host arenas, the wall time their locking took on its own thread,
-    and the time the forward waited for it ([Note: host arenas and the first offloaded step] in
-    zbuf/compile/block_offload.py); records made before the arenas have none."""
+    and what the forward copied through pageable memory meanwhile ([Note: host arenas and the
+    first offloaded step] in zbuf/compile/block_offload.py); records made before the arenas have
+    none, and those before the forward stopped waiting for them the time it waited."""
     if "host_arena_bytes" not in offload:
         return "-"
-    return (f"{format_bytes(offload['host_arena_bytes'])} in {offload['lock_seconds']:.1f} s, "
-            f"waited {offload['pin_wait_seconds']:.1f} s")
+    locked = f"{format_bytes(offload['host_arena_bytes'])} in {offload['lock_seconds']:.1f} s"
+    if "pin_wait_seconds" in offload:
+        return f"{locked}, waited {offload['pin_wait_seconds']:.1f} s"
+    return f"{locked}, {format_bytes(offload['unlocked_host_bytes'])} copied before"
 
 
 def main(path: str, out_dir: Optional[str] = None) -> int:
