@@ -306,6 +306,9 @@ def _planned(model) -> dict:
     memory = zbuf.compile.step_memory_of(model)
     if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
         out["optimizer_offload"] = memory.report()["optimizer_offload"]
+        stats = getattr(memory.replanner, "recompute_stats", lambda: None)()
+        if frames is not None and stats is not None:  # the blocks' modelled recompute
+            out["recompute"] = stats.to_dict()
     return out
 
 
