@@ -440,11 +440,10 @@ def test_a_calls_inputs_stay_on_the_device_and_its_own_tensors_go():
     assert offload.late_uploads == 1  # nothing reached it first
 
 
-def test_calls_whose_arena_is_still_locking_copy_through_pageable_memory(monkeypatch):
-    """The forward never waits for an arena ([Note: host arenas and the first offloaded step]):
-    while the arenas are still being locked (held back here until the first offloaded forward
-    ends), that forward's calls copy through pageable host memory, and from the next step on
-    every call uses its arena; the run trains bit for bit as one whose arenas were ready."""
+def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, Trained]:
+    """``init`` trained at spacing 1 twice: with its arenas locked as usual, and with them held
+    back until the first offloaded forward has ended (then awaited, so that the next forward
+    finds them all)."""
     from concurrent.futures import wait
 
     release = threading.Event()
@@ -461,18 +460,24 @@ def test_calls_whose_arena_is_still_locking_copy_through_pageable_memory(monkeyp
             wait(list(self._arenas.values()))
 
     original_finish = block_offload.BlockOffload.finish_forward
-    steps = 4
-    init = decoder(7)
-    ready = _train(monkeypatch, init, 1, steps)
+    ready = _train(monkeypatch, init, 1, steps, **train)
     monkeypatch.setattr(block_offload, "HostArena", SlowArena)
     monkeypatch.setattr(block_offload.BlockOffload, "finish_forward", finish_forward)
-    slow = _train(monkeypatch, init, 1, steps)
-    offload = slow.frames.offload
-    per_step = offload.moved_down // (steps - 1)
-    assert offload.unlocked_host_bytes == per_step > 0
+    return ready, _train(monkeypatch, init, 1, steps, **train)
+
+
+def test_calls_whose_arena_is_still_locking_copy_through_pageable_memory(monkeypatch):
+    """The forward never waits for an arena ([Note: host arenas and the first offloaded step]):
+    while the arenas are still being locked, that forward's calls copy through pageable host
+    memory, and from the next step on every call uses its arena; the run trains bit for bit as
+    one whose arenas were ready."""
+    steps = 4
+    ready, late = arenas_ready_and_late(monkeypatch, decoder(7), steps)
+    offload = late.frames.offload
+    assert offload.unlocked_host_bytes == offload.moved_down // (steps - 1) > 0
     assert offload.unplanned_host_bytes == 0
-    assert slow.losses == ready.losses
-    assert all(torch.equal(slow.params[k], ready.params[k]) for k in ready.params)
+    assert late.losses == ready.losses
+    assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
 
 
 def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch):

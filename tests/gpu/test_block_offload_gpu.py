@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parity import token_batches  # noqa: E402
-from test_block_offload import _train  # noqa: E402
+from test_block_offload import _train, arenas_ready_and_late  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -55,3 +55,29 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     # segments of their own (torch's caching allocator keeps each stream's blocks apart).
     for with_host, on_device in zip(moved.reserved[2:], kept.reserved[2:]):
         assert with_host < on_device - 4 * per_block, (moved.reserved, kept.reserved, per_block)
+
+
+def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypatch):
+    """The first offloaded forward's arenas held back ([Note: host arenas and the first
+    offloaded step] in zbuf/compile/block_offload.py): its calls copy to pageable host memory and
+    back (copies that hold the host thread), the later steps through the arenas; the losses and
+    parameters of the run whose arenas were ready, bit for bit."""
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=6, vocab_size=97, hidden_size=512,
+                                         ffn_hidden_size=1408, head_dim=64)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, True)
+    batches = token_batches(4, vocab=97, rows=4, length=257)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        ready, late = arenas_ready_and_late(monkeypatch, init, 4, device="cuda", batches=batches)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    offload = late.frames.offload
+    assert offload.unlocked_host_bytes == offload.moved_down // 3 > 0
+    assert offload.unplanned_host_bytes == 0 and offload.late_uploads == 0
+    assert late.losses == ready.losses
+    assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
