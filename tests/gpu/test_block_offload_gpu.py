@@ -5,6 +5,7 @@ device, and a lower peak, allocated and reserved."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -20,27 +21,40 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")]
 
 
+def _checkpointed_decoder(layers: int):
+    """A decoder whose activations outweigh its weights, each block checkpointed, and four
+    batches for it."""
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=layers, vocab_size=97, hidden_size=512,
+                                         ffn_hidden_size=1408, head_dim=64)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, True)
+    return init, token_batches(4, vocab=97, rows=4, length=257)
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """Deterministic kernels, so that two runs of the same floats agree bit for bit."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypatch):
     """Eight blocks of a decoder whose activations outweigh its weights, every block but the
     last offloaded (spacing 1): the losses and parameters of the same plan with those blocks
     kept on the device, bit for bit (deterministic kernels), every upload started before its
     backward, and each step's peak, allocated and reserved, lower by more than four blocks'
     activations."""
-    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
-
-    cfg = resolve_config("tiny").replace(num_layers=8, vocab_size=97, hidden_size=512,
-                                         ffn_hidden_size=1408, head_dim=64)
-    torch.manual_seed(0)
-    init = build_model(cfg)
-    apply_activation_checkpointing(init, True)
-    batches = token_batches(4, vocab=97, rows=4, length=257)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    init, batches = _checkpointed_decoder(8)
+    with _deterministic():
         moved = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
         kept = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches, to_host=False)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     offload = moved.frames.offload
     assert offload.report()["blocks"] == list(range(7))
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
@@ -62,20 +76,9 @@ def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypa
     offloaded step] in zbuf/compile/block_offload.py): its calls copy to pageable host memory and
     back (copies that hold the host thread), the later steps through the arenas; the losses and
     parameters of the run whose arenas were ready, bit for bit."""
-    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
-
-    cfg = resolve_config("tiny").replace(num_layers=6, vocab_size=97, hidden_size=512,
-                                         ffn_hidden_size=1408, head_dim=64)
-    torch.manual_seed(0)
-    init = build_model(cfg)
-    apply_activation_checkpointing(init, True)
-    batches = token_batches(4, vocab=97, rows=4, length=257)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    init, batches = _checkpointed_decoder(6)
+    with _deterministic():
         ready, late = arenas_ready_and_late(monkeypatch, init, 4, device="cuda", batches=batches)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     offload = late.frames.offload
     assert offload.unlocked_host_bytes == offload.moved_down // 3 > 0
     assert offload.unplanned_host_bytes == 0 and offload.late_uploads == 0
