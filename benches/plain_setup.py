@@ -306,9 +306,10 @@ def _planned(model) -> dict:
     memory = zbuf.compile.step_memory_of(model)
     if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
         out["optimizer_offload"] = memory.report()["optimizer_offload"]
-        stats = getattr(memory.replanner, "recompute_stats", lambda: None)()
-        if frames is not None and stats is not None:  # the blocks' modelled recompute
-            out["recompute"] = stats.to_dict()
+        if frames is not None:  # the blocks' modelled recompute
+            stats = memory.replanner.recompute_stats()
+            if stats is not None:
+                out["recompute"] = stats.to_dict()
     return out
 
 
@@ -512,8 +513,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     cuda = torch.cuda.is_available()
-    if card is not None and cuda and card > torch.cuda.get_device_properties(0).total_memory:
-        total = torch.cuda.get_device_properties(0).total_memory
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    if card is not None and total is not None and card > total:
         p.error(f"--gpu-memory {args.gpu_memory} is more than this GPU's {total / (1 << 30):.1f} "
                 f"GiB ({torch.cuda.get_device_name(0)}): it emulates a smaller card; give at most "
                 f"{total >> 20}MiB")

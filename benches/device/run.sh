@@ -112,8 +112,8 @@ source benches/device/env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 COMMON=(--micro-batch 4 --seq-len 4096 --ac --steps 30 --warmup 10 --no-progress)
-# The "80 GiB card" the references name: 80 GiB of an H200, or the whole of an 80 GB H100 (79.6 GiB,
-# the card DeepCompile's reference ran on), since no fraction of an H100 holds 80 GiB.
+# The "80 GiB card" the references name: 80 GiB of an H200, or the whole of an 80 GB H100 (79.18
+# GiB as torch sees it; the card DeepCompile's reference ran on): no fraction of an H100 holds 80.
 CARD80=$(python3 -c "import torch; t = torch.cuda.get_device_properties(0).total_memory >> 20; print('80GiB' if t >= 80 << 10 else f'{t}MiB')")
 echo "80 GiB card: --gpu-memory $CARD80"
 

@@ -27,31 +27,41 @@ __all__ = ["BlockClock"]
 
 class BlockClock:
     """The compute stream's time at each block forward's start ([Note: the measured block
-    forward]); nothing on a device without events (the host)."""
+    forward]); nothing on a device without events (the host). Two sets of events, one the
+    forward now running records into, the other the last finished forward's, so a step
+    records into events it already has."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._current: list[torch.cuda.Event] = []
-        """Events at this forward's block starts so far (producer: ``block_started``)."""
-        self._last: list[torch.cuda.Event] = []
-        """Those of the last forward that ended (producer: ``forward_finished``; consumer:
-        ``block_seconds``)."""
+        self._events: tuple[list[torch.cuda.Event], list[torch.cuda.Event]] = ([], [])
+        """The two sets (producer: ``block_started``)."""
+        self._recording = 0
+        """The set this forward records into (producer: ``forward_finished``)."""
+        self._recorded = 0
+        """Events this forward recorded so far (producer: ``block_started``)."""
+        self._last = 0
+        """Events of the last finished forward, in the other set (producer:
+        ``forward_finished``; consumer: ``block_seconds``)."""
 
     def block_started(self) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            self._current.append(event)
+        if self.device.type != "cuda":
+            return
+        events = self._events[self._recording]
+        if self._recorded == len(events):
+            events.append(torch.cuda.Event(enable_timing=True))
+        events[self._recorded].record(torch.cuda.current_stream(self.device))
+        self._recorded += 1
 
     def forward_finished(self) -> None:
-        if len(self._current) > 1:
-            self._last = self._current
-        self._current = []
+        if self._recorded > 1:
+            self._last, self._recording = self._recorded, 1 - self._recording
+        self._recorded = 0
 
     def block_seconds(self) -> Optional[float]:
         """A block's forward in the last forward that called two blocks or more (waits for
         it to end on the device), or None when none did."""
         if not self._last:
             return None
-        self._last[-1].synchronize()
-        return median(a.elapsed_time(b) for a, b in zip(self._last, self._last[1:])) / 1e3
+        events = self._events[1 - self._recording][:self._last]
+        events[-1].synchronize()
+        return median(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1e3

@@ -263,7 +263,8 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
     return dataclasses.replace(
         beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
         saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_spacing=spacing, offload_block_bytes=block_bytes, host_link=link, reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
+        offload_spacing=spacing, offload_block_bytes=block_bytes, host_link=link,
+        reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
         budget_bytes=max(1, room_bytes))
 
 
