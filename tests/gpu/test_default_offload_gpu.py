@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parity import token_batches  # noqa: E402
-from test_block_offload import _train  # noqa: E402
+from test_block_offload import _train, assert_copies_never_wait  # noqa: E402
 
 from zbuf.compile import block_replan  # noqa: E402
 
@@ -42,11 +42,10 @@ def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkey
                    recompute="checkpointed")
     offload = moved.frames.offload
     # At the level the link carries best (a copy at "keep" takes two blocks' forward, at
-    # "selective" one or two), every ``distance``-th block up to the last with ``distance`` after
-    # it.
+    # "selective" one or two), the blocks whose copies the queue runs without a wait.
     blocks = offload.report()["blocks"]
-    assert blocks and blocks[-1] == 11 - offload.distance, moved.memory.report()
-    assert all(b - a == offload.distance for a, b in zip(blocks, blocks[1:])), blocks
+    assert blocks and list(offload.queue.positions) == blocks, moved.memory.report()
+    assert_copies_never_wait(offload.queue, offload.block_bytes, offload.link, 12)
     assert len({moved.frames.levels[b] for b in moved.frames.offload.offloaded}) == 1
     assert not moved.memory.steady.replanned
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0

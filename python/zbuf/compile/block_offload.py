@@ -15,20 +15,20 @@ while the blocks after it in forward run their backward. Its device bytes are he
 way: the block's own while its copy runs, the next offloaded block's while its upload waits to
 be used.
 
-The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): for each level above 0,
-with the room less two blocks' bytes at that level (the most the offloaded blocks hold on the
-device at once), the levels are planned as before; of the blocks left at level 0, the last with
-``spacing`` blocks after it and every ``spacing``-th before it are offloaded at that level,
-``spacing`` the blocks whose forward it takes to copy one block's bytes at that level over the
-host link (its speed measured, [Note: the measured host link] in zbuf/host_link.py, and the
-block's forward too, [Note: the measured block forward] in block_clock.py), as many as the
-agreed host memory holds. The level that
-saves the most modelled recompute is taken, and only when it saves more than the plan without
-offload. The link decides: "selective" keeps the matmul and attention outputs, about 56 % of
-"keep"'s bytes, and leaves only the elementwise recompute, so where one block's copy at "keep"
-takes three block forwards and at "selective" two, "selective" offloads half as many blocks
-again at most of the saving each (qwen3-14b: tests/test_block_offload.py). Only on CUDA: on
-the host there is no link to use.
+The plan (``plan_block_levels`` in recompute_plan.py, pure and fuzzed): for each level above 0
+and each number of calls on their way at once (two or three), with the room less that many
+blocks' bytes at that level (the most the offloaded blocks hold on the device at once), the
+levels are planned as before; of the blocks left at level 0, those whose copies the link runs
+without ever making the compute stream wait are offloaded at that level ([Note: the copy
+queue] in recompute_plan.py: the copy's time over the host link, its speed measured, [Note:
+the measured host link] in zbuf/host_link.py, against the block's forward, measured too,
+[Note: the measured block forward] in block_clock.py), as many as the agreed host memory
+holds. The plan that saves the most modelled recompute is taken, and only when it saves more
+than the plan without offload. The link decides: "selective" keeps the matmul and attention
+outputs, about 56 % of "keep"'s bytes, and leaves only the elementwise recompute, so where one
+block's copy at "keep" takes three block forwards and at "selective" 1.7, "selective" offloads
+about 80 % more blocks at most of the saving each (qwen3-14b: tests/test_block_offload.py).
+Only on CUDA: on the host there is no link to use.
 
 The run (``BlockOffload``, one per model's frames), each saved tensor of the block's frame
 that is not a gathered weight ([Note: two blocks live] in block_prefetch.py), nor one of the
@@ -36,12 +36,14 @@ block call's own inputs, positional or keyword (level 0 keeps those too, and a H
 layer's rotary tables are every layer's), nor a view that is not its whole storage:
 
 * forward, when the frame saves it (``OffloadedCall.pack``: after the frame's forward ran):
-  the first tensor of a call makes the compute stream wait for the previous offloaded call's
-  copies (so at most two calls' bytes wait on the device, the planned reserve) and records
-  where the compute stream stands; each tensor is then copied into pinned host memory on the
+  the first tensor of a call makes the compute stream wait for the copies of the offloaded
+  call ``in_flight - 1`` before it (so at most ``in_flight`` calls' bytes are on the device,
+  the planned reserve) and records where the compute stream stands; each tensor is then copied into pinned host memory on the
   ``down`` stream, which waits for that point, and its device memory goes back to the caching
   allocator once the copy has run (``record_stream``);
-* backward, when the block ``distance`` calls after an offloaded one in forward begins its
+* at the queue's drain (a block after the last offloaded call), the compute stream waits for
+  the forward's last copies (``BlockOffload.forward_reaches``);
+* backward, when the block ``upload_ahead`` calls after an offloaded one in forward begins its
   backward (``BlockOffload.reached``), that call's tensors
   are uploaded on the ``up`` stream into device memory allocated on the compute stream (torch's
   caching allocator keeps each stream's blocks apart, and backward frees them into compute's),
@@ -52,8 +54,8 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
 Streams and events, each with who produces and who consumes it:
 ``down`` runs the downloads (producer: ``pack``); ``_saved`` is where the compute stream stood
 when the frame saved (producer: the call's first ``pack``; consumer: ``down``); ``_downloaded``
-is the end of the call's downloads (producer: ``pack``; consumers: the next offloaded call's
-first ``pack``, and this call's upload); ``up`` runs the uploads (producer: ``upload``);
+is the end of the call's downloads (producer: ``pack``; consumers: the first ``pack`` of the
+offloaded call ``in_flight - 1`` after it, the drain, and this call's upload); ``up`` runs the uploads (producer: ``upload``);
 ``_uploaded`` is the end of the upload (producer: ``upload``; consumers: the first ``unpack``,
 and a call dropped before its backward, whose compute stream waits for it before the memory
 goes back).
@@ -64,7 +66,8 @@ its step time. On the host (the CPU stand-in) the tensors are copied to host mem
 stream there is: the same program, nothing hidden, for tests.
 
 Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so
-its device bytes stay until its copies have run (the reserve counts two calls); the copies
+its device bytes stay until its copies have run (the reserve counts the call whose forward
+runs beside those on their way); the copies
 share the link with the optimizer state's window when that state is offloaded too ([Note: the
 step's window] in zbuf/offload_window.py), which the plan does not model; the plan's
 estimate of a block's bytes sizes its arena (``unplanned_host_bytes`` in the record counts what
@@ -91,6 +94,7 @@ through torch's pinned tensors instead.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -99,7 +103,7 @@ import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
 from ..stream_waits import TimedWaits
-from .recompute_plan import HostLink
+from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
 
@@ -259,9 +263,10 @@ class BlockOffload:
         self.offloaded: frozenset[int] = frozenset()
         """id(block) of the blocks whose calls are offloaded (producer: the re-planner; consumer:
         ``start``)."""
-        self.distance = 1
-        """How many blocks after an offloaded one its upload starts, in backward (producer: the
-        re-planner: the plan's spacing)."""
+        self.queue = NO_COPIES
+        """When the copies run: the calls on their way at once, the block where the forward
+        waits for the last, how far ahead backward uploads (producer: the re-planner: [Note:
+        the copy queue] in recompute_plan.py)."""
         self.moved_down = 0
         """Bytes sent to host memory so far (producer: ``OffloadedCall.pack``)."""
         self.moved_up = 0
@@ -284,17 +289,14 @@ class BlockOffload:
             weakref.WeakValueDictionary())
         """Position -> the latest forward's offloaded call there, while its graph lives
         (producer: ``start``; consumer: ``reached``)."""
-        self._previous: Optional[OffloadedCall] = None
-        """The forward's latest offloaded call whose copies no one waited for yet (producer:
-        ``wait_for_previous``; consumers: the next call's ``wait_for_previous``, and
-        ``forward_reaches`` after the last)."""
-        self._last = -1
-        """The position of the last offloaded block (producer: ``plan``; consumer:
-        ``forward_reaches``)."""
+        self._pending: collections.deque[OffloadedCall] = collections.deque()
+        """The forward's offloaded calls whose copies no one waited for yet, oldest first
+        (producer: ``wait_for_previous``; consumers: the later calls' ``wait_for_previous``,
+        and ``forward_reaches`` at the queue's drain)."""
         self.block_bytes = 0
         """The plan's estimate of an offloaded call's bytes (producer: ``plan``)."""
         self.link: Optional[HostLink] = None
-        """What the plan's spacing came from (producer: ``plan``; consumer: ``report``)."""
+        """What the plan's queue came from (producer: ``plan``; consumer: ``report``)."""
         self.unplanned_host_bytes = 0
         """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
         a call's tensors beyond its arena, or a second live call at one position."""
@@ -313,14 +315,13 @@ class BlockOffload:
         """The thread that builds the arenas, while the Python thread goes on (the re-plan's
         compile, the step's first blocks)."""
 
-    def plan(self, order: dict[int, int], offloaded: frozenset[int], distance: int,
+    def plan(self, order: dict[int, int], offloaded: frozenset[int], queue: CopyQueue,
              block_bytes: int = 0, link: Optional[HostLink] = None) -> None:
         """Offload the calls of ``offloaded`` (``block_bytes`` each, the plan's estimate, over
-        ``link``), uploading each ``distance`` blocks ahead in backward; their host arenas start
-        being page-locked now ([Note: host arenas and the first offloaded step])."""
-        self.order, self.offloaded, self.distance = order, offloaded, max(1, distance)
+        ``link``), their copies run as ``queue`` says; their host arenas start being
+        page-locked now ([Note: host arenas and the first offloaded step])."""
+        self.order, self.offloaded, self.queue = order, offloaded, queue
         self.block_bytes, self.link = block_bytes, link
-        self._last = max((order[b] for b in offloaded), default=-1)
         nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
         positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
         # The arenas of positions still offloaded are kept, unless the calls' bytes changed.
@@ -378,25 +379,28 @@ class BlockOffload:
             self.waits.wait(torch.cuda.current_stream(self.device), call._downloaded)
 
     def wait_for_previous(self, call: OffloadedCall) -> None:
-        """The compute stream waits for the previous offloaded call's copies: at most two calls'
-        bytes on their way to the host."""
-        previous, self._previous = self._previous, call
-        self._wait_for_copies(previous)
+        """The compute stream waits for the copies of the call ``in_flight - 1`` before
+        ``call``: at most ``in_flight`` calls' bytes on their way to the host. The ``down``
+        stream runs the copies in order, so that wait covers every call before it."""
+        waited = None
+        while len(self._pending) > self.queue.in_flight - 2:
+            waited = self._pending.popleft()
+        self._wait_for_copies(waited)
+        self._pending.append(call)
 
     def forward_reaches(self, block: int) -> None:
-        """``block``'s forward begins (an offloaded plan is in force): the block ``distance``
-        after the forward's last offloaded call makes the compute stream wait for that call's
-        copies, so that no offloaded bytes are on the device after it ([Note: offloaded under
-        the step's own peak] in block_replan.py)."""
+        """``block``'s forward begins (an offloaded plan is in force): at the queue's drain the
+        compute stream waits for the forward's last copies, so that no offloaded bytes are on
+        the device after it ([Note: offloaded under the step's own peak] in block_replan.py)."""
         position = self.order.get(block)
-        if (self._previous is None or position is None or position <= self._last
-                or position - self._previous.position < self.distance):
+        if not self._pending or position is None or position < self.queue.drained_at:
             return
-        previous, self._previous = self._previous, None
-        self._wait_for_copies(previous)
+        self._wait_for_copies(self._pending[-1])
+        self._pending.clear()
 
     def finish_forward(self) -> None:
-        self._previous, self._counted = None, False
+        self._pending.clear()
+        self._counted = False
         if self.waits:
             self.exposed_ms += self.waits.read_ms(done_only=True)
 
@@ -408,8 +412,8 @@ class BlockOffload:
 
     def reached(self, position: int) -> None:
         """Backward begins the block at ``position``: upload the offloaded calls at most
-        ``distance`` blocks before it."""
-        for p in range(position - self.distance, position + 1):
+        ``upload_ahead`` blocks before it."""
+        for p in range(position - self.queue.upload_ahead, position + 1):
             call = self._calls.get(p)
             if call is not None:
                 call.upload()
@@ -418,7 +422,8 @@ class BlockOffload:
         self.exposed_ms += self.waits.read_ms()
         arenas = [f.result() for f in self._arenas.values() if f.done() and not f.exception()]
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
-                "distance": self.distance, "forwards": self.forwards,
+                "in_flight": self.queue.in_flight, "drained_at": self.queue.drained_at,
+                "upload_ahead": self.queue.upload_ahead, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
                 "planned_block_bytes": self.block_bytes,

@@ -117,10 +117,10 @@ whole-block checkpointed before the fallback (see 1).
 The default (``recompute="checkpointed"``) holds no more than the user's checkpointing: a block
 kept on the device holds its activations at the step's peak, the start of backward, so it keeps
 none. An offloaded block ([Note: offloaded blocks] in block_offload.py) holds device bytes only
-on their way, two blocks' worth at most: in forward from the first offloaded block's call until
-the block ``spacing`` after the last one begins (``BlockOffload.forward_reaches`` makes the
-compute stream wait there for the last copies), in backward from the last offloaded block's
-backward on. Where the step peaks elsewhere (the user's fp32 loss outside the model: 23 GiB
+on their way, two or three blocks' worth at most (``CopyQueue.in_flight``): in forward from
+the first offloaded block's call until the queue's drain (a block after the last one, no later
+than the last block: ``BlockOffload.forward_reaches`` makes the compute stream wait there for
+the last copies), in backward from the last offloaded block's backward on. Where the step peaks elsewhere (the user's fp32 loss outside the model: 23 GiB
 at qwen3-14b, mb 4, seq 4096, after the last block's forward and before its backward), that
 reserve fits under the peak, and the blocks it carries need no recompute:
 
@@ -135,7 +135,7 @@ reserve fits under the peak, and the blocks it carries need no recompute:
    and backward's segments after its first (the loss and the start of backward; every one when
    backward has no other, so a model too small for gradient marks offloads nothing).
    ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
-   ones in that room, at the level, spacing and host memory chosen as under ``auto``; the
+   ones in that room, at the level, copy queue and host memory chosen as under ``auto``; the
    offloaded blocks run that level's frame, compiled at the re-plan (one block compile).
 3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
    step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
@@ -147,8 +147,9 @@ offloaded (the allocated peak within the measured step's), and the allocator ret
 step 2, never after (benches/results/onepath14.md).
 
 Backward's first segment is left out of the room on the plan's word, not a measurement: the
-reserve begins at the last offloaded block's backward, ``spacing`` blocks after the last
-block's, and the segment ends at the first 256 MiB of gradients (the output projection's alone
+reserve begins with the last offloaded call's upload, as backward reaches the block
+``upload_ahead`` after it, no earlier than the last block's backward (the drain comes after the
+last call, no later than the last block), and the segment ends at the first 256 MiB of gradients (the output projection's alone
 at qwen3-14b as rank 0 of 8). Where it ends later, the settle measures what the plan did.
 Not planned: a block under its caller's checkpoint (the frame has no region to estimate). Only
 on CUDA, as under ``auto``; on the CPU stand-in the profile sees no activations, so the
@@ -171,7 +172,7 @@ from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
 from .recompute import RecomputeStats
-from .recompute_plan import HostLink, RecomputePlan, plan_block_levels
+from .recompute_plan import NO_COPIES, HostLink, RecomputePlan, plan_block_levels
 from .replan import Replanner
 
 __all__ = ["BlockReplanner", "blocks_to_keep", "reserve_ceiling"]
@@ -351,7 +352,8 @@ class BlockReplanner:
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
         frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
-                            0 if plan is None else plan.offload_spacing,
+                            (plan.copy_queue if plan is not None and plan.copy_queue
+                             else NO_COPIES),
                             0 if plan is None else plan.offload_block_bytes,
                             None if plan is None else plan.host_link)
         self.plan = plan if levels else None

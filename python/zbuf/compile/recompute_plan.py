@@ -31,14 +31,16 @@ peak, the start of backward.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "plan_recompute",
-           "plan_block_levels", "hull_steps"]
+__all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "CopyQueue", "NO_COPIES",
+           "plan_recompute",
+           "plan_block_levels", "copy_queue", "hull_steps"]
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,8 @@ class RecomputePlan:
     """Blocks (by position) at a level above 0 whose kept activations wait in host memory from
     their forward to their backward ([Note: offloaded blocks]); their bytes are not in
     ``kept_bytes``."""
-    offload_spacing: int = 0
-    """Blocks from one offloaded block to the next: those whose forward one block's copy takes
-    (0: none offloaded)."""
+    copy_queue: Optional["CopyQueue"] = None
+    """When the offloaded blocks' copies run (None: none offloaded)."""
     offload_block_bytes: int = 0
     """Bytes each offloaded block moves each way: the host memory each of its calls takes."""
     host_link: Optional["HostLink"] = None
@@ -113,8 +114,9 @@ class RecomputePlan:
     @property
     def offload_reserve_bytes(self) -> int:
         """Device bytes the offloaded blocks hold at once at most, on their way to and from the
-        host (two blocks' worth); in the budget beside ``kept_bytes`` unless apart."""
-        return 2 * self.offload_block_bytes
+        host (``CopyQueue.in_flight`` blocks' worth); in the budget beside ``kept_bytes`` unless
+        apart."""
+        return 0 if self.copy_queue is None else self.copy_queue.in_flight * self.offload_block_bytes
 
     @property
     def modelled_peak_bytes(self) -> int:
@@ -216,8 +218,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
     offloaded blocks]) when that saves more recompute than keeping them on the device does:
-    at the level above 0 that saves the most (its bytes decide how far apart the link lets the
-    offloaded blocks be; a tie goes to the level that moves fewer bytes).
+    at the level above 0 that saves the most (its bytes decide how many calls the link's queue
+    takes, [Note: the copy queue]; a tie goes to the level that moves fewer bytes, then to fewer
+    calls on their way).
     ``reserve_room_bytes``: where the offloaded blocks' reserve is not live at the step's peak,
     the room it has there ([Note: offloaded under the step's own peak] in block_replan.py), and
     ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``."""
@@ -233,6 +236,103 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     return best
 
 
+# [Note: the copy queue]
+# An offloaded block call's kept activations go to host memory over the host link while the
+# blocks after it compute ([Note: offloaded blocks] in block_offload.py). The copies run one
+# after another on one stream, so which calls can be offloaded without the compute stream ever
+# waiting is a queue, modelled in block forwards (block ``p``'s forward runs from ``p`` to
+# ``p + 1``; one copy takes ``copies`` of them):
+# 1. a call's bytes are ready as its block's forward ends; its copy starts then, or when the
+#    copy before it ends, whichever is later;
+# 2. with ``in_flight`` calls on their way at most, a call's first save waits for the copies
+#    of the call ``in_flight - 1`` before it: a call is offloaded only if those have ended;
+# 3. the drain, the first block that begins after the last copy ends (and after the last
+#    call), is where the forward waits for them all; it must be a block of the forward, so no
+#    offloaded bytes meet the step's peak after the last block ([Note: offloaded under the
+#    step's own peak] in block_replan.py).
+# ``copy_queue`` takes the calls greedily from the first, then shifts them as late as the
+# drain allows (later calls are backward's first, and the model does not change when
+# shifted). With two calls on their way a copy of 1.7 forwards offloads every other block and
+# leaves the link idle 15 % of the time; with three the link runs without a gap, taking a block
+# in 1.7 on average: at qwen3-14b on an H200 (a 31.1 ms copy, an 18.05 ms forward), 22 blocks
+# where two offloaded 19 (benches/results/onepath14.md). The plan tries both (``IN_FLIGHT``): a
+# third call costs one more block's bytes of reserve. The plan the H200 ran before this model
+# drained one block too early for its last copy: 12.5 ms a step exposed.
+# Backward needs no model of its own: a call's upload starts ``upload_ahead`` blocks before its
+# block's backward, each block's backward at least twice its forward (its matmuls' flops), and
+# the uploads ask for at most one forward's worth of link per block (the forward's rate); the
+# plan only checks that no ``upload_ahead + 1`` blocks in a row hold more than ``in_flight``
+# offloaded calls, the device bytes the uploads wait in.
+
+
+class CopyQueue(NamedTuple):
+    """When the offloaded blocks' copies run ([Note: the copy queue]); positions are block calls
+    in forward order."""
+
+    positions: tuple[int, ...]
+    """The offloaded calls."""
+    in_flight: int
+    """Offloaded calls whose bytes may be on the device at once: a call's first save waits for
+    the copies of the call ``in_flight - 1`` before it."""
+    drained_at: int
+    """The forward waits for the last call's copies as this block begins (no offloaded bytes on
+    the device after it)."""
+    upload_ahead: int
+    """In backward, a call's upload starts as the block this many after it begins its
+    backward."""
+
+
+NO_COPIES = CopyQueue((), 2, 0, 1)
+"""The queue of a plan that offloads nothing."""
+
+IN_FLIGHT = (2, 3)
+"""The calls on their way the planner tries ([Note: the copy queue]): a third lets the link run
+without a gap where one copy takes a fraction more than a whole number of block forwards."""
+
+
+def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
+               most: int) -> Optional[CopyQueue]:
+    """The most offloaded calls among the first ``candidates`` of ``blocks`` (at most ``most``)
+    whose copies, ``copies`` block forwards each, never make the compute stream wait with
+    ``in_flight`` calls on their way ([Note: the copy queue]); None if none fits."""
+    last = min(candidates, blocks - 1) - 1  # the drain needs a block after the last call
+    if last < 0 or most <= 0 or not math.isfinite(copies):
+        return None
+    positions: list[int] = []
+    ends: list[float] = []
+    for p in range(last + 1):
+        if len(positions) == most:
+            break
+        waited = len(positions) - (in_flight - 1)
+        if waited >= 0 and ends[waited] > p + 1:
+            continue  # its first save would wait for that call's copies
+        positions.append(p)
+        ends.append(max(p + 1.0, ends[-1] if ends else 0.0) + copies)
+    while positions:
+        drained_at = max(positions[-1] + 1, math.ceil(ends[-1] - 1e-9))
+        if drained_at <= blocks - 1:
+            break
+        positions.pop()
+        ends.pop()
+    if not positions:
+        return None
+    # Later calls are backward's first ([Note: recompute plan]); the model is the same shifted.
+    shift = min(blocks - 1 - drained_at, last - positions[-1])
+    positions = [p + shift for p in positions]
+    # An upload has ``upload_ahead`` blocks' backward to run under, each at least twice that
+    # block's forward (its matmuls' flops), while at most ``in_flight`` uploads wait.
+    needed = max(1, math.ceil(copies / 2 - 1e-9))
+    ahead = max(needed, math.ceil(copies - 1e-9))
+    while ahead > needed and any(
+            bisect.bisect_right(positions, p + ahead) - i > in_flight
+            for i, p in enumerate(positions)):
+        ahead -= 1
+    if any(bisect.bisect_right(positions, p + ahead) - i > in_flight
+           for i, p in enumerate(positions)):
+        return None
+    return CopyQueue(tuple(positions), in_flight, drained_at + shift, ahead)
+
+
 def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                   link: HostLink, reserve_room_bytes: Optional[int],
                   on_device: RecomputePlan) -> Optional[RecomputePlan]:
@@ -240,32 +340,35 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
     block_bytes = levels[level].extra_bytes
     if block_bytes <= 0:
         return None
-    reserve = 2 * block_bytes
     apart = reserve_room_bytes is not None
-    if (reserve_room_bytes if apart else room_bytes) < reserve:
-        return None
-    beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
-    # A copy that takes ``blocks`` forwards or more leaves no block to offload.
     copy_seconds = block_bytes / link.bytes_per_second if link.bytes_per_second > 0 else math.inf
     copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
-    spacing = blocks if copies >= blocks else max(1, math.ceil(copies))
-    # The blocks left at level 0 are the first ones (the levels ascend). Backward starts a
-    # block's upload ``spacing`` blocks before it needs it, so the last one offloaded is the last
-    # of them with ``spacing`` blocks after it, then every ``spacing``-th before it.
-    last = min(beside.levels.count(0) - 1, blocks - 1 - spacing)
-    offloaded = sorted(range(last, -1, -spacing)[:link.host_bytes // block_bytes])
-    gain = len(offloaded) * (levels[0].recompute_seconds - levels[level].recompute_seconds)
-    if not offloaded or beside.saved_seconds + gain <= on_device.saved_seconds:
-        return None
-    chosen = list(beside.levels)
-    for b in offloaded:
-        chosen[b] = level
-    return dataclasses.replace(
-        beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
-        saved_seconds=beside.saved_seconds + gain, offloaded=tuple(offloaded),
-        offload_spacing=spacing, offload_block_bytes=block_bytes, host_link=link,
-        reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
-        budget_bytes=max(1, room_bytes))
+    gain_each = levels[0].recompute_seconds - levels[level].recompute_seconds
+    best: Optional[RecomputePlan] = None
+    for in_flight in IN_FLIGHT:
+        reserve = in_flight * block_bytes
+        if (reserve_room_bytes if apart else room_bytes) < reserve:
+            break
+        beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
+        # The blocks left at level 0 are the first ones (the levels ascend).
+        queue = copy_queue(copies, beside.levels.count(0), blocks, in_flight,
+                           link.host_bytes // block_bytes)
+        if queue is None:
+            continue
+        gain = len(queue.positions) * gain_each
+        if beside.saved_seconds + gain <= max(on_device.saved_seconds, (
+                best.saved_seconds if best is not None else -math.inf)):
+            continue
+        chosen = list(beside.levels)
+        for b in queue.positions:
+            chosen[b] = level
+        best = dataclasses.replace(
+            beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
+            saved_seconds=beside.saved_seconds + gain, offloaded=queue.positions,
+            copy_queue=queue, offload_block_bytes=block_bytes, host_link=link,
+            reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
+            budget_bytes=max(1, room_bytes))
+    return best
 
 
 def _device_levels(levels: tuple[RegionLevel, ...], blocks: int,
