@@ -215,7 +215,8 @@ def _room_under_the_peak(rise: int = 0):
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
            batches=None, recompute="auto", ceiling=None, host_below_keep=False) -> Trained:
     """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
-    link ``_cpu_link(copies)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny ones); with
+    link ``_cpu_link(copies)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny
+    ones); with
     ``to_host`` False, the blocks the plan offloads keep their activations on the device.
     ``recompute="auto"``: the room ``_reserve_only`` at the grow and settle; the default
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
@@ -476,9 +477,9 @@ def test_a_calls_inputs_stay_on_the_device_and_its_own_tensors_go():
 
 
 def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, Trained]:
-    """``init`` trained with a copy at "keep" taking one forward, twice: with its arenas locked as usual, and with them held
-    back until the first offloaded forward has ended (then awaited, so that the next forward
-    finds them all)."""
+    """``init`` trained with a copy at "keep" taking one forward, twice: with its arenas locked
+    as usual, and with them held back until the first offloaded forward has ended (then
+    awaited, so that the next forward finds them all)."""
     from concurrent.futures import wait
 
     release = threading.Event()

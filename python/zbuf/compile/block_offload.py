@@ -38,9 +38,9 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
 * forward, when the frame saves it (``OffloadedCall.pack``: after the frame's forward ran):
   the first tensor of a call makes the compute stream wait for the copies of the offloaded
   call ``in_flight - 1`` before it (so at most ``in_flight`` calls' bytes are on the device,
-  the planned reserve) and records where the compute stream stands; each tensor is then copied into pinned host memory on the
-  ``down`` stream, which waits for that point, and its device memory goes back to the caching
-  allocator once the copy has run (``record_stream``);
+  the planned reserve) and records where the compute stream stands; each tensor is then
+  copied into pinned host memory on the ``down`` stream, which waits for that point, and its
+  device memory goes back to the caching allocator once the copy has run (``record_stream``);
 * at the queue's drain (a block after the last offloaded call), the compute stream waits for
   the forward's last copies (``BlockOffload.forward_reaches``);
 * backward, when the block ``upload_ahead`` calls after an offloaded one in forward begins its
@@ -55,28 +55,27 @@ Streams and events, each with who produces and who consumes it:
 ``down`` runs the downloads (producer: ``pack``); ``_saved`` is where the compute stream stood
 when the frame saved (producer: the call's first ``pack``; consumer: ``down``); ``_downloaded``
 is the end of the call's downloads (producer: ``pack``; consumers: the first ``pack`` of the
-offloaded call ``in_flight - 1`` after it, the drain, and this call's upload); ``up`` runs the uploads (producer: ``upload``);
-``_uploaded`` is the end of the upload (producer: ``upload``; consumers: the first ``unpack``,
-and a call dropped before its backward, whose compute stream waits for it before the memory
-goes back).
+offloaded call ``in_flight - 1`` after it, the drain, and this call's upload); ``up`` runs
+the uploads (producer: ``upload``); ``_uploaded`` is the end of the upload (producer:
+``upload``; consumers: the first ``unpack``, and a call dropped before its backward, whose
+compute stream waits for it before the memory goes back).
 
 Rank agreement: which calls are offloaded is the plan's (rank-agreed: [Note: block levels]),
 and the copies issue no collective, so a rank's offload changes nothing another rank sees but
 its step time. On the host (the CPU stand-in) the tensors are copied to host memory on the one
 stream there is: the same program, nothing hidden, for tests.
 
-Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so
-its device bytes stay until its copies have run (the reserve counts the call whose forward
-runs beside those on their way); the copies
-share the link with the optimizer state's window when that state is offloaded too ([Note: the
-step's window] in zbuf/offload_window.py), which the plan does not model; the plan's
-estimate of a block's bytes sizes its arena (``unplanned_host_bytes`` in the record counts what
-did not fit); where the offloaded blocks' level is not the shared frame's, its frame is one
-more block compile at the re-plan ([Note: block levels], 1). A saved tensor that the program
-changes in place after its block (which autograd refuses without hooks) is copied as the
-stream has it. Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the
-uploads came out of the compute stream's cache (two retries a step), and as the default's plan
-after it (one retry, in step 2).
+Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so its
+device bytes stay until its copies have run (the reserve counts the call whose forward runs
+beside those on their way); the copies share the link with the optimizer state's window when
+that state is offloaded too ([Note: the step's window] in zbuf/offload_window.py), which the
+plan does not model; the plan's estimate of a block's bytes sizes its arena
+(``unplanned_host_bytes`` in the record counts what did not fit); where the offloaded blocks'
+level is not the shared frame's, its frame is one more block compile at the re-plan ([Note:
+block levels], 1). A saved tensor that the program changes in place after its block (which
+autograd refuses without hooks) is copied as the stream has it. Measured at qwen3-14b
+(benches/results/onepath14.md): under ``auto`` before the uploads came out of the compute
+stream's cache (two retries a step), and as the default's plan after it (one retry, in step 2).
 
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the

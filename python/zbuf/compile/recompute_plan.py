@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 __all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "CopyQueue", "NO_COPIES",
-           "plan_recompute",
-           "plan_block_levels", "copy_queue", "hull_steps"]
+           "plan_recompute", "plan_block_levels", "copy_queue", "hull_steps"]
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,8 @@ class RecomputePlan:
         """Device bytes the offloaded blocks hold at once at most, on their way to and from the
         host (``CopyQueue.in_flight`` blocks' worth); in the budget beside ``kept_bytes`` unless
         apart."""
-        return 0 if self.copy_queue is None else self.copy_queue.in_flight * self.offload_block_bytes
+        queue = self.copy_queue
+        return 0 if queue is None else queue.in_flight * self.offload_block_bytes
 
     @property
     def modelled_peak_bytes(self) -> int:
