@@ -369,6 +369,59 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
 
 
+def test_blocks_under_the_parents_checkpoint_offloaded_at_keep(monkeypatch):
+    """The issue's user script: the parent wraps each block call in a non-reentrant checkpoint
+    ([Note: a block under the caller's checkpoint] in zbuf/compile/block_frames.py). The
+    default plans those blocks too: level 0 is the parent's recompute, "keep" the frame as
+    compiled (no other frame compiled for it), and an offloaded block's frame saves under
+    zbuf's own hooks, so the parent's checkpoint keeps nothing of it and never recomputes it.
+    Losses and parameters match the unsharded reference (1e-5) and, bit for bit, the same
+    blocks kept on the device; the frames ran no block's forward in backward but the others'."""
+    from test_user_checkpointing import VOCAB, Decoder
+
+    from zbuf.compile.block_frames import BlockFrames
+    from zbuf.runtime import in_backward
+
+    steps = 4
+    torch.manual_seed(0)
+    init = Decoder("parent", layers=7)
+    batches = token_batches(steps, vocab=VOCAB)
+    recomputed: list[list[int]] = []
+    """Per step, the blocks (by first-call order) the frames ran in backward."""
+    run_block = BlockFrames.run
+
+    def counting(self, slot, block, args, kwargs):
+        if in_backward():
+            recomputed[-1].append(list(self.called).index(id(block)))
+        elif not self.called or next(iter(self.called)) == id(block):
+            recomputed.append([])  # a forward's first block: a new step
+        return run_block(self, slot, block, args, kwargs)
+
+    def trained(to_host):
+        recomputed.clear()
+        monkeypatch.setattr(BlockFrames, "run", counting)
+        return _train(monkeypatch, init, 1, steps, to_host=to_host, batches=batches,
+                      recompute="checkpointed", ceiling=_room_under_the_peak())
+
+    run = trained(True)
+    frames, offload = run.frames, run.frames.offload
+    assert frames.callers_checkpoint
+    assert offload.report()["blocks"] == [0, 1, 2, 3, 4]
+    assert [frames.levels.get(b, 0) for b in frames.called] == [2, 2, 2, 2, 2, 0, 0]
+    assert frames.graphs_compiled == 1  # "keep" is the parent-checkpointed frame itself
+    assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    # Step 0 (before the plan) recomputes every block; from step 1 on only the last two.
+    assert sorted(recomputed[0]) == list(range(7))
+    assert all(sorted(r) == [5, 6] for r in recomputed[1:steps]), recomputed
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
+    kept = trained(False)
+    assert kept.frames.offload.moved_down == 0
+    assert kept.losses == run.losses
+    assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
+
+
 def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):
     """On the CPU stand-in the profile sees no activations, so the measured step's peak is its
     gradients' end of backward, and the reserve finds no room under it: nothing offloaded,

@@ -47,7 +47,8 @@ def _deterministic():
 
 def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypatch):
     """Eight blocks of a decoder whose activations outweigh its weights, every block but the
-    last offloaded (spacing 1): the losses and parameters of the same plan with those blocks
+    last two offloaded (a copy at "keep" takes one block's forward; the last copy drains as the
+    last block begins: [Note: the copy queue]): the losses and parameters of the same plan with those blocks
     kept on the device, bit for bit (deterministic kernels), every upload started before its
     backward, and each step's peak, allocated and reserved, lower by more than four blocks'
     activations."""
@@ -56,13 +57,13 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
         moved = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
         kept = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches, to_host=False)
     offload = moved.frames.offload
-    assert offload.report()["blocks"] == list(range(7))
+    assert offload.report()["blocks"] == list(range(6))
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
     assert offload.forwards == 3 and offload.report()["exposed_ms_per_step"] >= 0.0
     assert kept.frames.offload.moved_down == 0
     assert moved.losses == kept.losses
     assert all(torch.equal(moved.params[k], kept.params[k]) for k in kept.params)
-    per_block = offload.moved_down // 3 // 7  # steps 1-3 moved every offloaded call's bytes
+    per_block = offload.moved_down // 3 // 6  # steps 1-3 moved every offloaded call's bytes
     for with_host, on_device in zip(moved.peaks[2:], kept.peaks[2:]):
         assert with_host < on_device - 4 * per_block, (moved.peaks, kept.peaks, per_block)
     # torch's cache too: the uploads come out of the blocks backward frees, not out of
@@ -84,3 +85,34 @@ def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypa
     assert offload.unplanned_host_bytes == 0 and offload.late_uploads == 0
     assert late.losses == ready.losses
     assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
+
+
+def test_blocks_under_the_parents_checkpoint_offloaded_bit_for_bit_on_cuda(monkeypatch):
+    """The parent's checkpoint around each block call ([Note: a block under the caller's
+    checkpoint] in zbuf/compile/block_frames.py), the default's plan on CUDA: the offloaded
+    blocks' frames save under zbuf's hooks and copy on the ``down`` and ``up`` streams, every
+    upload started before its backward; the losses and parameters of the same blocks kept on
+    the device, bit for bit, and of the unsharded reference (1e-5)."""
+    import copy
+
+    from parity import train_adamw
+    from test_block_offload import _room_under_the_peak
+    from test_user_checkpointing import VOCAB, Decoder
+
+    torch.manual_seed(0)
+    init = Decoder("parent", layers=6)
+    batches = token_batches(4, vocab=VOCAB, rows=4, length=65)
+    train = dict(device="cuda", batches=batches, recompute="checkpointed")
+    with _deterministic():
+        moved = _train(monkeypatch, init, 1, 4, ceiling=_room_under_the_peak(), **train)
+        kept = _train(monkeypatch, init, 1, 4, ceiling=_room_under_the_peak(), to_host=False,
+                      **train)
+    offload = moved.frames.offload
+    assert moved.frames.callers_checkpoint and offload.report()["blocks"] == [0, 1, 2, 3]
+    assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    assert moved.losses == kept.losses
+    assert all(torch.equal(moved.params[k], kept.params[k]) for k in kept.params)
+    ref = copy.deepcopy(init).cuda()
+    ref_losses = train_adamw(ref, ref, [b.cuda() for b in batches],
+                             torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(moved.losses, ref_losses, rtol=1e-5, atol=0)

@@ -65,6 +65,21 @@ for backward. Caller's hooks that
 are not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: correct, at
 the bytes they move.
 
+The default (``recompute="checkpointed"``) plans such blocks as its own ([Note: offloaded under
+the step's own peak] in block_replan.py). Their frame has no checkpointed region, so its
+partition is what the block saves with nothing recomputed: "keep" is that frame as compiled
+(``_frame_level``: no compile of its own), and level 0 is the caller's recompute, which keeps
+the block's inputs only. The frame's first compile, which sees the first block call run under
+a caller's hooks, estimates the block as one region of every forward op, "keep" only
+(``_keep_only``: without checkpoint tags there is no "selective" frame to make). A block the
+plan runs at "keep" (offloaded) runs the frame under the frames' own hooks, which, innermost,
+take everything it saves from the caller's: the caller's checkpoint keeps nothing of the call
+and never recomputes it (tests/test_block_offload.py counts the blocks run in backward). The
+cost is the model's: where the caller's region holds more than the block call, its recompute,
+started by what the rest saved, runs the block's forward again (the block's own backward still
+reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing, so the plan's saving is
+notional there (the bytes still leave the device).
+
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
 4.5 / 5.0 / 4.9; the whole graph with blocks compiled once 8.6 / 13.8 / 21.0), one Dynamo frame
@@ -93,6 +108,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import types
 import warnings
@@ -200,6 +216,22 @@ def _block_region(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
     return Region("block", regions[0].position, tuple(n for r in regions for n in r.names))
 
 
+def _whole_block(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
+    """Every forward op of a block's joint graph as one region: the block as its caller's
+    checkpoint recomputes it ([Note: a block under the caller's checkpoint])."""
+    names = tuple(n.name for n in graph.nodes if n.op == "call_function" and n in forward)
+    return Region("block", 0, names) if names else None
+
+
+def _keep_only(levels: tuple[RegionLevel, ...]) -> tuple[RegionLevel, ...]:
+    """A caller-checkpointed block's levels: "selective" saves nothing over level 0 (the frame
+    has no checkpoint tags to make it of, so no plan chooses it), "keep" is the frame as
+    compiled ([Note: a block under the caller's checkpoint])."""
+    recompute, selective, keep = levels
+    return (recompute, RegionLevel(selective.name, keep.extra_bytes, recompute.recompute_seconds,
+                                   recompute.recompute_flops), keep)
+
+
 _NO_COMPUTE = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
                          "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
                          "getitem", "split", "split_with_sizes", "as_strided"})
@@ -242,7 +274,7 @@ class FramePartitioner(CustomPartitionerFn):
     def __init__(self, recompute: str, level: Optional[int] = 0,
                  estimates: Optional[list[LevelEstimate]] = None,
                  options: Optional[CompileOptions] = None,
-                 predicted: tuple[int, int] = (0, 0)) -> None:
+                 predicted: tuple[int, int] = (0, 0), callers: bool = False) -> None:
         self.recompute = recompute
         self.level = level
         """The level the block is retagged for; None: the shared frame's first compile, which
@@ -253,6 +285,10 @@ class FramePartitioner(CustomPartitionerFn):
         """Where the estimate goes (producer: ``__call__``; consumer: the backend that made
         this partitioner, once its compile returns)."""
         self.options = options
+        self.callers = callers
+        """The block runs under its caller's checkpoint: with no checkpointed region of its own,
+        it is estimated as one region, "keep" only ([Note: a block under the caller's
+        checkpoint])."""
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -264,16 +300,22 @@ class FramePartitioner(CustomPartitionerFn):
             apply_levels(gm.graph, regions, (LEVELS.index("keep"),) * len(regions))
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         region = _block_region(gm.graph, forward)
+        callers = region is None and self.callers
+        if callers:
+            region = _whole_block(gm.graph, forward)
         specs = None
         whole = False
         level = LEVELS.index("keep") if self.level is None else self.level
         if region is not None:
             if self.estimates is not None:
                 specs = level_specs(gm.graph, forward, [region], self.options)
-                whole = _covers_whole_frame(gm.graph, forward, region)
+                whole = callers or _covers_whole_frame(gm.graph, forward, region)
+                if callers:
+                    specs = [dataclasses.replace(specs[0], levels=_keep_only(specs[0].levels))]
                 if self.level is None:
                     level = choose_shared_level(specs[0].levels, *self.predicted)
-            apply_levels(gm.graph, [region], (level,))
+            if not callers:  # the caller's frame has no tags to retag: every level is "keep"
+                apply_levels(gm.graph, [region], (level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
@@ -281,13 +323,16 @@ class FramePartitioner(CustomPartitionerFn):
             # The level-0 bytes: what this partition saves less what its level keeps beyond
             # level 0 (the shared frame estimates for level 0 too: [Note: block levels], 1).
             levels = specs[0].levels
-            saved = max(0, stats.kept_bytes - levels[min(level, len(levels) - 1)].extra_bytes)
+            # Under the caller's checkpoint level 0 holds the block's inputs only.
+            saved = 0 if callers else max(
+                0, stats.kept_bytes - levels[min(level, len(levels) - 1)].extra_bytes)
             self.estimates.append(LevelEstimate(specs[0].levels, saved, stats.forward_flops,
                                                 whole, level))
         return fw, bw
 
     def uuid(self) -> str:
-        return f"zbuf-frame-partitioner:v5:{self.recompute}:{self.level}:{self.predicted}"
+        return (f"zbuf-frame-partitioner:v6:{self.recompute}:{self.level}:{self.predicted}:"
+                f"{self.callers}")
 
 
 class FramePlan(NamedTuple):
@@ -411,6 +456,11 @@ class BlockFrames:
         level 0 and ``shared_level`` share one compiled frame ([Note: block levels], 1). True
         until the estimate shows a block whose checkpointing does not cover its whole frame,
         then False for good (level 0 gets a frame of its own); None under the other modes."""
+        self.callers_checkpoint = False
+        """The first block call ran under its caller's checkpoint, and the default plans such
+        blocks as their own: level 0 the caller's recompute, "keep" the frame as compiled
+        (producer: ``run``, before the first compile; consumers: ``_backend``,
+        ``_frame_level``; [Note: a block under the caller's checkpoint])."""
         self.shared_level: Optional[int] = None
         """The level the shared frame is compiled at, "selective" or "keep": chosen by its first
         compile (producer: ``_backend``, from the estimate; consumer: ``_frame_level``); None
@@ -425,6 +475,8 @@ class BlockFrames:
         is shared, and for the level it was compiled at (also after level 0 left it)."""
         if (level == 0 and self.shared) or level == self.shared_level:
             return SHARED
+        if self.callers_checkpoint and level == LEVELS.index("keep"):
+            return 0  # the caller-checkpointed frame keeps what it saves: it is "keep"'s
         return level
 
     def frame_of(self, level: int) -> Callable:
@@ -485,6 +537,9 @@ class BlockFrames:
             self.clock.block_started()
             for observer in self.forward_observers:
                 observer()
+            if not self.called:
+                self.callers_checkpoint = (self.options.recompute == "checkpointed"
+                                           and callers_hooks_active())
         self.called.setdefault(id(block), slot)
         self._by_weights.setdefault(id(slot.weights), id(block))
         level = self.levels.get(id(block), 0)
@@ -515,7 +570,7 @@ class BlockFrames:
                 offload.reached_block(id(block))  # a recompute: this block's backward begins
             else:
                 offload.forward_reaches(id(block))
-        if callers_hooks_active():
+        if callers_hooks_active() and (level == 0 or backward):
             return self._run_under_callers_hooks(slot, block, frame, label, hold, args, kwargs)
         if level != 0 or not self.shared:
             return self.prefetch.run(
@@ -597,7 +652,7 @@ class BlockFrames:
         predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
                      if fixed is None else (0, 0))
         partitioner = FramePartitioner(recompute, fixed, found if estimates else None,
-                                       self.options, predicted)
+                                       self.options, predicted, self.callers_checkpoint)
         from torch._functorch import config as functorch_config
 
         from .backend import compile_inner
