@@ -514,7 +514,7 @@ def test_a_calls_inputs_stay_on_the_device_and_its_own_tensors_go():
     storage stay where they are; a tensor the block made goes to host memory and comes back
     equal."""
     offload = block_offload.BlockOffload(torch.device("cpu"))
-    offload.plan({7: 0}, frozenset({7}), recompute_plan.CopyQueue((0,), 2, 1, 1))
+    offload.plan({7: 0}, recompute_plan.CopyQueue((0,), 2, 1, 1))
     x, cos, sin = torch.randn(4, 8), torch.randn(4, 2), torch.randn(4, 2)
     assert offload.start(8, (x,), {}) is None  # not offloaded
     call = offload.start(7, (x,), {"position_embeddings": (cos, sin)})

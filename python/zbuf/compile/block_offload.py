@@ -260,8 +260,8 @@ class BlockOffload:
         """id(block) -> its position in the forward, of every block (producer: the re-planner;
         consumers: ``start``, and the frames in backward, which tell ``reached``)."""
         self.offloaded: frozenset[int] = frozenset()
-        """id(block) of the blocks whose calls are offloaded (producer: the re-planner; consumer:
-        ``start``)."""
+        """id(block) of the blocks whose calls are offloaded: those at the queue's positions
+        (producer: ``plan``; consumer: ``start``)."""
         self.queue = NO_COPIES
         """When the copies run: the calls on their way at once, the block where the forward
         waits for the last, how far ahead backward uploads (producer: the re-planner: [Note:
@@ -314,15 +314,16 @@ class BlockOffload:
         """The thread that builds the arenas, while the Python thread goes on (the re-plan's
         compile, the step's first blocks)."""
 
-    def plan(self, order: dict[int, int], offloaded: frozenset[int], queue: CopyQueue,
-             block_bytes: int = 0, link: Optional[HostLink] = None) -> None:
-        """Offload the calls of ``offloaded`` (``block_bytes`` each, the plan's estimate, over
-        ``link``), their copies run as ``queue`` says; their host arenas start being
-        page-locked now ([Note: host arenas and the first offloaded step])."""
-        self.order, self.offloaded, self.queue = order, offloaded, queue
+    def plan(self, order: dict[int, int], queue: CopyQueue, block_bytes: int = 0,
+             link: Optional[HostLink] = None) -> None:
+        """Offload the calls at ``queue``'s positions of ``order`` (``block_bytes`` each, the
+        plan's estimate, over ``link``), their copies run as ``queue`` says; their host arenas
+        start being page-locked now ([Note: host arenas and the first offloaded step])."""
+        self.order, self.queue = order, queue
+        self.offloaded = frozenset(b for b, p in order.items() if p in queue.positions)
         self.block_bytes, self.link = block_bytes, link
         nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
-        positions = sorted(order[b] for b in offloaded) if block_bytes > 0 else []
+        positions = list(queue.positions) if block_bytes > 0 else []
         # The arenas of positions still offloaded are kept, unless the calls' bytes changed.
         arenas = self._arenas if nbytes == self._arena_bytes else {}
         self._arena_bytes = nbytes

@@ -353,9 +353,8 @@ class BlockReplanner:
             self.replaced.append(before)
         compiles = any(not frames.has_frame(lv) for lv in set(levels.values()))
         frames.levels, frames.kept = levels, kept
-        frames.offload.plan({b: i for i, b in enumerate(order)}, offloaded,
-                            (plan.copy_queue if plan is not None and plan.copy_queue
-                             else NO_COPIES),
+        frames.offload.plan({b: i for i, b in enumerate(order)},
+                            NO_COPIES if plan is None else plan.copy_queue,
                             0 if plan is None else plan.offload_block_bytes,
                             None if plan is None else plan.host_link)
         self.plan = plan if levels else None

@@ -79,6 +79,26 @@ class RegionSpec:
                                  f"must be >= 0")
 
 
+class CopyQueue(NamedTuple):
+    """When the offloaded blocks' copies run ([Note: the copy queue]); positions are block calls
+    in forward order."""
+
+    positions: tuple[int, ...]
+    """The offloaded calls."""
+    in_flight: int
+    """Offloaded calls whose bytes may be on the device at once: a call's first save waits for
+    the copies of the call ``in_flight - 1`` before it."""
+    drained_at: int
+    """The forward waits for the last call's copies as this block begins (no offloaded bytes on
+    the device after it)."""
+    upload_ahead: int
+    """In backward, a call's upload starts as the block this many after it begins its
+    backward."""
+
+
+NO_COPIES = CopyQueue((), 2, 0, 1)
+"""The queue of a plan that offloads nothing."""
+
 @dataclass(frozen=True)
 class RecomputePlan:
     levels: tuple[int, ...]
@@ -95,12 +115,8 @@ class RecomputePlan:
     saved_seconds: float
     """Modelled recompute time saved against every region at level 0."""
     planning_seconds: float = field(default=0.0, compare=False)
-    offloaded: tuple[int, ...] = ()
-    """Blocks (by position) at a level above 0 whose kept activations wait in host memory from
-    their forward to their backward ([Note: offloaded blocks]); their bytes are not in
-    ``kept_bytes``."""
-    copy_queue: Optional["CopyQueue"] = None
-    """When the offloaded blocks' copies run (None: none offloaded)."""
+    copy_queue: CopyQueue = NO_COPIES
+    """The offloaded blocks and when their copies run."""
     offload_block_bytes: int = 0
     """Bytes each offloaded block moves each way: the host memory each of its calls takes."""
     host_link: Optional["HostLink"] = None
@@ -111,12 +127,18 @@ class RecomputePlan:
     ``modelled_peak_bytes``."""
 
     @property
+    def offloaded(self) -> tuple[int, ...]:
+        """Blocks (by position) at a level above 0 whose kept activations wait in host memory
+        from their forward to their backward ([Note: offloaded blocks]); their bytes are not in
+        ``kept_bytes``."""
+        return self.copy_queue.positions
+
+    @property
     def offload_reserve_bytes(self) -> int:
         """Device bytes the offloaded blocks hold at once at most, on their way to and from the
-        host (``CopyQueue.in_flight`` blocks' worth); in the budget beside ``kept_bytes`` unless
-        apart."""
-        queue = self.copy_queue
-        return 0 if queue is None else queue.in_flight * self.offload_block_bytes
+        host (``CopyQueue.in_flight`` blocks' worth, none when none is offloaded); in the budget
+        beside ``kept_bytes`` unless apart."""
+        return self.copy_queue.in_flight * self.offload_block_bytes
 
     @property
     def modelled_peak_bytes(self) -> int:
@@ -265,26 +287,6 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # offloaded calls, the device bytes the uploads wait in.
 
 
-class CopyQueue(NamedTuple):
-    """When the offloaded blocks' copies run ([Note: the copy queue]); positions are block calls
-    in forward order."""
-
-    positions: tuple[int, ...]
-    """The offloaded calls."""
-    in_flight: int
-    """Offloaded calls whose bytes may be on the device at once: a call's first save waits for
-    the copies of the call ``in_flight - 1`` before it."""
-    drained_at: int
-    """The forward waits for the last call's copies as this block begins (no offloaded bytes on
-    the device after it)."""
-    upload_ahead: int
-    """In backward, a call's upload starts as the block this many after it begins its
-    backward."""
-
-
-NO_COPIES = CopyQueue((), 2, 0, 1)
-"""The queue of a plan that offloads nothing."""
-
 IN_FLIGHT = (2, 3)
 """The calls on their way the planner tries ([Note: the copy queue]): a third lets the link run
 without a gap where one copy takes a fraction more than a whole number of block forwards."""
@@ -321,14 +323,15 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
     positions = [p + shift for p in positions]
     # An upload has ``upload_ahead`` blocks' backward to run under, each at least twice that
     # block's forward (its matmuls' flops), while at most ``in_flight`` uploads wait.
+    def crowded(ahead: int) -> bool:  # more than ``in_flight`` calls in ``ahead + 1`` blocks
+        return any(bisect.bisect_right(positions, p + ahead) - i > in_flight
+                   for i, p in enumerate(positions))
+
     needed = max(1, math.ceil(copies / 2 - 1e-9))
     ahead = max(needed, math.ceil(copies - 1e-9))
-    while ahead > needed and any(
-            bisect.bisect_right(positions, p + ahead) - i > in_flight
-            for i, p in enumerate(positions)):
+    while ahead > needed and crowded(ahead):
         ahead -= 1
-    if any(bisect.bisect_right(positions, p + ahead) - i > in_flight
-           for i, p in enumerate(positions)):
+    if crowded(ahead):
         return None
     return CopyQueue(tuple(positions), in_flight, drained_at + shift, ahead)
 
@@ -364,8 +367,7 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
             chosen[b] = level
         best = dataclasses.replace(
             beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
-            saved_seconds=beside.saved_seconds + gain, offloaded=queue.positions,
-            copy_queue=queue, offload_block_bytes=block_bytes, host_link=link,
+            saved_seconds=beside.saved_seconds + gain, copy_queue=queue, offload_block_bytes=block_bytes, host_link=link,
             reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
             budget_bytes=max(1, room_bytes))
     return best
