@@ -170,8 +170,8 @@ def _shared_case(rank, world):
 
 def _offload_case(rank, world):
     """Five blocks, room for two on their way to the host only, the host link stood in on the
-    CPU (one copy per block forward): the first three blocks offloaded from step 1 on (the
-    last one's copy drained as the last block begins: [Note: the copy queue]), parity
+    CPU (one copy per block forward): the first four blocks offloaded from step 1 on (the
+    last one's copy drained at the model's output: [Note: the copy queue]), parity
     with the unsharded reference; then a rank that offloads one block fewer is refused."""
     import zbuf.compile
     from zbuf.compile import ScheduleMismatchError, block_replan
@@ -239,7 +239,8 @@ def _default_offload_case(rank, world):
 
     def ceiling(profile):
         seen.append((profile.forward, profile.backward))
-        return max((*profile.forward, *profile.backward)), 1 << 40
+        return block_replan.ReserveRoom(max((*profile.forward, *profile.backward)), 1 << 40,
+                                        1 << 40)
 
     link, real_ceiling, fold = (block_replan.BlockReplanner._host_link,
                                 block_replan.reserve_ceiling, phases.PhaseMeter._fold)
@@ -354,16 +355,17 @@ def _check(results):
             assert o[key] == shared[0][key], (key, o[key], shared[0][key])
     offload = [r["offload"] for r in results]
     for o in offload:
-        assert o["report"]["blocks"] == [0, 1, 2] and o["report"]["late_uploads"] == 0, o
+        assert o["report"]["blocks"] == [0, 1, 2, 3] and o["report"]["late_uploads"] == 0, o
+        assert o["report"]["drained_at_output"], o
         assert o["report"]["moved_down_bytes"] == o["report"]["moved_up_bytes"] > 0, o
-        assert o["levels"] == [2, 2, 2, 0, 0], o
+        assert o["levels"] == [2, 2, 2, 2, 0], o
         assert o["refused"] is not None and "activations offloaded" in o["refused"], o
     for o in offload[1:]:
         assert o["report"] == offload[0]["report"]
     default = [r["default_offload"] for r in results]
     for o in default:
-        assert o["report"]["blocks"] == [0, 1, 2] and o["report"]["late_uploads"] == 0, o
-        assert o["levels"] == [2, 2, 2, 0, 0] and not o["steady_replanned"], o
+        assert o["report"]["blocks"] == [0, 1, 2, 3] and o["report"]["late_uploads"] == 0, o
+        assert o["levels"] == [2, 2, 2, 2, 0] and not o["steady_replanned"], o
         assert len(o["profiles"]) == 2, o  # the measured step's, the steady step's
     for o in default[1:]:  # one agreed profile, though every rank's own differed
         assert o["profiles"] == default[0]["profiles"], (o["profiles"], default[0]["profiles"])

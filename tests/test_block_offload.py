@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import os
 import threading
 from typing import NamedTuple
@@ -52,7 +53,9 @@ def levels_and_link(draw):
     nbytes = lv[2].extra_bytes
     # A "keep" block's copy takes 0 to 100 ms; a block's forward 0 to 100 ms.
     speed = nbytes / draw(st.floats(1e-9, 1e-1))
-    return lv, HostLink(speed, draw(st.floats(0, 1e-1)), draw(st.integers(0, 16 * nbytes)))
+    # The model's output 1 to 4 block forwards after its last block begins.
+    return lv, HostLink(speed, draw(st.floats(0, 1e-1)), draw(st.integers(0, 16 * nbytes)),
+                        draw(st.floats(1, 4)))
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
@@ -93,7 +96,8 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     assert plan.recompute_seconds == pytest.approx(base - plan.saved_seconds, abs=1e-9)
     # The level offloaded saves the most (a tie goes to the lower level, fewer bytes moved).
     for other in range(1, len(lv)):
-        alternative = recompute_plan._offloaded_at(other, lv, blocks, room, link, None, on_device)
+        alternative = recompute_plan._offloaded_at(other, lv, blocks, room, link, None, None,
+                                                   on_device)
         if alternative is not None:
             assert alternative.saved_seconds <= plan.saved_seconds
             assert alternative.saved_seconds < plan.saved_seconds or other >= level
@@ -104,7 +108,9 @@ def assert_copies_never_wait(queue, block_bytes: int, link: HostLink, blocks: in
     ``p``'s forward runs from ``p`` to ``p + 1``), never make the compute stream wait ([Note:
     the copy queue]): a call's first save, as its block's forward ends, finds the copies of the
     call ``in_flight - 1`` before it done, and the drain, after the last call and no later than
-    the last block, finds every copy done. In backward each upload runs under ``upload_ahead``
+    the last block, or at the model's output (``link.tail_forwards`` after the last block
+    begins), finds every copy done. The last block is never offloaded. In backward each upload
+    runs under ``upload_ahead``
     blocks' backward (each at least twice its forward), with at most ``in_flight`` calls'
     uploads on the device at once."""
     copies = block_bytes / link.bytes_per_second / link.forward_seconds
@@ -114,8 +120,11 @@ def assert_copies_never_wait(queue, block_bytes: int, link: HostLink, blocks: in
         if waited >= 0:
             assert ends[waited] <= p + 1 + 1e-9, (k, p, ends[waited])
         ends.append(max(p + 1.0, ends[-1] if ends else 0.0) + copies)
-    assert queue.positions[-1] < queue.drained_at <= blocks - 1
-    assert ends[-1] <= queue.drained_at + 1e-9
+    assert queue.positions[-1] < min(queue.drained_at, blocks - 1) and queue.drained_at <= blocks
+    drain = queue.drained_at if queue.drained_at < blocks else blocks - 1 + link.tail_forwards
+    assert ends[-1] <= drain + 1e-9
+    if queue.drained_at < blocks:  # the first block the last copy's end allows
+        assert queue.drained_at == max(queue.positions[-1] + 1, math.ceil(ends[-1] - 1e-9))
     assert 2 * queue.upload_ahead >= copies - 1e-9
     assert all(sum(p <= q <= p + queue.upload_ahead for q in queue.positions) <= queue.in_flight
                for p in queue.positions)
@@ -140,7 +149,7 @@ def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
     assert set(plan.levels[b] for b in plan.offloaded) == {1} and plan.levels.count(0) == 18
     assert plan.saved_seconds == pytest.approx(22 * 0.0115)
     assert_copies_never_wait(plan.copy_queue, plan.offload_block_bytes, link, 40)
-    keep = recompute_plan._offloaded_at(2, lv, 40, 0, link, 8 * GiB,
+    keep = recompute_plan._offloaded_at(2, lv, 40, 0, link, 8 * GiB, None,
                                         plan_block_levels(lv, 40, 0))
     assert len(keep.offloaded) == 12 and keep.saved_seconds == pytest.approx(12 * 0.0135)
     assert keep.saved_seconds < plan.saved_seconds
@@ -150,6 +159,18 @@ def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
     two = plan_block_levels(lv, 40, 0, link, reserve_room_bytes=2 * 1_580_000_000)
     assert two.offloaded == tuple(range(0, 37, 2)) and two.copy_queue.in_flight == 2
     assert_copies_never_wait(two.copy_queue, two.offload_block_bytes, link, 40)
+    # Room for the reserve through the last block to the model's output too, which comes three
+    # block forwards after the last block begins (its output projection's matmul, about two):
+    # the queue drains there, and the link carries two more blocks.
+    tail = link._replace(tail_forwards=3.0)
+    out = plan_block_levels(lv, 40, 0, tail, reserve_room_bytes=8 * GiB, tail_room_bytes=8 * GiB)
+    assert len(out.offloaded) == 24 and out.offloaded[-1] == 38
+    assert out.copy_queue.drained_at == 40 and out.copy_queue.in_flight == 3
+    assert_copies_never_wait(out.copy_queue, out.offload_block_bytes, tail, 40)
+    # Where the room there holds two calls' bytes only, three on their way drained at a block
+    # carry more than two drained at the output.
+    assert plan_block_levels(lv, 40, 0, tail, reserve_room_bytes=8 * GiB,
+                             tail_room_bytes=2 * 1_580_000_000).copy_queue == plan.copy_queue
     # Under "auto", 8.9 GiB of room on the device beside the reserve, a 40 GB/s link and a 30 ms
     # forward: "selective" offloads 30 blocks, four of every five, and keeps the last 3 on the
     # device (297 ms saved, where two calls on their way offloaded every other block: 198 ms).
@@ -207,7 +228,7 @@ def _room_under_the_peak(rise: int = 0):
     def ceiling(profile):
         seen.append(profile)
         peak = max((*profile.forward, *profile.backward))
-        return peak + (rise if len(seen) > 1 else 0), 1 << 40
+        return block_replan.ReserveRoom(peak + (rise if len(seen) > 1 else 0), 1 << 40, 1 << 40)
 
     return ceiling
 
@@ -253,7 +274,7 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
 
 
 @pytest.mark.parametrize("copies,expected,level,upload_ahead", [
-    (1, [0, 1, 2, 3, 4], 2, 1),
+    (1, [0, 1, 2, 3, 4, 5], 2, 1),
     # At "selective" (under half of "keep"'s bytes in these blocks) a copy takes one block's
     # forward: four blocks offloaded, and the room beside their reserve keeps three selective.
     (2, [0, 1, 2, 3], 1, 1)])
@@ -307,12 +328,12 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(
 
 
 @pytest.mark.parametrize("copies,small_host,level,expected", [
-    (1, False, 2, [0, 1, 2, 3, 4]),
+    (1, False, 2, [0, 1, 2, 3, 4, 5]),
     # A copy at "keep" takes three forwards; at "selective" (under half the bytes) fewer, and
-    # three calls on their way let it offload four blocks.
-    (3, False, 1, [0, 1, 2, 3]),
+    # three calls on their way let it offload five blocks.
+    (3, False, 1, [0, 1, 2, 3, 4]),
     # A host that holds less than one block at "keep" holds two at "selective".
-    (1, True, 1, [3, 4])])
+    (1, True, 1, [4, 5])])
 def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks_kept(
         monkeypatch, copies, small_host, level, expected):
     """``zbuf.compile``'s default ([Note: offloaded under the step's own peak] in
@@ -359,7 +380,7 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
     run = _train(monkeypatch, init, 2, steps, recompute="checkpointed",
                  ceiling=_room_under_the_peak(rise=1 << 30))
     memory = run.memory
-    assert memory.measured.recompute["regions_offloaded"] == 5
+    assert memory.measured.recompute["regions_offloaded"] == 3
     assert memory.steady.replanned and not memory.steady.recompiled
     assert memory.steady.recompute["regions_offloaded"] == 0
     assert run.frames.levels == {} and not run.frames.offload.offloaded
@@ -406,13 +427,13 @@ def test_blocks_under_the_parents_checkpoint_offloaded_at_keep(monkeypatch):
     run = trained(True)
     frames, offload = run.frames, run.frames.offload
     assert frames.callers_checkpoint
-    assert offload.report()["blocks"] == [0, 1, 2, 3, 4]
-    assert [frames.levels.get(b, 0) for b in frames.called] == [2, 2, 2, 2, 2, 0, 0]
+    assert offload.report()["blocks"] == [0, 1, 2, 3, 4, 5]
+    assert [frames.levels.get(b, 0) for b in frames.called] == [2, 2, 2, 2, 2, 2, 0]
     assert frames.graphs_compiled == 1  # "keep" is the parent-checkpointed frame itself
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
-    # Step 0 (before the plan) recomputes every block; from step 1 on only the last two.
+    # Step 0 (before the plan) recomputes every block; from step 1 on only the last.
     assert sorted(recomputed[0]) == list(range(7))
-    assert all(sorted(r) == [5, 6] for r in recomputed[1:steps]), recomputed
+    assert all(sorted(r) == [6] for r in recomputed[1:steps]), recomputed
     ref = copy.deepcopy(init)
     ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
@@ -434,30 +455,36 @@ def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):
 def test_the_reserve_has_the_room_under_the_peak_where_it_is_live():
     """The forward's block segments but the last block's, and backward's after its first (the
     loss and the start of backward, where the step peaks): the room is the peak less the
-    highest of them; a backward with one segment counts it."""
+    highest of them; a backward with one segment counts it. Live to the model's output, the
+    last block's segment counts too (there the output projection's logits are live)."""
     profile = StepProfile(0, (10, 20, 30, 40, 90), (100, 50, 45), 70)
-    assert block_replan.reserve_ceiling(profile) == (100, 50)
-    assert block_replan.reserve_ceiling(profile._replace(backward=(100,))) == (100, 0)
-    assert block_replan.reserve_ceiling(profile._replace(forward=(10, 120))) == (120, 70)
+    assert block_replan.reserve_ceiling(profile) == (100, 50, 10)
+    assert block_replan.reserve_ceiling(profile._replace(backward=(100,))) == (100, 0, 0)
+    assert block_replan.reserve_ceiling(profile._replace(forward=(10, 120))) == (120, 70, 0)
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16),
-       st.integers(0, 1 << 16))
+       st.integers(0, 1 << 16), st.one_of(st.none(), st.integers(0, 1 << 16)))
 def test_offloaded_blocks_apart_from_the_peak_keep_the_device_plan_and_fit_their_own_room(
-        levels_link, blocks, room, reserve_room):
+        levels_link, blocks, room, reserve_room, tail_room):
     """With the reserve's room apart: the blocks not offloaded have the levels of the plan in
-    ``room`` alone, the reserve fits its own room and is not in the modelled peak, and the
+    ``room`` alone, the reserve fits its own room and is not in the modelled peak, it drains at
+    the model's output only where it fits the room there too, its copies never wait, and the
     offload is taken only when it saves time."""
     lv, link = levels_link
     on_device = plan_block_levels(lv, blocks, room)
-    plan = plan_block_levels(lv, blocks, room, link, reserve_room_bytes=reserve_room)
+    plan = plan_block_levels(lv, blocks, room, link, reserve_room_bytes=reserve_room,
+                             tail_room_bytes=tail_room)
     if not plan.offloaded:
         assert plan == on_device
         return
     assert plan.reserve_apart
     assert plan.offload_reserve_bytes == plan.copy_queue.in_flight * plan.offload_block_bytes
     assert plan.offload_reserve_bytes <= reserve_room
+    if plan.copy_queue.drained_at == blocks:
+        assert tail_room is not None and plan.offload_reserve_bytes <= tail_room
+    assert_copies_never_wait(plan.copy_queue, plan.offload_block_bytes, link, blocks)
     assert plan.modelled_peak_bytes == on_device.modelled_peak_bytes <= max(room, 1)
     assert [lv_ for b, lv_ in enumerate(plan.levels) if b not in plan.offloaded] == [
         lv_ for b, lv_ in enumerate(on_device.levels) if b not in plan.offloaded]
@@ -594,7 +621,7 @@ def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch
         monkeypatch.undo()
         runs.append((losses, full_state_dict(model), block_frames_of(model).offload))
     (moved, moved_params, offload), (kept, kept_params, _) = runs
-    assert offload.report()["blocks"] == list(range(5)) and offload.late_uploads == 0
+    assert offload.report()["blocks"] == list(range(6)) and offload.late_uploads == 0
     assert offload.moved_down == offload.moved_up > 0
     assert moved == kept
     assert all(torch.equal(moved_params[k], kept_params[k]) for k in kept_params)

@@ -23,6 +23,8 @@ def _block(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_block_forward_is_the_median_gap_between_block_starts_of_the_last_forward():
+    """... and the forward's tail, from the last block's start to the model's output (here the
+    last block and two blocks' work after it), is three of them."""
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(2048, 2048, device=device)
     _block(x)
@@ -41,9 +43,11 @@ def test_a_block_forward_is_the_median_gap_between_block_starts_of_the_last_forw
                 torch.cuda.synchronize()
                 time.sleep(0.2)  # the host held back once, as a compile would: the device idles
             _block(x)
+        _block(_block(x))  # the model's own ops after its last block
         clock.forward_finished()
     measured = clock.block_seconds()
     assert 0.7 * expected <= measured <= 1.5 * expected, (measured, expected)
+    assert 2.4 <= clock.tail_forwards() <= 3.6, clock.tail_forwards()
     clock.block_started()  # a forward that has begun leaves the last one's measurement alone
     assert clock.block_seconds() == measured
 

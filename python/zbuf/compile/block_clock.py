@@ -13,6 +13,9 @@ time between two consecutive ones of the last forward. The median, because a gap
 the host did in between (the first call's compile in step 0, an allocation the caching
 allocator had to make) and most do not. The ranks agree on the shortest (the copies must hide
 behind every rank's forward).
+The forward's tail is read the same way: from the last block's start to the model's output (an
+event as the model's forward hook runs), in block forwards, where the copies' queue may drain
+([Note: the copy queue] in recompute_plan.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class BlockClock:
         self._last = 0
         """Events of the last finished forward, in the other set (producer:
         ``forward_finished``; consumer: ``block_seconds``)."""
+        self._outputs: tuple[torch.cuda.Event, ...] = ()
+        """The model's output of each set's forward (producer: ``forward_finished``; consumer:
+        ``tail_forwards``)."""
 
     def block_started(self) -> None:
         if self.device.type != "cuda":
@@ -54,6 +60,9 @@ class BlockClock:
 
     def forward_finished(self) -> None:
         if self._recorded > 1:
+            if not self._outputs:
+                self._outputs = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._outputs[self._recording].record(torch.cuda.current_stream(self.device))
             self._last, self._recording = self._recorded, 1 - self._recording
         self._recorded = 0
 
@@ -65,3 +74,14 @@ class BlockClock:
         events = self._events[1 - self._recording][:self._last]
         events[-1].synchronize()
         return median(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1e3
+
+    def tail_forwards(self) -> Optional[float]:
+        """The last such forward's time from its last block's start to the model's output, in
+        its block forwards (waits for it to end on the device), or None when none ran."""
+        block = self.block_seconds()
+        if block is None or block <= 0:
+            return None
+        last, output = self._events[1 - self._recording][self._last - 1], self._outputs[
+            1 - self._recording]
+        output.synchronize()
+        return last.elapsed_time(output) / 1e3 / block

@@ -594,9 +594,9 @@ class BlockFrames:
         return eager_checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     def finish_forward(self) -> None:
+        self.clock.forward_finished()  # the model's output, before any wait for the copies
         self.prefetch.finish_forward()
         self.offload.finish_forward()
-        self.clock.forward_finished()
 
     def _block_before(self, slot: FrameSlot) -> Optional[int]:
         """id of the block called before ``slot``'s in its stack, once it ran; else None."""

@@ -41,8 +41,9 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
   the planned reserve) and records where the compute stream stands; each tensor is then
   copied into pinned host memory on the ``down`` stream, which waits for that point, and its
   device memory goes back to the caching allocator once the copy has run (``record_stream``);
-* at the queue's drain (a block after the last offloaded call), the compute stream waits for
-  the forward's last copies (``BlockOffload.forward_reaches``);
+* at the queue's drain (a block after the last offloaded call, or the model's output), the
+  compute stream waits for the forward's last copies (``BlockOffload.forward_reaches``,
+  ``BlockOffload.finish_forward``);
 * backward, when the block ``upload_ahead`` calls after an offloaded one in forward begins its
   backward (``BlockOffload.reached``), that call's tensors
   are uploaded on the ``up`` stream into device memory allocated on the compute stream (torch's
@@ -291,7 +292,7 @@ class BlockOffload:
         self._pending: collections.deque[OffloadedCall] = collections.deque()
         """The forward's offloaded calls whose copies no one waited for yet, oldest first
         (producer: ``wait_for_previous``; consumers: the later calls' ``wait_for_previous``,
-        and ``forward_reaches`` at the queue's drain)."""
+        and ``forward_reaches`` or ``finish_forward`` at the queue's drain)."""
         self.block_bytes = 0
         """The plan's estimate of an offloaded call's bytes (producer: ``plan``)."""
         self.link: Optional[HostLink] = None
@@ -399,6 +400,10 @@ class BlockOffload:
         self._pending.clear()
 
     def finish_forward(self) -> None:
+        """The model's output: where the queue drains if no block did ([Note: the copy queue]
+        in recompute_plan.py)."""
+        if self._pending:
+            self._wait_for_copies(self._pending[-1])
         self._pending.clear()
         self._counted = False
         if self.waits:
@@ -423,6 +428,8 @@ class BlockOffload:
         arenas = [f.result() for f in self._arenas.values() if f.done() and not f.exception()]
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
                 "in_flight": self.queue.in_flight, "drained_at": self.queue.drained_at,
+                "drained_at_output": bool(self.order) and self.queue.drained_at == len(
+                    self.order),
                 "upload_ahead": self.queue.upload_ahead, "forwards": self.forwards,
                 "moved_down_bytes": self.moved_down, "moved_up_bytes": self.moved_up,
                 "late_uploads": self.late_uploads,
@@ -433,6 +440,7 @@ class BlockOffload:
                                     else 1e3 * self.block_bytes / self.link.bytes_per_second),
                 "planned_block_forward_ms": (None if self.link is None
                                              else 1e3 * self.link.forward_seconds),
+                "planned_tail_forwards": None if self.link is None else self.link.tail_forwards,
                 "host_arena_bytes": sum(a.nbytes for a in arenas),
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
                 "unlocked_host_bytes": self.unlocked_host_bytes,

@@ -120,7 +120,8 @@ none. An offloaded block ([Note: offloaded blocks] in block_offload.py) holds de
 on their way, two or three blocks' worth at most (``CopyQueue.in_flight``): in forward from
 the first offloaded block's call until the queue's drain (a block after the last one, no later
 than the last block: ``BlockOffload.forward_reaches`` makes the compute stream wait there for
-the last copies), in backward from the last offloaded block's backward on. Where the step
+the last copies; or the model's output, ``BlockOffload.finish_forward``), in backward from the
+last offloaded block's backward on. Where the step
 peaks elsewhere (the user's fp32 loss outside the model: 23 GiB at qwen3-14b, mb 4, seq 4096,
 after the last block's forward and before its backward), that reserve fits under the peak, and
 the blocks it carries need no recompute:
@@ -134,7 +135,10 @@ the blocks it carries need no recompute:
 2. ``grow``: the room of the reserve is the profile's peak less the highest segment where the
    reserve may be live (``reserve_ceiling``): the forward's block segments but the last block's,
    and backward's segments after its first (the loss and the start of backward; every one when
-   backward has no other, so a model too small for gradient marks offloads nothing).
+   backward has no other, so a model too small for gradient marks offloads nothing). Where the
+   reserve also fits beside the last block's segment (to the model's output: its logits, not
+   yet the user's fp32 loss), the queue may drain at the output, which gives the link the
+   last block's forward and the output projection's to run under ([Note: the copy queue]).
    ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
    ones in that room, at the level, copy queue and host memory chosen as under ``auto``; the
    offloaded blocks run that level's frame, compiled at the re-plan (one block compile).
@@ -165,7 +169,7 @@ are refused (options.py).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .. import runtime
 from ..host_link import measure_host_link
@@ -177,7 +181,7 @@ from .recompute import RecomputeStats
 from .recompute_plan import NO_COPIES, HostLink, RecomputePlan, plan_block_levels
 from .replan import Replanner
 
-__all__ = ["BlockReplanner", "blocks_to_keep", "reserve_ceiling"]
+__all__ = ["BlockReplanner", "ReserveRoom", "blocks_to_keep", "reserve_ceiling"]
 
 
 SETTLE_TOLERANCE = 64
@@ -186,16 +190,25 @@ the measured step compiled, the steady one did not) before its offloaded blocks 
 level 0 ([Note: offloaded under the step's own peak])."""
 
 
-def reserve_ceiling(profile: StepProfile) -> tuple[int, int]:
-    """The measured step's own peak, and the room the offloaded blocks' reserve has under it
-    where it is live ([Note: offloaded under the step's own peak]): the forward's block
-    segments but the last block's, and backward's segments after its first (every one if it
-    has no other)."""
+class ReserveRoom(NamedTuple):
+    """The measured step's own peak and the room the offloaded blocks' reserve has under it
+    ([Note: offloaded under the step's own peak])."""
+
+    peak: int
+    blocks: int
+    """Live in the forward's block segments but the last block's, and in backward's segments
+    after its first (every one if it has no other)."""
+    output: int
+    """Live through the last block's segment too, to the model's output."""
+
+
+def reserve_ceiling(profile: StepProfile) -> ReserveRoom:
+    """The room the offloaded blocks' reserve has under ``profile``'s peak where it is live."""
     peak = max((*profile.forward, *profile.backward))
-    forward = profile.forward[1:-1]
     backward = profile.backward[1:] if len(profile.backward) > 1 else profile.backward
-    live = max((*forward, *backward), default=peak)
-    return peak, peak - live
+    live = max((*profile.forward[1:-1], *backward), default=peak)
+    through = max((*profile.forward[1:], *backward), default=peak)
+    return ReserveRoom(peak, peak - live, peak - through)
 
 
 def blocks_to_keep(blocks: int, block_bytes: int, room_bytes: int) -> int:
@@ -315,12 +328,13 @@ class BlockReplanner:
             self.link_bytes_per_second = (opts.host_link_bytes_per_second
                                           or measure_host_link(device))
         forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second
+        tail = frames.clock.tail_forwards() or 1.0  # before a forward ran: the last block alone
         weights = next(iter(frames.called.values())).weights
-        (share, speed, forward_ns), _ = agree_extremes(
+        (share, speed, forward_ns, tail_millis), _ = agree_extremes(
             runtime.process_group(weights.specs[0].group_name), device,
             smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second),
-                      int(forward * 1e9)])
-        return HostLink(speed, forward_ns / 1e9, share)
+                      int(forward * 1e9), int(tail * 1e3)])
+        return HostLink(speed, forward_ns / 1e9, share, max(1.0, tail_millis / 1e3))
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
         """How many blocks keep their weights: none unless ``persist=True`` asks for them, else
@@ -376,12 +390,13 @@ class BlockReplanner:
         self.room_bytes = 0
         if profile is None or estimate is None or not self.frames.called:
             return None
-        self.ceiling_bytes, under_peak = reserve_ceiling(profile)
+        room = reserve_ceiling(profile)
+        self.ceiling_bytes = room.peak
         link = self._host_link()
         if link is None:
             return None
         return plan_block_levels(estimate.levels, len(self.frames.called), 0, link,
-                                 reserve_room_bytes=under_peak)
+                                 reserve_room_bytes=room.blocks, tail_room_bytes=room.output)
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
              profile: Optional[StepProfile] = None) -> Optional[Replan]:
@@ -412,7 +427,7 @@ class BlockReplanner:
         before = self.recompute_stats()
         if self.plans_from_profile:
             rose = (self.plan is not None and self.ceiling_bytes is not None
-                    and (profile is None or reserve_ceiling(profile)[0] > self.ceiling_bytes
+                    and (profile is None or reserve_ceiling(profile).peak > self.ceiling_bytes
                          + self.ceiling_bytes // SETTLE_TOLERANCE))
             return self._apply(None, 0, before) if rose else None
         room = room_bytes - self.frames.plan.pool_bytes

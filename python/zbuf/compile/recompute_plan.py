@@ -89,8 +89,8 @@ class CopyQueue(NamedTuple):
     """Offloaded calls whose bytes may be on the device at once: a call's first save waits for
     the copies of the call ``in_flight - 1`` before it."""
     drained_at: int
-    """The forward waits for the last call's copies as this block begins (no offloaded bytes on
-    the device after it)."""
+    """The forward waits for the last call's copies as this block begins, or, where it equals
+    the number of blocks, at the model's output (no offloaded bytes on the device after it)."""
     upload_ahead: int
     """In backward, a call's upload starts as the block this many after it begins its
     backward."""
@@ -231,11 +231,16 @@ class HostLink(NamedTuple):
     forward] in block_clock.py)."""
     host_bytes: int
     """Host memory the offloaded blocks may hold together."""
+    tail_forwards: float = 1.0
+    """The model's forward from its last block's start to its output (the last block, then what
+    the model runs after it: the final norm and the output projection), in block forwards,
+    measured with them ([Note: the measured block forward] in block_clock.py)."""
 
 
 def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                       link: Optional[HostLink] = None,
-                      reserve_room_bytes: Optional[int] = None) -> RecomputePlan:
+                      reserve_room_bytes: Optional[int] = None,
+                      tail_room_bytes: Optional[int] = None) -> RecomputePlan:
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
@@ -245,14 +250,16 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     calls on their way).
     ``reserve_room_bytes``: where the offloaded blocks' reserve is not live at the step's peak,
     the room it has there ([Note: offloaded under the step's own peak] in block_replan.py), and
-    ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``."""
+    ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``.
+    ``tail_room_bytes``: with ``reserve_room_bytes``, the reserve's room if it stays live through
+    the last block to the model's output, where the queue may then drain (None: it may not)."""
     on_device = _device_levels(levels, blocks, room_bytes)
     if link is None or blocks == 0:
         return on_device
     best = on_device
     for level in range(1, len(levels)):
         plan = _offloaded_at(level, levels, blocks, room_bytes, link, reserve_room_bytes,
-                             on_device)
+                             tail_room_bytes, on_device)
         if plan is not None and plan.saved_seconds > best.saved_seconds:
             best = plan
     return best
@@ -271,10 +278,14 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # 3. the drain, the first block that begins after the last copy ends (and after the last
 #    call), is where the forward waits for them all; it must be a block of the forward, so no
 #    offloaded bytes meet the step's peak after the last block ([Note: offloaded under the
-#    step's own peak] in block_replan.py).
+#    step's own peak] in block_replan.py), unless the reserve fits under that peak through
+#    the last block and the model's own ops after it too (``tail``): then the drain may be the
+#    model's output, ``tail`` block forwards after the last block begins (the output
+#    projection's matmul, about two block forwards at qwen3-14b, carries one more copy).
 # ``copy_queue`` takes the calls greedily from the first, then shifts them as late as the
 # drain allows (later calls are backward's first, and the model does not change when
-# shifted). With two calls on their way a copy of 1.7 forwards offloads every other block and
+# shifted). The last block is never offloaded: its backward comes first, with no block's
+# backward before it for its upload to run under. With two calls on their way a copy of 1.7 forwards offloads every other block and
 # leaves the link idle 15 % of the time; with three the link runs without a gap, taking a block
 # in 1.7 on average: at qwen3-14b on an H200 (a 31.1 ms copy, an 18.05 ms forward), 22 blocks
 # where two offloaded 19 (benches/results/onepath14.md). The plan tries both (``IN_FLIGHT``): a
@@ -293,13 +304,25 @@ without a gap where one copy takes a fraction more than a whole number of block 
 
 
 def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
-               most: int) -> Optional[CopyQueue]:
+               most: int, tail: Optional[float] = None) -> Optional[CopyQueue]:
     """The most offloaded calls among the first ``candidates`` of ``blocks`` (at most ``most``)
     whose copies, ``copies`` block forwards each, never make the compute stream wait with
-    ``in_flight`` calls on their way ([Note: the copy queue]); None if none fits."""
-    last = min(candidates, blocks - 1) - 1  # the drain needs a block after the last call
+    ``in_flight`` calls on their way ([Note: the copy queue]); None if none fits. ``tail``: the
+    block forwards from the last block's start to the model's output, where the queue may
+    drain (None: it drains at a block)."""
+    last = min(candidates, blocks - 1) - 1  # the last block's upload has nothing to hide under
     if last < 0 or most <= 0 or not math.isfinite(copies):
         return None
+    output = -math.inf if tail is None else blocks - 1 + tail  # when the model's output comes
+
+    def drain(last_call: int, last_end: float) -> Optional[int]:
+        """Where the forward waits for copies that end at ``last_end``: a block, the output
+        (``blocks``), or None if neither comes after them."""
+        at = max(last_call + 1, math.ceil(last_end - 1e-9))
+        if at <= blocks - 1:
+            return at
+        return blocks if last_end <= output + 1e-9 else None
+
     positions: list[int] = []
     ends: list[float] = []
     for p in range(last + 1):
@@ -310,17 +333,17 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
             continue  # its first save would wait for that call's copies
         positions.append(p)
         ends.append(max(p + 1.0, ends[-1] if ends else 0.0) + copies)
-    while positions:
-        drained_at = max(positions[-1] + 1, math.ceil(ends[-1] - 1e-9))
-        if drained_at <= blocks - 1:
-            break
+    while positions and drain(positions[-1], ends[-1]) is None:
         positions.pop()
         ends.pop()
     if not positions:
         return None
     # Later calls are backward's first ([Note: recompute plan]); the model is the same shifted.
-    shift = min(blocks - 1 - drained_at, last - positions[-1])
+    shift = last - positions[-1]
+    while drain(positions[-1] + shift, ends[-1] + shift) is None:
+        shift -= 1
     positions = [p + shift for p in positions]
+    drained_at = drain(positions[-1], ends[-1] + shift)
     # An upload has ``upload_ahead`` blocks' backward to run under, each at least twice that
     # block's forward (its matmuls' flops), while at most ``in_flight`` uploads wait.
     def crowded(ahead: int) -> bool:  # more than ``in_flight`` calls in ``ahead + 1`` blocks
@@ -333,11 +356,12 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
         ahead -= 1
     if crowded(ahead):
         return None
-    return CopyQueue(tuple(positions), in_flight, drained_at + shift, ahead)
+    return CopyQueue(tuple(positions), in_flight, drained_at, ahead)
 
 
 def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                   link: HostLink, reserve_room_bytes: Optional[int],
+                  tail_room_bytes: Optional[int],
                   on_device: RecomputePlan) -> Optional[RecomputePlan]:
     """The plan that offloads blocks at ``level``, or None if none saves time."""
     block_bytes = levels[level].extra_bytes
@@ -354,8 +378,12 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
             break
         beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
         # The blocks left at level 0 are the first ones (the levels ascend).
+        # Apart, the reserve may stay to the model's output where it fits there too; sharing
+        # the room, it is in the budget at the step's peak anyway.
+        tail = (link.tail_forwards if not apart or (tail_room_bytes or 0) >= reserve
+                else None)
         queue = copy_queue(copies, beside.levels.count(0), blocks, in_flight,
-                           link.host_bytes // block_bytes)
+                           link.host_bytes // block_bytes, tail)
         if queue is None:
             continue
         gain = len(queue.positions) * gain_each
@@ -367,7 +395,8 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
             chosen[b] = level
         best = dataclasses.replace(
             beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
-            saved_seconds=beside.saved_seconds + gain, copy_queue=queue, offload_block_bytes=block_bytes, host_link=link,
+            saved_seconds=beside.saved_seconds + gain, copy_queue=queue,
+            offload_block_bytes=block_bytes, host_link=link,
             reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
             budget_bytes=max(1, room_bytes))
     return best
