@@ -10,10 +10,15 @@ on every machine but one: set too high, the compute stream waits for the copies 
 offloaded block; too low, blocks recompute what the link could have carried (at qwen3-14b a
 40 GB/s constant spaced the blocks four apart where the copies were exposed 0.08 ms a step).
 So when the plan is first made, ``measure_host_link`` times, with CUDA events on a stream of its
-own, one copy of ``PROBE_BYTES`` each way between the device and a page-locked host arena, each
-after an untimed one (the first copy of a range pays for its mapping); the slower direction is
-the link's speed. The re-planner agrees it over the ranks (the slowest rank's), so every rank
-plans the same blocks. A ``host_link_bytes_per_second`` in the options replaces it. A rank
+own, copies of ``PROBE_BYTES`` each way between the device and a page-locked host arena: first
+``WARM_COPIES`` untimed each way (the first copy of a range pays for its mapping, and a link
+that sat idle through a whole step of compute ramps up), then ``TIMED_COPIES`` timed each way;
+a direction's speed is its fastest copy, and the slower direction is the link's speed. One
+timed copy right after the measured step read 27.6 GB/s on an H200 whose offloaded blocks' own
+copies then ran at about 55 GB/s in every step (benches/results/onepath14.md): the plan
+offloaded 12 blocks where the link carried 23. The re-planner agrees the speed over the ranks
+(the slowest rank's), so every rank plans the same blocks. A ``host_link_bytes_per_second`` in
+the options replaces it. A rank
 that cannot hold the probe (the device or the host out of memory) measures 0: every rank then
 plans without offload, still through the same agreement (a rank leaving it would hang the
 others).
@@ -26,10 +31,14 @@ import torch
 from .errors import PoolOutOfMemoryError
 from .host_arena import HostArena
 
-__all__ = ["PROBE_BYTES", "measure_host_link"]
+__all__ = ["PROBE_BYTES", "TIMED_COPIES", "WARM_COPIES", "measure_host_link"]
 
 PROBE_BYTES = 64 << 20
 """Bytes of each timed copy: milliseconds at any PCIe speed, far above a copy's fixed cost."""
+WARM_COPIES = 4
+"""Untimed copies each way before the timed ones."""
+TIMED_COPIES = 4
+"""Timed copies each way; the fastest is the direction's speed."""
 
 
 def measure_host_link(device: torch.device) -> float:
@@ -42,16 +51,20 @@ def measure_host_link(device: torch.device) -> float:
     except (torch.OutOfMemoryError, PoolOutOfMemoryError):
         return 0.0
     stream.wait_stream(torch.cuda.current_stream(device))
-    timed = []
+    directions = ((arena.memory, on_device), (on_device, arena.memory))
+    timed: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[], []]
     with torch.cuda.stream(stream):
-        for source, target in ((arena.memory, on_device), (on_device, arena.memory)):
-            target.copy_(source, non_blocking=True)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            target.copy_(source, non_blocking=True)
-            end.record(stream)
-            timed.append((start, end))
+        for _ in range(WARM_COPIES):
+            for source, target in directions:
+                target.copy_(source, non_blocking=True)
+        for _ in range(TIMED_COPIES):
+            for (source, target), events in zip(directions, timed):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                target.copy_(source, non_blocking=True)
+                end.record(stream)
+                events.append((start, end))
     stream.synchronize()
-    slowest_ms = max(start.elapsed_time(end) for start, end in timed)
-    return PROBE_BYTES / (max(slowest_ms, 1e-3) / 1e3)
+    slower_ms = max(min(start.elapsed_time(end) for start, end in events) for events in timed)
+    return PROBE_BYTES / (max(slower_ms, 1e-3) / 1e3)

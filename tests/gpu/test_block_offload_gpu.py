@@ -48,10 +48,10 @@ def _deterministic():
 def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypatch):
     """Eight blocks of a decoder whose activations outweigh its weights, every block but the
     last offloaded (a copy at "keep" takes one block's forward; the last copy drains at the
-    model's output: [Note: the copy queue]): the losses and parameters of the same plan with those blocks
-    kept on the device, bit for bit (deterministic kernels), every upload started before its
-    backward, and each step's peak, allocated and reserved, lower by more than four blocks'
-    activations."""
+    model's output: [Note: the copy queue]): the losses and parameters of the same plan with
+    those blocks kept on the device, bit for bit (deterministic kernels), every upload started
+    before its backward, and each step's peak, allocated and reserved, lower by more than four
+    blocks' activations."""
     init, batches = _checkpointed_decoder(8)
     with _deterministic():
         moved = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)

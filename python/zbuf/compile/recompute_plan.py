@@ -285,8 +285,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # ``copy_queue`` takes the calls greedily from the first, then shifts them as late as the
 # drain allows (later calls are backward's first, and the model does not change when
 # shifted). The last block is never offloaded: its backward comes first, with no block's
-# backward before it for its upload to run under. With two calls on their way a copy of 1.7 forwards offloads every other block and
-# leaves the link idle 15 % of the time; with three the link runs without a gap, taking a block
+# backward before it for its upload to run under.
+# With two calls on their way a copy of 1.7 forwards offloads every other block and leaves the
+# link idle 15 % of the time; with three the link runs without a gap, taking a block
 # in 1.7 on average: at qwen3-14b on an H200 (a 31.1 ms copy, an 18.05 ms forward), 22 blocks
 # where two offloaded 19 (benches/results/onepath14.md). The plan tries both (``IN_FLIGHT``): a
 # third call costs one more block's bytes of reserve. The plan the H200 ran before this model
