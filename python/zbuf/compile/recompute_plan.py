@@ -280,8 +280,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 #    offloaded bytes meet the step's peak after the last block ([Note: offloaded under the
 #    step's own peak] in block_replan.py), unless the reserve fits under that peak through
 #    the last block and the model's own ops after it too (``tail``): then the drain may be the
-#    model's output, ``tail`` block forwards after the last block begins (the output
-#    projection's matmul, about two block forwards at qwen3-14b, carries one more copy).
+#    model's output, ``tail`` block forwards after the last block begins (3.5 at qwen3-14b
+#    on an H200, the output projection's matmul most of it: one or two copies more,
+#    benches/results/onepath14.md).
 # ``copy_queue`` takes the calls greedily from the first, then shifts them as late as the
 # drain allows (later calls are backward's first, and the model does not change when
 # shifted). The last block is never offloaded: its backward comes first, with no block's
