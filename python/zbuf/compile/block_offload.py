@@ -379,6 +379,13 @@ class BlockOffload:
         if call is not None and call._downloaded is not None:
             self.waits.wait(torch.cuda.current_stream(self.device), call._downloaded)
 
+    def _drain(self) -> None:
+        """The compute stream waits for every pending call's copies (the ``down`` stream runs
+        them in order: the last one's end covers them all)."""
+        if self._pending:
+            self._wait_for_copies(self._pending[-1])
+            self._pending.clear()
+
     def wait_for_previous(self, call: OffloadedCall) -> None:
         """The compute stream waits for the copies of the call ``in_flight - 1`` before
         ``call``: at most ``in_flight`` calls' bytes on their way to the host. The ``down``
@@ -394,17 +401,13 @@ class BlockOffload:
         compute stream waits for the forward's last copies, so that no offloaded bytes are on
         the device after it ([Note: offloaded under the step's own peak] in block_replan.py)."""
         position = self.order.get(block)
-        if not self._pending or position is None or position < self.queue.drained_at:
-            return
-        self._wait_for_copies(self._pending[-1])
-        self._pending.clear()
+        if position is not None and position >= self.queue.drained_at:
+            self._drain()
 
     def finish_forward(self) -> None:
         """The model's output: where the queue drains if no block did ([Note: the copy queue]
         in recompute_plan.py)."""
-        if self._pending:
-            self._wait_for_copies(self._pending[-1])
-        self._pending.clear()
+        self._drain()
         self._counted = False
         if self.waits:
             self.exposed_ms += self.waits.read_ms(done_only=True)

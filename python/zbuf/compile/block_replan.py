@@ -121,10 +121,10 @@ on their way, two or three blocks' worth at most (``CopyQueue.in_flight``): in f
 the first offloaded block's call until the queue's drain (a block after the last one, no later
 than the last block: ``BlockOffload.forward_reaches`` makes the compute stream wait there for
 the last copies; or the model's output, ``BlockOffload.finish_forward``), in backward from the
-last offloaded block's backward on. Where the step
-peaks elsewhere (the user's fp32 loss outside the model: 23 GiB at qwen3-14b, mb 4, seq 4096,
-after the last block's forward and before its backward), that reserve fits under the peak, and
-the blocks it carries need no recompute:
+last offloaded block's backward on. Where the step peaks elsewhere (the user's fp32 loss
+outside the model: 23 GiB at qwen3-14b, mb 4, seq 4096, after the last block's forward and
+before its backward), that reserve fits under the peak, and the blocks it carries need no
+recompute:
 
 1. The measured step is profiled ([Note: progress points] in zbuf/memory/progress.py): its
    allocated peak between each two forward block calls and each two backward gradient marks,
@@ -153,8 +153,8 @@ step 2, never after (benches/results/onepath14.md).
 
 Backward's first segment is left out of the room on the plan's word, not a measurement: the
 reserve begins with the last offloaded call's upload, as backward reaches the block
-``upload_ahead`` after it, no earlier than the last block's backward (the drain comes after the
-last call, no later than the last block), and the segment ends at the first 256 MiB of
+``upload_ahead`` after it, no earlier than the last block's backward (the last block is never
+offloaded), and the segment ends at the first 256 MiB of
 gradients (the output projection's alone at qwen3-14b as rank 0 of 8). Where it ends later,
 the settle measures what the plan did.
 A block under its caller's checkpoint is planned at "keep" only ([Note: a block under the

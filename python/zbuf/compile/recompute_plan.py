@@ -99,6 +99,7 @@ class CopyQueue(NamedTuple):
 NO_COPIES = CopyQueue((), 2, 0, 1)
 """The queue of a plan that offloads nothing."""
 
+
 @dataclass(frozen=True)
 class RecomputePlan:
     levels: tuple[int, ...]
@@ -342,10 +343,9 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
         return None
     # Later calls are backward's first ([Note: recompute plan]); the model is the same shifted.
     shift = last - positions[-1]
-    while drain(positions[-1] + shift, ends[-1] + shift) is None:
+    while (drained_at := drain(positions[-1] + shift, ends[-1] + shift)) is None:
         shift -= 1
     positions = [p + shift for p in positions]
-    drained_at = drain(positions[-1], ends[-1] + shift)
     # An upload has ``upload_ahead`` blocks' backward to run under, each at least twice that
     # block's forward (its matmuls' flops), while at most ``in_flight`` uploads wait.
     def crowded(ahead: int) -> bool:  # more than ``in_flight`` calls in ``ahead + 1`` blocks
@@ -379,11 +379,11 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
         if (reserve_room_bytes if apart else room_bytes) < reserve:
             break
         beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
-        # The blocks left at level 0 are the first ones (the levels ascend).
         # Apart, the reserve may stay to the model's output where it fits there too; sharing
         # the room, it is in the budget at the step's peak anyway.
         tail = (link.tail_forwards if not apart or (tail_room_bytes or 0) >= reserve
                 else None)
+        # The blocks left at level 0 are the first ones (the levels ascend).
         queue = copy_queue(copies, beside.levels.count(0), blocks, in_flight,
                            link.host_bytes // block_bytes, tail)
         if queue is None:
