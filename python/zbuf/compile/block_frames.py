@@ -70,12 +70,17 @@ the step's own peak] in block_replan.py). Their frame has no checkpointed region
 partition is what the block saves with nothing recomputed: "keep" is that frame as compiled
 (``_frame_level``: no compile of its own), and level 0 is the caller's recompute, which keeps
 the block's inputs only. The frame's first compile, which sees the first block call run under
-a caller's hooks, estimates the block as one region of every forward op, "keep" only
-(``_keep_only``: without checkpoint tags there is no "selective" frame to make). A block the
-plan runs at "keep" (offloaded) runs the frame under the frames' own hooks, which, innermost,
-take everything it saves from the caller's: the caller's checkpoint keeps nothing of the call
-and never recomputes it (tests/test_block_offload.py counts the blocks run in backward). The
-cost is the model's: where the caller's region holds more than the block call, its recompute,
+a caller's hooks, estimates the block as one region of every forward op, all three levels.
+"selective" is a frame of its own, compiled at the re-plan that chooses it, whose ops are
+tagged as the user's checkpoint inside the block would tag them (``_checkpoint_whole``) before
+``apply_levels`` keeps the matmul and attention outputs. At qwen3-14b as rank 0 of 8 the
+inside placement's "selective" saves 1.71 GB a block and the parent-checkpointed frame 3.39 GB
+at "keep" (benches/results/onepath14.md), so the copy queue may carry twice the blocks over the
+same link (CPU: tests/test_block_offload.py; not yet measured on a GPU). A block the plan runs at "keep" or
+"selective" (offloaded) runs its frame under the frames' own hooks, which, innermost, take
+everything it saves from the caller's: the caller's checkpoint keeps nothing of the call and
+never recomputes it (tests/test_block_offload.py counts the blocks run in backward). The cost
+is the model's: where the caller's region holds more than the block call, its recompute,
 started by what the rest saved, runs the block's forward again (the block's own backward still
 reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing, so the plan's saving is
 notional there (the bytes still leave the device).
@@ -108,7 +113,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import types
 import warnings
@@ -223,13 +227,27 @@ def _whole_block(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
     return Region("block", 0, names) if names else None
 
 
-def _keep_only(levels: tuple[RegionLevel, ...]) -> tuple[RegionLevel, ...]:
-    """A caller-checkpointed block's levels: "selective" saves nothing over level 0 (the frame
-    has no checkpoint tags to make it of, so no plan chooses it), "keep" is the frame as
-    compiled ([Note: a block under the caller's checkpoint])."""
-    recompute, selective, keep = levels
-    return (recompute, RegionLevel(selective.name, keep.extra_bytes, recompute.recompute_seconds,
-                                   recompute.recompute_flops), keep)
+def _checkpoint_whole(graph: torch.fx.Graph, region: Region) -> None:
+    """Tag a caller-checkpointed block's ops as the user's checkpoint inside the block would
+    (``PREFER_RECOMPUTE``, one ``ac_graph_id``), so that ``apply_levels`` can make its
+    "selective" frame ([Note: a block under the caller's checkpoint]). A random op's outputs
+    are saved instead (the items of a multi-output one, which itself is left untagged: its tuple
+    cannot be saved): recomputing it would take the device's RNG state into the graph."""
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = [by_name[name] for name in region.names]
+    for n in nodes:
+        n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        n.meta["ac_graph_id"] = 0
+    for n in nodes:
+        if not (isinstance(n.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in n.target.tags):
+            continue
+        if isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        else:
+            del n.meta["recompute"]
+            for item in n.users:
+                item.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 _NO_COMPUTE = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
@@ -287,8 +305,8 @@ class FramePartitioner(CustomPartitionerFn):
         self.options = options
         self.callers = callers
         """The block runs under its caller's checkpoint: with no checkpointed region of its own,
-        it is estimated as one region, "keep" only ([Note: a block under the caller's
-        checkpoint])."""
+        it is estimated as one region, tagged by zbuf at "selective" ([Note: a block under the
+        caller's checkpoint])."""
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -310,12 +328,11 @@ class FramePartitioner(CustomPartitionerFn):
             if self.estimates is not None:
                 specs = level_specs(gm.graph, forward, [region], self.options)
                 whole = callers or _covers_whole_frame(gm.graph, forward, region)
-                if callers:
-                    specs = [dataclasses.replace(specs[0], levels=_keep_only(specs[0].levels))]
                 if self.level is None:
                     level = choose_shared_level(specs[0].levels, *self.predicted)
-            if not callers:  # the caller's frame has no tags to retag: every level is "keep"
-                apply_levels(gm.graph, [region], (level,))
+            if callers and level == LEVELS.index("selective"):
+                _checkpoint_whole(gm.graph, region)
+            apply_levels(gm.graph, [region], (level,))
         names = {n.name for n in forward if n.op == "call_function"}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if specs is not None:
@@ -331,7 +348,7 @@ class FramePartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self) -> str:
-        return (f"zbuf-frame-partitioner:v6:{self.recompute}:{self.level}:{self.predicted}:"
+        return (f"zbuf-frame-partitioner:v7:{self.recompute}:{self.level}:{self.predicted}:"
                 f"{self.callers}")
 
 

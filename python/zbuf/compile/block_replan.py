@@ -157,9 +157,9 @@ reserve begins with the last offloaded call's upload, as backward reaches the bl
 offloaded), and the segment ends at the first 256 MiB of
 gradients (the output projection's alone at qwen3-14b as rank 0 of 8). Where it ends later,
 the settle measures what the plan did.
-A block under its caller's checkpoint is planned at "keep" only ([Note: a block under the
-caller's checkpoint] in block_frames.py). Only on CUDA, as under ``auto``; on the CPU stand-in
-the profile sees no activations, so the reserve never fits.
+A block under its caller's checkpoint is planned the same way, its "selective" frame tagged by
+zbuf ([Note: a block under the caller's checkpoint] in block_frames.py). Only on CUDA, as under
+``auto``; on the CPU stand-in the profile sees no activations, so the reserve never fits.
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
