@@ -88,12 +88,13 @@ def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypa
     assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
 
 
-@pytest.mark.parametrize("copies,level", [(1, 2), (4, 1)])
-def test_blocks_under_the_parents_checkpoint_offloaded_bit_for_bit_on_cuda(monkeypatch, copies,
-                                                                           level):
+@pytest.mark.parametrize("small_host,level", [(False, 2), (True, 1)])
+def test_blocks_under_the_parents_checkpoint_offloaded_bit_for_bit_on_cuda(monkeypatch,
+                                                                           small_host, level):
     """The parent's checkpoint around each block call ([Note: a block under the caller's
     checkpoint] in zbuf/compile/block_frames.py), the default's plan on CUDA, at "keep" and,
-    where a copy takes four blocks' forward, at the "selective" frame zbuf tags: the offloaded
+    where the host holds less than one block at "keep", at the "selective" frame zbuf tags (a
+    copy taking four blocks' forward left "keep" the plan's choice here): the offloaded
     blocks' frames save under zbuf's hooks and copy on the ``down`` and ``up`` streams, every
     upload started before its backward; the losses and parameters of the same blocks kept on
     the device, bit for bit, and of the unsharded reference (1e-5)."""
@@ -108,9 +109,10 @@ def test_blocks_under_the_parents_checkpoint_offloaded_bit_for_bit_on_cuda(monke
     batches = token_batches(4, vocab=VOCAB, rows=4, length=65)
     train = dict(device="cuda", batches=batches, recompute="checkpointed")
     with _deterministic():
-        moved = _train(monkeypatch, init, copies, 4, ceiling=_room_under_the_peak(), **train)
-        kept = _train(monkeypatch, init, copies, 4, ceiling=_room_under_the_peak(),
-                      to_host=False, **train)
+        moved = _train(monkeypatch, init, 1, 4, ceiling=_room_under_the_peak(),
+                       host_below_keep=small_host, **train)
+        kept = _train(monkeypatch, init, 1, 4, ceiling=_room_under_the_peak(), to_host=False,
+                      host_below_keep=small_host, **train)
     frames, offload = moved.frames, moved.frames.offload
     assert frames.callers_checkpoint and offload.offloaded and frames.called
     assert {frames.levels.get(b, 0) for b in offload.offloaded} == {level}
