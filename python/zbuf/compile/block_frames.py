@@ -49,8 +49,9 @@ is one more copy of the frame ([Note: block levels] in block_replan.py).
 
 [Note: a block under the caller's checkpoint]
 A user who checkpoints in the parent's loop (``checkpoint(block, x, ...)`` around each block
-call) or through ``apply_activation_checkpointing`` calls the block frame from inside a
-non-reentrant checkpoint, whose saved-tensor hooks drop what the block saves and recompute the
+call) calls the block frame from inside a non-reentrant checkpoint (a checkpoint the repeated
+block applies itself is inside its frame: one in its ``forward``, and
+``apply_activation_checkpointing``'s, whose wrappers are the repeated blocks), whose saved-tensor hooks drop what the block saves and recompute the
 block in backward. The frames' own hooks (``SavedBlock``, [Note: two blocks live] in
 block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
 autograd calls: every activation of every block was kept (qwen3-14b as rank 0 of 8 ran out of
