@@ -265,9 +265,10 @@ case "${1:-}" in
       --gpu-memory $CARD80 --seq-len 4096 --ac --steps 6 --warmup 3 --min-micro-batch "${3:-4}" \
       --max-micro-batch "${4:-16}" --probe-timeout 280 --out "$OUT/fit8b_${2:-zbuf}_${3:-4}-${4:-16}.json" \
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/fit8b_${2:-zbuf}.log" | tail -20 ;;
-  onepath)  # ONE H200, issue 36: onepath MODEL PLACEMENT [VARIANTS]: the plain user setup
-    # (benches/plain_setup.py, the user's checkpoint PLACEMENT: inside|parent|wrapper|selective|
-    # none; PLAIN_ARGS go to plain_setup.py, e.g. "--attn-dropout 0.1"), each variant a
+  onepath)  # ONE H200, issue 36: onepath MODEL PLACEMENTS [VARIANTS]: the plain user setup
+    # (benches/plain_setup.py, the user's checkpoint PLACEMENTS, comma-separated, of inside,
+    # parent, wrapper, selective, none; at 17b a placement's two engines take about 130 s;
+    # PLAIN_ARGS go to plain_setup.py, e.g. "--attn-dropout 0.1"), each variant a
     # process of its own with an empty Inductor cache (cold first steps): FSDP2 with expandable
     # segments (its best), then zbuf.compile(model, optimizer=opt), then any other VARIANTS
     # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf"); zbuf.compile+auto =
@@ -281,18 +282,20 @@ case "${1:-}" in
       17b) model=(--preset qwen3-1.7b) ;;
       32b) model=(--preset qwen3-32b --simulate-world 8 --gpu-memory $CARD80); limit=580 ;;  # one variant a call
     esac
-    for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
+    for placement in $(echo "${3:?give inside, parent, wrapper, selective or none}" | tr , ' '); do
+     for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
       alloc=; [ "$v" = fsdp2 ] && alloc=expandable_segments:True
-      name=onepath_$2_$3_${v//+/-}  # the device tool brings back no file named with a '+'
+      name=onepath_$2_${placement}_${v//+/-}  # the device tool brings back no file named with a '+'
       rm -rf "/tmp/inductor_$v"
       PYTORCH_CUDA_ALLOC_CONF=$alloc TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$v" \
         timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
-        --seq-len 4096 --ac full --placement "${3:?give inside, parent, wrapper, selective or none}" --steps 30 --warmup 10 \
+        --seq-len 4096 --ac full --placement "$placement" --steps 30 --warmup 10 \
         --variants "$v" --out "$OUT/$name" ${PLAIN_ARGS:-} \
         ${PROFILE:+--profile-dir "$OUT/$name/profile"} 2>&1 | grep -v "Warning\|warn" \
         | tee "$OUT/$name.log" | tail -3
       python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload')) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
-      [ -n "${PROFILE:-}" ] && python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
+      [ -z "${PROFILE:-}" ] || python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
+     done
     done ;;
   32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card
     engine=${2:?give fsdp2 or zbuf}
