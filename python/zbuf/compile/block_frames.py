@@ -48,43 +48,41 @@ will use most) when the block's checkpointing covers its whole call, and the oth
 is one more copy of the frame ([Note: block levels] in block_replan.py).
 
 [Note: a block under the caller's checkpoint]
-A user who checkpoints in the parent's loop (``checkpoint(block, x, ...)`` around each block
-call) calls the block frame from inside a non-reentrant checkpoint (a checkpoint the repeated
-block applies itself is inside its frame: one in its ``forward``, and
-``apply_activation_checkpointing``'s, whose wrappers are the repeated blocks), whose saved-tensor hooks drop what the block saves and recompute the
-block in backward. The frames' own hooks (``SavedBlock``, [Note: two blocks live] in
-block_prefetch.py) would replace the checkpoint's, the innermost hooks being the ones
-autograd calls: every activation of every block was kept (qwen3-14b as rank 0 of 8 ran out of
-memory in step 0's forward). So a block called while a caller's hooks are the innermost ones
-(``regather.callers_hooks_active``; the root's own eager re-gather hooks, around every forward
-of a sharded model, are not a caller's) runs as
-level 0 under the frames' own checkpoint does: no hooks of its own, the caller's own what the
-frame saves; its recompute (in backward, under the checkpoint's recompute hooks) gathers again,
-prefetching the block before it when that one ran under the caller's hooks too (two blocks
-live, as in forward), or takes its forward gather when the re-planner keeps the block's weights
-for backward. Caller's hooks that
-are not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: correct, at
-the bytes they move.
+A user who checkpoints in the parent's loop (``checkpoint(block, x, ...)`` around each block call)
+calls the block frame from inside a non-reentrant checkpoint (a checkpoint the repeated block
+applies itself is inside its frame: one in its ``forward``, and
+``apply_activation_checkpointing``'s, whose wrappers are the repeated blocks), whose saved-tensor
+hooks drop what the block saves and recompute the block in backward. The frames' own hooks
+(``SavedBlock``, [Note: two blocks live] in block_prefetch.py) would replace the checkpoint's, the
+innermost hooks being the ones autograd calls: every activation of every block was kept (qwen3-14b
+as rank 0 of 8 ran out of memory in step 0's forward). So a block called while a caller's hooks are
+the innermost ones (``regather.callers_hooks_active``; the root's own eager re-gather hooks, around
+every forward of a sharded model, are not a caller's) runs as level 0 under the frames' own
+checkpoint does: no hooks of its own, the caller's own what the frame saves; its recompute (in
+backward, under the checkpoint's recompute hooks) gathers again, prefetching the block before it
+when that one ran under the caller's hooks too (two blocks live, as in forward), or takes its
+forward gather when the re-planner keeps the block's weights for backward. Caller's hooks that are
+not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: correct, at the bytes
+they move.
 
-The default (``recompute="checkpointed"``) plans such blocks as its own ([Note: offloaded under
-the step's own peak] in block_replan.py). Their frame has no checkpointed region, so its
-partition is what the block saves with nothing recomputed: "keep" is that frame as compiled
-(``_frame_level``: no compile of its own), and level 0 is the caller's recompute, which keeps
-the block's inputs only. The frame's first compile, which sees the first block call run under
-a caller's hooks, estimates the block as one region of every forward op, all three levels.
-"selective" is a frame of its own, compiled at the re-plan that chooses it, whose ops are
-tagged as the user's checkpoint inside the block would tag them (``_checkpoint_whole``) before
-``apply_levels`` keeps the matmul and attention outputs. At qwen3-14b as rank 0 of 8 the
-inside placement's "selective" saves 1.71 GB a block and the parent-checkpointed frame 3.39 GB
-at "keep" (benches/results/onepath14.md), so the copy queue may carry twice the blocks over the
-same link (CPU: tests/test_block_offload.py; not yet measured on a GPU). A block the plan runs at "keep" or
-"selective" (offloaded) runs its frame under the frames' own hooks, which, innermost, take
-everything it saves from the caller's: the caller's checkpoint keeps nothing of the call and
-never recomputes it (tests/test_block_offload.py counts the blocks run in backward). The cost
-is the model's: where the caller's region holds more than the block call, its recompute,
-started by what the rest saved, runs the block's forward again (the block's own backward still
-reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing, so the plan's saving is
-notional there (the bytes still leave the device).
+The default (``recompute="checkpointed"``) plans such blocks as its own ([Note: offloaded under the
+step's own peak] in block_replan.py). Their frame has no checkpointed region, so its partition is
+what the block saves with nothing recomputed: "keep" is that frame as compiled (``_frame_level``:
+no compile of its own), and level 0 is the caller's recompute, which keeps the block's inputs only.
+The frame's first compile, which sees the first block call run under a caller's hooks, estimates
+the block as one region of every forward op, all three levels. "selective" is a frame of its own,
+compiled at the re-plan that chooses it, whose ops are tagged as the user's checkpoint inside the
+block would tag them (``_checkpoint_whole``) before ``apply_levels`` keeps the matmul and attention
+outputs. At qwen3-14b as rank 0 of 8 the inside placement's "selective" saves 1.71 GB a block and
+the parent-checkpointed frame 3.39 GB at "keep" (benches/results/onepath14.md), so the copy queue
+may carry twice the blocks over the same link (CPU: tests/test_block_offload.py; not yet measured
+on a GPU). A block the plan runs at "keep" or "selective" (offloaded) runs its frame under the
+frames' own hooks, which, innermost, take everything it saves from the caller's: the caller's
+checkpoint keeps nothing of the call and never recomputes it (tests/test_block_offload.py counts
+the blocks run in backward). The cost is the model's: where the caller's region holds more than the
+block call, its recompute, started by what the rest saved, runs the block's forward again (the
+block's own backward still reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing,
+so the plan's saving is notional there (the bytes still leave the device).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
@@ -240,8 +238,7 @@ def _checkpoint_whole(graph: torch.fx.Graph, region: Region) -> None:
         n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         n.meta["ac_graph_id"] = 0
     for n in nodes:
-        if not (isinstance(n.target, torch._ops.OpOverload)
-                and torch.Tag.nondeterministic_seeded in n.target.tags):
+        if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
             continue
         if isinstance(n.meta.get("val"), torch.Tensor):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
