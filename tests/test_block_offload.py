@@ -22,6 +22,7 @@ import zbuf.compile
 from zbuf.compile import block_offload, block_replan, recompute_plan
 from zbuf.compile.block_clock import BlockClock
 from zbuf.compile.block_frames import block_frames_of
+from zbuf.compile.recompute import LEVELS
 from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
 from zbuf.memory import StepProfile
 from zbuf.shard import root_of, shard
@@ -468,6 +469,24 @@ def test_blocks_under_the_parents_checkpoint_offloaded(monkeypatch, copies, smal
     assert kept.frames.offload.moved_down == 0
     assert kept.losses == run.losses
     assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
+
+
+def test_the_parents_selective_frame_saves_what_the_blocks_own_checkpoint_would(monkeypatch):
+    """zbuf's tags on a parent-checkpointed block ([Note: a block under the caller's checkpoint]
+    in zbuf/compile/block_frames.py) make the "selective" frame the user's checkpoint inside the
+    block makes: the same level estimates, the same blocks offloaded, the same bytes moved."""
+    from test_user_checkpointing import VOCAB, Decoder
+
+    def offloaded(placement):
+        torch.manual_seed(0)
+        run = _train(monkeypatch, Decoder(placement, layers=7), 4, 3,
+                     batches=token_batches(3, vocab=VOCAB), recompute="checkpointed",
+                     ceiling=_room_under_the_peak())
+        offload = run.frames.offload
+        assert set(run.frames.levels.values()) == {LEVELS.index("selective")}
+        return run.frames.estimate.levels, offload.report()["blocks"], offload.moved_down
+
+    assert offloaded("parent") == offloaded("inside")
 
 
 def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):

@@ -75,14 +75,15 @@ compiled at the re-plan that chooses it, whose ops are tagged as the user's chec
 block would tag them (``_checkpoint_whole``) before ``apply_levels`` keeps the matmul and attention
 outputs. At qwen3-14b as rank 0 of 8 the inside placement's "selective" saves 1.71 GB a block and
 the parent-checkpointed frame 3.39 GB at "keep" (benches/results/onepath14.md), so the copy queue
-may carry twice the blocks over the same link (CPU: tests/test_block_offload.py; not yet measured
-on a GPU). A block the plan runs at "keep" or "selective" (offloaded) runs its frame under the
-frames' own hooks, which, innermost, take everything it saves from the caller's: the caller's
-checkpoint keeps nothing of the call and never recomputes it (tests/test_block_offload.py counts
-the blocks run in backward). The cost is the model's: where the caller's region holds more than the
-block call, its recompute, started by what the rest saved, runs the block's forward again (the
-block's own backward still reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing,
-so the plan's saving is notional there (the bytes still leave the device).
+may carry twice the blocks over the same link (on the CPU the two placements' level estimates,
+offloaded blocks and bytes moved are the same: tests/test_block_offload.py; not yet measured on a
+GPU). A block the plan runs at "keep" or "selective" (offloaded) runs its frame under the frames'
+own hooks, which, innermost, take everything it saves from the caller's: the caller's checkpoint
+keeps nothing of the call and never recomputes it (tests/test_block_offload.py counts the blocks
+run in backward). The cost is the model's: where the caller's region holds more than the block
+call, its recompute, started by what the rest saved, runs the block's forward again (the block's
+own backward still reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing, so the
+plan's saving is notional there (the bytes still leave the device).
 
 Measured on CPU (benches/results/compile_structure_cpu.md; tiny blocks, aot_eager, one rank):
 the first step's CPU time is 4.3 / 4.8 / 5.1 s at 2 / 8 / 16 blocks (FSDP2's per-block compile
