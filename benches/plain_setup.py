@@ -336,6 +336,9 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         card = SharedMemory(pool)
         card.emulate_capacity(cfg.gpu_memory)
     retries = []
+    # Per step, cumulative: torch's allocator's cudaMallocs and the pool's device allocations, to
+    # see segments made again every step (a cache emptied under pressure, which no retry counts).
+    device_allocs = []
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
 
@@ -360,7 +363,10 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             if device.type == "cuda":
-                retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+                stats = torch.cuda.memory_stats(device)
+                retries.append(stats.get("num_alloc_retries", 0))
+                device_allocs.append([stats.get("num_device_alloc", 0),
+                                      pool.stats().allocations if pool is not None else 0])
     except (torch.OutOfMemoryError, MemoryError) as e:
         # A variant that runs out of memory (or whose plan zbuf refuses) is a result, not the end
         # of the run: the others still run, and the record says at which step and why.
@@ -401,6 +407,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
            # The measure: retries once the measured step has re-planned (steps 0-2).
            "alloc_retries_after_step2": retries[-1] - retries[2] if len(retries) > 3 else 0,
            "alloc_retries_by_step": retries,
+           "device_allocs_by_step": device_allocs,
+           "step_s": times,
            "card": card.capacity_fraction() if card is not None else None,
            "losses": losses, "planned": _planned(model)}
     del step_loss, opt, model, pool, card

@@ -33,5 +33,6 @@ def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_p
     assert result["args"]["placement"] == placement
     runs = {v["variant"]: v for v in result["variants"]}
     assert runs["zbuf.compile"]["status"] == runs["fsdp2"]["status"] == "ok"
+    assert all(len(r["step_s"]) == 3 for r in runs.values())
     assert runs["zbuf.compile"]["losses"] == pytest.approx(runs["fsdp2"]["losses"], rel=1e-5)
     assert f"the user's checkpoint: {placement}" in (out / "plain_setup.md").read_text()
