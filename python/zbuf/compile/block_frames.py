@@ -230,23 +230,12 @@ def _whole_block(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
 def _checkpoint_whole(graph: torch.fx.Graph, region: Region) -> None:
     """Tag a caller-checkpointed block's ops as the user's checkpoint inside the block would
     (``PREFER_RECOMPUTE``, one ``ac_graph_id``), so that ``apply_levels`` can make its
-    "selective" frame ([Note: a block under the caller's checkpoint]). A random op's outputs
-    are saved instead (the items of a multi-output one, which itself is left untagged: its tuple
-    cannot be saved): recomputing it would take the device's RNG state into the graph."""
+    "selective" frame ([Note: a block under the caller's checkpoint]); a recomputed random op
+    replays its RNG state as under the user's own checkpoint ([Note: cacheable recompute of
+    seeded ops] in backend.py)."""
     by_name = {n.name: n for n in graph.nodes}
-    nodes = [by_name[name] for name in region.names]
-    for n in nodes:
-        n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-        n.meta["ac_graph_id"] = 0
-    for n in nodes:
-        if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
-            continue
-        if isinstance(n.meta.get("val"), torch.Tensor):
-            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        else:
-            del n.meta["recompute"]
-            for item in n.users:
-                item.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    for name in region.names:
+        by_name[name].meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=0)
 
 
 _NO_COMPUTE = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose",
@@ -347,7 +336,7 @@ class FramePartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self) -> str:
-        return (f"zbuf-frame-partitioner:v7:{self.recompute}:{self.level}:{self.predicted}:"
+        return (f"zbuf-frame-partitioner:v8:{self.recompute}:{self.level}:{self.predicted}:"
                 f"{self.callers}")
 
 
