@@ -398,9 +398,8 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
     # carries every second block, in a frame of its own; Inductor compiles it as on a GPU.
     (4, False, 1, [0, 2, 4], 2, 0.0, "aot_eager"),
     (4, False, 1, [0, 2, 4], 2, 0.0, "inductor"),
-    # With dropout in attention "selective" saves less than it would, so the plan picks "keep"
-    # for a link this fast; a host that holds less than one block at "keep" leaves it
-    # "selective", one block.
+    # Dropout in attention, recomputed from its replayed RNG state at "selective": a host that
+    # holds less than one block at "keep" makes it the level, one block.
     (1, True, 1, [5], 2, 0.1, "aot_eager")])
 def test_blocks_under_the_parents_checkpoint_offloaded(monkeypatch, copies, small_host, level,
                                                        expected, frames_compiled, dropout,
