@@ -305,7 +305,9 @@ def _planned(model) -> dict:
         out["activation_offload"] = schedule["activation_offload"]
     memory = zbuf.compile.step_memory_of(model)
     if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
-        out["optimizer_offload"] = memory.report()["optimizer_offload"]
+        report = memory.report()
+        out["optimizer_offload"] = report["optimizer_offload"]
+        out["torch_allocator"] = report["torch_allocator"]
         if frames is not None:  # the blocks' modelled recompute
             stats = memory.replanner.recompute_stats()
             if stats is not None:
@@ -370,11 +372,15 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     except (torch.OutOfMemoryError, MemoryError) as e:
         # A variant that runs out of memory (or whose plan zbuf refuses) is a result, not the end
         # of the run: the others still run, and the record says at which step and why.
+        # The plan that ran and the steps before it, so that a failure can be read (the
+        # 14B parent placement's step-2 failure had none of them).
         out = {"variant": variant, "status": _failure(e), "failed_step": len(times),
-               "error": str(e).splitlines()[0][:400], "losses": losses,
+               "error": str(e).splitlines()[0][:400], "losses": losses, "step_s": times,
+               "alloc_retries_by_step": retries, "device_allocs_by_step": device_allocs,
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)
                if device.type == "cuda" else 0,
-               "cache_at_failure": _cache_of(device) if device.type == "cuda" else None}
+               "cache_at_failure": _cache_of(device) if device.type == "cuda" else None,
+               "planned": _planned(model)}
         del step_loss, opt, model, pool, card
         gc.collect()
         if device.type == "cuda":
@@ -419,15 +425,24 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
 
 def _cache_of(device: torch.device) -> dict:
     """What torch's cache held when an allocation failed: whether the free bytes were in one
-    piece."""
+    piece, and on which streams, in which kind of segment, the pieces lay."""
     segments = [seg for seg in torch.cuda.memory_snapshot() if seg["device"] == device.index]
     free = [b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive"]
+    by_stream: dict[str, dict] = {}
+    for seg in segments:
+        kind = "expandable" if seg.get("is_expandable") else "segments"
+        row = by_stream.setdefault(f"{seg['stream']}/{kind}",
+                                   {"segments": 0, "reserved_bytes": 0, "allocated_bytes": 0})
+        row["segments"] += 1
+        row["reserved_bytes"] += seg["total_size"]
+        row["allocated_bytes"] += seg["allocated_size"]
     return {"segments": len(segments),
             "reserved_bytes": sum(seg["total_size"] for seg in segments),
             "allocated_bytes": sum(seg["allocated_size"] for seg in segments),
             "largest_free_block_bytes": max(free, default=0),
             "free_in_used_segments_bytes": sum(seg["total_size"] - seg["allocated_size"]
-                                               for seg in segments if seg["allocated_size"])}
+                                               for seg in segments if seg["allocated_size"]),
+            "by_stream_and_kind": by_stream}
 
 
 def _failure(e: BaseException) -> str:

@@ -96,6 +96,7 @@ def test_shared_memory_reclaims_yields_and_follows_budget_changes():
     mem.take_back()
     assert mem.pool_share_bytes() == pool.stats().budget_bytes
     assert mem.limit_bytes() is None  # the host has no device limit to measure
+    assert mem.torch_allocator is None  # nor torch's device allocator to configure
     with pytest.raises(ValueError, match="CUDA"):
         mem.emulate_capacity(1 << 30)
     # Dropping the arbiter leaves an inert hook: the pool works on, nothing is counted.
@@ -653,6 +654,45 @@ def test_the_pool_counts_against_a_users_memory_fraction(monkeypatch):
     assert set_to == [((total // 2) - (8 << 30)) / total]
     fraction["value"] = 1.0
     assert user_capacity_bytes(cuda) is None and budget._total_bytes(cuda) == total
+
+
+@pytest.mark.parametrize("environ, users", [
+    ({}, None),
+    # run.sh's ``PYTORCH_CUDA_ALLOC_CONF=`` for zbuf's runs leaves the variable set but empty
+    ({"PYTORCH_CUDA_ALLOC_CONF": " "}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, "PYTORCH_ALLOC_CONF=max_split_size_mb:512"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "PYTORCH_ALLOC_CONF": "x"},
+     "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync"),
+])
+def test_torch_allocator_grows_in_place_unless_the_user_configured_it(monkeypatch, environ, users):
+    """[Note: torch's allocator grows in place] with CUDA's calls mocked (no GPU here): sharing a
+    CUDA device turns expandable segments on, once, and says so; a user's settings, whatever
+    they are, stand as given and are named in the record."""
+    from types import SimpleNamespace
+
+    from zbuf.memory import SharedMemory, users_allocator_settings
+
+    assert users_allocator_settings(environ) == users
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    settings = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", lambda observer: None,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    pool = SimpleNamespace(device=torch.device("cuda", 0), set_reclaim_hook=lambda hook: None,
+                           set_budget_observer=lambda observer: None)
+    mem = SharedMemory(pool)
+    if users is None:
+        assert settings == ["expandable_segments:True"]
+        assert mem.torch_allocator == "expandable_segments:True (zbuf's)"
+    else:
+        assert settings == [] and mem.torch_allocator == users
 
 
 @pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")

@@ -27,20 +27,58 @@ fraction at ``(capacity - what the pool may hold) / total`` and moves it wheneve
 lower while the pool holds its blocks, higher while they are lent to the optimizer step. When the
 pool takes its share back and torch's cache has grown into it, that cache is emptied, as the
 reclaim hook would do on a real card of that size.
+
+[Note: torch's allocator grows in place]
+Left at its defaults, torch's caching allocator takes a segment from the driver per large request
+and splits cached segments for later ones; what is freed inside a segment that still holds a live
+tensor serves only requests that fit the hole, and never goes back to the device. A step planned
+near the card's limit leaves such holes (kept, offloaded and recomputed blocks' activations, the
+uploads of offloaded ones, the user's fp32 loss): at qwen3-14b as rank 0 of 8 on an 80 GiB card,
+with the user's checkpoint around each block call, ``zbuf.compile(model, optimizer=opt)`` ran out
+of memory in step 2 asking for the fp32 logits (9.27 GiB) with 45.8 GiB allocated and 20.4 GiB of
+torch's cache free in pieces (benches/results/onepath14.md): about 60 % of what the step had
+allocated beyond its start, where the plan charges what step 0 measured (23.5 % in the same
+placement's earlier run). No plan can budget holes that grow so. Expandable segments
+(``expandable_segments:True``: torchtitan's default, and the FSDP2 baseline's) map pages into one
+growing address range per stream instead: when a request finds no hole that fits, the allocator
+unmaps the free pages and maps them again where it fits (one retry), so memory free in pieces
+serves any request. So ``SharedMemory``, as it begins to share a CUDA device, turns them on,
+unless the user configured torch's allocator (``PYTORCH_CUDA_ALLOC_CONF`` or
+``PYTORCH_ALLOC_CONF`` set: their settings stand as given, ``expandable_segments:False``
+included, and the record says whose are in force: ``torch_allocator``). The setting is torch's,
+process-wide, and holds for the segments made after it; torch's fraction cap ([Note: emulated
+capacity]) bounds the mapped pages as it bounds segments (tests/gpu/test_torch_allocator_gpu.py:
+holes serve a request twice their size). Not yet measured at 14B.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from ..pool import GatherBufferPool
 from .device import user_capacity_bytes
 
-__all__ = ["MemoryEvents", "SharedMemory"]
+__all__ = ["MemoryEvents", "SharedMemory", "ALLOCATOR_VARIABLES", "users_allocator_settings"]
+
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where a user configures torch's CUDA caching allocator (the second is torch's name for every
+device's allocator)."""
+
+
+def users_allocator_settings(environ: Mapping[str, str]) -> Optional[str]:
+    """The user's configuration of torch's allocator, ``NAME=value`` of the first of
+    ``ALLOCATOR_VARIABLES`` set to more than blanks; None when the user left it at torch's
+    defaults ([Note: torch's allocator grows in place])."""
+    for name in ALLOCATOR_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            return f"{name}={value}"
+    return None
 
 
 @dataclasses.dataclass
@@ -72,6 +110,9 @@ class SharedMemory:
         self.events = MemoryEvents()
         self._capacity: Optional[int] = None
         self._lent = False
+        self.torch_allocator: Optional[str] = None
+        """Whose settings torch's caching allocator runs under, for the record ([Note: torch's
+        allocator grows in place]); None on the host."""
         ref = weakref.ref(self)
 
         def reclaim(nbytes: int) -> None:
@@ -99,6 +140,10 @@ class SharedMemory:
             # no way to detach an observer; this one is inert once ``self`` is gone.
             torch.cuda.init()
             torch._C._cuda_attach_out_of_memory_observer(observer)
+            self.torch_allocator = users_allocator_settings(os.environ)
+            if self.torch_allocator is None:
+                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+                self.torch_allocator = "expandable_segments:True (zbuf's)"
             # [Note: one cap for torch and the pool]: a user's fraction is the shared capacity.
             self.emulate_capacity(user_capacity_bytes(self.device))
 

@@ -72,7 +72,9 @@ free go back to the device, and the state (and the step's temporaries) is made i
 sized by what it asks for, or in the free parts of segments still in use (the gradients'), which
 it could not have made whole anyway. The next step's activations get new segments beside it;
 step 1 pays its forward's device allocations once. The same run then completed with no retry
-after step 2 (benches/results/onepath32b.md).
+after step 2 (benches/results/onepath32b.md). Under the expandable segments zbuf turns on
+([Note: torch's allocator grows in place] in shared.py) such a hole costs a retry rather than
+the step; the emptying stays for a user who configures torch's allocator without them.
 """
 
 from __future__ import annotations
@@ -537,6 +539,7 @@ class StepMemory:
             "events": dict(vars(self.memory.events)),
             "optimizer_attached": self.optimizer is not None,
             "capacity": self.memory.capacity_fraction(),
+            "torch_allocator": self.memory.torch_allocator,
             "optimizer_offload": (None if self.offload_choice is None
                                   else self.offload_choice.report()),
         }
