@@ -488,6 +488,46 @@ def test_the_parents_selective_frame_saves_what_the_blocks_own_checkpoint_would(
     assert offloaded("parent") == offloaded("inside")
 
 
+def test_blocks_under_their_own_selective_checkpoint_move_what_the_plan_sized(monkeypatch):
+    """The user's selective checkpoint inside each block (torchtitan's op-level policy, as
+    ``--placement selective`` in benches/plain_setup.py runs it): level 0 saves the policy's
+    matmul and attention outputs, and an offloaded call moves those beside what its level
+    keeps beyond them. The plan sizes the calls' arenas and copies by both, so every byte
+    each offloaded call moves is the plan's estimate (none through torch's pinned tensors),
+    and training matches the unsharded reference (1e-5)."""
+    from torch.utils.checkpoint import checkpoint
+    from test_user_checkpointing import HIDDEN, VOCAB, Block, Decoder
+
+    from zbuf.models import selective_checkpoint_context
+
+    class SelectiveBlock(Block):
+        def forward(self, x, cos, sin):
+            return checkpoint(self._body, x, cos, sin, use_reentrant=False,
+                              context_fn=selective_checkpoint_context)
+
+    steps = 3
+    torch.manual_seed(0)
+    init = Decoder("none", layers=7)
+    init.layers = torch.nn.ModuleList(SelectiveBlock("none", 0.0, True) for _ in range(7))
+    batches = token_batches(steps, vocab=VOCAB)
+    run = _train(monkeypatch, init, 1, steps, batches=batches, recompute="checkpointed",
+                 ceiling=_room_under_the_peak(), host_below_keep=True)
+    frames, offload = run.frames, run.frames.offload
+    report = offload.report()
+    assert not frames.estimate.whole and frames.estimate.saved_bytes > 0
+    assert report["blocks"] and set(frames.levels.values()) == {LEVELS.index("selective")}
+    per_call = offload.moved_down // (steps - 1) // len(report["blocks"])
+    # The level's estimate counts the down projection's output, which no backward op reads
+    # (the block's output is not saved): at most that above what the call moves.
+    planned = report["planned_block_bytes"]
+    out_bytes = batches[0][:, :-1].numel() * HIDDEN * 4  # fp32
+    assert planned - out_bytes <= per_call <= planned, (per_call, planned)
+    assert report["unplanned_host_bytes"] == 0
+    ref = copy.deepcopy(init)
+    ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
+
+
 def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):
     """On the CPU stand-in the profile sees no activations, so the measured step's peak is its
     gradients' end of backward, and the reserve finds no room under it: nothing offloaded,

@@ -195,6 +195,15 @@ class LevelEstimate(NamedTuple):
     """The level the estimating frame was compiled at (the shared frame's chosen by
     ``choose_shared_level``)."""
 
+    @property
+    def moved_beside_level_bytes(self) -> int:
+        """What an offloaded call moves beside its level's ``extra_bytes``: level 0's own saves
+        (a selective policy's outputs; [Note: offloaded blocks] in block_offload.py), none
+        where the checkpoint covers the whole block, whose level 0 saves its inputs only (the
+        shared frame's ``saved_bytes`` is another level's partition less that level's
+        estimate)."""
+        return 0 if self.whole else self.saved_bytes
+
 
 def choose_shared_level(levels: Sequence[RegionLevel], blocks: int,
                         room_bytes: int) -> int:

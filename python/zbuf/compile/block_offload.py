@@ -28,6 +28,14 @@ than the plan without offload. The link decides: "selective" keeps the matmul an
 outputs, about 56 % of "keep"'s bytes, and leaves only the elementwise recompute, so where one
 block's copy at "keep" takes three block forwards and at "selective" 1.7, "selective" offloads
 about 80 % more blocks at most of the saving each (qwen3-14b: tests/test_block_offload.py).
+A call moves everything its level saves, what level 0 saves included (the outputs a user's
+selective checkpoint policy saves, off level 0's partition:
+``LevelEstimate.moved_beside_level_bytes``),
+so the link, the host memory and the arenas are planned on that
+(``RecomputePlan.offload_block_bytes``), and the device reserve on the level's bytes beyond
+level 0 alone (level 0 holds its own saves until backward anyway). Planned on the latter, a
+CPU stack under torchtitan's selective policy moved 17248 bytes a call into arenas sized for
+7040 (tests/test_block_offload.py).
 Only on CUDA: on the host there is no link to use.
 
 The run (``BlockOffload``, one per model's frames), each saved tensor of the block's frame
@@ -71,10 +79,12 @@ device bytes stay until its copies have run (the reserve counts the call whose f
 beside those on their way); the copies share the link with the optimizer state's window when
 that state is offloaded too ([Note: the step's window] in zbuf/offload_window.py), which the
 plan does not model; the plan's estimate of a block's bytes sizes its arena
-(``unplanned_host_bytes`` in the record counts what did not fit); where the offloaded blocks'
-level is not the shared frame's, its frame is one more block compile at the re-plan ([Note:
-block levels], 1). A saved tensor that the program changes in place after its block (which
-autograd refuses without hooks) is copied as the stream has it. Measured at qwen3-14b
+(``unplanned_host_bytes`` in the record counts what did not fit), above what the call moves
+at "keep" ([Note: budgeted recompute] in recompute.py) and where level 0 saves what the level
+does not; where the
+offloaded blocks' level is not the shared frame's, its frame is one more block compile at the
+re-plan ([Note: block levels], 1). A saved tensor that the program changes in place after its
+block (which autograd refuses without hooks) is copied as the stream has it. Measured at qwen3-14b
 (benches/results/onepath14.md): under ``auto`` before the uploads came out of the compute
 stream's cache (two retries a step), and as the default's plan after it (one retry, in step 2).
 

@@ -119,7 +119,12 @@ class RecomputePlan:
     copy_queue: CopyQueue = NO_COPIES
     """The offloaded blocks and when their copies run."""
     offload_block_bytes: int = 0
-    """Bytes each offloaded block moves each way: the host memory each of its calls takes."""
+    """Bytes each offloaded block moves each way: everything its level saves, level 0's own
+    saves included (a user's selective policy's: the offloaded call copies them too); the host
+    memory each of its calls takes and what its copy's time is planned on."""
+    offload_extra_bytes: int = 0
+    """Device bytes each offloaded block call holds on its way beyond level 0: its level's
+    ``extra_bytes`` (level 0 holds its own saves until backward anyway)."""
     host_link: Optional["HostLink"] = None
     """What the offloaded blocks' copies were planned with (None: none offloaded)."""
     reserve_apart: bool = False
@@ -139,7 +144,7 @@ class RecomputePlan:
         """Device bytes the offloaded blocks hold at once at most, on their way to and from the
         host (``CopyQueue.in_flight`` blocks' worth, none when none is offloaded); in the budget
         beside ``kept_bytes`` unless apart."""
-        return self.copy_queue.in_flight * self.offload_block_bytes
+        return self.copy_queue.in_flight * self.offload_extra_bytes
 
     @property
     def modelled_peak_bytes(self) -> int:
@@ -241,7 +246,8 @@ class HostLink(NamedTuple):
 def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                       link: Optional[HostLink] = None,
                       reserve_room_bytes: Optional[int] = None,
-                      tail_room_bytes: Optional[int] = None) -> RecomputePlan:
+                      tail_room_bytes: Optional[int] = None,
+                      saved_bytes: int = 0) -> RecomputePlan:
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
@@ -253,14 +259,16 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     the room it has there ([Note: offloaded under the step's own peak] in block_replan.py), and
     ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``.
     ``tail_room_bytes``: with ``reserve_room_bytes``, the reserve's room if it stays live through
-    the last block to the model's output, where the queue may then drain (None: it may not)."""
+    the last block to the model's output, where the queue may then drain (None: it may not).
+    ``saved_bytes``: what each block call saves at level 0 (the user's own saves), which an
+    offloaded call moves to the host beside its level's ``extra_bytes``."""
     on_device = _device_levels(levels, blocks, room_bytes)
     if link is None or blocks == 0:
         return on_device
     best = on_device
     for level in range(1, len(levels)):
         plan = _offloaded_at(level, levels, blocks, room_bytes, link, reserve_room_bytes,
-                             tail_room_bytes, on_device)
+                             tail_room_bytes, on_device, saved_bytes)
         if plan is not None and plan.saved_seconds > best.saved_seconds:
             best = plan
     return best
@@ -364,18 +372,20 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
 def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                   link: HostLink, reserve_room_bytes: Optional[int],
                   tail_room_bytes: Optional[int],
-                  on_device: RecomputePlan) -> Optional[RecomputePlan]:
-    """The plan that offloads blocks at ``level``, or None if none saves time."""
-    block_bytes = levels[level].extra_bytes
-    if block_bytes <= 0:
+                  on_device: RecomputePlan, saved_bytes: int = 0) -> Optional[RecomputePlan]:
+    """The plan that offloads blocks at ``level``, or None if none saves time; each call moves
+    ``saved_bytes`` (level 0's) beside the level's extra bytes."""
+    extra_bytes = levels[level].extra_bytes
+    if extra_bytes <= 0:
         return None
+    block_bytes = extra_bytes + saved_bytes
     apart = reserve_room_bytes is not None
     copy_seconds = block_bytes / link.bytes_per_second if link.bytes_per_second > 0 else math.inf
     copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
     gain_each = levels[0].recompute_seconds - levels[level].recompute_seconds
     best: Optional[RecomputePlan] = None
     for in_flight in IN_FLIGHT:
-        reserve = in_flight * block_bytes
+        reserve = in_flight * extra_bytes
         if (reserve_room_bytes if apart else room_bytes) < reserve:
             break
         beside = on_device if apart else _device_levels(levels, blocks, room_bytes - reserve)
@@ -398,7 +408,7 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
         best = dataclasses.replace(
             beside, levels=tuple(chosen), recompute_seconds=beside.recompute_seconds - gain,
             saved_seconds=beside.saved_seconds + gain, copy_queue=queue,
-            offload_block_bytes=block_bytes, host_link=link,
+            offload_block_bytes=block_bytes, offload_extra_bytes=extra_bytes, host_link=link,
             reserve_apart=apart, requested_budget_bytes=max(1, room_bytes),
             budget_bytes=max(1, room_bytes))
     return best
