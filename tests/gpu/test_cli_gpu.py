@@ -32,6 +32,12 @@ def test_bench_every_engine_on_all_gpus(tmp_path):
     assert record["config"]["dtype"] == "bf16" and record["config"]["ac"] == "full"  # GPU default
     env = record["environment"]
     assert env["device_type"] == "cuda" and env["nccl"] and env["gpu"]
+    # Every engine in its best configuration unless the run's environment configured torch's
+    # allocator ([Note: torch's allocator grows in place] in zbuf/memory/shared.py).
+    from zbuf.memory import users_allocator_settings
+
+    users = users_allocator_settings(os.environ)
+    assert env["torch_allocator"] == (users or "expandable_segments:True (zbuf's)"), env
     losses = {}
     for eng in record["engines"]:
         assert eng["status"] == "ok", eng.get("error")

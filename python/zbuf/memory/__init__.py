@@ -10,7 +10,8 @@ from .ledger import Ledger
 from .optimizer_state import OptimizerPolicy
 from .phases import PhaseMeter, StepPhases, StepProfile
 from .planner import PlanPhase, PlanPhases, Replan, StructurePlanner
-from .shared import ALLOCATOR_VARIABLES, MemoryEvents, SharedMemory, users_allocator_settings
+from .shared import (ALLOCATOR_VARIABLES, MemoryEvents, SharedMemory, expand_torch_segments,
+                     users_allocator_settings)
 from .step import MeasuredBudget, StepMemory, StepMemoryRow
 
 __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
@@ -18,5 +19,5 @@ __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
            "user_capacity_bytes",
            "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase",
            "PlanPhases", "Replan", "StructurePlanner", "ALLOCATOR_VARIABLES", "MemoryEvents",
-           "SharedMemory", "users_allocator_settings",
+           "SharedMemory", "users_allocator_settings", "expand_torch_segments",
            "MeasuredBudget", "StepMemory", "StepMemoryRow"]

@@ -45,7 +45,9 @@ unmaps the free pages and maps them again where it fits (one retry), so memory f
 serves any request. So ``SharedMemory``, as it begins to share a CUDA device, turns them on,
 unless the user configured torch's allocator (``PYTORCH_CUDA_ALLOC_CONF`` or
 ``PYTORCH_ALLOC_CONF`` set: their settings stand as given, ``expandable_segments:False``
-included, and the record says whose are in force: ``torch_allocator``). The setting is torch's,
+included, and the record says whose are in force: ``torch_allocator``); ``zbuf train`` and
+``zbuf bench`` do the same for every engine before its first allocation, so FSDP2 and DDP run
+in their best configuration beside zbuf (../shared/docs/DEVICE.md). The setting is torch's,
 process-wide, and holds for the segments made after it; torch's fraction cap ([Note: emulated
 capacity]) bounds the mapped pages as it bounds segments (tests/gpu/test_torch_allocator_gpu.py:
 holes serve a request twice their size). Not yet measured at 14B.
@@ -63,7 +65,8 @@ import torch
 from ..pool import GatherBufferPool
 from .device import user_capacity_bytes
 
-__all__ = ["MemoryEvents", "SharedMemory", "ALLOCATOR_VARIABLES", "users_allocator_settings"]
+__all__ = ["MemoryEvents", "SharedMemory", "ALLOCATOR_VARIABLES", "users_allocator_settings",
+           "expand_torch_segments"]
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """Where a user configures torch's CUDA caching allocator (the second is torch's name for every
@@ -79,6 +82,17 @@ def users_allocator_settings(environ: Mapping[str, str]) -> Optional[str]:
         if value:
             return f"{name}={value}"
     return None
+
+
+def expand_torch_segments() -> str:
+    """Turn torch's expandable segments on unless the user configured torch's allocator ([Note:
+    torch's allocator grows in place]); returns whose settings are in force, for the record.
+    Idempotent; CUDA only (the host's allocator has no segments)."""
+    users = users_allocator_settings(os.environ)
+    if users is not None:
+        return users
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    return "expandable_segments:True (zbuf's)"
 
 
 @dataclasses.dataclass
@@ -140,10 +154,7 @@ class SharedMemory:
             # no way to detach an observer; this one is inert once ``self`` is gone.
             torch.cuda.init()
             torch._C._cuda_attach_out_of_memory_observer(observer)
-            self.torch_allocator = users_allocator_settings(os.environ)
-            if self.torch_allocator is None:
-                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
-                self.torch_allocator = "expandable_segments:True (zbuf's)"
+            self.torch_allocator = expand_torch_segments()
             # [Note: one cap for torch and the pool]: a user's fraction is the shared capacity.
             self.emulate_capacity(user_capacity_bytes(self.device))
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import faults
 from ..checkpoint import CheckpointError
 from ..compile import PlanExceedsMemoryError
+from ..memory import expand_torch_segments
 from .config import TrainConfig
 from .interrupted import rank_path
 from .launcher import die_with_parent
@@ -73,6 +74,9 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
     returns the partial record (all ranks). ``stopped_path``: where the ranks write the partial
     record of the steps done when Ctrl-C or SIGTERM stops it ([Note: interrupted runs] in
     ``loop``)."""
+    # Before any engine allocates: every engine, FSDP2's and DDP's too, runs in its best
+    # configuration ([Note: torch's allocator grows in place] in zbuf/memory/shared.py).
+    allocator = expand_torch_segments() if cfg.device == "cuda" else None
     device = init_distributed(cfg)
     rank = dist.get_rank()
     shown = TrainProgress(memory_label="mem" if device.type == "cuda" else "rss") \
@@ -96,6 +100,7 @@ def run_engines(cfg: TrainConfig, runs: tuple[int, ...], progress: bool = True,
     gc.collect()
     env = environment(device)
     env["collective_timeout_s"] = faults.collective_timeout_s()  # what the ranks really applied
+    env["torch_allocator"] = allocator
     return {
         "environment": env,
         "peak_flops": peak_flops_per_second(device, cfg.peak_tflops, cfg.dtype),
