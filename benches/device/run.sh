@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
 # (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
-#   bash benches/device/run.sh tests      # every tests/gpu test (over 9 min at 960201a: split
-#                                           test_simulate_gpu.py + test_cli_gpu.py off into a call of their own)
+#   bash benches/device/run.sh tests-a    # every tests/gpu test but the slow three (~7.5 min cold)
+#   bash benches/device/run.sh tests-b    # the slow three: simulate, cli, user checkpointing (~9 min)
 #   bash benches/device/run.sh tests tests/gpu/test_compile_gpu.py ...  # only the files named
 #   bash benches/device/run.sh pool       # pool GPU tests, pool and op-dispatch benchmarks (~2 min)
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
@@ -134,6 +134,14 @@ bench() {  # bench NAME ENGINE[:MODE] [extra args...]: one engine, its own recor
     --out "$OUT/${name}_${engine/:/-}.json" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/${name}_${engine/:/-}.log" | tail -20
 }
 
+# Every tests/gpu test in two calls, each under the 10-minute limit on a cold machine (at
+# 2c7cf74: 561 + 374 s, the user-checkpointing file 145 s of the first): tests-a, then tests-b.
+SLOW_GPU_TESTS=(tests/gpu/test_simulate_gpu.py tests/gpu/test_cli_gpu.py
+                tests/gpu/test_user_checkpointing_gpu.py)
+case "${1:-}" in
+  tests-a) set -- tests $(ls tests/gpu/test_*.py | grep -v -F "$(printf '%s\n' "${SLOW_GPU_TESTS[@]}")") ;;
+  tests-b) set -- tests "${SLOW_GPU_TESTS[@]}" ;;
+esac
 case "${1:-}" in
   tests)  # tests [FILE...]: every tests/gpu test, or the files named
     shift
@@ -335,6 +343,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]|onepath 14b|17b|32b PLACEMENTS [VARIANTS]|32b ENGINE [ARGS]|offload14 [ARGS]|fit32b [ENGINE] [MIN] [MAX]|fitcheck 8b|32b MB" >&2
+    echo "usage: $0 tests [FILE...]|tests-a|tests-b|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]|onepath 14b|17b|32b PLACEMENTS [VARIANTS]|32b ENGINE [ARGS]|offload14 [ARGS]|fit32b [ENGINE] [MIN] [MAX]|fitcheck 8b|32b MB" >&2
     exit 2 ;;
 esac
