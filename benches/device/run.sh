@@ -282,8 +282,9 @@ case "${1:-}" in
     # (default fsdp2,zbuf.compile; plain = torch.compile(backend="zbuf"); zbuf.compile+auto =
     # recompute="auto", its blocks kept, offloaded or recomputed). MODEL: 14b (qwen3-14b
     # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
-    # Records: $OUT/onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json; PROFILE=1: two extra steps
-    # profiled per variant, the summary under .../profile/ and printed
+    # Records: onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json in $OUT/onepath_MODEL_records.tgz;
+    # PROFILE=1: two extra steps profiled per variant, the summary under .../profile/ and printed.
+    # zbuf.compile runs with PYTORCH_CUDA_ALLOC_CONF blank: torch's allocator left to zbuf
     limit=290
     case "${2:?give 14b, 17b or 32b}" in
       14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80) ;;
@@ -304,7 +305,11 @@ case "${1:-}" in
       python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload')) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
       [ -z "${PROFILE:-}" ] || python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
      done
-    done ;;
+    done
+    # The device tool brings 8 files back a call (three placements' records did not come back):
+    # the records travel as one archive, beside the logs.
+    (cd "$OUT" && tar czf "/tmp/onepath_$2_records.tgz" onepath_$2_*/ && rm -rf onepath_$2_*/ \
+      && mv "/tmp/onepath_$2_records.tgz" .) ;;
   32b)  # ONE H200, issue 38: 32b ENGINE [ARGS]: qwen3-32b as rank 0 of 8 on an 80 GiB card
     engine=${2:?give fsdp2 or zbuf}
     structure=(); [ "$engine" = zbuf ] && structure=(--compile-structure blocks)
