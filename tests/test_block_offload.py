@@ -62,13 +62,17 @@ def levels_and_link(draw):
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @example(levels_link=((RegionLevel("recompute", 0, 0.0625), RegionLevel("selective", 1, 0.0),
                        RegionLevel("keep", 1, 0.0)), HostLink(16.0, 5e-324, 0)),
-         blocks=1, room=2)  # a copy that takes more forwards than a float holds
-@given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16))
+         blocks=1, room=2, saved=0)  # a copy that takes more forwards than a float holds
+@given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16),
+       st.sampled_from([0, 1, 1 << 10, 1 << 12]))
 def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_save_time(
-        levels_link, blocks, room):
+        levels_link, blocks, room, saved):
+    """``saved``: what level 0 saves of each call (a user's selective policy's outputs), which
+    an offloaded call moves beside its level's bytes but which level 0 held on the device
+    anyway."""
     lv, link = levels_link
     on_device = plan_block_levels(lv, blocks, room)
-    plan = plan_block_levels(lv, blocks, room, link)
+    plan = plan_block_levels(lv, blocks, room, link, saved_bytes=saved)
     assert len(plan.levels) == blocks
     if not plan.offloaded:
         assert plan == on_device  # nothing offloaded: the plan without a link
@@ -80,10 +84,10 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     # All at one level above 0, whose bytes each moves; two of them on the device at most.
     level = plan.levels[plan.offloaded[0]]
     assert level >= 1 and all(plan.levels[b] == level for b in plan.offloaded)
-    assert plan.offload_block_bytes == lv[level].extra_bytes and plan.host_link == link
+    assert plan.offload_block_bytes == lv[level].extra_bytes + saved and plan.host_link == link
     queue = plan.copy_queue
     assert queue.positions == plan.offloaded and queue.in_flight in recompute_plan.IN_FLIGHT
-    assert plan.offload_reserve_bytes == queue.in_flight * plan.offload_block_bytes
+    assert plan.offload_reserve_bytes == queue.in_flight * lv[level].extra_bytes
     assert plan.modelled_peak_bytes <= max(room, 1)
     assert len(plan.offloaded) * plan.offload_block_bytes <= link.host_bytes
     assert_copies_never_wait(plan.copy_queue, plan.offload_block_bytes, link, blocks)
@@ -98,7 +102,7 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     # The level offloaded saves the most (a tie goes to the lower level, fewer bytes moved).
     for other in range(1, len(lv)):
         alternative = recompute_plan._offloaded_at(other, lv, blocks, room, link, None, None,
-                                                   on_device)
+                                                   on_device, saved)
         if alternative is not None:
             assert alternative.saved_seconds <= plan.saved_seconds
             assert alternative.saved_seconds < plan.saved_seconds or other >= level
@@ -550,22 +554,25 @@ def test_the_reserve_has_the_room_under_the_peak_where_it_is_live():
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16),
-       st.integers(0, 1 << 16), st.one_of(st.none(), st.integers(0, 1 << 16)))
+       st.integers(0, 1 << 16), st.one_of(st.none(), st.integers(0, 1 << 16)),
+       st.sampled_from([0, 1, 1 << 10, 1 << 12]))
 def test_offloaded_blocks_apart_from_the_peak_keep_the_device_plan_and_fit_their_own_room(
-        levels_link, blocks, room, reserve_room, tail_room):
+        levels_link, blocks, room, reserve_room, tail_room, saved):
     """With the reserve's room apart: the blocks not offloaded have the levels of the plan in
     ``room`` alone, the reserve fits its own room and is not in the modelled peak, it drains at
-    the model's output only where it fits the room there too, its copies never wait, and the
-    offload is taken only when it saves time."""
+    the model's output only where it fits the room there too, its copies (level 0's saves
+    among them) never wait, and the offload is taken only when it saves time."""
     lv, link = levels_link
     on_device = plan_block_levels(lv, blocks, room)
     plan = plan_block_levels(lv, blocks, room, link, reserve_room_bytes=reserve_room,
-                             tail_room_bytes=tail_room)
+                             tail_room_bytes=tail_room, saved_bytes=saved)
     if not plan.offloaded:
         assert plan == on_device
         return
     assert plan.reserve_apart
-    assert plan.offload_reserve_bytes == plan.copy_queue.in_flight * plan.offload_block_bytes
+    assert plan.offload_block_bytes == plan.offload_extra_bytes + saved
+    assert len(plan.offloaded) * plan.offload_block_bytes <= link.host_bytes
+    assert plan.offload_reserve_bytes == plan.copy_queue.in_flight * plan.offload_extra_bytes
     assert plan.offload_reserve_bytes <= reserve_room
     if plan.copy_queue.drained_at == blocks:
         assert tail_room is not None and plan.offload_reserve_bytes <= tail_room
