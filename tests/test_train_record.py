@@ -58,6 +58,8 @@ def test_summary_statistics_and_markdown():
     fpt = rec["model"]["flops_per_token"]
     assert s["mfu"] == pytest.approx(fpt * 1024 / 1.05 / 989e12)
     assert s["peak_device_bytes"] == 4 << 30 and s["alloc_retries_per_rank"] == [0, 2]
+    # Rank 1 retried once a step: steps 3 to 5 count after step 2, step 2's own does not.
+    assert s["alloc_retries_after_step_2_per_rank"] == [0, 3]
     z = rec["engines"][1]["summary"]
     assert z["schedule_budget_bytes"] == 3 << 20 and z["schedule_peak_live_bytes"] == 2 << 20
     assert z["pool"]["hits"] == 90

@@ -600,12 +600,9 @@ def step_memory_table(record: dict[str, Any]) -> Optional[Table]:
         return lambda e: format_bytes(((e.get("step_memory") or {}).get("measured") or {})
                                       .get(key))
 
-    def retries_after(e):
-        steps = e["steps"]
-        if len(steps) <= 2:
-            return "-"
-        return ",".join(str(a - b) for a, b in zip(steps[-1]["alloc_retries"],
-                                                    steps[1]["alloc_retries"]))
+    def retries_after(e):  # the summary's count: record.py says which steps it covers
+        after = (e.get("summary") or {}).get("alloc_retries_after_step_2_per_rank")
+        return "-" if after is None else ",".join(map(str, after))
 
     rows = [("forward peak", peak("forward_peak_bytes", slice(1, None))),
             ("backward peak", peak("backward_peak_bytes", slice(1, None))),
