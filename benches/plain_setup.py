@@ -562,13 +562,19 @@ def main() -> None:
                       simulate_world=args.simulate_world, gpu_memory=card,
                       progress=False).resolve(cuda=cuda, world=world, bench=True)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
+    from zbuf.memory import users_allocator_settings
+
     results = []
     result = {"args": {**vars(args), "preset": cfg.preset, "micro_batch": cfg.micro_batch,
                        "seq_len": cfg.seq_len, "ac": cfg.ac},
               "world": world, "simulated": args.simulate_world is not None,
               "gpu_memory_bytes": card,
               "device": torch.cuda.get_device_name(device) if cuda else "CPU",
-              "torch": torch.__version__, "variants": results}
+              "torch": torch.__version__,
+              # The run's own allocator settings (FSDP2's expandable segments come from run.sh);
+              # a zbuf variant that finds none turns them on itself and records it.
+              "allocator_settings": users_allocator_settings(os.environ),
+              "variants": results}
     for v in variants:
         user_ac = UserCheckpointing(args.placement, args.attn_dropout, args.preserve_rng_state)
         results.append(run_variant(v, cfg, device, dtype, rank, world, user_ac,

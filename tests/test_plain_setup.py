@@ -22,15 +22,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("none", ["--attn-dropout", "0.1", "--no-preserve-rng-state"]),
 ])
 def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_path):
+    from zbuf.memory import users_allocator_settings
+
     out = tmp_path / placement
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, os.path.join(ROOT, "benches", "plain_setup.py"),
                     "--preset", "tiny", "--steps", "3", "--warmup", "1", "--ac", "full",
                     "--placement", placement, "--variants", "zbuf.compile,fsdp2",
                     "--out", str(out), *extra],
-                   check=True, capture_output=True, text=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   check=True, capture_output=True, text=True, timeout=600, env=env)
     result = json.loads((out / "plain_setup.json").read_text())
     assert result["args"]["placement"] == placement
+    assert result["allocator_settings"] == users_allocator_settings(env)  # whose, for the rows
     runs = {v["variant"]: v for v in result["variants"]}
     assert runs["zbuf.compile"]["status"] == runs["fsdp2"]["status"] == "ok"
     assert all(len(r["step_s"]) == 3 for r in runs.values())
