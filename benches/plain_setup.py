@@ -357,6 +357,11 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
             torch.cuda.synchronize(device)
         return loss
 
+    def steps_so_far() -> dict:
+        """What every step recorded, and the plan that ran them: in a failure's record too."""
+        return {"step_s": times, "losses": losses, "alloc_retries_by_step": retries,
+                "device_allocs_by_step": device_allocs, "planned": _planned(model)}
+
     try:
         for step in range(cfg.steps):
             batch = batch_of(step)
@@ -371,16 +376,13 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                                       pool.stats().allocations if pool is not None else 0])
     except (torch.OutOfMemoryError, MemoryError) as e:
         # A variant that runs out of memory (or whose plan zbuf refuses) is a result, not the end
-        # of the run: the others still run, and the record says at which step and why.
-        # The plan that ran and the steps before it, so that a failure can be read (the
-        # 14B parent placement's step-2 failure had none of them).
+        # of the run: the others still run, and the record says at which step and why, with the
+        # plan and the steps before it (the 14B parent placement's step-2 failure had neither).
         out = {"variant": variant, "status": _failure(e), "failed_step": len(times),
-               "error": str(e).splitlines()[0][:400], "losses": losses, "step_s": times,
-               "alloc_retries_by_step": retries, "device_allocs_by_step": device_allocs,
+               "error": str(e).splitlines()[0][:400], **steps_so_far(),
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)
                if device.type == "cuda" else 0,
-               "cache_at_failure": _cache_of(device) if device.type == "cuda" else None,
-               "planned": _planned(model)}
+               "cache_at_failure": _cache_of(device) if device.type == "cuda" else None}
         del step_loss, opt, model, pool, card
         gc.collect()
         if device.type == "cuda":
@@ -412,11 +414,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
            if retries else 0,
            # The issue's measure: retries once the measured step has re-planned (steps 0-2).
            "alloc_retries_after_step2": retries[-1] - retries[2] if len(retries) > 3 else 0,
-           "alloc_retries_by_step": retries,
-           "device_allocs_by_step": device_allocs,
-           "step_s": times,
-           "card": card.capacity_fraction() if card is not None else None,
-           "losses": losses, "planned": _planned(model)}
+           **steps_so_far(),
+           "card": card.capacity_fraction() if card is not None else None}
     del step_loss, opt, model, pool, card
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)

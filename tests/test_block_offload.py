@@ -72,7 +72,7 @@ def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_
     anyway."""
     lv, link = levels_link
     on_device = plan_block_levels(lv, blocks, room)
-    plan = plan_block_levels(lv, blocks, room, link, saved_bytes=saved)
+    plan = plan_block_levels(lv, blocks, room, link, moved_beside_bytes=saved)
     assert len(plan.levels) == blocks
     if not plan.offloaded:
         assert plan == on_device  # nothing offloaded: the plan without a link
@@ -565,7 +565,7 @@ def test_offloaded_blocks_apart_from_the_peak_keep_the_device_plan_and_fit_their
     lv, link = levels_link
     on_device = plan_block_levels(lv, blocks, room)
     plan = plan_block_levels(lv, blocks, room, link, reserve_room_bytes=reserve_room,
-                             tail_room_bytes=tail_room, saved_bytes=saved)
+                             tail_room_bytes=tail_room, moved_beside_bytes=saved)
     if not plan.offloaded:
         assert plan == on_device
         return

@@ -308,7 +308,8 @@ class BlockReplanner:
         if estimate is None or not self.frames.called:
             return None
         return plan_block_levels(estimate.levels, len(self.frames.called), self.room_bytes,
-                                 self._host_link(), saved_bytes=estimate.moved_beside_level_bytes)
+                                 self._host_link(),
+                                 moved_beside_bytes=estimate.moved_beside_level_bytes)
 
     def _host_link(self) -> Optional[HostLink]:
         """What offloading a block's kept activations costs, on CUDA ([Note: offloaded blocks]
@@ -397,7 +398,7 @@ class BlockReplanner:
             return None
         return plan_block_levels(estimate.levels, len(self.frames.called), 0, link,
                                  reserve_room_bytes=room.blocks, tail_room_bytes=room.output,
-                                 saved_bytes=estimate.moved_beside_level_bytes)
+                                 moved_beside_bytes=estimate.moved_beside_level_bytes)
 
     def grow(self, budget_bytes: int, room_bytes: int, world_size: int,
              profile: Optional[StepProfile] = None) -> Optional[Replan]:

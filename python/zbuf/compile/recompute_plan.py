@@ -247,7 +247,7 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
                       link: Optional[HostLink] = None,
                       reserve_room_bytes: Optional[int] = None,
                       tail_room_bytes: Optional[int] = None,
-                      saved_bytes: int = 0) -> RecomputePlan:
+                      moved_beside_bytes: int = 0) -> RecomputePlan:
     """A level for each of ``blocks`` block calls with the same ``levels``, in forward order,
     keeping at most ``room_bytes`` beyond level 0 ([Note: block levels] in block_replan.py, 2),
     and, given a ``link``, the blocks whose kept activations wait in host memory ([Note:
@@ -260,15 +260,15 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
     ``room_bytes`` is the kept blocks' alone; None: the reserve shares ``room_bytes``.
     ``tail_room_bytes``: with ``reserve_room_bytes``, the reserve's room if it stays live through
     the last block to the model's output, where the queue may then drain (None: it may not).
-    ``saved_bytes``: what each block call saves at level 0 (the user's own saves), which an
-    offloaded call moves to the host beside its level's ``extra_bytes``."""
+    ``moved_beside_bytes``: what each block call saves at level 0 (the user's own saves), which
+    an offloaded call moves to the host beside its level's ``extra_bytes``."""
     on_device = _device_levels(levels, blocks, room_bytes)
     if link is None or blocks == 0:
         return on_device
     best = on_device
     for level in range(1, len(levels)):
         plan = _offloaded_at(level, levels, blocks, room_bytes, link, reserve_room_bytes,
-                             tail_room_bytes, on_device, saved_bytes)
+                             tail_room_bytes, on_device, moved_beside_bytes)
         if plan is not None and plan.saved_seconds > best.saved_seconds:
             best = plan
     return best
@@ -372,13 +372,14 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
 def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
                   link: HostLink, reserve_room_bytes: Optional[int],
                   tail_room_bytes: Optional[int],
-                  on_device: RecomputePlan, saved_bytes: int = 0) -> Optional[RecomputePlan]:
+                  on_device: RecomputePlan,
+                  moved_beside_bytes: int = 0) -> Optional[RecomputePlan]:
     """The plan that offloads blocks at ``level``, or None if none saves time; each call moves
-    ``saved_bytes`` (level 0's) beside the level's extra bytes."""
+    ``moved_beside_bytes`` (level 0's saves) beside the level's extra bytes."""
     extra_bytes = levels[level].extra_bytes
     if extra_bytes <= 0:
         return None
-    block_bytes = extra_bytes + saved_bytes
+    block_bytes = extra_bytes + moved_beside_bytes
     apart = reserve_room_bytes is not None
     copy_seconds = block_bytes / link.bytes_per_second if link.bytes_per_second > 0 else math.inf
     copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf

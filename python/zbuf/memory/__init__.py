@@ -10,14 +10,13 @@ from .ledger import Ledger
 from .optimizer_state import OptimizerPolicy
 from .phases import PhaseMeter, StepPhases, StepProfile
 from .planner import PlanPhase, PlanPhases, Replan, StructurePlanner
-from .shared import (ALLOCATOR_VARIABLES, MemoryEvents, SharedMemory, expand_torch_segments,
-                     users_allocator_settings)
+from .shared import MemoryEvents, SharedMemory, expand_torch_segments, users_allocator_settings
 from .step import MeasuredBudget, StepMemory, StepMemoryRow
 
 __all__ = ["pool_budget", "agree_extremes", "stable_budget", "stable_bytes",
            "stable_free_memory", "host_bytes", "host_share_bytes", "local_free_bytes",
            "user_capacity_bytes",
            "Ledger", "OptimizerPolicy", "PhaseMeter", "StepPhases", "StepProfile", "PlanPhase",
-           "PlanPhases", "Replan", "StructurePlanner", "ALLOCATOR_VARIABLES", "MemoryEvents",
-           "SharedMemory", "users_allocator_settings", "expand_torch_segments",
+           "PlanPhases", "Replan", "StructurePlanner", "MemoryEvents", "SharedMemory",
+           "users_allocator_settings", "expand_torch_segments",
            "MeasuredBudget", "StepMemory", "StepMemoryRow"]

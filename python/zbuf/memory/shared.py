@@ -65,8 +65,7 @@ import torch
 from ..pool import GatherBufferPool
 from .device import user_capacity_bytes
 
-__all__ = ["MemoryEvents", "SharedMemory", "ALLOCATOR_VARIABLES", "users_allocator_settings",
-           "expand_torch_segments"]
+__all__ = ["MemoryEvents", "SharedMemory", "users_allocator_settings", "expand_torch_segments"]
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """Where a user configures torch's CUDA caching allocator (the second is torch's name for every
