@@ -63,6 +63,9 @@ def levels_and_link(draw):
 @example(levels_link=((RegionLevel("recompute", 0, 0.0625), RegionLevel("selective", 1, 0.0),
                        RegionLevel("keep", 1, 0.0)), HostLink(16.0, 5e-324, 0)),
          blocks=1, room=2, saved=0)  # a copy that takes more forwards than a float holds
+@example(levels_link=((RegionLevel("recompute", 0, 0.0625), RegionLevel("selective", 1, 0.0),
+                       RegionLevel("keep", 16, 0.0)), HostLink(256.0, 2.225073858507e-311, 2, 1.0)),
+         blocks=3, room=3, saved=0)  # a copy of finite forwards whose sums overflow
 @given(levels_and_link(), st.integers(0, 24), st.integers(-(1 << 10), 1 << 16),
        st.sampled_from([0, 1, 1 << 10, 1 << 12]))
 def test_offloaded_blocks_fit_the_room_the_host_and_the_link_and_only_when_they_save_time(

@@ -322,7 +322,9 @@ def copy_queue(copies: float, candidates: int, blocks: int, in_flight: int,
     block forwards from the last block's start to the model's output, where the queue may
     drain (None: it drains at a block)."""
     last = min(candidates, blocks - 1) - 1  # the last block's upload has nothing to hide under
-    if last < 0 or most <= 0 or not math.isfinite(copies):
+    # A copy longer than the whole forward and its tail drains nowhere; past that bound the sums
+    # below would overflow (a copy of 1e308 forwards is finite).
+    if last < 0 or most <= 0 or not copies <= blocks + (tail or 0.0):
         return None
     output = -math.inf if tail is None else blocks - 1 + tail  # when the model's output comes
 
