@@ -78,9 +78,10 @@ the parent-checkpointed frame 3.39 GB at "keep" (benches/results/onepath14.md), 
 may carry twice the blocks over the same link (on the CPU the two placements' level estimates,
 offloaded blocks and bytes moved are the same: tests/test_block_offload.py). At qwen3-14b on an
 H100 that plan ran out of memory in step 2, torch's cache free in pieces ([Note: torch's
-allocator grows in place] in zbuf/memory/shared.py); not yet measured since. A block the plan runs at "keep" or "selective" (offloaded) runs its frame under the frames'
-own hooks, which, innermost, take everything it saves from the caller's: the caller's checkpoint
-keeps nothing of the call and never recomputes it (tests/test_block_offload.py counts the blocks
+allocator grows in place] in zbuf/memory/shared.py); not yet measured since. A block the plan
+runs at "keep" or "selective" (offloaded) runs its frame under the frames' own hooks, which,
+innermost, take everything it saves from the caller's: the caller's checkpoint keeps nothing of
+the call and never recomputes it (tests/test_block_offload.py counts the blocks
 run in backward). The cost is the model's: where the caller's region holds more than the block
 call, its recompute, started by what the rest saved, runs the block's forward again (the block's
 own backward still reads its own saves); under ``save_on_cpu`` level 0 recomputes nothing, so the
