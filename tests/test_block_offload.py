@@ -27,7 +27,7 @@ from zbuf.compile.recompute_plan import HostLink, RegionLevel, plan_block_levels
 from zbuf.memory import StepProfile
 from zbuf.shard import root_of, shard
 from zbuf.state_dict import full_state_dict
-from parity import hf_loss, rel_err, token_batches, train_adamw
+from parity import decoder_loss, hf_loss, rel_err, token_batches, train_adamw
 from test_block_auto import clamp_room, decoder
 
 pytestmark = pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")  # conftest.py
@@ -243,10 +243,10 @@ def _room_under_the_peak(rise: int = 0):
 
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
            batches=None, recompute="auto", ceiling=None, host_below_keep=False,
-           inner="aot_eager") -> Trained:
+           inner="aot_eager", loss_of=decoder_loss) -> Trained:
     """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
     link ``_cpu_link(copies)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny
-    ones); with
+    ones), each step's loss ``loss_of(compiled, tokens)``; with
     ``to_host`` False, the blocks the plan offloads keep their activations on the device.
     ``recompute="auto"``: the room ``_reserve_only`` at the grow and settle; the default
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
@@ -276,7 +276,7 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
             torch.cuda.reset_peak_memory_stats()
 
     data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]
-    losses = train_adamw(cm, model, data, opt, after_step)
+    losses = train_adamw(cm, model, data, opt, after_step, loss_of)
     monkeypatch.undo()
     return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
                    zbuf.compile.step_memory_of(cm), peaks, reserved, cm)
@@ -649,6 +649,42 @@ def test_a_calls_inputs_stay_on_the_device_and_its_own_tensors_go():
     back = block_offload.OffloadedCall.unpack(saved)
     assert torch.equal(back, made.t()) and back.stride() == made.t().stride()
     assert offload.late_uploads == 1  # nothing reached it first
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 9), st.integers(0, 3), st.data())
+def test_an_offloaded_calls_device_tensors_go_back_after_the_wait_for_their_copies(
+        in_flight, calls, after, data):
+    """The throttle's bookkeeping ([Note: offloaded blocks]): as each offloaded call saves,
+    the calls ``in_flight - 1`` and more before it give their device tensors back (the compute
+    stream waited for their copies), so that at most ``in_flight`` calls hold device memory,
+    the newest; the drain (a block after the last offloaded call, or the model's output) gives
+    every call's back. The tensors are freed then, not later."""
+    import weakref
+
+    blocks = calls + after
+    drained_at = data.draw(st.integers(calls, blocks))
+    offload = block_offload.BlockOffload(torch.device("cpu"))
+    offload.plan({b: b for b in range(blocks)},
+                 recompute_plan.CopyQueue(tuple(range(calls)), in_flight, drained_at, 1))
+    made, held = [], []
+    for block in range(blocks):
+        offload.forward_reaches(block)
+        if block >= calls:
+            assert (block < drained_at) == any(c._on_the_way for c in held)
+            continue
+        call = offload.start(block, (), {})
+        offload.wait_for_previous(call)  # a call's first save, as ``pack`` on CUDA
+        t = torch.empty(4)
+        call._on_the_way.append(t)  # what ``pack`` holds while its copy runs on ``down``
+        made.append(weakref.ref(t))
+        held.append(call)
+        del t
+        holding = [i for i, c in enumerate(held) if c._on_the_way]
+        assert holding == list(range(max(0, block - in_flight + 2), block + 1)), holding
+        assert [i for i, r in enumerate(made) if r() is not None] == holding
+    offload.finish_forward()
+    assert not any(c._on_the_way for c in held) and all(r() is None for r in made)
 
 
 def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, Trained]:

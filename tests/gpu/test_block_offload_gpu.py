@@ -73,6 +73,44 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
         assert with_host < on_device - 4 * per_block, (moved.reserved, kept.reserved, per_block)
 
 
+SLEEP_CYCLES = 2_000_000_000
+"""About a second of an H100's or H200's clock: longer than the tiny decoder's forward takes the
+Python thread to queue."""
+
+
+def test_offloaded_memory_goes_back_in_the_compute_streams_order(monkeypatch):
+    """The Python thread far ahead of the device (each step queued behind a kernel that sleeps
+    on the compute stream): the offloaded calls' device memory goes back to torch's cache in the
+    compute stream's order, right after it waited for their copies ([Note: offloaded blocks]),
+    so each step peaks where it does with the device keeping up. Returned through
+    ``record_stream`` instead, none of it could be reused before the allocator saw the copies
+    run, and the later blocks took new memory (at qwen3-14b, the card's limit: a retry). The
+    same floats, bit for bit."""
+    from parity import decoder_loss
+
+    init, batches = _checkpointed_decoder(8)
+    queued_ahead = []
+
+    def behind_a_sleeping_device(step_fn, tokens):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        slept = torch.cuda.current_stream().record_event()
+        loss = decoder_loss(step_fn, tokens)
+        queued_ahead.append(not slept.query())
+        return loss
+
+    with _deterministic():
+        keeping_up = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
+        behind = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches,
+                        loss_of=behind_a_sleeping_device)
+    offload = behind.frames.offload
+    assert offload.report()["blocks"] == keeping_up.frames.offload.report()["blocks"]
+    assert all(queued_ahead[2:]), queued_ahead  # each forward was queued before the device woke
+    per_block = offload.moved_down // 3 // len(offload.report()["blocks"])
+    for lagging, steady in zip(behind.peaks[2:], keeping_up.peaks[2:]):
+        assert lagging <= steady + per_block // 2, (behind.peaks, keeping_up.peaks, per_block)
+    assert behind.losses == keeping_up.losses
+
+
 def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypatch):
     """The first offloaded forward's arenas held back ([Note: host arenas and the first
     offloaded step] in zbuf/compile/block_offload.py): its calls copy to pageable host memory and

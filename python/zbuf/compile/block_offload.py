@@ -47,8 +47,14 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
   the first tensor of a call makes the compute stream wait for the copies of the offloaded
   call ``in_flight - 1`` before it (so at most ``in_flight`` calls' bytes are on the device,
   the planned reserve) and records where the compute stream stands; each tensor is then
-  copied into pinned host memory on the ``down`` stream, which waits for that point, and its
-  device memory goes back to the caching allocator once the copy has run (``record_stream``);
+  copied into pinned host memory on the ``down`` stream, which waits for that point; the call
+  holds the device tensor until the compute stream waits for its copy (a later call's throttle,
+  or the drain) and drops it right after that wait, so its memory goes back to the compute
+  stream's cache in that stream's order (FSDP2's way with its own copies). With
+  ``record_stream`` instead, the allocator reused such memory only once it saw the copy had
+  run: with the Python thread ahead of the device, torch mapped new memory for the blocks after
+  it and, at the card's limit, unmapped every free page of its cache (an allocator retry; one
+  in step 25 at qwen3-14b, benches/results/onepath14.md), whatever the plan's reserve said;
 * at the queue's drain (a block after the last offloaded call, or the model's output), the
   compute stream waits for the forward's last copies (``BlockOffload.forward_reaches``,
   ``BlockOffload.finish_forward``);
@@ -64,7 +70,8 @@ Streams and events, each with who produces and who consumes it:
 ``down`` runs the downloads (producer: ``pack``); ``_saved`` is where the compute stream stood
 when the frame saved (producer: the call's first ``pack``; consumer: ``down``); ``_downloaded``
 is the end of the call's downloads (producer: ``pack``; consumers: the first ``pack`` of the
-offloaded call ``in_flight - 1`` after it, the drain, and this call's upload); ``up`` runs
+offloaded call ``in_flight - 1`` after it, the drain, after whose waits the call's device
+tensors are dropped, and this call's upload); ``up`` runs
 the uploads (producer: ``upload``); ``_uploaded`` is the end of the upload (producer:
 ``upload``; consumers: the first ``unpack``, and a call dropped before its backward, whose
 compute stream waits for it before the memory goes back).
@@ -136,7 +143,7 @@ class OffloadedCall:
     """One block call's saved activations in host memory ([Note: offloaded blocks])."""
 
     __slots__ = ("owner", "position", "inputs", "nbytes", "_host", "_arena", "_pageable",
-                 "_device", "_saved",
+                 "_on_the_way", "_device", "_saved",
                  "_downloaded", "_uploaded", "_compute", "_unpacks_left", "__weakref__")
 
     def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
@@ -156,6 +163,11 @@ class OffloadedCall:
         """Without an arena: the copies go to pageable host memory, the arena being still
         locked ([Note: host arenas and the first offloaded step]; producer: the first
         ``pack``)."""
+        self._on_the_way: list[torch.Tensor] = []
+        """The device tensors whose copies ``down`` may still be running, held so that their
+        memory goes back to the compute stream only after it waited for those copies (producer:
+        ``pack``; consumer: ``BlockOffload._wait_for_copies``, which drops them after the
+        wait)."""
         self._device: Optional[list[torch.Tensor]] = None
         """Their uploads (producer: ``upload``; consumer: ``unpack``, which drops the list once
         each was unpacked)."""
@@ -203,7 +215,7 @@ class OffloadedCall:
                 owner.down.wait_event(self._saved)
             with torch.cuda.stream(owner.down):
                 copy.copy_(t, non_blocking=True)
-            t.record_stream(owner.down)
+            self._on_the_way.append(t)
             self._downloaded = owner.down.record_event()
         self._host.append(copy)
         self._unpacks_left += 1
@@ -384,25 +396,28 @@ class BlockOffload:
         self._calls[position] = call
         return call
 
-    def _wait_for_copies(self, call: Optional[OffloadedCall]) -> None:
-        """The compute stream waits for ``call``'s copies to the host (if any were issued)."""
-        if call is not None and call._downloaded is not None:
-            self.waits.wait(torch.cuda.current_stream(self.device), call._downloaded)
+    def _wait_for_copies(self, calls: list[OffloadedCall]) -> None:
+        """The compute stream waits for the copies of ``calls`` to the host (the ``down`` stream
+        runs them in order: the last one issued covers them all); then their device tensors go
+        back to the compute stream's cache, in its order."""
+        last = next((c._downloaded for c in reversed(calls) if c._downloaded is not None), None)
+        if last is not None:
+            self.waits.wait(torch.cuda.current_stream(self.device), last)
+        for call in calls:
+            call._on_the_way.clear()
 
     def _drain(self) -> None:
-        """The compute stream waits for every pending call's copies (the ``down`` stream runs
-        them in order: the last one's end covers them all)."""
-        if self._pending:
-            self._wait_for_copies(self._pending[-1])
-            self._pending.clear()
+        """The compute stream waits for every pending call's copies."""
+        self._wait_for_copies(list(self._pending))
+        self._pending.clear()
 
     def wait_for_previous(self, call: OffloadedCall) -> None:
         """The compute stream waits for the copies of the call ``in_flight - 1`` before
-        ``call``: at most ``in_flight`` calls' bytes on their way to the host. The ``down``
-        stream runs the copies in order, so that wait covers every call before it."""
-        waited = None
+        ``call``, and of every call before it: at most ``in_flight`` calls' bytes on their way to
+        the host."""
+        waited = []
         while len(self._pending) > self.queue.in_flight - 2:
-            waited = self._pending.popleft()
+            waited.append(self._pending.popleft())
         self._wait_for_copies(waited)
         self._pending.append(call)
 
