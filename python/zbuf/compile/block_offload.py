@@ -82,8 +82,8 @@ its step time. On the host (the CPU stand-in) the tensors are copied to host mem
 stream there is: the same program, nothing hidden, for tests.
 
 Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so its
-device bytes stay until its copies have run (the reserve counts the call whose forward runs
-beside those on their way); the copies share the link with the optimizer state's window when
+device bytes stay until the compute stream waited for its copies (the reserve counts the call
+whose forward runs beside those on their way); the copies share the link with the optimizer state's window when
 that state is offloaded too ([Note: the step's window] in zbuf/offload_window.py), which the
 plan does not model; the plan's estimate of a block's bytes sizes its arena
 (``unplanned_host_bytes`` in the record counts what did not fit), above what the call moves
@@ -93,7 +93,9 @@ offloaded blocks' level is not the shared frame's, its frame is one more block c
 re-plan ([Note: block levels], 1). A saved tensor that the program changes in place after its
 block (which autograd refuses without hooks) is copied as the stream has it. Measured at qwen3-14b
 (benches/results/onepath14.md): under ``auto`` before the uploads came out of the compute
-stream's cache (two retries a step), and as the default's plan after it (one retry, in step 2).
+stream's cache (two retries a step), as the default's plan after it (one retry, in step 2),
+and under zbuf's expandable segments with ``record_stream`` still freeing the downloads' memory
+(a retry in step 2 and one in step 25).
 
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
