@@ -687,6 +687,30 @@ def test_an_offloaded_calls_device_tensors_go_back_after_the_wait_for_their_copi
     assert not any(c._on_the_way for c in held) and all(r() is None for r in made)
 
 
+@pytest.mark.parametrize("cores", [1, 2, 16, 64, 256])
+def test_the_arenas_locking_takes_a_quarter_of_the_cores_at_most(monkeypatch, cores):
+    """The locking runs beside the re-plan's compile ([Note: host arenas and the first
+    offloaded step]): ``PIN_THREADS`` arenas at once, their touch threads together at most a
+    quarter of the process's cores, one an arena at least."""
+    asked = []
+
+    class Recorded(block_offload.HostArena):
+        def __init__(self, nbytes, device, streams=(), touch_threads=None):
+            asked.append(touch_threads)
+            super().__init__(nbytes, device, streams, touch_threads)
+
+    monkeypatch.setattr(block_offload, "HostArena", Recorded)
+    monkeypatch.setattr(block_offload.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    offload = block_offload.BlockOffload(torch.device("cpu"))
+    offload.plan({b: b for b in range(6)}, recompute_plan.CopyQueue(tuple(range(6)), 2, 6, 1),
+                 block_bytes=1 << 10)
+    for position in range(6):
+        offload._arenas[position].result()
+    assert len(asked) == 6 and len(set(asked)) == 1
+    assert asked[0] >= 1 and asked[0] * block_offload.PIN_THREADS <= max(
+        block_offload.PIN_THREADS, cores // 4)
+
+
 def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, Trained]:
     """``init`` trained with a copy at "keep" taking one forward, twice: with its arenas locked
     as usual, and with them held back until the first offloaded forward has ended (then

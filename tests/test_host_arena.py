@@ -65,3 +65,9 @@ def test_page_lock_without_a_driver_is_a_clean_error():
     memory = torch.empty(8192, dtype=torch.uint8)
     with pytest.raises(_core.NoCudaDriverError):
         _core.page_lock(0, memory.data_ptr(), memory.numel())
+
+
+def test_page_lock_needs_a_touch_thread():
+    memory = torch.empty(8192, dtype=torch.uint8)
+    with pytest.raises(_core.InvalidRequestError, match="at least one touch thread"):
+        _core.page_lock(0, memory.data_ptr(), memory.numel(), 0)

@@ -25,12 +25,14 @@ class InvalidRequestError(PoolError, ValueError): ...
 class UnsupportedDtypeError(PoolError, TypeError): ...
 class PoolBackendError(PoolError): ...
 
-def page_lock(device_index: int, ptr: int, nbytes: int) -> None:
+def page_lock(device_index: int, ptr: int, nbytes: int,
+              touch_threads: int | None = None) -> None:
     """Page-locks the host range ``ptr .. ptr + nbytes`` (memory the caller keeps allocated until
-    ``page_unlock``) for ``cuda:device_index``, its pages first faulted in by several threads, the
-    GIL released throughout ([Note: page-locked host ranges] in rust/backend/cuda.rs). Contents
-    are unchanged. NoCudaDriverError without a driver; PoolOutOfMemoryError when the host cannot
-    lock that much; InvalidRequestError for an empty range."""
+    ``page_unlock``) for ``cuda:device_index``, its pages first faulted in by ``touch_threads``
+    threads (default: the machine's cores, at most 8), the GIL released throughout ([Note:
+    page-locked host ranges] in rust/backend/cuda.rs). Contents are unchanged.
+    NoCudaDriverError without a driver; PoolOutOfMemoryError when the host cannot lock that
+    much; InvalidRequestError for an empty range or no touch thread."""
 def page_unlock(device_index: int, ptr: int) -> None:
     """Undoes ``page_lock`` at ``ptr``; every copy that used the range must have completed."""
 

@@ -59,10 +59,12 @@ def _unlock(index: int, ptr: int, streams: tuple[torch.cuda.Stream, ...],
 
 class HostArena:
     """``nbytes`` of host memory, page-locked for ``device`` when it is a CUDA device (without
-    an index: the calling thread's current one) ([Note: host arenas])."""
+    an index: the calling thread's current one), its pages faulted in by ``touch_threads``
+    threads (None: the extension's default) ([Note: host arenas])."""
 
     def __init__(self, nbytes: int, device: torch.device,
-                 streams: Iterable[torch.cuda.Stream] = ()) -> None:
+                 streams: Iterable[torch.cuda.Stream] = (),
+                 touch_threads: Optional[int] = None) -> None:
         self.memory = torch.empty(nbytes, dtype=torch.uint8)
         self.used = 0
         """Bytes handed out since the last ``reset`` (their ends aligned up)."""
@@ -71,7 +73,7 @@ class HostArena:
         if device.type == "cuda" and nbytes > 0:
             index = torch.cuda.current_device() if device.index is None else device.index
             start = time.perf_counter()
-            page_lock(index, self.memory.data_ptr(), nbytes)
+            page_lock(index, self.memory.data_ptr(), nbytes, touch_threads)
             self.lock_seconds = time.perf_counter() - start
             weakref.finalize(self, _unlock, index, self.memory.data_ptr(), tuple(streams),
                              self.memory)

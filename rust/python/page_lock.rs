@@ -10,14 +10,22 @@ use crate::backend::cuda;
 const TOUCH_THREADS: usize = 8;
 
 /// Page-locks `nbytes` at `ptr` (a CPU tensor's data, which the caller keeps alive until
-/// `page_unlock`) for `cuda:device_index`.
+/// `page_unlock`) for `cuda:device_index`, its pages faulted in by `touch_threads` threads
+/// (default: the machine's cores, at most `TOUCH_THREADS`).
 #[pyfunction]
-pub fn page_lock(py: Python<'_>, device_index: u32, ptr: u64, nbytes: u64) -> PyResult<()> {
+#[pyo3(signature = (device_index, ptr, nbytes, touch_threads=None))]
+pub fn page_lock(py: Python<'_>, device_index: u32, ptr: u64, nbytes: u64,
+                 touch_threads: Option<usize>) -> PyResult<()> {
     if ptr == 0 || nbytes == 0 {
         return Err(invalid_request(py, format!(
             "page_lock needs a host range: got address {ptr:#x}, {nbytes} bytes")));
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(TOUCH_THREADS);
+    if touch_threads == Some(0) {
+        return Err(invalid_request(py, "page_lock needs at least one touch thread: got 0".into()));
+    }
+    let threads = touch_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(TOUCH_THREADS)
+    });
     // SAFETY: the caller's range (the Python caller owns the tensor and keeps it alive).
     py.detach(move || unsafe { cuda::page_lock(device_index, ptr, nbytes, threads) }).map_err(to_py)
 }

@@ -83,19 +83,18 @@ stream there is: the same program, nothing hidden, for tests.
 
 Limits: a call's tensors are copied in its frame's save order once the whole frame ran, so its
 device bytes stay until the compute stream waited for its copies (the reserve counts the call
-whose forward runs beside those on their way); the copies share the link with the optimizer state's window when
-that state is offloaded too ([Note: the step's window] in zbuf/offload_window.py), which the
-plan does not model; the plan's estimate of a block's bytes sizes its arena
-(``unplanned_host_bytes`` in the record counts what did not fit), above what the call moves
-at "keep" ([Note: budgeted recompute] in recompute.py) and where level 0 saves what the level
-does not; where the
-offloaded blocks' level is not the shared frame's, its frame is one more block compile at the
-re-plan ([Note: block levels], 1). A saved tensor that the program changes in place after its
-block (which autograd refuses without hooks) is copied as the stream has it. Measured at qwen3-14b
-(benches/results/onepath14.md): under ``auto`` before the uploads came out of the compute
-stream's cache (two retries a step), as the default's plan after it (one retry, in step 2),
-and under zbuf's expandable segments with ``record_stream`` still freeing the downloads' memory
-(a retry in step 2 and one in step 25).
+whose forward runs beside those on their way); the copies share the link with the optimizer
+state's window when that state is offloaded too ([Note: the step's window] in
+zbuf/offload_window.py), which the plan does not model; the plan's estimate of a block's bytes
+sizes its arena (``unplanned_host_bytes`` in the record counts what did not fit), above what the
+call moves at "keep" ([Note: budgeted recompute] in recompute.py) and where level 0 saves what
+the level does not; where the offloaded blocks' level is not the shared frame's, its frame is
+one more block compile at the re-plan ([Note: block levels], 1). A saved tensor that the program
+changes in place after its block (which autograd refuses without hooks) is copied as the stream
+has it. Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the uploads
+came out of the compute stream's cache (two retries a step), as the default's plan after it (one
+retry, in step 2), and under zbuf's expandable segments with ``record_stream`` still freeing the
+downloads' memory (a retry in step 2 and one in step 25).
 
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
@@ -106,7 +105,14 @@ the blocks before the first offloaded one. The forward never waits for it: a cal
 is still being locked copies through ordinary (pageable) host memory, which holds the Python
 thread while its copy runs but costs only that step (``unlocked_host_bytes`` in the record).
 Waiting cost more: 33 GB of arenas took 25 s to lock at qwen3-14b on an H100 machine, and the
-first offloaded step waited 19.6 s of it (benches/results/onepath14.md). A second call at a
+first offloaded step waited 19.6 s of it (benches/results/onepath14.md). The locking's threads
+(``PIN_THREADS`` arenas at once, each faulting its pages in on threads of its own) take at most
+a quarter of the process's cores: the re-plan's compile runs beside them on the Python thread
+and Inductor's workers. With eight threads an arena on a 16-core machine (32 threads) the
+re-plan's step ran longest where the locking took longest: 14.0 s beside 14.7 s of locking
+(the sum over the arenas) against 11.6 s beside 6.1 s at qwen3-14b on an H100, 11.7 s beside
+11.2 s against 8.0 s beside 5.7 s on an H200 (benches/results/onepath14.md). A correlation:
+whether the share shortens that step is measured there next. A second call at a
 position whose arena holds a live call's copies (two forwards before one backward) copies
 through torch's pinned tensors instead.
 """
@@ -114,6 +120,7 @@ through torch's pinned tensors instead.
 from __future__ import annotations
 
 import collections
+import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -128,6 +135,16 @@ __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
 
 PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
+
+PIN_CORES_SHARE = 4
+"""The locking's threads together take at most 1/``PIN_CORES_SHARE`` of the process's cores
+([Note: host arenas and the first offloaded step])."""
+
+
+def touch_threads_per_arena(cores: int) -> int:
+    """Threads that fault in one arena's pages, of ``cores``: ``PIN_THREADS`` arenas at once
+    within the locking's share, one at least."""
+    return max(1, cores // (PIN_CORES_SHARE * PIN_THREADS))
 
 ARENA_SLACK = 64
 """A position's arena holds the plan's estimate of a block's bytes, 1/``ARENA_SLACK`` more, and
@@ -361,7 +378,8 @@ class BlockOffload:
             self._pinning = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="zbuf-pin")
             weakref.finalize(self, self._pinning.shutdown, wait=False)
         return self._pinning.submit(HostArena, nbytes, self.device,
-                                    tuple(s for s in (self.down, self.up) if s))
+                                    tuple(s for s in (self.down, self.up) if s),
+                                    touch_threads_per_arena(len(os.sched_getaffinity(0))))
 
     def arena_for(self, call: OffloadedCall) -> Optional[HostArena]:
         """The arena ``call``'s host copies go to: its position's, unless it is still being
