@@ -691,7 +691,7 @@ def test_an_offloaded_calls_device_tensors_go_back_after_the_wait_for_their_copi
 def test_the_arenas_locking_takes_a_quarter_of_the_cores_at_most(monkeypatch, cores):
     """The locking runs beside the re-plan's compile ([Note: host arenas and the first
     offloaded step]): ``PIN_THREADS`` arenas at once, their touch threads together at most a
-    quarter of the process's cores, one an arena at least."""
+    quarter of this rank's share of the cores, one an arena at least."""
     asked = []
 
     class Recorded(block_offload.HostArena):
@@ -700,7 +700,7 @@ def test_the_arenas_locking_takes_a_quarter_of_the_cores_at_most(monkeypatch, co
             super().__init__(nbytes, device, streams, touch_threads)
 
     monkeypatch.setattr(block_offload, "HostArena", Recorded)
-    monkeypatch.setattr(block_offload.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(block_offload, "host_core_share", lambda: cores)
     offload = block_offload.BlockOffload(torch.device("cpu"))
     offload.plan({b: b for b in range(6)}, recompute_plan.CopyQueue(tuple(range(6)), 2, 6, 1),
                  block_bytes=1 << 10)

@@ -471,7 +471,7 @@ def test_more_cpu_ranks_than_cores_start_with_a_note_of_the_cost(monkeypatch, ca
     def launched(*args, **kwargs):
         raise Started
 
-    monkeypatch.setattr(resources, "cpu_cores", lambda: 1)
+    monkeypatch.setattr(resources, "host_cores", lambda: 1)
     monkeypatch.setattr(runner, "launch_group", launched)
     with pytest.raises(Started):
         main(["train", "--nproc", "2", "--out", str(tmp_path / "run.json")])

@@ -702,6 +702,21 @@ def test_cpu_ranks_plan_with_their_share_of_the_host(monkeypatch):
     assert memory.local_free_bytes(torch.device("cpu")) == 1000
 
 
+@pytest.mark.parametrize("cores,local,share", [(16, None, 16), (128, "8", 16), (4, "8", 1)])
+def test_ranks_share_the_hosts_cores(monkeypatch, cores, local, share):
+    """The ranks of a host share its cores as they share its memory ([Note: ranks share the
+    host]): eight ranks each page-locking host arenas with the whole machine's threads would
+    run eight times the threads the machine has. One core at least."""
+    from zbuf.memory import device as memory
+
+    monkeypatch.setattr(memory, "host_cores", lambda: cores)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert memory.host_core_share() == share
+
+
 def test_the_shards_are_not_counted_as_activations_beside_the_agreed_memory():
     """[Note: the model's state is not an activation]: the agreed free memory is what is free
     beside the shards, so a plan is checked without them; each gradient shard counts once, in

@@ -98,29 +98,28 @@ downloads' memory (a retry in step 2 and one in step 25).
 
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
-plan's estimate of a block's bytes, reused by its call every step. ``plan`` starts
-page-locking them on ``PIN_THREADS`` threads of their own, in the order the forward needs them,
-so that the locking runs while the Python thread compiles the offloaded blocks' frame and runs
-the blocks before the first offloaded one. The forward never waits for it: a call whose arena
-is still being locked copies through ordinary (pageable) host memory, which holds the Python
-thread while its copy runs but costs only that step (``unlocked_host_bytes`` in the record).
-Waiting cost more: 33 GB of arenas took 25 s to lock at qwen3-14b on an H100 machine, and the
-first offloaded step waited 19.6 s of it (benches/results/onepath14.md). The locking's threads
-(``PIN_THREADS`` arenas at once, each faulting its pages in on threads of its own) take at most
-a quarter of the process's cores: the re-plan's compile runs beside them on the Python thread
-and Inductor's workers. With eight threads an arena on a 16-core machine (32 threads) the
-re-plan's step ran longest where the locking took longest: 14.0 s beside 14.7 s of locking
-(the sum over the arenas) against 11.6 s beside 6.1 s at qwen3-14b on an H100, 11.7 s beside
-11.2 s against 8.0 s beside 5.7 s on an H200 (benches/results/onepath14.md). A correlation:
-whether the share shortens that step is measured there next. A second call at a
-position whose arena holds a live call's copies (two forwards before one backward) copies
-through torch's pinned tensors instead.
+plan's estimate of a block's bytes, reused by its call every step. ``plan`` starts page-locking
+them on ``PIN_THREADS`` threads of their own, in the order the forward needs them, so that the
+locking runs while the Python thread compiles the offloaded blocks' frame and runs the blocks
+before the first offloaded one. The forward never waits for it: a call whose arena is still
+being locked copies through ordinary (pageable) host memory, which holds the Python thread while
+its copy runs but costs only that step (``unlocked_host_bytes`` in the record). Waiting cost
+more: 33 GB of arenas took 25 s to lock at qwen3-14b on an H100 machine, and the first offloaded
+step waited 19.6 s of it (benches/results/onepath14.md). The locking's threads (``PIN_THREADS``
+arenas at once, each faulting its pages in on threads of its own) take at most a quarter of this
+rank's share of the host's cores (the ranks of a host lock theirs at once): the re-plan's
+compile runs beside them on the Python thread and Inductor's workers. With eight threads an
+arena on a 16-core machine (32 threads) the re-plan's step ran longest where the locking took
+longest: 14.0 s beside 14.7 s of locking (the sum over the arenas) against 11.6 s beside 6.1 s
+at qwen3-14b on an H100, 11.7 s beside 11.2 s against 8.0 s beside 5.7 s on an H200
+(benches/results/onepath14.md). A correlation: whether the share shortens that step is measured
+there next. A second call at a position whose arena holds a live call's copies (two forwards
+before one backward) copies through torch's pinned tensors instead.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -128,6 +127,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
+from ..memory import host_core_share
 from ..stream_waits import TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
@@ -137,8 +137,8 @@ PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
 
 PIN_CORES_SHARE = 4
-"""The locking's threads together take at most 1/``PIN_CORES_SHARE`` of the process's cores
-([Note: host arenas and the first offloaded step])."""
+"""The locking's threads together take at most 1/``PIN_CORES_SHARE`` of this rank's share of the
+host's cores ([Note: host arenas and the first offloaded step])."""
 
 
 def touch_threads_per_arena(cores: int) -> int:
@@ -379,7 +379,7 @@ class BlockOffload:
             weakref.finalize(self, self._pinning.shutdown, wait=False)
         return self._pinning.submit(HostArena, nbytes, self.device,
                                     tuple(s for s in (self.down, self.up) if s),
-                                    touch_threads_per_arena(len(os.sched_getaffinity(0))))
+                                    touch_threads_per_arena(host_core_share()))
 
     def arena_for(self, call: OffloadedCall) -> Optional[HostArena]:
         """The arena ``call``'s host copies go to: its position's, unless it is still being

@@ -1,4 +1,4 @@
-"""What the device has: its free memory, a user's cap on it, the host's memory.
+"""What the device has: its free memory, a user's cap on it, the host's memory and cores.
 
 These are this rank's own readings; what every rank plans from is their agreement
 (agreement.py), and what each quantity means in a step is the ledger's (ledger.py).
@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["user_capacity_bytes", "host_bytes", "host_share_bytes", "local_free_bytes"]
+__all__ = ["user_capacity_bytes", "host_bytes", "host_share_bytes", "host_cores",
+           "host_core_share", "local_free_bytes"]
 
 
 def user_capacity_bytes(device: torch.device) -> Optional[int]:
@@ -48,6 +49,20 @@ def host_bytes(kind: str) -> int:
 def host_share_bytes() -> int:
     """This rank's share of the host's available memory ([Note: ranks share the host])."""
     return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_core_share() -> int:
+    """This rank's share of those cores, one at least: the ranks of a host share them as they
+    share its memory ([Note: ranks share the host])."""
+    return max(1, host_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def local_free_bytes(device: torch.device) -> int:

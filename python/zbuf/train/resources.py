@@ -36,12 +36,12 @@ count the count suggested is capped at the cores.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
+from ..memory import host_cores
 from .config import ConfigError, Engine, TrainConfig, format_bytes
 
-__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_cores", "cpu_rank_bytes",
+__all__ = ["RUNTIME_BYTES", "SHARED_BYTES", "available_memory", "cpu_rank_bytes",
            "check_cpu_memory", "cpu_oversubscription", "host_memory_bytes"]
 
 RUNTIME_BYTES = {"compiled": 480 << 20, "eager": 400 << 20}
@@ -81,19 +81,11 @@ def available_memory() -> Optional[int]:
     return min(found) if found else None
 
 
-def cpu_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def cpu_oversubscription(cfg: TrainConfig, cores: Optional[int] = None) -> Optional[str]:
-    """What ``cfg.nproc`` CPU ranks on ``cores`` cores (default ``cpu_cores()``) cost when they
+    """What ``cfg.nproc`` CPU ranks on ``cores`` cores (default ``host_cores()``) cost when they
     are more than the cores, in one line; None when each rank has a core ([Note: CPU ranks and
     cores])."""
-    cores = cpu_cores() if cores is None else cores
+    cores = host_cores() if cores is None else cores
     world = cfg.processes
     if world <= cores:
         return None
@@ -142,9 +134,9 @@ def check_cpu_memory(cfg: TrainConfig, available: Optional[int] = None,
                      cores: Optional[int] = None) -> None:
     """``ConfigError`` when ``cfg.nproc`` CPU ranks would need more memory than is available
     (``available``: bytes, default ``available_memory()``); the message says how many fit, at
-    most one per core (``cores``: default ``cpu_cores()``; [Note: CPU ranks and cores])."""
+    most one per core (``cores``: default ``host_cores()``; [Note: CPU ranks and cores])."""
     available = available_memory() if available is None else available
-    cores = cpu_cores() if cores is None else cores
+    cores = host_cores() if cores is None else cores
     if available is None:
         return  # nothing to compare with; the run will tell
     world = cfg.nproc
