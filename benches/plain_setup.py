@@ -318,6 +318,7 @@ def _planned(model) -> dict:
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 user_ac: UserCheckpointing = UserCheckpointing("inside"),
                 profile_dir: str | None = None) -> dict:
+    from zbuf.train.compile_phases import PHASES, PhaseClock
     from zbuf.train.data import rank_batch
 
     torch._dynamo.reset()
@@ -341,6 +342,11 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     # Per step, cumulative: torch's allocator's cudaMallocs and the pool's device allocations, to
     # see segments made again every step (a cache emptied under pressure, which no retry counts).
     device_allocs = []
+    # Where each compiling step's time went ([Note: compile phases] in
+    # zbuf/train/compile_phases.py): the first step's and a re-plan's compile against their run
+    # (the re-plan's step set the 14B inside placement's time to the final plan at 1.500x
+    # FSDP2's first step).
+    phases_by_step: dict[int, dict] = {}
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
 
@@ -360,14 +366,21 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     def steps_so_far() -> dict:
         """What every step recorded, and the plan that ran them: in a failure's record too."""
         return {"step_s": times, "losses": losses, "alloc_retries_by_step": retries,
-                "device_allocs_by_step": device_allocs, "planned": _planned(model)}
+                "device_allocs_by_step": device_allocs, "planned": _planned(model),
+                "compile_phases_by_step": phases_by_step}
 
     try:
         for step in range(cfg.steps):
             batch = batch_of(step)
-            t0 = time.perf_counter()
-            loss = train_step(batch)
-            times.append(time.perf_counter() - t0)
+            with PhaseClock() as clock:
+                t0 = time.perf_counter()
+                loss = train_step(batch)
+                times.append(time.perf_counter() - t0)
+            if step < max(cfg.warmup, 1):
+                phases = clock.result(times[-1])
+                if step == 0 or phases.caches.get("graphs") or any(
+                        phases.phases[p] for p in PHASES if p != "first_run"):
+                    phases_by_step[step] = phases.to_json()
             losses.append(loss.item())
             if device.type == "cuda":
                 stats = torch.cuda.memory_stats(device)

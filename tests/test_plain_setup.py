@@ -38,4 +38,9 @@ def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_p
     assert runs["zbuf.compile"]["status"] == runs["fsdp2"]["status"] == "ok"
     assert all(len(r["step_s"]) == 3 for r in runs.values())
     assert runs["zbuf.compile"]["losses"] == pytest.approx(runs["fsdp2"]["losses"], rel=1e-5)
+    for run in runs.values():  # where the first step's time went, phase by phase
+        first = run["compile_phases_by_step"]["0"]
+        assert first["first_step_s"] == run["step_s"][0]
+        assert sum(first["phases"].values()) == pytest.approx(first["first_step_s"], rel=1e-6)
+        assert first["caches"]["graphs"] > 0
     assert f"the user's checkpoint: {placement}" in (out / "plain_setup.md").read_text()
