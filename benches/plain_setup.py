@@ -51,6 +51,7 @@ On CPU (gloo, tiny shapes) the step times mean little; the planned numbers compa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -318,7 +319,7 @@ def _planned(model) -> dict:
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 user_ac: UserCheckpointing = UserCheckpointing("inside"),
                 profile_dir: str | None = None) -> dict:
-    from zbuf.train.compile_phases import PHASES, PhaseClock
+    from zbuf.train.compile_phases import PhaseClock
     from zbuf.train.data import rank_batch
 
     torch._dynamo.reset()
@@ -342,7 +343,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     # Per step, cumulative: torch's allocator's cudaMallocs and the pool's device allocations, to
     # see segments made again every step (a cache emptied under pressure, which no retry counts).
     device_allocs = []
-    # Where each compiling step's time went ([Note: compile phases] in
+    # Where each warm-up step's time went ([Note: compile phases] in
     # zbuf/train/compile_phases.py): the first step's and a re-plan's compile against their run
     # (the re-plan's step set the 14B inside placement's time to the final plan at 1.500x
     # FSDP2's first step).
@@ -372,15 +373,13 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     try:
         for step in range(cfg.steps):
             batch = batch_of(step)
-            with PhaseClock() as clock:
+            clock = PhaseClock() if step < max(cfg.warmup, 1) else None
+            with clock or contextlib.nullcontext():
                 t0 = time.perf_counter()
                 loss = train_step(batch)
                 times.append(time.perf_counter() - t0)
-            if step < max(cfg.warmup, 1):
-                phases = clock.result(times[-1])
-                if step == 0 or phases.caches.get("graphs") or any(
-                        phases.phases[p] for p in PHASES if p != "first_run"):
-                    phases_by_step[step] = phases.to_json()
+            if clock is not None:
+                phases_by_step[step] = clock.result(times[-1]).to_json()
             losses.append(loss.item())
             if device.type == "cuda":
                 stats = torch.cuda.memory_stats(device)

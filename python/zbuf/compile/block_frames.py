@@ -77,8 +77,9 @@ outputs. At qwen3-14b as rank 0 of 8 the inside placement's "selective" saves 1.
 the parent-checkpointed frame 3.39 GB at "keep" (benches/results/onepath14.md), so the copy queue
 may carry twice the blocks over the same link (on the CPU the two placements' level estimates,
 offloaded blocks and bytes moved are the same: tests/test_block_offload.py). At qwen3-14b on an
-H100 that plan ran out of memory in step 2, torch's cache free in pieces ([Note: torch's
-allocator grows in place] in zbuf/memory/shared.py); not yet measured since. A block the plan
+H100 that plan ran out of memory in step 2, torch's cache free in pieces, and completed once zbuf
+ran torch's allocator with expandable segments ([Note: torch's allocator grows in place] in
+zbuf/memory/shared.py): 22 blocks offloaded at "selective", 0.871x FSDP2's step. A block the plan
 runs at "keep" or "selective" (offloaded) runs its frame under the frames' own hooks, which,
 innermost, take everything it saves from the caller's: the caller's checkpoint keeps nothing of
 the call and never recomputes it (tests/test_block_offload.py counts the blocks

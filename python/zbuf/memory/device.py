@@ -46,9 +46,14 @@ def host_bytes(kind: str) -> int:
         return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _ranks_on_this_host() -> int:
+    """The ranks sharing this host (``LOCAL_WORLD_SIZE``: [Note: ranks share the host])."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def host_share_bytes() -> int:
     """This rank's share of the host's available memory ([Note: ranks share the host])."""
-    return host_bytes("free") // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return host_bytes("free") // _ranks_on_this_host()
 
 
 def host_cores() -> int:
@@ -62,7 +67,7 @@ def host_cores() -> int:
 def host_core_share() -> int:
     """This rank's share of those cores, one at least: the ranks of a host share them as they
     share its memory ([Note: ranks share the host])."""
-    return max(1, host_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, host_cores() // _ranks_on_this_host())
 
 
 def local_free_bytes(device: torch.device) -> int:
