@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 __all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "CopyQueue", "NO_COPIES",
-           "plan_recompute", "plan_block_levels", "copy_queue", "hull_steps"]
+           "plan_recompute", "plan_block_levels", "copy_queue", "hull_steps", "LINK_SHARE"]
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,19 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # the uploads ask for at most one forward's worth of link per block (the forward's rate); the
 # plan only checks that no ``upload_ahead + 1`` blocks in a row hold more than ``in_flight``
 # offloaded calls, the device bytes the uploads wait in.
+# With three calls on their way the queue runs the link without a gap from the first call to the
+# drain, so the plan has no slack of its own: a copy a few percent slower than modelled is
+# exposed at every throttle and at the drain. The model's speed is one probe's fastest copy
+# ([Note: the measured host link] in zbuf/host_link.py), and a call's copies are several tensors
+# of many sizes. So a copy is modelled at ``LINK_SHARE`` of the link's speed. At qwen3-14b on an
+# H100 (benches/results/onepath14.md) the link measured 53.0 GB/s, 22 blocks were offloaded and
+# 0.21 ms a step were exposed; measured at 55.0 GB/s in a later call (whose throttle also waited
+# for every released call's copies, [Note: offloaded blocks] in block_offload.py), the plan took
+# a 23rd block and 14.3 ms a step were exposed.
 
+
+LINK_SHARE = 0.95
+"""The share of the host link's measured speed a copy is modelled at ([Note: the copy queue])."""
 
 IN_FLIGHT = (2, 3)
 """The calls on their way the planner tries ([Note: the copy queue]): a third lets the link run
@@ -383,7 +395,8 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
         return None
     block_bytes = extra_bytes + moved_beside_bytes
     apart = reserve_room_bytes is not None
-    copy_seconds = block_bytes / link.bytes_per_second if link.bytes_per_second > 0 else math.inf
+    copy_seconds = (block_bytes / (LINK_SHARE * link.bytes_per_second)
+                    if link.bytes_per_second > 0 else math.inf)
     copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
     gain_each = levels[0].recompute_seconds - levels[level].recompute_seconds
     best: Optional[RecomputePlan] = None
