@@ -54,7 +54,8 @@ layer's rotary tables are every layer's), nor a view that is not its whole stora
   ``record_stream`` instead, the allocator reused such memory only once it saw the copy had
   run: with the Python thread ahead of the device, torch mapped new memory for the blocks after
   it and, at the card's limit, unmapped every free page of its cache (an allocator retry; one
-  in step 25 at qwen3-14b, benches/results/onepath14.md), whatever the plan's reserve said;
+  in step 25 at qwen3-14b, benches/results/onepath14.md), whatever the plan's reserve said
+  (since, none in any step at either placement there);
 * at the queue's drain (a block after the last offloaded call, or the model's output), the
   compute stream waits for the forward's last copies (``BlockOffload.forward_reaches``,
   ``BlockOffload.finish_forward``);
@@ -94,7 +95,8 @@ changes in place after its block (which autograd refuses without hooks) is copie
 has it. Measured at qwen3-14b (benches/results/onepath14.md): under ``auto`` before the uploads
 came out of the compute stream's cache (two retries a step), as the default's plan after it (one
 retry, in step 2), and under zbuf's expandable segments with ``record_stream`` still freeing the
-downloads' memory (a retry in step 2 and one in step 25).
+downloads' memory (a retry in step 2 and one in step 25); since the downloads' memory goes back
+in the compute stream's order, none (four runs, both placements).
 
 [Note: host arenas and the first offloaded step]
 Each offloaded position has one host arena ([Note: host arenas] in zbuf/host_arena.py) of the
@@ -112,8 +114,11 @@ compile runs beside them on the Python thread and Inductor's workers. With eight
 arena on a 16-core machine (32 threads) the re-plan's step ran longest where the locking took
 longest: 14.0 s beside 14.7 s of locking (the sum over the arenas) against 11.6 s beside 6.1 s
 at qwen3-14b on an H100, 11.7 s beside 11.2 s against 8.0 s beside 5.7 s on an H200
-(benches/results/onepath14.md). A correlation: whether the share shortens that step is measured
-there next. A second call at a position whose arena holds a live call's copies (two forwards
+(benches/results/onepath14.md). With one thread an arena there (the quarter share on 16 cores) the
+locking took longer, 15.8-19.5 s inside and 7.5-8.3 s at the parent placement, and the re-plan's
+step did not shorten inside (11.4-13.8 s) where it did at the parent placement (8.5-9.4 s): the
+inside calls ran first on fresh machines, so these calls do not separate placement from machine.
+A second call at a position whose arena holds a live call's copies (two forwards
 before one backward) copies through torch's pinned tensors instead.
 """
 
