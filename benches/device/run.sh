@@ -286,6 +286,13 @@ case "${1:-}" in
     # PROFILE=1: two extra steps profiled per variant, the summary under .../profile/ and printed.
     # zbuf.compile runs with PYTORCH_CUDA_ALLOC_CONF blank: torch's allocator left to zbuf
     limit=290
+    # The first process on a fresh machine reads torch's, Triton's and CUDA's libraries from
+    # disk: a throwaway compile first, so that the variant that runs first (FSDP2) is not
+    # charged for it (on 2026-12-06 FSDP2's first step at 14B took 16.0 and 18.8 s in the calls
+    # that started a fresh machine, 13.1 and 18.1 s in the calls after them: not conclusive, but
+    # the order of the calls should not decide it).
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warm python3 -c "import torch; torch.compile(lambda x: (x * 2).sin())(torch.ones(8, device='cuda'))" >/dev/null 2>&1 || true
+    rm -rf /tmp/inductor_warm
     case "${2:?give 14b, 17b or 32b}" in
       14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80) ;;
       17b) model=(--preset qwen3-1.7b) ;;
