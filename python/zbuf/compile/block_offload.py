@@ -26,8 +26,9 @@ the measured host link] in zbuf/host_link.py, against the block's forward, measu
 holds. The plan that saves the most modelled recompute is taken, and only when it saves more
 than the plan without offload. The link decides: "selective" keeps the matmul and attention
 outputs, about 56 % of "keep"'s bytes, and leaves only the elementwise recompute, so where one
-block's copy at "keep" takes three block forwards and at "selective" 1.7, "selective" offloads
-about 80 % more blocks at most of the saving each (qwen3-14b: tests/test_block_offload.py).
+block's copy at "keep" is modelled at three block forwards and at "selective" 1.75, "selective"
+offloads about 75 % more blocks at most of the saving each (qwen3-14b:
+tests/test_block_offload.py).
 A call moves everything its level saves, what level 0 saves included (the outputs a user's
 selective checkpoint policy saves, off level 0's partition:
 ``LevelEstimate.moved_beside_level_bytes``),
