@@ -46,3 +46,22 @@ def test_the_reasons_of_both_bypasses_are_recorded_and_nothing_is_printed(tmp_pa
     assert [lg.level for lg in loggers] == levels  # the loggers as they were
     assert not any(lg.filters for lg in loggers)
 
+
+
+def test_the_record_names_the_timers_a_phase_is_made_of(tmp_path, monkeypatch):
+    """Each ``dynamo_timed`` key's own time in the step, longest first: the phases are
+    differences of spans, so only the keys say which span inside a phase took its time."""
+    from zbuf.train.compile_phases import TIMER_FLOOR_S
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    got = _first_step()
+    timers = got.timers
+    assert list(timers.values()) == sorted(timers.values(), reverse=True)
+    assert min(timers.values()) >= TIMER_FLOOR_S
+    # The frame's whole compile holds Dynamo's share; Inductor's compile holds its own phase.
+    assert timers["_compile.compile_inner"] >= got.phases["dynamo"]
+    assert timers["compile_fx_inner"] >= got.phases["inductor"]
+    assert got.to_json()["timers"] == timers
+    with PhaseClock() as clock:  # a step that compiles nothing times nothing
+        pass
+    assert clock.result(0.0).timers == {}

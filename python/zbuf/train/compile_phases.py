@@ -27,6 +27,10 @@ up to the first step's wall time exactly:
 A phase is only as exact as torch's span boundaries; a key that is missing (an older or newer
 torch, a path that does not time itself) shows up as time in ``aot`` or ``first_run``, never as
 lost time. FX-graph and AOTAutograd cache hits come from ``torch._dynamo.utils.counters``.
+The record also keeps every key's own time in the step (``CompilePhases.timers``, nested spans
+each counted whole, so they do not add up): a phase is a difference of spans, and only the keys
+say which span inside it took the time (the re-plan's ``aot`` at qwen3-14b ran 4.1-5.0 s at one
+placement and 1.8-1.9 s at the other, benches/results/onepath14.md).
 
 [Note: why a cache was bypassed]
 A bypassed cache (``fxgraph_bypass``, ``aot_bypass``) rules out a warm start, and the counter
@@ -46,7 +50,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["PHASES", "PHASE_LABELS", "ZBUF_KEYS", "CompilePhases", "PhaseClock", "phases_from"]
+__all__ = ["PHASES", "PHASE_LABELS", "TIMER_FLOOR_S", "ZBUF_KEYS", "CompilePhases", "PhaseClock",
+           "phases_from", "timers_from"]
 
 PHASES = ("dynamo", "aot", "zbuf", "inductor", "kernel_compile", "first_run")
 """The phases, in the order a first step goes through them."""
@@ -73,6 +78,9 @@ _ZBUF_OUTER = ("zbuf.tag_for_regather", "zbuf.schedule_pass")
 _KERNEL_WAIT = ("async_compile.wait", "async_compile.precompile",
                 "CachingAutotuner.benchmark_all_configs",
                 "CachingAutotuner.coordinate_descent_tuning")
+
+TIMER_FLOOR_S = 0.01
+"""Keys that spent less in a step are left out of ``CompilePhases.timers``."""
 
 _CACHE_COUNTERS = {
     "fxgraph_hit": ("inductor", "fxgraph_cache_hit"),
@@ -138,6 +146,9 @@ class CompilePhases:
     cache_bypass_reasons: list[str] = field(default_factory=list)
     """Why torch bypassed a cache during the step, one line per distinct reason ([Note: why a
     cache was bypassed])."""
+    timers: dict[str, float] = field(default_factory=dict)
+    """Each of torch's (and zbuf's) ``dynamo_timed`` keys -> its seconds in the step, at least
+    ``TIMER_FLOOR_S``, longest first; nested spans each counted whole."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,6 +156,14 @@ class CompilePhases:
 
 def _new(after: Mapping[str, list[float]], before: Mapping[str, int], key: str) -> float:
     return float(sum(after.get(key, [])[before.get(key, 0):]))
+
+
+def timers_from(before: Mapping[str, int], after: Mapping[str, list[float]]) -> dict[str, float]:
+    """Each key's seconds between two readings of the timers, at least ``TIMER_FLOOR_S``,
+    longest first."""
+    spent = {key: _new(after, before, key) for key in after}
+    return dict(sorted(((k, v) for k, v in spent.items() if v >= TIMER_FLOOR_S),
+                       key=lambda kv: -kv[1]))
 
 
 def phases_from(before: Mapping[str, int], after: Mapping[str, list[float]], first_step_s: float,
@@ -222,4 +241,4 @@ class PhaseClock:
                                            get_compile_threads())
         caches = {k: self._counts1[k] - self._counts0[k] for k in self._counts1}
         return CompilePhases(first_step_s, phases, passes, work, caches, self._cpu1 - self._cpu0,
-                             list(self._reasons))
+                             list(self._reasons), timers_from(self._before, self._after))
