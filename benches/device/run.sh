@@ -100,6 +100,9 @@
 #                                           (~5-6 min); run it at the answer (expect ok, 0 retries
 #                                           after step 2) and at the answer + 1 (expect out of
 #                                           memory, retries, or the plan's refusal)
+#   bash benches/device/run.sh lockprobe   # ONE GPU: does locking the offloaded blocks' arenas slow
+#                                           the compile's tracing or its driver calls
+#                                           (benches/lock_contention.py, ~1-2 min)
 # BENCH_TIMEOUT=S bounds one bench/plain14 run (default 580 s) when a call chains two
 # Merge afterwards here: zbuf bench --merge A.json B.json --out benches/results/...json
 # Sequences longer than one call: start them detached (`setsid nohup bash -c '...' &`) writing
@@ -329,6 +332,9 @@ case "${1:-}" in
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-290} bench "offload14_$where" zbuf --preset qwen3-14b \
         --simulate-world 8 --gpu-memory $CARD80 --compile-structure blocks "${flag[@]}" "${@:2}"
     done ;;
+  lockprobe)  # ONE GPU: the re-plan's compile beside the arenas' locking (onepath14.md)
+    timeout 300 python3 benches/lock_contention.py --out "$OUT" 2>&1 | grep -v "Warning\|warn" \
+      | tee "$OUT/lock_contention.log" | tail -12 ;;
   fit32b)  # ONE H200, issue 38: zbuf fit qwen3-32b, world 8, 80 GiB card, blocks
     timeout 590 python3 -m zbuf.cli fit --engine "${2:-zbuf}" --preset qwen3-32b --simulate-world 8 \
       --gpu-memory $CARD80 --seq-len 4096 --ac --steps 6 --warmup 3 --compile-structure blocks \

@@ -137,7 +137,8 @@ from ..memory import host_core_share
 from ..stream_waits import TimedWaits
 from .recompute_plan import LINK_SHARE, NO_COPIES, CopyQueue, HostLink
 
-__all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor"]
+__all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
+           "touch_threads_per_arena"]
 
 PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
