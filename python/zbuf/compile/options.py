@@ -169,7 +169,9 @@ class CostModel:
     """Host link (PCIe) bandwidth, one direction: what offloading a block's activations costs
     ([Note: offloaded blocks] in block_offload.py). None (the default): measured on the device
     when the plan is first made ([Note: the measured host link] in zbuf/host_link.py); a PCIe 5
-    x16 link moved 47.6 GB/s each way at once on an H200 (benches/results/offload14.md)."""
+    x16 link moved 47.6 GB/s each way at once on an H200 (benches/results/offload14.md). Either
+    way the plan models a copy at ``LINK_SHARE`` of it ([Note: the copy queue] in
+    recompute_plan.py)."""
 
     def _check_cost(self, need) -> None:
         for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second",
