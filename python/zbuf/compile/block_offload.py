@@ -135,7 +135,7 @@ import torch
 from ..host_arena import ALIGN, HostArena, span_bytes
 from ..memory import host_core_share
 from ..stream_waits import TimedWaits
-from .recompute_plan import LINK_SHARE, NO_COPIES, CopyQueue, HostLink
+from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
 __all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
            "touch_threads_per_arena"]
@@ -491,8 +491,8 @@ class BlockOffload:
                 "planned_block_bytes": self.block_bytes,
                 "host_link_bytes_per_second": (None if self.link is None
                                                else self.link.bytes_per_second),
-                "planned_copy_ms": (None if self.link is None else 1e3 * self.block_bytes / (
-                    LINK_SHARE * self.link.bytes_per_second)),
+                "planned_copy_ms": (None if self.link is None
+                                    else 1e3 * self.link.copy_seconds(self.block_bytes)),
                 "planned_block_forward_ms": (None if self.link is None
                                              else 1e3 * self.link.forward_seconds),
                 "planned_tail_forwards": None if self.link is None else self.link.tail_forwards,

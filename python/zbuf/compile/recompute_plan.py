@@ -225,6 +225,10 @@ def plan_recompute(specs: list[RegionSpec] | tuple[RegionSpec, ...], base_bytes:
         saved_seconds=base_seconds - seconds, planning_seconds=time.perf_counter() - t0)
 
 
+LINK_SHARE = 0.95
+"""The share of the host link's measured speed a copy is modelled at ([Note: the copy queue])."""
+
+
 class HostLink(NamedTuple):
     """What moving blocks' kept activations through host memory costs ([Note: offloaded
     blocks]); every field is rank-invariant."""
@@ -241,6 +245,13 @@ class HostLink(NamedTuple):
     """The model's forward from its last block's start to its output (the last block, then what
     the model runs after it: the final norm and the output projection), in block forwards,
     measured with them ([Note: the measured block forward] in block_clock.py)."""
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """A copy of ``nbytes`` one way, as the copy queue models it: at ``LINK_SHARE`` of the
+        link's speed ([Note: the copy queue]); endless over a link that measured nothing."""
+        if self.bytes_per_second <= 0:
+            return math.inf
+        return nbytes / (LINK_SHARE * self.bytes_per_second)
 
 
 def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: int,
@@ -318,9 +329,6 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # a 23rd block and 14.3 ms a step were exposed.
 
 
-LINK_SHARE = 0.95
-"""The share of the host link's measured speed a copy is modelled at ([Note: the copy queue])."""
-
 IN_FLIGHT = (2, 3)
 """The calls on their way the planner tries ([Note: the copy queue]): a third lets the link run
 without a gap where one copy takes a fraction more than a whole number of block forwards."""
@@ -395,8 +403,7 @@ def _offloaded_at(level: int, levels: tuple[RegionLevel, ...], blocks: int, room
         return None
     block_bytes = extra_bytes + moved_beside_bytes
     apart = reserve_room_bytes is not None
-    copy_seconds = (block_bytes / (LINK_SHARE * link.bytes_per_second)
-                    if link.bytes_per_second > 0 else math.inf)
+    copy_seconds = link.copy_seconds(block_bytes)
     copies = copy_seconds / link.forward_seconds if link.forward_seconds > 0 else math.inf
     gain_each = levels[0].recompute_seconds - levels[level].recompute_seconds
     best: Optional[RecomputePlan] = None
