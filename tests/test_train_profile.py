@@ -30,3 +30,14 @@ def test_exposed_comm_is_nccl_time_outside_compute():
 
 def test_trace_without_device_events_says_so():
     assert "error" in summarize_trace([{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1}], 2)
+
+
+def test_named_list_tells_apart_the_functors_a_family_joins():
+    copy = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda"
+    cast = "void at::native::unrolled_elementwise_kernel<at::native::bfloat16_copy_kernel_cuda"
+    s = summarize_trace([_k(copy, 0, 30), _k(cast, 40, 10), _k(copy, 60, 30)], steps=1)
+    fams = {k["kernel"]: k for k in s["top_kernels_ms_per_step"]}
+    assert fams["void at::native::unrolled_elementwise_kernel"]["calls"] == 3
+    named = {k["kernel"]: k for k in s["top_named_kernels_ms_per_step"]}
+    assert named[copy]["ms"] == pytest.approx(60e-3) and named[copy]["calls"] == 2
+    assert named[cast]["calls"] == 1

@@ -313,7 +313,7 @@ case "${1:-}" in
         ${PROFILE:+--profile-dir "$OUT/$name/profile"} 2>&1 | grep -v "Warning\|warn" \
         | tee "$OUT/$name.log" | tail -3
       python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload'), 'phases', {k: {p: round(v, 1) for p, v in ph['phases'].items()} for k, ph in (r.get('compile_phases_by_step') or {}).items()}, 'timers of step 1', {t: round(v, 2) for t, v in list(((r.get('compile_phases_by_step') or {}).get('1') or {}).get('timers', {}).items())[:12]}) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
-      [ -z "${PROFILE:-}" ] || python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if k != 'top_kernels_ms_per_step'}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8]) for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
+      [ -z "${PROFILE:-}" ] || python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if not k.startswith('top_')}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8], *[(round(k['ms'], 2), k['calls'], k['kernel']) for k in json.load(open(p)).get('top_named_kernels_ms_per_step', [])[:24]], sep='\\n') for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
      done
     done
     # The device tool brings 8 files back a call (three placements' records did not come back):
