@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -244,3 +246,19 @@ def test_two_models_in_one_process_keep_separate_counts():
     del a
     gc.collect()
     assert counts() is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), pad=st.integers(0, 5),
+       src=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       dst=st.sampled_from([torch.float32, torch.bfloat16, None]))
+def test_reduce_scatter_casts_and_pads_bit_for_bit(shape, pad, src, dst):
+    """[Note: the gradient's cast]: the gradient reaches the collective as ``Tensor.to`` casts
+    it, bit for bit, with zeros in the padding (one rank: the reduce-scatter is a copy)."""
+    grad = (torch.randn(shape) * 1e3).to(src)
+    grad.view(-1)[0] = float("-inf")
+    numel = grad.numel()
+    out = torch.ops.zbuf.reduce_scatter(grad, 0, numel + pad, dist.group.WORLD.group_name, dst,
+                                        torch.float32)
+    want = torch.cat([grad.reshape(-1).to(dst or src), torch.zeros(pad, dtype=dst or src)])
+    assert torch.equal(out, want.to(torch.float32))

@@ -146,7 +146,7 @@ class GatherBufferPool:
     #     stream). Raises ForeignBufferError / DoubleReleaseError (UnverifiableReleaseError for
     #     `acquire_dlpack` buffers, see the note), leaving the pool unchanged.
     __slots__ = ("_core", "device", "acquire", "release", "_budget_observer", "kept",
-                 "__weakref__")
+                 "gather_stream", "__weakref__")
     acquire: Callable[..., torch.Tensor]
     release: Callable[..., None]
 
@@ -171,6 +171,12 @@ class GatherBufferPool:
         self.kept = KeptWeights()
         """The gathered weights forward keeps for backward, and the buffers it holds for them
         ([Note: weights kept at run time] in kept_weights.py)."""
+        self.gather_stream = torch.cuda.Stream(self.device) if kind == "cuda" else None
+        """The stream a block's gather fills this pool's buffers on: its shards' copy-in and
+        the collective's issue (producer: ``launch_block_gather``, after waiting for the
+        current stream and for each buffer's last release; consumer: ``InFlightGather.wait``,
+        where the current stream waits for the gather's event; [Note: the gather stream] in
+        compile/block_gather.py). None on the host."""
         if kind == "cuda":
             self._core.set_reclaim_hook(_release_torch_cache)
 

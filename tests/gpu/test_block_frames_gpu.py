@@ -92,3 +92,70 @@ def test_block_frames_on_cuda():
         pytest.skip("needs a CUDA GPU")
     results = run_distributed(_worker, _world(), backend="nccl", timeout=900)
     assert all(r == results[0] for r in results)
+
+
+def _gather_stream_worker(rank, world):
+    import zbuf.compile
+    import zbuf.runtime as zruntime
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+    from zbuf.shard import root_of, shard
+
+    zruntime.POISON_RELEASES = True
+    dev = torch.device("cuda", rank)
+    cfg = resolve_config("tiny").replace(num_layers=3, vocab_size=128)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 128, (2, 32), generator=g).to(dev),
+                torch.randint(0, 128, (2, 32), generator=g).to(dev)) for _ in range(STEPS)]
+    torch.manual_seed(0)
+    init = build_model(cfg).to(dev)
+    apply_activation_checkpointing(init, True)
+    runs = {}
+    for lag in (False, True):
+        torch._dynamo.reset()
+        model = shard(copy.deepcopy(init), param_dtype=torch.bfloat16)
+        zbuf.compile(model, structure="blocks", fullgraph=True)
+        stream = root_of(model).pool.gather_stream
+        if lag:  # each gather queued behind ~20 ms on its stream: a missing wait reads poison
+            from zbuf.compile import block_gather
+            launch = block_gather.launch_block_gather
+
+            def lagging(weights):
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(20_000_000)
+                return launch(weights)
+
+            block_gather.launch_block_gather = lagging
+            import zbuf.compile.block_prefetch as prefetch
+            prefetch.launch_block_gather = lagging
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                losses = _train(model, batches, rank, world)
+                torch.cuda.synchronize()
+        finally:
+            if lag:
+                block_gather.launch_block_gather = launch
+                prefetch.launch_block_gather = launch
+        runs[lag] = losses
+        assert root_of(model).pool.stats().checked_out == 0
+        streams = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kind = ("copy-in" if "CopyFunctor" in e.name else
+                        "frame" if e.name.startswith("triton") else None)
+                if kind:
+                    streams.setdefault(kind, set()).add(getattr(e, "stream", None)
+                                                        or e.device_resource_id)
+        assert streams["copy-in"] and streams["frame"]
+        assert not streams["copy-in"] & streams["frame"], streams
+    assert runs[True] == runs[False]
+    return runs[False]
+
+
+def test_gathers_fill_their_buffers_beside_the_compute_stream():
+    """[Note: the gather stream]: the shards' copy-in runs on the pool's gather stream, not on
+    the stream the frames compute on, and a gather stream that lags (each gather queued behind
+    ~20 ms of sleep) changes no loss: the compute stream waits for every gather it reads, and no
+    buffer goes back to the pool before its gather wrote it (releases poisoned)."""
+    if _world() < 1:
+        pytest.skip("needs a CUDA GPU")
+    run_distributed(_gather_stream_worker, 1, backend="nccl", timeout=600)

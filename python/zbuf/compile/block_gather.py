@@ -19,10 +19,28 @@ sites of one forward is still reduce-scattered once per step ([Note: reduce once
 node per block: the frame's backward returns all of the block's weight gradients together.
 
 The re-gathers for backward are block_prefetch.py's.
+
+[Note: the gather stream]
+On CUDA a block's gather runs on its pool's ``gather_stream``, not on the stream that computes
+(FSDP2's all-gather streams, for the same reasons). The copy-in (each shard cast into its slot:
+[Note: in-place gathers] in runtime.py) is a kernel, 8.2 ms a step at qwen3-14b as rank 0 of
+8, that would otherwise queue between the compute stream's kernels; and a collective that runs
+its own copies on the issuing stream (torch's fake process group copies the shard into every
+rank's chunk: 6195 copies, 40.4 ms a step on the compute stream there, where FSDP2's ran on
+its all-gather stream beside the compute, benches/results/onepath14.md) would add them to
+the step. NCCL runs the collective on its own stream either way. Ordering: the gather stream
+first waits for the current stream (the optimizer wrote the shards there) and, through the
+pool's ``acquire(stream=...)``, for each buffer's last release; ``InFlightGather.wait`` makes the
+current stream wait for the gather's event after the collective's own wait (on NCCL the current
+stream waits for NCCL's stream; the fake group's and gloo's works are done at once). A gather
+dropped unwaited makes the current stream wait before its buffers go back to the pool, so that
+their release, on the current stream, comes after the gather's writes. On the host there is one
+stream, and the gather runs where it is issued.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -66,9 +84,10 @@ class BlockWeights(NamedTuple):
 class InFlightGather:
     """The gathers of one block, launched together by ``launch_block_gather`` and waited once."""
 
-    __slots__ = ("weights", "buffers", "_work")
+    __slots__ = ("weights", "buffers", "_work", "_written")
 
-    def __init__(self, weights: BlockWeights, buffers: tuple[torch.Tensor, ...], work) -> None:
+    def __init__(self, weights: BlockWeights, buffers: tuple[torch.Tensor, ...], work,
+                 written: Optional[torch.cuda.Event]) -> None:
         self.weights = weights
         self.buffers = buffers
         """The padded, flat pool buffers, one per parameter (producer: ``launch_block_gather``;
@@ -76,12 +95,25 @@ class InFlightGather:
         self._work = work
         """The collectives (producer: ``launch_block_gather``; consumer: ``wait``, which drops
         it); None once waited, or when nothing was in flight (one rank)."""
+        self._written = written
+        """Where the pool's gather stream stood once the copy-in and the collective's issue
+        were queued (producer: ``launch_block_gather``; consumer: ``wait``, or the drop of an
+        unwaited gather: [Note: the gather stream]); None once waited, and on the host."""
 
     def wait(self) -> None:
         """Wait for the collectives (on CUDA: the current stream waits); once."""
         if self._work is not None:
             work, self._work = self._work, None
             work.wait()
+        self._wait_written()
+
+    def _wait_written(self) -> None:
+        if self._written is not None:
+            written, self._written = self._written, None
+            torch.cuda.current_stream(self.buffers[0].device).wait_event(written)
+
+    def __del__(self) -> None:
+        self._wait_written()  # before the buffers go back to the pool: [Note: the gather stream]
 
     def full_weights(self) -> tuple[torch.Tensor, ...]:
         """The full weights, unpadded views of the buffers (after ``wait``)."""
@@ -96,14 +128,20 @@ def launch_block_gather(weights: BlockWeights) -> InFlightGather:
     pg = process_group(specs[0].group_name)
     world = pg.size()
     pool = pool_of(specs[0].pool_id, shards[0])
+    stream = pool.gather_stream  # [Note: the gather stream]
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
     buffers = tuple(
-        pool.acquire((world * s.shard_numel,), s.param_dtype if s.param_dtype is not None else s.dtype)
+        pool.acquire((world * s.shard_numel,),
+                     s.param_dtype if s.param_dtype is not None else s.dtype, stream)
         for s in specs)
     blocks = [borrowed(b) for b in buffers] if world > 1 else list(buffers)
-    work = gather_into(blocks, [p.detach() for p in shards], pg, async_op=True)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        work = gather_into(blocks, [p.detach() for p in shards], pg, async_op=True)
+        written = stream.record_event() if stream is not None else None
     for buf, spec in zip(buffers, specs):
         count_gather(spec.param_id, buf.numel() * buf.element_size())
-    return InFlightGather(weights, buffers, work)
+    return InFlightGather(weights, buffers, work, written)
 
 
 class FrameGather(torch.autograd.Function):

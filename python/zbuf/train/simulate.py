@@ -4,7 +4,9 @@
 What one rank of an N-rank job holds and computes does not depend on the other ranks being
 there; only the bytes the collectives move do. torch's fake process group (backend ``"fake"``,
 ``torch.testing._internal.distributed.fake_pg``) makes this process rank 0 of N: every
-collective completes at once and moves nothing, everything else is real. So under
+collective completes at once and moves nothing between ranks (its all-gathers copy the shard into
+every rank's chunk, on the stream that issues them: zbuf's gather stream, FSDP2's all-gather
+stream; [Note: the gather stream] in compile/block_gather.py), everything else is real. So under
 ``--simulate-world N``:
 
 - rank 0's parameter shards, gradient shards and optimizer state are exactly a real rank 0's
@@ -17,7 +19,7 @@ collective completes at once and moves nothing, everything else is real. So unde
   so the first step's gradient shards hold whatever their fresh memory held: non-finite values
   on CPU (observed with the tiny preset: every step-0 gradient has some), zeros as a rule on the
   GPU. The optimizer turns them into NaN shards; a gathered buffer holds this rank's own chunk
-  (copied in before the collective) and otherwise whatever its memory held. So the losses
+  in every rank's place. So the losses
   depend on what the memory last held: qwen3-14b as rank 0 of 8 on the H200 ended at 12.96 for
   FSDP2 and at 20.2 or NaN for ``zbuf bench`` on different trees; the tiny preset on CPU at
   world 4 stays finite. The run goes on regardless: the training loop and zbuf have no path that
