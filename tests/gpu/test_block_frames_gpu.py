@@ -137,16 +137,18 @@ def _gather_stream_worker(rank, world):
                 prefetch.launch_block_gather = launch
         runs[lag] = losses
         assert root_of(model).pool.stats().checked_out == 0
-        streams = {}
+        # The blocks' copy-ins run off the frames' stream. The parameters outside the blocks
+        # (embedding, final norm, output projection) are gathered eagerly where they are used,
+        # so some copy-ins stay on it: the first run found {'copy-in': {13, 7}, 'frame': {7}}.
+        copy_ins, frame_streams = [], set()
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                kind = ("copy-in" if "CopyFunctor" in e.name else
-                        "frame" if e.name.startswith("triton") else None)
-                if kind:
-                    streams.setdefault(kind, set()).add(getattr(e, "stream", None)
-                                                        or e.device_resource_id)
-        assert streams["copy-in"] and streams["frame"]
-        assert not streams["copy-in"] & streams["frame"], streams
+                if "CopyFunctor" in e.name:
+                    copy_ins.append(e.device_resource_id)
+                elif e.name.startswith("triton"):
+                    frame_streams.add(e.device_resource_id)
+        beside = [s for s in copy_ins if s not in frame_streams]
+        assert frame_streams and len(beside) >= cfg.num_layers * STEPS, (copy_ins, frame_streams)
     assert runs[True] == runs[False]
     return runs[False]
 
