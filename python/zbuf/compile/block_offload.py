@@ -119,6 +119,11 @@ at qwen3-14b on an H100, 11.7 s beside 11.2 s against 8.0 s beside 5.7 s on an H
 locking took longer, 15.8-19.5 s inside and 7.5-8.3 s at the parent placement, and the re-plan's
 step did not shorten inside (11.4-13.8 s) where it did at the parent placement (8.5-9.4 s): the
 inside calls ran first on fresh machines, so these calls do not separate placement from machine.
+The next calls did: on one machine, the parent placement first, the locking took 7.9 s and 5.7 s
+(inside) and the re-plan's step 8.3 and 7.3 s; the inside placement alone on a fresh machine
+20.6 s and 12.8 s. The machine decides: its first process faults in host pages that no process
+there touched before, and the lock probe (benches/lock_contention.py) holds driver calls up to
+0.29 s behind each arena's registration and slows a trace by 7-10 %.
 A second call at a position whose arena holds a live call's copies (two forwards
 before one backward) copies through torch's pinned tensors instead.
 """
