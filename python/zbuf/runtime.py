@@ -330,8 +330,9 @@ class ReduceScatterLaunch(NamedTuple):
     """Divisor still to apply to ``out`` (1 when the input was divided before the sum)."""
 
 
-def _cast_padded(flat: torch.Tensor, dtype: torch.dtype, padded: int) -> torch.Tensor:
-    """``flat`` cast to ``dtype`` in the first elements of a new tensor of ``padded``, zeros after.
+def _padded_copy(flat: torch.Tensor, dtype: torch.dtype, padded: int) -> torch.Tensor:
+    """``flat`` copied (cast to ``dtype``) into the first elements of a new tensor of ``padded``,
+    zeros after.
 
     [Note: the gradient's cast]
     A bf16 gradient reduced in fp32 (FSDP2's ``reduce_dtype``, the plain setup's) is cast at
@@ -367,11 +368,8 @@ def reduce_scatter_launch(grad, param_id, shard_numel, group_name, reduce_dtype,
             f"zbuf::reduce_scatter: gradient of {flat.numel()} elements does not fit {world} "
             f"shards of {shard_numel} (param_id {param_id})"
         )
-    if flat.dtype != rdtype:
-        inp = _cast_padded(flat, rdtype, padded)
-    elif flat.numel() < padded:
-        inp = flat.new_zeros(padded)
-        inp[: flat.numel()].copy_(flat)
+    if flat.dtype != rdtype or flat.numel() < padded:
+        inp = _padded_copy(flat, rdtype, padded)
     else:
         inp = flat.contiguous()
     # [Note: collectives on gloo]: divide before a narrow sum, after a wide one.

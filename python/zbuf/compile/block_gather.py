@@ -40,7 +40,6 @@ stream, and the gather runs where it is issued.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -136,7 +135,7 @@ def launch_block_gather(weights: BlockWeights) -> InFlightGather:
                      s.param_dtype if s.param_dtype is not None else s.dtype, stream)
         for s in specs)
     blocks = [borrowed(b) for b in buffers] if world > 1 else list(buffers)
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.cuda.stream(stream):  # None: no stream to enter
         work = gather_into(blocks, [p.detach() for p in shards], pg, async_op=True)
         written = stream.record_event() if stream is not None else None
     for buf, spec in zip(buffers, specs):

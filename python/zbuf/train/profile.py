@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -100,19 +100,6 @@ def summarize_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     comm = _union(s for s, c in zip(spans, is_comm) if c)
     first, last = busy[0][0], busy[-1][1]
     span = last - first
-    per_family: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    per_name: dict[str, float] = defaultdict(float)
-    name_counts: dict[str, int] = defaultdict(int)
-    for e in device:
-        fam = kernel_family(e.get("name", ""))
-        per_family[fam] += float(e["dur"])
-        counts[fam] += 1
-        name = e.get("name", "")[:NAME_CHARS]
-        per_name[name] += float(e["dur"])
-        name_counts[name] += 1
-    top = sorted(per_family.items(), key=lambda kv: -kv[1])[:20]
-    top_named = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     ms = 1e-3 / steps
     return {
         "profiled_steps": steps,
@@ -123,13 +110,22 @@ def summarize_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "exposed_comm_ms_per_step": _minus(comm, compute) * ms,
         "idle_ms_per_step": (span - _length(busy)) * ms,
         "kernels_per_step": len(device) / steps,
-        "top_kernels_ms_per_step": [
-            {"kernel": k, "ms": v * ms, "calls": counts[k] / steps} for k, v in top
-        ],
-        "top_named_kernels_ms_per_step": [
-            {"kernel": k, "ms": v * ms, "calls": name_counts[k] / steps} for k, v in top_named
-        ],
+        "top_kernels_ms_per_step": _top(device, kernel_family, 20, steps),
+        "top_named_kernels_ms_per_step": _top(device, lambda name: name[:NAME_CHARS], 30, steps),
     }
+
+
+def _top(device: list[dict[str, Any]], label: Callable[[str], str], n: int,
+         steps: int) -> list[dict[str, Any]]:
+    """The ``n`` labels whose kernels took the most device time, per step."""
+    seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in device:
+        key = label(e.get("name", ""))
+        seconds[key] += float(e["dur"])
+        calls[key] += 1
+    top = sorted(seconds.items(), key=lambda kv: -kv[1])[:n]
+    return [{"kernel": k, "ms": v * 1e-3 / steps, "calls": calls[k] / steps} for k, v in top]
 
 
 class StepProfiler:
