@@ -138,26 +138,3 @@ def test_second_launch_is_served_from_the_caches(tmp_path, structure):
     # (counted, not timed: its seconds depend on the machine's load).
     assert warm["files"] <= 1 < cold["files"]
     assert warm["losses"] == cold["losses"]
-
-
-_WORKERS_SCRIPT = r"""
-import sys
-import torch
-import zbuf
-from torch._inductor.async_compile import AsyncCompile
-
-zbuf.compile(torch.nn.Linear(4, 4), **({"inner": sys.argv[1]} if sys.argv[1] != "-" else {}))
-print(AsyncCompile._ready_future is not None, torch._dynamo.utils.counters["stats"]["calls_captured"])
-"""
-
-
-@pytest.mark.parametrize("inner,started", [("-", True), ("aot_eager", False)])
-def test_zbuf_compile_starts_inductors_compile_workers_before_the_first_step(inner, started):
-    """``zbuf.compile`` starts Inductor's kernel-compile workers when it is called, before
-    anything is compiled ([Note: compile workers started by zbuf.compile] in
-    zbuf/compile/backend.py); under ``aot_eager``, which compiles no kernel, it starts none."""
-    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="2", TORCH_WARM_POOL="1")
-    out = subprocess.run([sys.executable, "-c", _WORKERS_SCRIPT, inner], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(started), "0"]

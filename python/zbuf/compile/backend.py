@@ -23,19 +23,6 @@ warm. zbuf's graphs are never captured as CUDA graphs (their collectives and poo
 the host), so the backend partitions with ``graphsafe_rng_functionalization`` off: the same
 replay of the RNG state through ``run_and_save_rng_state`` / ``run_with_rng_state``, which the
 cache accepts.
-
-[Note: compile workers started by zbuf.compile]
-Inductor compiles Triton kernels in a pool of worker processes, started by the first compile
-(torch's own ``"inductor"`` backend starts it when Dynamo first hands it a graph, ``compile_fx``
-when it is first called), and compiles a kernel in the main process, serially, while the pool is
-not ready. In step 0 it was not: at qwen3-14b as rank 0 of 8 on an H100 the level-0 block
-frame's kernels compiled in the main process for 2.1-2.2 s (``async_compile.precompile``; 5.5 s
-on a fresh machine), where FSDP2's per-block compile lost 2.0-3.5 s the same way; in the
-re-plan's compile, with the pool ready, there was no such span (benches/results/onepath14.md).
-``zbuf.compile`` knows that Inductor will compile, so it starts the pool when it is called
-(``start_compile_workers``), and the workers start beside whatever the script does before its
-first step and beside that step's tracing, instead of beside its tracing only. It starts
-processes and waits for none of them.
 """
 
 from __future__ import annotations
@@ -51,15 +38,7 @@ from .options import CompileOptions
 from .passes import GatherSchedulePass, PlanState, ZbufPartitioner
 from .region_graphs import refuse_checkpointed_calls
 
-__all__ = ["zbuf_backend", "compile_inner", "start_compile_workers"]
-
-
-def start_compile_workers() -> None:
-    """Start Inductor's kernel-compile worker pool now, without waiting for it ([Note: compile
-    workers started by zbuf.compile])."""
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    maybe_warm_pool()
+__all__ = ["zbuf_backend", "compile_inner"]
 
 
 def zbuf_backend(

@@ -17,7 +17,6 @@ from ..offload_choice import OffloadChoice, slot_estimate_bytes
 from ..optimizer_in_backward import BATCH_BYTES, BackwardStep
 from ..optimizer_step_offload import BUCKET_BYTES
 from ..shard import roots
-from .backend import start_compile_workers
 from .budget import agree_free_memory, check_optimizer_fits
 from .dynamo_settings import traced_as_zbuf
 from .modes import Modes, refusal
@@ -206,8 +205,6 @@ def compile_model(
             host_free = free + reserve
     elif opts.free_memory_bytes is not None:
         host_free = opts.free_memory_bytes  # the caller's agreed value: the stand-in's too
-    if opts.inner == "inductor":
-        start_compile_workers()  # [Note: compile workers started by zbuf.compile] in backend.py
     if opts.structure == "blocks":
         # [Note: one Dynamo frame per block] in block_frames.py: the model itself, its blocks
         # run as compiled frames; the measured room re-plans recompute="auto"'s levels and the
