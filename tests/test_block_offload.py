@@ -222,9 +222,10 @@ class Trained(NamedTuple):
     pool: object
     memory: object
     peaks: list
-    """Each step's allocated peak (CUDA only)."""
+    """Each step's allocated peak above what was allocated when the run began (CUDA only)."""
     reserved: list
-    """Each step's peak of torch's reserved memory (CUDA only)."""
+    """Each step's peak of torch's reserved memory above what was reserved when the run began,
+    its cache emptied (CUDA only)."""
     compiled: object
 
 
@@ -261,6 +262,13 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
                             lambda self, block, args, kwargs: None)
     torch._dynamo.reset()
     gc.collect()
+    # A caller comparing two runs still holds the first (its model, optimizer state and
+    # parameters): each run's peaks are measured from where it began, not from zero.
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    began = ((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if device == "cuda"
+             else (0, 0))
     model = shard(copy.deepcopy(init).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cm = zbuf.compile(model, inner=inner, structure="blocks", recompute=recompute,
@@ -272,8 +280,8 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
 
     def after_step():
         if device == "cuda":
-            peaks.append(torch.cuda.max_memory_allocated())
-            reserved.append(torch.cuda.max_memory_reserved())
+            peaks.append(torch.cuda.max_memory_allocated() - began[0])
+            reserved.append(torch.cuda.max_memory_reserved() - began[1])
             torch.cuda.reset_peak_memory_stats()
 
     data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]

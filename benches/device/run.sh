@@ -332,6 +332,10 @@ case "${1:-}" in
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-290} bench "offload14_$where" zbuf --preset qwen3-14b \
         --simulate-world 8 --gpu-memory $CARD80 --compile-structure blocks "${flag[@]}" "${@:2}"
     done ;;
+  lagprobe)  # ONE GPU: each step's peak with the Python thread far ahead of the device, the
+    # block gathers on the gather stream and on the compute stream (benches/lag_peaks_probe.py)
+    timeout 300 python3 benches/lag_peaks_probe.py "$OUT/lag_peaks.json" 2>&1 \
+      | grep -v "Warning\|warn" | tail -8 ;;
   lockprobe)  # ONE GPU: the re-plan's compile beside the arenas' locking (onepath14.md)
     timeout 300 python3 benches/lock_contention.py --out "$OUT" 2>&1 | grep -v "Warning\|warn" \
       | tee "$OUT/lock_contention.log" | tail -12 ;;
