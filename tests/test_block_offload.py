@@ -409,22 +409,24 @@ def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monk
 
 
 @pytest.mark.parametrize("copies,small_host,level,expected,frames_compiled,dropout,inner", [
-    (1, False, 2, [0, 1, 2, 3, 4, 5], 1, 0.0, "aot_eager"),
+    (1, False, 2, [0, 1, 2, 3, 4, 5], 2, 0.0, "aot_eager"),
     # A copy at "keep" takes four blocks' forward: at "selective" (half its bytes) the queue
-    # carries every second block, in a frame of its own; Inductor compiles it as on a GPU.
-    (4, False, 1, [0, 2, 4], 2, 0.0, "aot_eager"),
-    (4, False, 1, [0, 2, 4], 2, 0.0, "inductor"),
+    # carries every second block, in the frame level 0 runs (no compile at the re-plan);
+    # Inductor compiles it as on a GPU.
+    (4, False, 1, [0, 2, 4], 1, 0.0, "aot_eager"),
+    (4, False, 1, [0, 2, 4], 1, 0.0, "inductor"),
     # Dropout in attention, recomputed from its replayed RNG state at "selective": a host that
     # holds less than one block at "keep" makes it the level, one block.
-    (1, True, 1, [5], 2, 0.1, "aot_eager")])
+    (1, True, 1, [5], 1, 0.1, "aot_eager")])
 def test_blocks_under_the_parents_checkpoint_offloaded(monkeypatch, copies, small_host, level,
                                                        expected, frames_compiled, dropout,
                                                        inner):
     """The issue's user script: the parent wraps each block call in a non-reentrant checkpoint
     ([Note: a block under the caller's checkpoint] in zbuf/compile/block_frames.py). The
-    default plans those blocks too: level 0 is the parent's recompute, "keep" the frame as
-    compiled (no other frame compiled for it), "selective" a frame of its own that the plan
-    compiles when a slower link makes fewer bytes pay, and an offloaded block's frame saves
+    default plans those blocks too: level 0 is the parent's recompute, through the frame
+    compiled at "selective" (so "selective", where a slower link makes fewer bytes pay, compiles
+    nothing more), "keep" a frame of its own that the plan compiles when the link carries its
+    bytes, and an offloaded block's frame saves
     under zbuf's own hooks, so the parent's checkpoint keeps nothing of it and never
     recomputes it.
     Losses and parameters match the unsharded reference (1e-5) and, bit for bit, the same
@@ -463,12 +465,12 @@ def test_blocks_under_the_parents_checkpoint_offloaded(monkeypatch, copies, smal
     assert offload.report()["blocks"] == expected
     assert [frames.levels.get(b, 0) for b in frames.called] == [
         level if i in expected else 0 for i in range(7)]
-    # "keep" is the parent-checkpointed frame itself; "selective" is compiled at the re-plan.
+    # "selective" is the parent-checkpointed frame itself; "keep" is compiled at the re-plan.
     assert frames.graphs_compiled == frames_compiled
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
     per_call = offload.moved_down // (steps - 1) // len(expected)
     # Each call moves what its level's estimate says: at "selective" its matmul and attention
-    # outputs only, under half of what the frame as compiled saves.
+    # outputs only, under half of what the block saves at "keep".
     estimated = frames.estimate.levels[level].extra_bytes
     assert abs(per_call - estimated) <= estimated / 8, (per_call, frames.estimate.levels)
     # Step 0 (before the plan) recomputes every block; from step 1 on only those kept at the

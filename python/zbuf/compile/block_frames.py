@@ -66,16 +66,23 @@ not a checkpoint (``save_on_cpu``) then receive the gathered weights as well: co
 they move.
 
 The default (``recompute="checkpointed"``) plans such blocks as its own ([Note: offloaded under the
-step's own peak] in block_replan.py). Their frame has no checkpointed region, so its partition is
-what the block saves with nothing recomputed: "keep" is that frame as compiled (``_frame_level``:
-no compile of its own), and level 0 is the caller's recompute, which keeps the block's inputs only.
-The frame's first compile, which sees the first block call run under a caller's hooks, estimates
-the block as one region of every forward op, all three levels. "selective" is a frame of its own,
-compiled at the re-plan that chooses it, whose ops are tagged as the user's checkpoint inside the
-block would tag them (``_checkpoint_whole``) before ``apply_levels`` keeps the matmul and attention
-outputs. At qwen3-14b as rank 0 of 8 the inside placement's "selective" saves 1.71 GB a block and
-the parent-checkpointed frame 3.39 GB at "keep" (benches/results/onepath14.md), so the copy queue
-may carry twice the blocks over the same link (on the CPU the two placements' level estimates,
+step's own peak] in block_replan.py). Their frame has no checkpointed region of its own; level 0
+is the caller's recompute, which keeps the block's inputs only, and the frame's first compile,
+which sees the first block call run under a caller's hooks, estimates the block as one region of
+every forward op, all three levels. That frame is compiled at "selective": its ops tagged as the
+user's checkpoint inside the block would tag them (``_checkpoint_whole``) before ``apply_levels``
+keeps the matmul and attention outputs, and its backward recomputes the rest from them. Level 0
+and "selective" share it (``_frame_level``); "keep" (the block's partition with nothing
+recomputed) is a frame of its own, compiled at the re-plan that chooses it. Why "selective" and
+not "keep": the caller's checkpoint runs the block's whole forward again in backward whatever the
+frame saves, so a level-0 block pays for the shared frame only with its backward's recompute of
+the elementwise ops (norms, rotary, the MLP's gate), and saves less in that recompute (not yet
+measured on a GPU); while the plan offloads blocks at "selective" where it is memory-bound (22
+blocks at qwen3-14b as rank 0 of 8), whose frame, compiled at the re-plan, made that step
+8.3-10.1 s against a 2.7-2.8 s step on an H100 (with "keep" shared). At qwen3-14b as rank 0 of 8
+the inside placement's "selective" saves 1.71 GB a block and the block at "keep" 3.39 GB
+(benches/results/onepath14.md), so the copy queue may carry twice the blocks over the same link
+(on the CPU the two placements' level estimates,
 offloaded blocks and bytes moved are the same: tests/test_block_offload.py). At qwen3-14b on an
 H100 that plan ran out of memory in step 2, torch's cache free in pieces, and completed once zbuf
 ran torch's allocator with expandable segments ([Note: torch's allocator grows in place] in
@@ -475,8 +482,8 @@ class BlockFrames:
         then False for good (level 0 gets a frame of its own); None under the other modes."""
         self.callers_checkpoint = False
         """The first block call ran under its caller's checkpoint, and the default plans such
-        blocks as their own: level 0 the caller's recompute, "keep" the frame as compiled
-        (producer: ``run``, before the first compile; consumers: ``_backend``,
+        blocks as their own: level 0 the caller's recompute, through the frame compiled at
+        "selective" (producer: ``run``, before the first compile; consumers: ``_backend``,
         ``_frame_level``; [Note: a block under the caller's checkpoint])."""
         self.shared_level: Optional[int] = None
         """The level the shared frame is compiled at, "selective" or "keep": chosen by its first
@@ -492,8 +499,8 @@ class BlockFrames:
         is shared, and for the level it was compiled at (also after level 0 left it)."""
         if (level == 0 and self.shared) or level == self.shared_level:
             return SHARED
-        if self.callers_checkpoint and level == LEVELS.index("keep"):
-            return 0  # the caller-checkpointed frame keeps what it saves: it is "keep"'s
+        if self.callers_checkpoint and level == LEVELS.index("selective"):
+            return 0  # the caller-checkpointed frame is compiled at "selective": see the Note
         return level
 
     def frame_of(self, level: int) -> Callable:
@@ -666,6 +673,8 @@ class BlockFrames:
         estimates = recompute != "none" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
         fixed = self.shared_level if level == SHARED else level  # None: this compile chooses
+        if level == 0 and self.callers_checkpoint:
+            fixed = LEVELS.index("selective")  # [Note: a block under the caller's checkpoint]
         predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
                      if fixed is None else (0, 0))
         partitioner = FramePartitioner(recompute, fixed, found if estimates else None,
