@@ -568,6 +568,10 @@ def test_a_compile_ahead_that_fails_leaves_the_replan_to_compile(monkeypatch, fa
     assert {run.frames.levels[b] for b in run.frames.offload.offloaded} == {1}
     if failure == "child":
         assert report["returncode"] not in (None, 0) and report["error"], report
+        ahead = run.frames.ahead
+        assert os.path.exists(ahead._path)
+        ahead.end()  # what dropping it does: its input and output go
+        assert not os.path.exists(ahead._path)
     else:
         assert report is None
         assert any("could not be sent to a process of its own" in str(w.message)

@@ -44,12 +44,14 @@ carry is not sent (a warning says so). Dynamo's node metadata that it cannot pic
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -103,6 +105,7 @@ class CompiledAhead:
         self.returncode: Optional[int] = None
         self._log: Any = None
         self._error = b""
+        self.end: Optional[weakref.finalize] = None
 
     def start(self) -> None:
         """Start the child, which inherits this process's environment (its Inductor cache
@@ -112,6 +115,10 @@ class CompiledAhead:
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen([sys.executable, "-m", "zbuf.compile.frame_ahead",
                                           self._path], stdout=self._log, stderr=self._log)
+        # A plan that never takes it (nothing offloaded) never waits: the child and its input go
+        # when this object does, or when the interpreter exits.
+        self.end = weakref.finalize(self, _end, self._process, self._path, self._log)
+        """Stop the child and remove its files now (also when this object goes)."""
 
     def wait(self) -> bool:
         """Until the child has ended (killed after ``WAIT_SECONDS``); whether it compiled."""
@@ -127,8 +134,6 @@ class CompiledAhead:
             self.seconds = time.perf_counter() - self._began
             self._log.seek(0)
             self._error = self._log.read()
-            self._log.close()
-            os.unlink(self._path)
         return self.returncode == 0
 
     def report(self) -> dict[str, Any]:
@@ -139,6 +144,16 @@ class CompiledAhead:
                 "waited_seconds": self.waited_seconds, "returncode": self.returncode,
                 "error": (self._error.decode(errors="replace").strip().splitlines() or [""])[-1]
                 if failed else None}
+
+
+def _end(process: subprocess.Popen, path: str, log: Any) -> None:
+    """Stop ``process`` if it still runs, and remove its input and output."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    log.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _compile(path: str) -> None:
