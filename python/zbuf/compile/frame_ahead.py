@@ -157,7 +157,9 @@ def _end(process: subprocess.Popen, path: str, log: Any) -> None:
 
 
 def _compile(path: str) -> None:
-    """The child: compile the graph in ``path`` as ``CompiledAhead`` wrote it."""
+    """The child: compile the graph in ``path`` as ``CompiledAhead`` wrote it, at a lower CPU
+    priority than the process it works for (its compile workers inherit it)."""
+    os.nice(10)
     import zbuf  # noqa: F401 - zbuf's operators, which the graph may call
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
