@@ -530,26 +530,43 @@ def test_the_selective_frame_compiled_ahead_is_served_from_the_fx_graph_cache(mo
     assert all(torch.equal(at_replan.params[k], run.params[k]) for k in run.params)
 
 
-@pytest.mark.parametrize("failure", ["child", "pickle"])
-def test_a_compile_ahead_that_fails_leaves_the_replan_to_compile(monkeypatch, failure):
-    """The child process fails (its input unreadable), or the graph cannot be pickled for it
-    (a warning says so): the re-plan compiles the "selective" frame itself, the record says
-    what the child did, and training matches the reference."""
+@pytest.mark.parametrize("failure", ["child", "stuck", "pickle"])
+def test_a_compile_ahead_that_fails_leaves_the_replan_to_compile(monkeypatch, tmp_path,
+                                                                 failure):
+    """The child process fails (its input unreadable), is still running when the re-plan has
+    waited ``WAIT_SECONDS`` (it is killed), or the graph cannot be pickled for it (a warning says
+    so): the re-plan compiles the "selective" frame itself, the record says what the child did,
+    and training matches the reference."""
+    import signal
+    import stat
+
     from torch.fx._graph_pickler import GraphPickler
 
+    from zbuf.compile import frame_ahead
     from zbuf.compile.block_frames import BlockFrames
     from zbuf.compile.frame_ahead import CompiledAhead
 
     monkeypatch.setattr(BlockFrames, "_compiles_ahead", lambda self: True)
+    start = CompiledAhead.start
     if failure == "child":
-        start = CompiledAhead.start
-
         def unreadable(self):
             with open(self._path, "wb") as f:
                 f.write(b"not a graph")
             start(self)
 
         monkeypatch.setattr(CompiledAhead, "start", unreadable)
+    elif failure == "stuck":
+        sleeper = tmp_path / "sleeper"
+        sleeper.write_text("#!/bin/sh\nsleep 600\n")
+        sleeper.chmod(sleeper.stat().st_mode | stat.S_IEXEC)
+
+        def stuck(self):
+            with monkeypatch.context() as m:
+                m.setattr(frame_ahead.sys, "executable", str(sleeper))
+                start(self)
+
+        monkeypatch.setattr(CompiledAhead, "start", stuck)
+        monkeypatch.setattr(frame_ahead, "WAIT_SECONDS", 1)
     else:
         def refuse(cls, obj, options=None):
             raise TypeError("cannot pickle this graph")
@@ -566,7 +583,9 @@ def test_a_compile_ahead_that_fails_leaves_the_replan_to_compile(monkeypatch, fa
                      ceiling=_room_under_the_peak())
     report = run.frames.schedule()["compiled_ahead"]
     assert {run.frames.levels[b] for b in run.frames.offload.offloaded} == {1}
-    if failure == "child":
+    if failure == "stuck":
+        assert report["returncode"] == -signal.SIGKILL and report["waited_seconds"] >= 1, report
+    elif failure == "child":
         assert report["returncode"] not in (None, 0) and report["error"], report
         ahead = run.frames.ahead
         assert os.path.exists(ahead._path)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,8 @@ class CompiledAhead:
         self._log: Any = None
         self._error = b""
         self.end: Optional[weakref.finalize] = None
+        """Stops the child (its compile workers too) and removes its files; called when this
+        object goes, or at exit (producer: ``start``)."""
 
     def start(self) -> None:
         """Start the child, which inherits this process's environment (its Inductor cache
@@ -113,12 +116,12 @@ class CompiledAhead:
         self._began = time.perf_counter()
         # Its output goes to a file: a pipe nobody reads before the re-plan would stall it.
         self._log = tempfile.TemporaryFile()
+        # A session of its own: stopping it stops the compile workers it started.
         self._process = subprocess.Popen([sys.executable, "-m", "zbuf.compile.frame_ahead",
-                                          self._path], stdout=self._log, stderr=self._log)
-        # A plan that never takes it (nothing offloaded) never waits: the child and its input go
-        # when this object does, or when the interpreter exits.
+                                          self._path], stdout=self._log, stderr=self._log,
+                                         start_new_session=True)
+        # A plan that never takes it (nothing offloaded) never waits for it.
         self.end = weakref.finalize(self, _end, self._process, self._path, self._log)
-        """Stop the child and remove its files now (also when this object goes)."""
 
     def wait(self) -> bool:
         """Until the child has ended (killed after ``WAIT_SECONDS``); whether it compiled."""
@@ -128,8 +131,8 @@ class CompiledAhead:
             try:
                 self.returncode = process.wait(WAIT_SECONDS)
             except subprocess.TimeoutExpired:
-                process.kill()
-                self.returncode = process.wait()
+                _stop(process)
+                self.returncode = process.returncode
             self.waited_seconds = time.perf_counter() - began
             self.seconds = time.perf_counter() - self._began
             self._log.seek(0)
@@ -146,11 +149,17 @@ class CompiledAhead:
                 if failed else None}
 
 
+def _stop(process: subprocess.Popen) -> None:
+    """Kill ``process`` and whatever it started (its session), and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def _end(process: subprocess.Popen, path: str, log: Any) -> None:
     """Stop ``process`` if it still runs, and remove its input and output."""
     if process.poll() is None:
-        process.kill()
-        process.wait()
+        _stop(process)
     log.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
