@@ -169,7 +169,7 @@ def _compile(path: str) -> None:
     """The child: compile the graph in ``path`` as ``CompiledAhead`` wrote it, at a lower CPU
     priority than the process it works for (its compile workers inherit it)."""
     os.nice(10)
-    import zbuf  # noqa: F401 - zbuf's operators, which the graph may call
+    from .. import ops  # noqa: F401 - zbuf's operators, which the graph may call
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
