@@ -82,8 +82,8 @@ blocks at qwen3-14b as rank 0 of 8), whose frame, compiled at the re-plan, made 
 8.3-10.1 s against a 2.7-2.8 s step on an H100 (with "keep" shared). At qwen3-14b as rank 0 of 8
 the inside placement's "selective" saves 1.71 GB a block and the block at "keep" 3.39 GB
 (benches/results/onepath14.md), so the copy queue may carry twice the blocks over the same link
-(on the CPU the two placements' level estimates,
-offloaded blocks and bytes moved are the same: tests/test_block_offload.py). At qwen3-14b on an
+(on the CPU the two placements' level estimates, offloaded blocks and bytes moved are the same:
+tests/test_block_offload.py). At qwen3-14b on an
 H100 that plan ran out of memory in step 2, torch's cache free in pieces, and completed once zbuf
 ran torch's allocator with expandable segments ([Note: torch's allocator grows in place] in
 zbuf/memory/shared.py): 22 blocks offloaded at "selective", 0.871x FSDP2's step. A block the plan
@@ -508,6 +508,15 @@ class BlockFrames:
             return 0  # the caller-checkpointed frame is compiled at "selective": see the Note
         return level
 
+    def _compiled_level(self, key: int) -> Optional[int]:
+        """The level the frame ``key`` (``_frame_level``'s) is compiled at; None for the shared
+        frame until its first compile chooses."""
+        if key == SHARED:
+            return self.shared_level
+        if key == 0 and self.callers_checkpoint:
+            return LEVELS.index("selective")  # [Note: a block under the caller's checkpoint]
+        return key
+
     def frame_of(self, level: int) -> Callable:
         """The compiled body of ``level``: its own copy of ``_frame_body``'s code object, so its
         own Dynamo cache (see the Note), compiled by its first block call."""
@@ -673,26 +682,36 @@ class BlockFrames:
     def _compiles_ahead(self) -> bool:
         """Whether the level-0 frame's graph is compiled at "selective" by a child process while
         step 0 runs ([Note: a level compiled ahead] in frame_ahead.py): under the default, on
-        CUDA, with Inductor, for blocks that run their own checkpoint (a block under its
-        caller's runs level 0 through its "selective" frame already)."""
+        CUDA, with Inductor, where level 0's frame is not the "selective" one already (a block
+        under its caller's checkpoint)."""
+        selective = LEVELS.index("selective")
         return (self.options.recompute == "checkpointed" and self.options.inner == "inductor"
-                and self.pool.device.type == "cuda" and not self.callers_checkpoint)
+                and self.pool.device.type == "cuda"
+                and self._compiled_level(self._frame_level(0)) != selective)
+
+    def _partitioner(self, key: int,
+                     estimates: Optional[list[LevelEstimate]]) -> FramePartitioner:
+        """The partitioner of the frame ``key``; ``estimates``: where it puts the block's level
+        estimate, None for none."""
+        fixed = self._compiled_level(key)  # None: this compile chooses
+        predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
+                     if fixed is None else (0, 0))
+        return FramePartitioner(self.options.recompute, fixed, estimates, self.options,
+                                predicted, self.callers_checkpoint)
 
     def _backend(self, level: int, gm: torch.fx.GraphModule, example_inputs: list):
         self.graphs_compiled += 1
         self._compiled_levels.add(level)
         recompute = self.options.recompute
-        selective = LEVELS.index("selective")
         if self.ahead is not None and level == self.ahead.level:
             # Its graphs are in the FX-graph cache: [Note: a level compiled ahead].
             self.ahead.wait()
         elif (self.graphs_compiled == 1 and level == self._frame_level(0)
-              and self._frame_level(selective) == selective and self._compiles_ahead()):
-            try:
+              and self._compiles_ahead()):
+            selective = LEVELS.index("selective")
+            try:  # what this backend builds when the "selective" frame's graph comes
                 self.ahead = CompiledAhead(gm, example_inputs, selective, self.options.inner,
-                                           FramePartitioner(recompute, selective, None,
-                                                            self.options, (0, 0),
-                                                            self.callers_checkpoint))
+                                           self._partitioner(selective, None))
             except Exception as error:  # noqa: BLE001 - the re-plan compiles it itself
                 warnings.warn(f"zbuf.compile: the block frame's graph could not be sent to a "
                               f"process of its own to compile ahead ({error}); a re-plan that "
@@ -703,13 +722,7 @@ class BlockFrames:
         # frame ([Note: block levels], 1), whose first compile also chooses its level.
         estimates = recompute != "none" and level == self._frame_level(0)
         found: list[LevelEstimate] = []
-        fixed = self.shared_level if level == SHARED else level  # None: this compile chooses
-        if level == 0 and self.callers_checkpoint:
-            fixed = LEVELS.index("selective")  # [Note: a block under the caller's checkpoint]
-        predicted = ((self.plan.blocks, self.plan.memory_bytes - self.plan.pool_bytes)
-                     if fixed is None else (0, 0))
-        partitioner = FramePartitioner(recompute, fixed, found if estimates else None,
-                                       self.options, predicted, self.callers_checkpoint)
+        partitioner = self._partitioner(level, found if estimates else None)
         from torch._functorch import config as functorch_config
 
         from .backend import compile_inner
