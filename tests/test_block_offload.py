@@ -11,7 +11,6 @@ import gc
 import math
 import os
 import threading
-import warnings
 from typing import NamedTuple
 
 import pytest
@@ -487,117 +486,6 @@ def test_blocks_under_the_parents_checkpoint_offloaded(monkeypatch, copies, smal
     assert kept.frames.offload.moved_down == 0
     assert kept.losses == run.losses
     assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
-
-
-def test_the_selective_frame_compiled_ahead_is_served_from_the_fx_graph_cache(monkeypatch):
-    """The default sends the level-0 frame's graph to a child process that compiles it at
-    "selective" while step 0 runs ([Note: a level compiled ahead] in
-    zbuf/compile/frame_ahead.py; on CUDA only, so forced here): the re-plan's "selective" frame
-    waits for it and both of its graphs come out of Inductor's FX-graph cache; losses and
-    parameters are bit for bit those of the same run compiling it at the re-plan."""
-    from test_user_checkpointing import VOCAB, Decoder
-
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
-
-    from zbuf.compile.block_frames import BlockFrames
-
-    steps = 3
-    torch.manual_seed(0)
-    init = Decoder("inside", layers=7)
-    batches = token_batches(steps, vocab=VOCAB)
-
-    def trained(ahead):
-        monkeypatch.setattr(BlockFrames, "_compiles_ahead", lambda self: ahead)
-        counters.clear()
-        with fresh_cache():
-            run = _train(monkeypatch, init, 4, steps, batches=batches, recompute="checkpointed",
-                         ceiling=_room_under_the_peak(), inner="inductor")
-        return run, dict(counters["inductor"])
-
-    run, cache = trained(True)
-    frames = run.frames
-    assert run.frames.offload.report()["blocks"] == [0, 2, 4]
-    assert {frames.levels[b] for b in frames.offload.offloaded} == {LEVELS.index("selective")}
-    report = frames.schedule()["compiled_ahead"]
-    assert report["returncode"] == 0 and report["level"] == 1, report
-    # Level 0's forward and backward compiled here; "selective"'s two were the child's.
-    assert (cache.get("fxgraph_cache_miss"), cache.get("fxgraph_cache_hit")) == (2, 2), cache
-    at_replan, cache = trained(False)
-    assert at_replan.frames.schedule()["compiled_ahead"] is None
-    assert (cache.get("fxgraph_cache_miss"), cache.get("fxgraph_cache_hit", 0)) == (4, 0), cache
-    assert at_replan.losses == run.losses
-    assert all(torch.equal(at_replan.params[k], run.params[k]) for k in run.params)
-
-
-@pytest.mark.parametrize("failure", ["child", "stuck", "pickle"])
-def test_a_compile_ahead_that_fails_leaves_the_replan_to_compile(monkeypatch, tmp_path,
-                                                                 failure):
-    """The child process fails (its input unreadable), is still running when the re-plan has
-    waited ``WAIT_SECONDS`` (it is killed), or the graph cannot be pickled for it (a warning says
-    so): the re-plan compiles the "selective" frame itself, the record says what the child did,
-    and training matches the reference."""
-    import signal
-    import stat
-
-    from torch.fx._graph_pickler import GraphPickler
-
-    from zbuf.compile import frame_ahead
-    from zbuf.compile.block_frames import BlockFrames
-    from zbuf.compile.frame_ahead import CompiledAhead
-
-    monkeypatch.setattr(BlockFrames, "_compiles_ahead", lambda self: True)
-    start = CompiledAhead.start
-    if failure == "child":
-        def unreadable(self):
-            with open(self._path, "wb") as f:
-                f.write(b"not a graph")
-            start(self)
-
-        monkeypatch.setattr(CompiledAhead, "start", unreadable)
-    elif failure == "stuck":
-        sleeper = tmp_path / "sleeper"
-        sleeper.write_text("#!/bin/sh\nsleep 600\n")
-        sleeper.chmod(sleeper.stat().st_mode | stat.S_IEXEC)
-
-        def stuck(self):
-            with monkeypatch.context() as m:
-                m.setattr(frame_ahead.sys, "executable", str(sleeper))
-                start(self)
-
-        monkeypatch.setattr(CompiledAhead, "start", stuck)
-        monkeypatch.setattr(frame_ahead, "WAIT_SECONDS", 1)
-    else:
-        def refuse(cls, obj, options=None):
-            raise TypeError("cannot pickle this graph")
-
-        monkeypatch.setattr(GraphPickler, "dumps", classmethod(refuse))
-    from test_user_checkpointing import VOCAB, Decoder
-
-    torch.manual_seed(0)
-    init = Decoder("inside", layers=7)
-    batches = token_batches(3, vocab=VOCAB)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run = _train(monkeypatch, init, 4, 3, batches=batches, recompute="checkpointed",
-                     ceiling=_room_under_the_peak())
-    report = run.frames.schedule()["compiled_ahead"]
-    assert {run.frames.levels[b] for b in run.frames.offload.offloaded} == {1}
-    if failure == "stuck":
-        assert report["returncode"] == -signal.SIGKILL and report["waited_seconds"] >= 1, report
-    elif failure == "child":
-        assert report["returncode"] not in (None, 0) and report["error"], report
-        ahead = run.frames.ahead
-        assert os.path.exists(ahead._path)
-        ahead.end()  # what dropping it does: its input and output go
-        assert not os.path.exists(ahead._path)
-    else:
-        assert report is None
-        assert any("could not be sent to a process of its own" in str(w.message)
-                   for w in caught), [str(w.message) for w in caught]
-    ref = copy.deepcopy(init)
-    ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
-    torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
 
 
 def test_the_parents_selective_frame_saves_what_the_blocks_own_checkpoint_would(monkeypatch):

@@ -146,7 +146,6 @@ from .block_offload import BlockOffload
 from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from .budget import PlanExceedsMemoryError, graph_memory
 from .dynamo_settings import traced_as_zbuf
-from .frame_ahead import CompiledAhead
 from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
@@ -473,10 +472,6 @@ class BlockFrames:
         """Called as each block's forward begins, outside backward (producer: whoever wants the
         step's progress points, [Note: progress points] in zbuf/memory/progress.py; consumer:
         ``run``)."""
-        self.ahead: Optional[CompiledAhead] = None
-        """The "selective" frame's graph compiled by a child process while step 0 runs
-        ([Note: a level compiled ahead] in frame_ahead.py; producer: the level-0 frame's first
-        compile; consumer: the "selective" frame's, which waits for it)."""
         self._frames: dict[int, Callable] = {}
         """Level (``SHARED`` for the shared frame) -> its compiled frame, each compiled on first
         use (producer and consumer: ``frame_of``)."""
@@ -563,8 +558,7 @@ class BlockFrames:
                 "levels": ([LEVELS[self.levels.get(b, 0)] for b in self.called]
                            if self.options.recompute != "none" else None),
                 "kept_for_backward": kept,
-                "activation_offload": self.offload.report(),
-                "compiled_ahead": self.ahead.report() if self.ahead is not None else None}
+                "activation_offload": self.offload.report()}
 
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""
@@ -679,16 +673,6 @@ class BlockFrames:
             self.shared = False
             self.frame = self.frame_of(0)
 
-    def _compiles_ahead(self) -> bool:
-        """Whether the level-0 frame's graph is compiled at "selective" by a child process while
-        step 0 runs ([Note: a level compiled ahead] in frame_ahead.py): under the default, on
-        CUDA, with Inductor, where level 0's frame is not the "selective" one already (a block
-        under its caller's checkpoint)."""
-        selective = LEVELS.index("selective")
-        return (self.options.recompute == "checkpointed" and self.options.inner == "inductor"
-                and self.pool.device.type == "cuda"
-                and self._compiled_level(self._frame_level(0)) != selective)
-
     def _partitioner(self, key: int,
                      estimates: Optional[list[LevelEstimate]]) -> FramePartitioner:
         """The partitioner of the frame ``key``; ``estimates``: where it puts the block's level
@@ -703,21 +687,6 @@ class BlockFrames:
         self.graphs_compiled += 1
         self._compiled_levels.add(level)
         recompute = self.options.recompute
-        if self.ahead is not None and level == self.ahead.level:
-            # Its graphs are in the FX-graph cache: [Note: a level compiled ahead].
-            self.ahead.wait()
-        elif (self.graphs_compiled == 1 and level == self._frame_level(0)
-              and self._compiles_ahead()):
-            selective = LEVELS.index("selective")
-            try:  # what this backend builds when the "selective" frame's graph comes
-                self.ahead = CompiledAhead(gm, example_inputs, selective, self.options.inner,
-                                           self._partitioner(selective, None))
-            except Exception as error:  # noqa: BLE001 - the re-plan compiles it itself
-                warnings.warn(f"zbuf.compile: the block frame's graph could not be sent to a "
-                              f"process of its own to compile ahead ({error}); a re-plan that "
-                              f"offloads blocks compiles it at its step", stacklevel=2)
-            else:
-                self.ahead.start()
         # The frame level 0 runs through estimates the levels: level 0's own, or the shared
         # frame ([Note: block levels], 1), whose first compile also chooses its level.
         estimates = recompute != "none" and level == self._frame_level(0)

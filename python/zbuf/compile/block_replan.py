@@ -141,9 +141,7 @@ recompute:
    last block's forward and the output projection's to run under ([Note: the copy queue]).
    ``plan_block_levels`` plans every block at level 0 on the device (no room) and the offloaded
    ones in that room, at the level, copy queue and host memory chosen as under ``auto``; the
-   offloaded blocks run that level's frame, compiled at the re-plan (one block compile, whose
-   graphs a child process compiled during step 0 on CUDA: [Note: a level compiled ahead] in
-   frame_ahead.py).
+   offloaded blocks run that level's frame, compiled at the re-plan (one block compile).
 3. ``settle``: the steady step is profiled the same way; if its peak rose above the measured
    step's by more than ``1 / SETTLE_TOLERANCE`` (the measured step also compiled; allocator
    noise), every block goes back to level 0, which compiles nothing.
