@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parity import token_batches  # noqa: E402
-from test_block_offload import _train, assert_copies_never_wait  # noqa: E402
+from test_block_offload import _train, assert_copies_never_wait, primed_cuda  # noqa: E402
 
 from zbuf.compile import block_replan  # noqa: E402
 
@@ -36,6 +36,7 @@ def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkey
     init = build_model(cfg)
     apply_activation_checkpointing(init, True)
     batches = token_batches(5, vocab=32768, rows=8, length=513)
+    primed_cuda(monkeypatch, init, batches)
     moved = _train(monkeypatch, init, 2, 5, device="cuda", batches=batches,
                    recompute="checkpointed")
     plain = _train(monkeypatch, init, None, 5, device="cuda", batches=batches,
