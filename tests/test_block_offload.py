@@ -246,7 +246,7 @@ def _room_under_the_peak(rise: int = 0):
 def primed_cuda(monkeypatch, init, batches) -> None:
     """One throwaway step of ``init`` on CUDA, dropped, before two runs' peaks are compared.
     The first run of a process makes buffers that live as long as the process (cuBLAS's
-    workspace for the stream among them): measured from where each run began (``_train``), a
+    workspace for the stream is one such): measured from where each run began (``_train``), a
     comparison charged them to whichever ran first, 34.25 MiB in every step of the first of two
     runs that differed only in where the offloaded blocks' activations went (one H100), the
     step that offloads nothing included."""
