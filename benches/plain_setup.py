@@ -304,6 +304,7 @@ def _planned(model) -> dict:
         schedule = frames.schedule()
         out["block_levels"] = schedule["levels"]
         out["activation_offload"] = schedule["activation_offload"]
+        out["measured_block_forward_ms"] = schedule["measured_block_forward_ms"]
     memory = zbuf.compile.step_memory_of(model)
     if memory is not None:  # where the optimizer's state lived, and who chose (issue 38)
         report = memory.report()

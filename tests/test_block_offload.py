@@ -330,8 +330,13 @@ def test_offloaded_blocks_train_as_the_reference_and_as_the_same_blocks_kept(
     assert offload.moved_down == offload.moved_up > 0
     assert offload.moved_down % (steps - 1) == 0
     assert offload.late_uploads == 0
-    assert offload.forwards == steps - 1  # the host has no copies to wait for
+    assert offload.forwards == steps - 1  # the host has no copies to wait for, nor to time
     assert offload.report()["exposed_ms_per_step"] == 0.0
+    assert offload.report()["exposed_ms_per_step_by_wait"] == {
+        "throttle": 0.0, "drain": 0.0, "upload": 0.0}
+    assert offload.report()["measured_copy_ms"] is None
+    assert offload.report()["measured_copy_bytes_per_second"] is None
+    assert frames.schedule()["measured_block_forward_ms"] is None
     # Every host copy went to its position's arena, of the plan's estimate of a block's bytes.
     report = offload.report()
     assert report["unplanned_host_bytes"] == 0

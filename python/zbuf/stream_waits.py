@@ -1,11 +1,12 @@
 """The compute stream's waits for copies on other streams, timed: how long a copy held the
-step up (its exposed time), read off CUDA events without stopping the host."""
+step up (its exposed time); and the copies themselves, timed: how fast they ran. Both read off
+CUDA events without stopping the host."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TimedWaits"]
+__all__ = ["TimedCopies", "TimedWaits"]
 
 
 class TimedWaits:
@@ -44,3 +45,36 @@ class TimedWaits:
             ms += before.elapsed_time(after)
         self._pending = kept
         return ms
+
+
+class TimedCopies:
+    """Copies on a side stream, each between two timing events on that stream: how fast they
+    ran, read off CUDA events without stopping the host."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        """(began, ended, bytes) of each copy not yet read (producer: ``add``; consumer:
+        ``read``)."""
+
+    def add(self, began: torch.cuda.Event, ended: torch.cuda.Event, nbytes: int) -> None:
+        """A copy of ``nbytes`` that ran from ``began`` to ``ended``, both timing events
+        recorded on its stream."""
+        self._pending.append((began, ended, nbytes))
+
+    def read(self, *, done_only: bool = False) -> tuple[float, int, int]:
+        """Milliseconds, bytes and copies of those read now: every pending one (waiting for
+        the last to end), or with ``done_only`` those the device has run already."""
+        ms, nbytes, copies = 0.0, 0, 0
+        kept = []
+        for began, ended, size in self._pending:
+            if done_only and not ended.query():
+                kept.append((began, ended, size))
+                continue
+            ended.synchronize()
+            ms += began.elapsed_time(ended)
+            nbytes += size
+            copies += 1
+        self._pending = kept
+        return ms, nbytes, copies

@@ -558,7 +558,10 @@ class BlockFrames:
                 "levels": ([LEVELS[self.levels.get(b, 0)] for b in self.called]
                            if self.options.recompute != "none" else None),
                 "kept_for_backward": kept,
-                "activation_offload": self.offload.report()}
+                "activation_offload": self.offload.report(),
+                # The last forward's, against the offload's planned_block_forward_ms (step 0's).
+                "measured_block_forward_ms": (None if (seconds := self.clock.block_seconds())
+                                              is None else 1e3 * seconds)}
 
     def has_frame(self, level: int) -> bool:
         """Whether ``level``'s frame exists (was asked for), compiled or about to be."""

@@ -131,6 +131,7 @@ before one backward) copies through torch's pinned tensors instead.
 from __future__ import annotations
 
 import collections
+import enum
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -139,11 +140,25 @@ import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
 from ..memory import host_core_share
-from ..stream_waits import TimedWaits
+from ..stream_waits import TimedCopies, TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
-__all__ = ["BlockOffload", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
+__all__ = ["BlockOffload", "CopyWait", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
            "touch_threads_per_arena"]
+
+class CopyWait(enum.Enum):
+    """Where the compute stream waits for the offloaded calls' copies ([Note: offloaded
+    blocks]): each is time the step stood still, recorded apart so that a plan's exposed time
+    says which part of the copy queue's model ([Note: the copy queue] in recompute_plan.py)
+    the device did not keep to."""
+
+    THROTTLE = "throttle"
+    """In forward, a call's first save, for the call ``in_flight - 1`` before it."""
+    DRAIN = "drain"
+    """In forward, at the queue's drain (a block, or the model's output), for every call."""
+    UPLOAD = "upload"
+    """In backward, a call's first unpack, for its upload."""
+
 
 PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
@@ -174,7 +189,7 @@ class OffloadedCall:
     """One block call's saved activations in host memory ([Note: offloaded blocks])."""
 
     __slots__ = ("owner", "position", "inputs", "nbytes", "_host", "_arena", "_pageable",
-                 "_on_the_way", "_device", "_saved",
+                 "_on_the_way", "_device", "_saved", "_copy_began",
                  "_downloaded", "_uploaded", "_compute", "_unpacks_left", "__weakref__")
 
     def __init__(self, owner: "BlockOffload", position: int, inputs: frozenset[int]) -> None:
@@ -203,6 +218,10 @@ class OffloadedCall:
         """Their uploads (producer: ``upload``; consumer: ``unpack``, which drops the list once
         each was unpacked)."""
         self._saved: Optional[torch.cuda.Event] = None
+        self._copy_began: Optional[torch.cuda.Event] = None
+        """On ``down``, after the wait for ``_saved``: where the call's copies begin (producer:
+        the first ``pack``; consumer: ``BlockOffload._wait_for_copies``, which times them to
+        ``_downloaded``)."""
         self._downloaded: Optional[torch.cuda.Event] = None
         self._uploaded: Optional[torch.cuda.Event] = None
         self._compute: Optional[torch.cuda.Stream] = None
@@ -244,10 +263,13 @@ class OffloadedCall:
                 owner.wait_for_previous(self)
                 self._saved = torch.cuda.current_stream(owner.device).record_event()
                 owner.down.wait_event(self._saved)
+                self._copy_began = torch.cuda.Event(enable_timing=True)
+                self._copy_began.record(owner.down)
             with torch.cuda.stream(owner.down):
                 copy.copy_(t, non_blocking=True)
             self._on_the_way.append(t)
-            self._downloaded = owner.down.record_event()
+            self._downloaded = torch.cuda.Event(enable_timing=True)
+            self._downloaded.record(owner.down)
         self._host.append(copy)
         self._unpacks_left += 1
         self.nbytes += nbytes
@@ -287,7 +309,8 @@ class OffloadedCall:
             call.upload()  # (a later forward's call may hold its position)
         t = call._device[saved.index]
         if call._uploaded is not None:  # the call's first unpack: later work queues after it
-            owner.waits.wait(torch.cuda.current_stream(owner.device), call._uploaded)
+            owner.waits[CopyWait.UPLOAD].wait(torch.cuda.current_stream(owner.device),
+                                              call._uploaded)
             call._uploaded = None
         call._unpacks_left -= 1
         if call._unpacks_left <= 0:
@@ -327,12 +350,21 @@ class BlockOffload:
         self.late_uploads = 0
         """Calls whose backward began before their upload did (producer:
         ``OffloadedCall.unpack``)."""
-        self.waits = TimedWaits()
-        """The compute stream's waits for the copies: the throttle's in forward, the uploads' in
-        backward (producers: ``wait_for_previous``, ``OffloadedCall.unpack``; consumer:
+        self.waits = {wait: TimedWaits() for wait in CopyWait}
+        """The compute stream's waits for the copies, by where it waits (producers:
+        ``wait_for_previous``, the drain, ``OffloadedCall.unpack``; consumer:
         ``finish_forward``, which reads those the device has passed)."""
-        self.exposed_ms = 0.0
+        self.exposed_ms = dict.fromkeys(CopyWait, 0.0)
         """Milliseconds the compute stream stood still in those waits, read so far."""
+        self.copies = TimedCopies()
+        """Each call's copies to host memory on ``down``, from its first to its last (producer:
+        ``_wait_for_copies``; consumer: ``finish_forward``)."""
+        self.copied_ms = 0.0
+        """Milliseconds ``down`` spent on the calls' copies, read so far."""
+        self.copied_bytes = 0
+        """Their bytes."""
+        self.copied_calls = 0
+        """Their calls."""
         self.forwards = 0
         """Forwards that offloaded a call (producer: ``start``)."""
         self._counted = False
@@ -428,19 +460,22 @@ class BlockOffload:
         self._calls[position] = call
         return call
 
-    def _wait_for_copies(self, calls: list[OffloadedCall]) -> None:
+    def _wait_for_copies(self, calls: list[OffloadedCall], where: CopyWait) -> None:
         """The compute stream waits for the copies of ``calls`` to the host (the ``down`` stream
         runs them in order: the last one issued covers them all); then their device tensors go
         back to the compute stream's cache, in its order."""
         last = next((c._downloaded for c in reversed(calls) if c._downloaded is not None), None)
         if last is not None:
-            self.waits.wait(torch.cuda.current_stream(self.device), last)
+            self.waits[where].wait(torch.cuda.current_stream(self.device), last)
         for call in calls:
             call._on_the_way.clear()
+            if call._copy_began is not None and call._downloaded is not None:
+                self.copies.add(call._copy_began, call._downloaded, call.nbytes)
+                call._copy_began = None
 
     def _drain(self) -> None:
         """The compute stream waits for every pending call's copies."""
-        self._wait_for_copies(list(self._pending))
+        self._wait_for_copies(list(self._pending), CopyWait.DRAIN)
         self._pending.clear()
 
     def wait_for_previous(self, call: OffloadedCall) -> None:
@@ -450,7 +485,7 @@ class BlockOffload:
         waited = []
         while len(self._pending) > self.queue.in_flight - 2:
             waited.append(self._pending.popleft())
-        self._wait_for_copies(waited)
+        self._wait_for_copies(waited, CopyWait.THROTTLE)
         self._pending.append(call)
 
     def forward_reaches(self, block: int) -> None:
@@ -466,8 +501,18 @@ class BlockOffload:
         in recompute_plan.py)."""
         self._drain()
         self._counted = False
-        if self.waits:
-            self.exposed_ms += self.waits.read_ms(done_only=True)
+        self._read(done_only=True)
+
+    def _read(self, *, done_only: bool) -> None:
+        """Add the waits and copies read now to the totals: those the device has passed with
+        ``done_only``, else all (waiting for the device)."""
+        for where, waits in self.waits.items():
+            if waits:
+                self.exposed_ms[where] += waits.read_ms(done_only=done_only)
+        ms, nbytes, calls = self.copies.read(done_only=done_only)
+        self.copied_ms += ms
+        self.copied_bytes += nbytes
+        self.copied_calls += calls
 
     def reached_block(self, block: int) -> None:
         """Backward begins ``block``'s backward (``reached``)."""
@@ -484,7 +529,11 @@ class BlockOffload:
                 call.upload()
 
     def report(self) -> dict[str, Any]:
-        self.exposed_ms += self.waits.read_ms()
+        self._read(done_only=False)
+
+        def per_step(ms: float) -> Optional[float]:
+            return ms / self.forwards if self.forwards else None
+
         arenas = [f.result() for f in self._arenas.values() if f.done() and not f.exception()]
         return {"blocks": sorted(self.order[b] for b in self.offloaded),
                 "in_flight": self.queue.in_flight, "drained_at": self.queue.drained_at,
@@ -505,4 +554,12 @@ class BlockOffload:
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
                 "unlocked_host_bytes": self.unlocked_host_bytes,
                 "unplanned_host_bytes": self.unplanned_host_bytes,
-                "exposed_ms_per_step": self.exposed_ms / self.forwards if self.forwards else None}
+                "exposed_ms_per_step": per_step(sum(self.exposed_ms.values())),
+                "exposed_ms_per_step_by_wait": {w.value: per_step(ms)
+                                                for w, ms in self.exposed_ms.items()},
+                # What the copy queue's model took (planned_copy_ms, at LINK_SHARE of the
+                # measured link) against what the device ran.
+                "measured_copy_ms": (self.copied_ms / self.copied_calls if self.copied_calls
+                                     else None),
+                "measured_copy_bytes_per_second": (1e3 * self.copied_bytes / self.copied_ms
+                                                   if self.copied_ms > 0 else None)}
