@@ -111,6 +111,13 @@
 # of two minutes lost a running `fit8b` on 2026-12-02).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# The Rust extension travels only when the call carries it (a fresh checkout has none built: on
+# 2026-12-06 a call without it measured nothing in 34 s of device time).
+if ! ls python/zbuf/_core*.so >/dev/null 2>&1; then
+  echo "run.sh: python/zbuf/_core.abi3.so is missing: build it first (pip install -e .) and" \
+    "pass carry=[\"python/zbuf/_core.abi3.so\"]" >&2
+  exit 2
+fi
 source benches/device/env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
