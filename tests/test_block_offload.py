@@ -251,8 +251,6 @@ def primed_cuda(monkeypatch, init, batches) -> None:
     runs that differed only in where the offloaded blocks' activations went (one H100), the
     step that offloads nothing included."""
     _train(monkeypatch, init, None, 1, device="cuda", batches=batches[:1])
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",

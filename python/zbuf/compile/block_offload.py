@@ -140,11 +140,12 @@ import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
 from ..memory import host_core_share
-from ..stream_waits import TimedCopies, TimedWaits
+from ..stream_waits import TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
 __all__ = ["BlockOffload", "CopyWait", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
            "touch_threads_per_arena"]
+
 
 class CopyWait(enum.Enum):
     """Where the compute stream waits for the offloaded calls' copies ([Note: offloaded
@@ -356,15 +357,15 @@ class BlockOffload:
         ``finish_forward``, which reads those the device has passed)."""
         self.exposed_ms = dict.fromkeys(CopyWait, 0.0)
         """Milliseconds the compute stream stood still in those waits, read so far."""
-        self.copies = TimedCopies()
+        self.copies = TimedWaits()
         """Each call's copies to host memory on ``down``, from its first to its last (producer:
         ``_wait_for_copies``; consumer: ``finish_forward``)."""
         self.copied_ms = 0.0
         """Milliseconds ``down`` spent on the calls' copies, read so far."""
         self.copied_bytes = 0
-        """Their bytes."""
+        """The bytes of the calls in ``copies``, read or not (producer: ``_wait_for_copies``)."""
         self.copied_calls = 0
-        """Their calls."""
+        """Those calls."""
         self.forwards = 0
         """Forwards that offloaded a call (producer: ``start``)."""
         self._counted = False
@@ -470,7 +471,9 @@ class BlockOffload:
         for call in calls:
             call._on_the_way.clear()
             if call._copy_began is not None and call._downloaded is not None:
-                self.copies.add(call._copy_began, call._downloaded, call.nbytes)
+                self.copies.add(call._copy_began, call._downloaded)
+                self.copied_bytes += call.nbytes
+                self.copied_calls += 1
                 call._copy_began = None
 
     def _drain(self) -> None:
@@ -509,10 +512,7 @@ class BlockOffload:
         for where, waits in self.waits.items():
             if waits:
                 self.exposed_ms[where] += waits.read_ms(done_only=done_only)
-        ms, nbytes, calls = self.copies.read(done_only=done_only)
-        self.copied_ms += ms
-        self.copied_bytes += nbytes
-        self.copied_calls += calls
+        self.copied_ms += self.copies.read_ms(done_only=done_only)
 
     def reached_block(self, block: int) -> None:
         """Backward begins ``block``'s backward (``reached``)."""
