@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime, state_dict
-from .compile_workers import start_compile_workers
 from .devices import current_cuda, indexed
 from .materialise import materialise
 from .param import ShardSpec, local_shard_of, shard_numel_for
@@ -273,7 +272,6 @@ def shard(
     group, rank, world = _resolve_group(group)
     device, on_meta = _pick_device(module, device, group)
     _check_group_device(group, device)
-    start_compile_workers(device)  # [Note: compile workers started early] in compile_workers.py
 
     # Every location of every parameter, tied ones included: id(param) -> [(fqn, sub, name)].
     locations: dict[int, list[tuple[str, nn.Module, str]]] = {}

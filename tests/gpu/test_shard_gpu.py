@@ -91,34 +91,3 @@ def test_shard_on_cuda_nccl():
     world = _world()
     results = run_distributed(_gpu_worker, world, backend="nccl", timeout=600)
     assert all(r == results[0] for r in results)
-
-
-_WORKERS_SCRIPT = r"""
-import torch
-import zbuf
-from torch._inductor.async_compile import AsyncCompile
-
-torch.cuda.set_device(0)
-torch.distributed.init_process_group("nccl", rank=0, world_size=1,
-                                     store=torch.distributed.HashStore())
-with torch.device("meta"):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-zbuf.shard(model, device=torch.device("cuda", 0))
-started = AsyncCompile._ready_future is not None
-AsyncCompile._ready_future.result(timeout=120)
-print(started, torch._dynamo.utils.counters["stats"]["calls_captured"])
-torch.distributed.destroy_process_group()
-"""
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_shard_on_cuda_starts_the_compile_workers_before_any_compile():
-    """``zbuf.shard`` on CUDA starts Inductor's kernel-compile workers, which answer before
-    anything is compiled ([Note: compile workers started early] in zbuf/compile_workers.py)."""
-    import subprocess
-
-    env = dict(os.environ, TORCH_WARM_POOL="1")
-    out = subprocess.run([sys.executable, "-c", _WORKERS_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "0"]
