@@ -228,6 +228,13 @@ class Trained(NamedTuple):
     its cache emptied (CUDA only)."""
     compiled: object
 
+    def rise(self, peaks: list) -> list:
+        """``peaks`` (``self.peaks`` or ``self.reserved``) above step 0's, from step 2 on. Step
+        0 offloads nothing: two runs that differ only in what they offload compare from there,
+        which takes out what differs between the first and the second run of a process (the
+        second reuses free room in the segments of what the first still holds)."""
+        return [p - peaks[0] for p in peaks[2:]]
+
 
 def _room_under_the_peak(rise: int = 0):
     """A stand-in for ``block_replan.reserve_ceiling`` where the profile cannot see activations
@@ -241,16 +248,6 @@ def _room_under_the_peak(rise: int = 0):
         return block_replan.ReserveRoom(peak + (rise if len(seen) > 1 else 0), 1 << 40, 1 << 40)
 
     return ceiling
-
-
-def primed_cuda(monkeypatch, init, batches) -> None:
-    """One throwaway step of ``init`` on CUDA, dropped, before two runs' peaks are compared.
-    The first run of a process makes buffers that live as long as the process (cuBLAS's
-    workspace for the stream is one such): measured from where each run began (``_train``), a
-    comparison charged them to whichever ran first, 34.25 MiB in every step of the first of two
-    runs that differed only in where the offloaded blocks' activations went (one H100), the
-    step that offloads nothing included."""
-    _train(monkeypatch, init, None, 1, device="cuda", batches=batches[:1])
 
 
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
@@ -285,18 +282,16 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
                       fullgraph=True, optimizer=opt)
     if recompute == "auto":
         clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
-    peaks: list = []
-    reserved: list = []
-
-    def after_step():
-        if device == "cuda":
-            peaks.append(torch.cuda.max_memory_allocated() - began[0])
-            reserved.append(torch.cuda.max_memory_reserved() - began[1])
-            torch.cuda.reset_peak_memory_stats()
-
     data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]
-    losses = train_adamw(cm, model, data, opt, after_step, loss_of)
+    losses = train_adamw(cm, model, data, opt, loss_of=loss_of)
     monkeypatch.undo()
+    # zbuf's meter owns the device's peak counters and resets them at every phase ([Note:
+    # phase peaks] in zbuf/memory/phases.py): a step's peak is the largest of its rows' phases.
+    meter = zbuf.compile.step_memory_of(cm).meter
+    meter.close_step()
+    rows = list(meter.rows) if device == "cuda" else []
+    peaks = [r.allocated_peak_bytes - began[0] for r in rows]
+    reserved = [r.reserved_peak_bytes - began[1] for r in rows]
     return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
                    zbuf.compile.step_memory_of(cm), peaks, reserved, cm)
 

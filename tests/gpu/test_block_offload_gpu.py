@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parity import token_batches  # noqa: E402
-from test_block_offload import _train, arenas_ready_and_late, primed_cuda  # noqa: E402
+from test_block_offload import _train, arenas_ready_and_late  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -58,7 +58,6 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     parameters) make each step's peak."""
     init, batches = _checkpointed_decoder(8, rows=16)
     with _deterministic():
-        primed_cuda(monkeypatch, init, batches)
         moved = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
         kept = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches, to_host=False)
     offload = moved.frames.offload
@@ -79,11 +78,12 @@ def test_offloaded_blocks_train_bit_for_bit_on_cuda_below_the_kept_peak(monkeypa
     assert all(torch.equal(moved.params[k], kept.params[k]) for k in kept.params)
     assert offload.report()["in_flight"] == 2 and offload.report()["upload_ahead"] == 1
     per_block = offload.moved_down // 3 // 7  # steps 1-3 moved every offloaded call's bytes
-    for with_host, on_device in zip(moved.peaks[2:], kept.peaks[2:]):
+    assert len(moved.peaks) == len(kept.peaks) == 4
+    for with_host, on_device in zip(moved.rise(moved.peaks), kept.rise(kept.peaks)):
         assert with_host < on_device - 3 * per_block, (moved.peaks, kept.peaks, per_block)
     # torch's cache too: the uploads come out of the blocks backward frees, not out of
     # segments of their own (torch's caching allocator keeps each stream's blocks apart).
-    for with_host, on_device in zip(moved.reserved[2:], kept.reserved[2:]):
+    for with_host, on_device in zip(moved.rise(moved.reserved), kept.rise(kept.reserved)):
         assert with_host < on_device - 3 * per_block, (moved.reserved, kept.reserved, per_block)
 
 
@@ -113,7 +113,6 @@ def test_offloaded_memory_goes_back_in_the_compute_streams_order(monkeypatch):
         return loss
 
     with _deterministic():
-        primed_cuda(monkeypatch, init, batches)
         keeping_up = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches)
         behind = _train(monkeypatch, init, 1, 4, device="cuda", batches=batches,
                         loss_of=behind_a_sleeping_device)
@@ -123,7 +122,8 @@ def test_offloaded_memory_goes_back_in_the_compute_streams_order(monkeypatch):
     # block clock may wait for the device in an earlier one).
     assert queued_ahead[-1], queued_ahead
     per_block = offload.moved_down // 3 // len(offload.report()["blocks"])
-    for lagging, steady in zip(behind.peaks[2:], keeping_up.peaks[2:]):
+    assert len(behind.peaks) == len(keeping_up.peaks) == 4
+    for lagging, steady in zip(behind.rise(behind.peaks), keeping_up.rise(keeping_up.peaks)):
         assert lagging <= steady + per_block // 2, (behind.peaks, keeping_up.peaks, per_block)
     assert behind.losses == keeping_up.losses
 
