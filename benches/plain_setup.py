@@ -317,6 +317,21 @@ def _planned(model) -> dict:
     return out
 
 
+def _reserved_peak(model, device) -> int:
+    """torch's reserved peak since the variant began. ``zbuf.compile``'s phase meter resets the
+    device's peak counters at every phase boundary ([Note: phase peaks] in
+    zbuf/memory/phases.py): the earlier phases' peaks are in its rows, the open step's in its
+    row so far."""
+    import zbuf
+
+    peaks = [torch.cuda.max_memory_reserved(device)]
+    memory = zbuf.compile.step_memory_of(model)
+    if memory is not None:
+        peaks += [row.phases.reserved_peak_bytes for row in memory.rows]
+        peaks.append(memory.meter.reserved_peak_so_far())
+    return max(peaks)
+
+
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 user_ac: UserCheckpointing = UserCheckpointing("inside"),
                 profile_dir: str | None = None) -> dict:
@@ -393,7 +408,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         # plan and the steps before it (the 14B parent placement's step-2 failure had neither).
         out = {"variant": variant, "status": _failure(e), "failed_step": len(times),
                "error": str(e).splitlines()[0][:400], **steps_so_far(),
-               "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)
+               "peak_reserved_bytes": _reserved_peak(model, device)
                if device.type == "cuda" else 0,
                "cache_at_failure": _cache_of(device) if device.type == "cuda" else None}
         del step_loss, opt, model, pool, card
@@ -414,7 +429,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                       if i == 0 or t > 2 * statistics.median(measured)]
     peak = reserved = 0
     if device.type == "cuda":
-        reserved = torch.cuda.max_memory_reserved(device)
+        reserved = _reserved_peak(model, device)
         peak = reserved + (pool.stats().high_water_bytes if pool is not None else 0)
     out = {"variant": variant, "status": "ok", "step_ms_median": 1e3 * statistics.median(measured),
            "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
