@@ -286,14 +286,14 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
     losses = train_adamw(cm, model, data, opt, loss_of=loss_of)
     monkeypatch.undo()
     # zbuf's meter owns the device's peak counters and resets them at every phase ([Note:
-    # phase peaks] in zbuf/memory/phases.py): a step's peak is the largest of its rows' phases.
-    meter = zbuf.compile.step_memory_of(cm).meter
-    meter.close_step()
-    rows = list(meter.rows) if device == "cuda" else []
-    peaks = [r.allocated_peak_bytes - began[0] for r in rows]
-    reserved = [r.reserved_peak_bytes - began[1] for r in rows]
+    # phase peaks] in zbuf/memory/phases.py): a step's peak is the largest of its row's phases.
+    memory = zbuf.compile.step_memory_of(cm)
+    memory.close_step()
+    steps = [row.phases for row in memory.rows] if device == "cuda" else []
+    peaks = [s.allocated_peak_bytes - began[0] for s in steps]
+    reserved = [s.reserved_peak_bytes - began[1] for s in steps]
     return Trained(losses, full_state_dict(model), block_frames_of(model), root_of(model).pool,
-                   zbuf.compile.step_memory_of(cm), peaks, reserved, cm)
+                   memory, peaks, reserved, cm)
 
 
 @pytest.mark.parametrize("copies,expected,level,upload_ahead", [
