@@ -224,6 +224,9 @@ class OffloadedCall:
         the first ``pack``; consumer: ``BlockOffload._wait_for_copies``, which times them to
         ``_downloaded``)."""
         self._downloaded: Optional[torch.cuda.Event] = None
+        """On ``down``, after the call's last copy so far: one event, recorded again by each
+        ``pack`` (producer); every wait on it comes after the call's last pack (consumers: the
+        later calls' throttle, the drain, ``upload``)."""
         self._uploaded: Optional[torch.cuda.Event] = None
         self._compute: Optional[torch.cuda.Stream] = None
         """The stream the upload's memory was allocated on (producer: ``upload``; consumer:
@@ -266,11 +269,11 @@ class OffloadedCall:
                 owner.down.wait_event(self._saved)
                 self._copy_began = torch.cuda.Event(enable_timing=True)
                 self._copy_began.record(owner.down)
+                self._downloaded = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(owner.down):
                 copy.copy_(t, non_blocking=True)
             self._on_the_way.append(t)
-            self._downloaded = torch.cuda.Event(enable_timing=True)
-            self._downloaded.record(owner.down)
+            self._downloaded.record(owner.down)  # moved to this copy: every wait comes later
         self._host.append(copy)
         self._unpacks_left += 1
         self.nbytes += nbytes
