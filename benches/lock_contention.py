@@ -13,9 +13,14 @@ what the Python thread does while it compiles:
   wait for a lock the page-locking's ``cuMemHostRegister`` may hold).
 
 Each runs alone, then beside the arenas being locked as ``BlockOffload.plan`` locks them
-(``PIN_THREADS`` arenas at once, ``touch_threads_per_arena`` threads each), then beside the
-same with eight touch threads an arena. The record gives each run's wall time and, for
-``driver``, its slowest call; a slowdown only beside the locking points at the lock.
+(``PIN_THREADS`` arenas at once, ``touch_threads_per_arena`` threads each), then beside each
+part of that alone: their pages faulted in by touching them, their pages (touched before)
+registered with ``cudaHostRegister``, their pages faulted in by one ``MADV_POPULATE_WRITE``
+where the kernel takes it. The record gives each run's wall time and, for ``driver``, its
+slowest call: a slowdown beside one part and not another names what the Python thread waits
+for (on an H200 under gVisor the re-plan's pure-Python passes ran 3-17 times slower beside the
+locking: benches/results/onepath14.md). First, one arena's locking split into its parts
+(``split`` in the record), each timed alone.
 
 Usage (one GPU): ``python benches/lock_contention.py --arenas 16 --arena-gb 1.7 --out DIR``.
 """
@@ -23,6 +28,7 @@ Usage (one GPU): ``python benches/lock_contention.py --arenas 16 --arena-gb 1.7 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import time
@@ -90,19 +96,95 @@ def driver_work(iters: int) -> tuple[float, float]:
     return time.perf_counter() - start, slowest
 
 
-def run(name: str, work, arenas: int, nbytes: int, touch: int | None) -> dict:
-    """``work()`` alone (``touch`` None) or beside ``arenas`` arenas being locked."""
+MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def populate(memory: torch.Tensor) -> float:
+    """Seconds to fault ``memory``'s pages in with one ``madvise`` (huge pages advised first, as
+    ``page_lock`` advises them); raises where the kernel refuses it."""
+    huge = 2 << 20
+    ptr, n = memory.data_ptr(), memory.numel()
+    start, end = -(-ptr // huge) * huge, (ptr + n) // huge * huge
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+    page = 4096
+    first = -(-ptr // page) * page  # madvise takes whole pages; the partial first one stays
+    began = time.perf_counter()
+    if _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(ptr + n - first),
+                     MADV_POPULATE_WRITE) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+    return time.perf_counter() - began
+
+
+def split(nbytes: int, touch: int) -> dict:
+    """One arena's locking in parts: the pages touched (strided writes), then registered; the
+    pages populated by one ``madvise``, then registered; ``HostArena`` as zbuf builds it."""
+    cudart = torch.cuda.cudart()
+    out = {}
+    memory = torch.empty(nbytes, dtype=torch.uint8)
+    t = time.perf_counter()
+    memory[::4096].zero_()
+    out["touch_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cudart.cudaHostRegister(memory.data_ptr(), nbytes, 0)
+    out["register_after_touch_s"] = time.perf_counter() - t
+    cudart.cudaHostUnregister(memory.data_ptr())
+    del memory
+    memory = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        out["populate_s"] = populate(memory)
+    except OSError as e:
+        out["populate_s"] = f"refused: {e}"
+    t = time.perf_counter()
+    cudart.cudaHostRegister(memory.data_ptr(), nbytes, 0)
+    out["register_after_populate_s"] = time.perf_counter() - t
+    cudart.cudaHostUnregister(memory.data_ptr())
+    del memory
+    t = time.perf_counter()
+    arena = HostArena(nbytes, torch.device("cuda"), (), touch)
+    out["host_arena_s"] = time.perf_counter() - t
+    del arena
+    print({"split": out}, flush=True)
+    return out
+
+
+def _touched(nbytes: int) -> torch.Tensor:
+    memory = torch.empty(nbytes, dtype=torch.uint8)
+    memory[::4096].zero_()
+    return memory
+
+
+BUILDS = {
+    # What the arenas' threads do beside the work: zbuf's whole locking, or one part of it.
+    "arena": lambda nbytes, touch: HostArena(nbytes, torch.device("cuda"), (), touch),
+    "touch": lambda nbytes, touch: _touched(nbytes),
+    "populate": lambda nbytes, touch: populate(torch.empty(nbytes, dtype=torch.uint8)),
+    "register": lambda memory, touch: torch.cuda.cudart().cudaHostRegister(
+        memory.data_ptr(), memory.numel(), 0) or memory,
+}
+
+
+def run(name: str, work, arenas: int, nbytes: int, touch: int | None,
+        method: str = "arena") -> dict:
+    """``work()`` alone (``touch`` None) or beside ``arenas`` arenas' ``method`` (``BUILDS``;
+    "register": pages touched before the work starts)."""
     pool = ThreadPoolExecutor(PIN_THREADS) if touch is not None else None
+    inputs = ([_touched(nbytes) for _ in range(arenas)] if method == "register"
+              else [nbytes] * arenas)
     started = time.perf_counter()
-    futures = ([pool.submit(HostArena, nbytes, torch.device("cuda"), (), touch)
-                for _ in range(arenas)] if pool else [])
+    futures = [pool.submit(BUILDS[method], x, touch) for x in inputs] if pool else []
     out = work()
     work_s, slowest = out if isinstance(out, tuple) else (out, None)
     built = [f.result() for f in futures]
-    record = {"work": name, "touch_threads": touch, "work_s": work_s, "slowest_call_s": slowest,
-              "locked_by_s": time.perf_counter() - started if pool else None,
-              "lock_seconds": sum(a.lock_seconds for a in built)}
-    del built
+    record = {"work": name, "touch_threads": touch, "method": method if pool else None,
+              "work_s": work_s, "slowest_call_s": slowest,
+              "built_by_s": time.perf_counter() - started if pool else None,
+              "lock_seconds": sum(a.lock_seconds for a in built if isinstance(a, HostArena))}
+    if method == "register":
+        for memory in built:
+            torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+    del built, inputs
     if pool:
         pool.shutdown()
     print(record, flush=True)
@@ -124,14 +206,19 @@ def main() -> None:
     works = {"trace": lambda: trace_work(args.trace_iters),
              "driver": lambda: driver_work(args.driver_iters)}
     trace_work(2), driver_work(1000)  # warm: imports, the first traces, the first launches
-    records = [run(name, work, args.arenas, nbytes, touch)
-               for name, work in works.items() for touch in (None, share, 8, None)]
+    parts = split(nbytes, share)
+    methods = ["arena", "touch", "register"] + (["populate"] if isinstance(
+        parts["populate_s"], float) else [])
+    records = [run(name, work, args.arenas, nbytes, touch, method)
+               for name, work in works.items()
+               for touch, method in ((None, None), *((share, m) for m in methods),
+                                     (None, None))]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "lock_contention.json"), "w") as f:
             json.dump({"arenas": args.arenas, "arena_bytes": nbytes,
                        "device": torch.cuda.get_device_name(), "cores": os.cpu_count(),
-                       "runs": records}, f, indent=1)
+                       "split": parts, "runs": records}, f, indent=1)
 
 
 if __name__ == "__main__":

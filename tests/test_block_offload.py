@@ -36,6 +36,10 @@ MAX_EXAMPLES = int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150"))
 
 GiB = 1 << 30
 
+EVERY_COMPILE_PAYS = 1 << 60
+"""A payback horizon past any first step: the tiny blocks' modelled saving (microseconds)
+pays for their frame's compile ([Note: a re-plan's compile pays for itself])."""
+
 
 @st.composite
 def block_levels(draw):
@@ -252,14 +256,15 @@ def _room_under_the_peak(rise: int = 0):
 
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
            batches=None, recompute="auto", ceiling=None, host_below_keep=False,
-           inner="aot_eager", loss_of=decoder_loss) -> Trained:
+           inner="aot_eager", loss_of=decoder_loss, payback_steps=EVERY_COMPILE_PAYS) -> Trained:
     """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
     link ``_cpu_link(copies)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny
     ones), each step's loss ``loss_of(compiled, tokens)``; with
     ``to_host`` False, the blocks the plan offloads keep their activations on the device.
     ``recompute="auto"``: the room ``_reserve_only`` at the grow and settle; the default
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
-    ``reserve_ceiling``, on CUDA)."""
+    ``reserve_ceiling``, on CUDA), its re-plan's compile paid for in ``payback_steps`` (default:
+    whatever the tiny blocks save, [Note: a re-plan's compile pays for itself])."""
     monkeypatch.setattr(block_replan.BlockReplanner, "_host_link",
                         _cpu_link(copies, host_below_keep) if copies else lambda self: None)
     if ceiling is not None:
@@ -279,7 +284,7 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
     model = shard(copy.deepcopy(init).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cm = zbuf.compile(model, inner=inner, structure="blocks", recompute=recompute,
-                      fullgraph=True, optimizer=opt)
+                      fullgraph=True, optimizer=opt, replan_payback_steps=payback_steps)
     if recompute == "auto":
         clamp_room(zbuf.compile.step_memory_of(cm), _reserve_only, _reserve_only)
     data = [t.to(device) for t in (batches if batches is not None else token_batches(steps))]
@@ -554,6 +559,44 @@ def test_blocks_under_their_own_selective_checkpoint_move_what_the_plan_sized(mo
     ref = copy.deepcopy(init)
     ref_losses = train_adamw(ref, ref, batches, torch.optim.AdamW(ref.parameters(), lr=1e-3))
     torch.testing.assert_close(run.losses, ref_losses, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("placement", ["inside", "parent"])
+def test_the_default_offloads_only_where_the_saving_pays_for_the_compile(monkeypatch, placement):
+    """[Note: a re-plan's compile pays for itself]: the tiny blocks' offload saves microseconds a
+    step. The inside placement's "selective" frame is not compiled: within the default's 100
+    steps that never pays for the first step's seconds, so every block stays at the user's
+    checkpointing, nothing compiled at the re-plan, and the record says what was declined;
+    within a horizon long enough, the same plan is taken. The parent placement's frame is
+    compiled at "selective" from the first step, so its plan compiles nothing and is taken
+    whatever the horizon."""
+    from test_user_checkpointing import VOCAB, Decoder
+
+    batches = token_batches(3, vocab=VOCAB)
+
+    def run(payback_steps):
+        torch.manual_seed(0)
+        return _train(monkeypatch, Decoder(placement, layers=7), 4, 3, batches=batches,
+                      recompute="checkpointed", ceiling=_room_under_the_peak(),
+                      payback_steps=payback_steps)
+
+    declined = run(100)
+    offload = declined.frames.offload
+    taken = run(EVERY_COMPILE_PAYS)
+    assert taken.frames.offload.offloaded and taken.frames.offload.declined_for_compile is None
+    assert set(taken.frames.levels.values()) == {LEVELS.index("selective")}
+    if placement == "parent":
+        assert offload.report()["blocks"] == taken.frames.offload.report()["blocks"]
+        assert offload.declined_for_compile is None
+        return
+    assert not offload.offloaded and declined.frames.levels == {}
+    assert not declined.memory.measured.replanned
+    record = offload.report()["declined_for_compile"]
+    assert record["blocks"] == len(taken.frames.offload.offloaded)
+    assert 0 < record["saved_ms_per_step"] * 100 < 1e3 * record["first_step_s"]
+    assert record["payback_steps"] == 100
+    assert declined.frames.graphs_compiled < taken.frames.graphs_compiled
+    torch.testing.assert_close(declined.losses, taken.losses, rtol=1e-5, atol=0)
 
 
 def test_the_default_without_room_under_its_peak_offloads_nothing(monkeypatch):

@@ -124,6 +124,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import time
 import types
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -465,6 +466,10 @@ class BlockFrames:
         """id(block) -> its forward's gather when kept, of each block whose last forward ran
         under the caller's saved-tensor hooks ([Note: a block under the caller's checkpoint];
         producer: that forward; consumer: the block's recompute, which takes it out)."""
+        self.started_at: Optional[float] = None
+        """When the first block call began (``time.perf_counter``; producer: ``run``; consumer:
+        the re-planner, which reads the first step's time off it: [Note: a re-plan's compile
+        pays for itself] in block_replan.py)."""
         self.clock = BlockClock(pool.device)
         """When each block's forward began on the device ([Note: the measured block forward] in
         block_clock.py; producer: ``run``; consumer: the re-planner's host link)."""
@@ -574,6 +579,7 @@ class BlockFrames:
             for observer in self.forward_observers:
                 observer()
             if not self.called:
+                self.started_at = time.perf_counter()
                 self.callers_checkpoint = (self.options.recompute == "checkpointed"
                                            and callers_hooks_active())
         self.called.setdefault(id(block), slot)

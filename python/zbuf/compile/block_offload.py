@@ -389,6 +389,11 @@ class BlockOffload:
         self.unplanned_host_bytes = 0
         """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
         a call's tensors beyond its arena, or a second live call at one position."""
+        self.declined_for_compile: Optional[dict[str, float]] = None
+        """The default's plan of offloaded blocks the re-plan declined, its frame's compile not
+        paid for by the recompute it saves: blocks, modelled saving a step, the first step's
+        time, the payback horizon ([Note: a re-plan's compile pays for itself] in
+        block_replan.py; producer: the re-planner; consumer: ``report``)."""
         self.unlocked_host_bytes = 0
         """Bytes copied through pageable host memory, their arena still being page-locked
         (producer: ``OffloadedCall.pack``)."""
@@ -565,4 +570,5 @@ class BlockOffload:
                 "measured_copy_ms": (self.copied_ms / self.copied_calls if self.copied_calls
                                      else None),
                 "measured_copy_bytes_per_second": (1e3 * self.copied_bytes / self.copied_ms
-                                                   if self.copied_ms > 0 else None)}
+                                                   if self.copied_ms > 0 else None),
+                "declined_for_compile": self.declined_for_compile}

@@ -173,7 +173,16 @@ class CostModel:
     way the plan models a copy at ``LINK_SHARE`` of it ([Note: the copy queue] in
     recompute_plan.py)."""
 
+    replan_payback_steps: int = 100
+    """The default's re-plan ([Note: offloaded under the step's own peak] in block_replan.py)
+    takes a plan whose level needs a frame not yet compiled only if the recompute it saves a
+    step, modelled, adds up within this many steps to what the first step took (its frame's
+    compile and one run): [Note: a re-plan's compile pays for itself] in block_replan.py."""
+
     def _check_cost(self, need) -> None:
+        need(isinstance(self.replan_payback_steps, int)
+             and not isinstance(self.replan_payback_steps, bool) and self.replan_payback_steps > 0,
+             f"replan_payback_steps={self.replan_payback_steps!r} must be a positive int (steps)")
         for name in ("link_bytes_per_second", "flops_per_second", "memory_bytes_per_second",
                      "host_link_bytes_per_second"):
             v = getattr(self, name)
