@@ -170,13 +170,14 @@ recompute it saves a step (``RecomputePlan.saved_seconds``, modelled) adds up wi
 ``replan_payback_steps`` steps (100 by default) to the first step's time, from the first block
 call to the re-plan (the slowest rank's: every rank decides alike); otherwise every block stays
 at level 0, as in the first step, nothing compiled, and the offload's record says what was
-declined (``declined_for_compile``). Measured: at qwen3-14b as rank 0 of 8 on 80 GiB, 22 blocks
-offloaded save 213 TFLOP a step, 0.53 s modelled (0.34 s measured: 0.89x FSDP2's step
-against 1.0x at level 0), against a first step of 11.6-13.9 s: they pay for their compile in
-about 25 steps. At qwen3-1.7b on one H100, 8 blocks saved 2.2 TFLOP, 5.5 ms modelled (1.5 ms
-measured, 21 ms of copies exposed), against an 11.8 s first step: about 2100 steps, and the
-re-plan's step took 16.7 s where every later one took 0.49 s; the plan also peaked 0.6 GiB above
-FSDP2's where level 0 peaks below it (benches/results/onepath17b.md).
+declined (``declined_for_compile``). Measured (benches/results/onepath14.md, onepath17b.md):
+at qwen3-14b as rank 0 of 8 on 80 GiB, 22 blocks offloaded make the step 0.89x FSDP2's (1.0x at
+level 0), about 0.3 s a step, against a first step of 11.6-13.9 s: a compile paid for in about
+40 steps. At qwen3-1.7b on one H100, 8 blocks made a step 0.3 % faster than FSDP2's with 21 ms
+of copies exposed, and the re-plan's step took 16.7 s where later ones took 0.49 s, its peak
+0.6 GiB above FSDP2's; the plan modelled 48.2 ms a step saved against a 12.5 s first step (260
+steps), so it is declined: the first step's plan runs on, 1.00x FSDP2's step, its first step
+(the final plan's) 0.82x FSDP2's, its peak 1 GiB below it.
 
 What the whole-graph ``auto`` has and this does not: no measured partition of each candidate plan
 (the levels' bytes are the estimate's; keeping whole blocks is overestimated, which errs on the
