@@ -127,9 +127,12 @@ def split(nbytes: int, touch: int) -> dict:
     memory[::4096].zero_()
     out["touch_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    cudart.cudaHostRegister(memory.data_ptr(), nbytes, 0)
-    out["register_after_touch_s"] = time.perf_counter() - t
-    cudart.cudaHostUnregister(memory.data_ptr())
+    try:
+        _registered(memory)
+        out["register_after_touch_s"] = time.perf_counter() - t
+        cudart.cudaHostUnregister(memory.data_ptr())
+    except RuntimeError as e:
+        out["register_after_touch_s"] = f"refused: {e}"
     del memory
     memory = torch.empty(nbytes, dtype=torch.uint8)
     try:
@@ -137,9 +140,12 @@ def split(nbytes: int, touch: int) -> dict:
     except OSError as e:
         out["populate_s"] = f"refused: {e}"
     t = time.perf_counter()
-    cudart.cudaHostRegister(memory.data_ptr(), nbytes, 0)
-    out["register_after_populate_s"] = time.perf_counter() - t
-    cudart.cudaHostUnregister(memory.data_ptr())
+    try:
+        _registered(memory)
+        out["register_after_populate_s"] = time.perf_counter() - t
+        cudart.cudaHostUnregister(memory.data_ptr())
+    except RuntimeError as e:
+        out["register_after_populate_s"] = f"refused: {e}"
     del memory
     t = time.perf_counter()
     arena = HostArena(nbytes, torch.device("cuda"), (), touch)
@@ -150,6 +156,7 @@ def split(nbytes: int, touch: int) -> dict:
 
 
 def _touched(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory, every page faulted in by a write."""
     memory = torch.empty(nbytes, dtype=torch.uint8)
     memory[::4096].zero_()
     return memory
@@ -160,9 +167,14 @@ BUILDS = {
     "arena": lambda nbytes, touch: HostArena(nbytes, torch.device("cuda"), (), touch),
     "touch": lambda nbytes, touch: _touched(nbytes),
     "populate": lambda nbytes, touch: populate(torch.empty(nbytes, dtype=torch.uint8)),
-    "register": lambda memory, touch: torch.cuda.cudart().cudaHostRegister(
-        memory.data_ptr(), memory.numel(), 0) or memory,
+    "register": lambda memory, touch: _registered(memory),
 }
+
+
+def _registered(memory: torch.Tensor) -> torch.Tensor:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(),
+                                                                memory.numel(), 0))
+    return memory
 
 
 def run(name: str, work, arenas: int, nbytes: int, touch: int | None,
@@ -207,8 +219,9 @@ def main() -> None:
              "driver": lambda: driver_work(args.driver_iters)}
     trace_work(2), driver_work(1000)  # warm: imports, the first traces, the first launches
     parts = split(nbytes, share)
-    methods = ["arena", "touch", "register"] + (["populate"] if isinstance(
-        parts["populate_s"], float) else [])
+    methods = (["arena", "touch"]
+               + (["register"] if isinstance(parts["register_after_touch_s"], float) else [])
+               + (["populate"] if isinstance(parts["populate_s"], float) else []))
     records = [run(name, work, args.arenas, nbytes, touch, method)
                for name, work in works.items()
                for touch, method in ((None, None), *((share, m) for m in methods),
