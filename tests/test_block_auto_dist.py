@@ -250,7 +250,8 @@ def _default_offload_case(rank, world):
     try:
         model = zbuf.shard(copy.deepcopy(init))
         opt, sched = sm_tests._adamw(model.parameters())
-        cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, optimizer=opt)
+        cm = zbuf.compile(model, inner="aot_eager", fullgraph=True, optimizer=opt,
+                          replan_payback_steps=offload_tests.EVERY_COMPILE_PAYS)
         memory = zbuf.compile.step_memory_of(cm)
         frames = block_frames_of(model)
         losses, states, _ = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world,
