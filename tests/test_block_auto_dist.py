@@ -216,12 +216,15 @@ def _offload_case(rank, world):
     return {"report": report, "levels": _levels(frames, model), "refused": refused}
 
 
-def _default_offload_case(rank, world):
+def _default_offload_case(rank, world, last_rank_slow=False):
     """The default ([Note: offloaded under the step's own peak] in compile/block_replan.py), the
     host link and the room under the peak stood in on the CPU, each rank's profile a few KiB
     apart: every rank plans from the same agreed profile (each segment the largest of the
     ranks'), offloads the same blocks from step 1 on, keeps them at the steady step, and
-    matches the unsharded reference."""
+    matches the unsharded reference. ``last_rank_slow``: the last rank's first step took
+    5e12 s, so that rank alone would decline the plan's compile and the others take it ([Note:
+    a re-plan's compile pays for itself]): every rank declines it, on the slowest rank's
+    time, and trains at level 0."""
     import zbuf.compile
     from zbuf.compile import block_replan
     from zbuf.compile.block_frames import block_frames_of
@@ -254,8 +257,15 @@ def _default_offload_case(rank, world):
                           replan_payback_steps=offload_tests.EVERY_COMPILE_PAYS)
         memory = zbuf.compile.step_memory_of(cm)
         frames = block_frames_of(model)
+
+        def before(step):
+            # 5e12 s: past what the tiny blocks' modelled saving (0.65 us a step) earns in
+            # EVERY_COMPILE_PAYS steps (7.5e11 s), within the agreement's int64 microseconds.
+            if last_rank_slow and step == 1 and rank == world - 1:
+                frames.started_at -= 5e12
+
         losses, states, _ = sm_tests._train_zbuf(cm, model, opt, sched, data, rank, world,
-                                                 memory, keep={STEPS - 1})
+                                                 memory, keep={STEPS - 1}, before=before)
     finally:
         block_replan.BlockReplanner._host_link = link
         block_replan.reserve_ceiling = real_ceiling
@@ -298,6 +308,7 @@ def _worker(rank, world):
     return {"parity": _parity_case(rank, world), "weights": _weights_case(rank, world),
             "shared": _shared_case(rank, world), "offload": _offload_case(rank, world),
             "default_offload": _default_offload_case(rank, world),
+            "declined_offload": _default_offload_case(rank, world, last_rank_slow=True),
             "mismatch": _mismatch_case(rank, world)}
 
 
@@ -371,6 +382,11 @@ def _check(results):
     for o in default[1:]:  # one agreed profile, though every rank's own differed
         assert o["profiles"] == default[0]["profiles"], (o["profiles"], default[0]["profiles"])
         assert o["report"] == default[0]["report"]
+    for r in results:
+        declined = r["declined_offload"]
+        assert declined["report"]["blocks"] == [] and declined["levels"] == [0] * 5, declined
+        assert declined["report"]["declined_for_compile"]["first_step_s"] >= 5e12, declined
+        assert declined["report"]["declined_for_compile"]["blocks"] == 4, declined
     for rank, r in enumerate(results):
         error = r["mismatch"]
         assert error is not None, rank
