@@ -281,7 +281,8 @@ class GatherBufferPool:
     def events(self) -> list[dict[str, Any]]:
         """The retained telemetry events, oldest first: dicts with seq, kind ("hit",
         "allocate", "allocate_outside", "release", "evict", "out_of_memory", "pressure",
-        "recovery_start", "recovery_end", "set_budget"), nbytes, ptr, stream, charged_bytes."""
+        "recovery_start", "recovery_end", "set_budget"), nbytes, ptr, stream, charged_bytes,
+        time_us (microseconds since the Unix epoch, the clock of torch's allocation history)."""
         return self._core.events()
 
     def hot_set(self) -> dict[int, int]:

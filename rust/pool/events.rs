@@ -1,6 +1,7 @@
 //! Bounded telemetry log of pool events.
 
 use std::collections::VecDeque;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::backend::StreamHandle;
 
@@ -59,6 +60,10 @@ pub struct PoolEvent {
     pub stream: StreamHandle,
     /// `charged_bytes` after the event.
     pub charged_bytes: u64,
+    /// When it happened: microseconds since the Unix epoch, as torch's allocation history
+    /// stamps its entries (`time_us`), so that a caller can lay the pool's buffers beside
+    /// torch's allocations and read the two at the same moment.
+    pub time_us: u64,
 }
 
 /// Ring buffer of the last `capacity` events.
@@ -83,11 +88,31 @@ impl EventLog {
         if self.entries.len() == self.capacity {
             self.entries.pop_front();
         }
-        self.entries.push_back(PoolEvent { seq, kind, nbytes, ptr, stream, charged_bytes });
+        // A clock before the epoch reads 0: the stamp orders events, it decides nothing.
+        let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        self.entries.push_back(PoolEvent { seq, kind, nbytes, ptr, stream, charged_bytes, time_us });
     }
 
     /// The retained events, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = &PoolEvent> {
         self.entries.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_stamped_in_order_on_the_unix_clock() {
+        let mut log = EventLog::new(8);
+        let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as u64;
+        for i in 0..4 {
+            log.push(EventKind::Hit, i, 0, 0, 0);
+        }
+        let after = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as u64;
+        let stamps: Vec<u64> = log.iter().map(|e| e.time_us).collect();
+        assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "{stamps:?}");
+        assert!(before <= stamps[0] && stamps[3] <= after, "{before} {stamps:?} {after}");
     }
 }

@@ -458,6 +458,7 @@ impl PoolCore {
             d.set_item("ptr", e.ptr)?;
             d.set_item("stream", e.stream)?;
             d.set_item("charged_bytes", e.charged_bytes)?;
+            d.set_item("time_us", e.time_us)?;
             out.append(d)?;
         }
         Ok(out)
