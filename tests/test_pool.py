@@ -439,7 +439,8 @@ def test_stats_and_bounded_event_log():
     assert len(ev) == 5
     assert [e["seq"] for e in ev] == list(range(15, 20))
     assert {e["kind"] for e in ev} <= {"hit", "release"}
-    assert set(ev[0]) == {"seq", "kind", "nbytes", "ptr", "stream", "charged_bytes"}
+    assert set(ev[0]) == {"seq", "kind", "nbytes", "ptr", "stream", "charged_bytes", "time_us"}
+    assert [e["time_us"] for e in ev] == sorted(e["time_us"] for e in ev)
     s = p.stats()
     assert isinstance(s, PoolStats) and s.high_water_bytes == 256 and s.hits == 9
     assert "GatherBufferPool(device='cpu'" in repr(p)
