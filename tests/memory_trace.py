@@ -70,7 +70,7 @@ class Recording:
         self.first_seq = self._next_seq()
         self.start_bytes = self.pool.stats().checked_out_bytes
         # The clocks' calibration: an acquire of the pool's, then a torch allocation.
-        marker = self.pool.acquire((1,), torch.uint8)
+        marker = self.pool.acquire((1,), torch.float32)
         torch.empty(1, dtype=torch.uint8, device=self.device)
         self.pool.release(marker)
         return self
