@@ -176,7 +176,9 @@ recompute it saves a step (``RecomputePlan.saved_seconds``, modelled) adds up wi
 ``replan_payback_steps`` steps (100 by default) to the first step's time, from the first block
 call to the re-plan (the slowest rank's: every rank decides alike); otherwise every block stays
 at level 0, as in the first step, nothing compiled, and the offload's record says what was
-declined (``declined_for_compile``). Measured (benches/results/onepath14.md, onepath17b.md):
+declined (``declined_for_compile``). What the program does between its first two steps (an
+evaluation, a checkpoint) counts as first-step time: the check then errs towards declining,
+and the record's ``first_step_s`` shows it. Measured (benches/results/onepath14.md, onepath17b.md):
 at qwen3-14b as rank 0 of 8 on 80 GiB, 22 blocks offloaded make the step 0.89x FSDP2's (1.0x at
 level 0), about 0.3 s a step, against a first step of 11.6-13.9 s: a compile paid for in about
 40 steps. At qwen3-1.7b on one H100, 8 blocks made a step 0.3 % faster than FSDP2's with 21 ms
