@@ -67,6 +67,7 @@ class Recording:
         torch.cuda.synchronize(self.device)
         torch.cuda.memory._record_memory_history(max_entries=1 << 20, context=None,
                                                  clear_history=True)
+        self.pool.time_events(True)
         self.first_seq = self._next_seq()
         self.start_bytes = self.pool.stats().checked_out_bytes
         # The clocks' calibration: an acquire of the pool's, then a torch allocation.
@@ -85,6 +86,7 @@ class Recording:
         torch.cuda.synchronize(self.device)
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
+        self.pool.time_events(False)
         if exc[0] is not None:
             return
         trace = snapshot["device_traces"][self.device.index]

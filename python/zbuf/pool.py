@@ -282,8 +282,14 @@ class GatherBufferPool:
         """The retained telemetry events, oldest first: dicts with seq, kind ("hit",
         "allocate", "allocate_outside", "release", "evict", "out_of_memory", "pressure",
         "recovery_start", "recovery_end", "set_budget"), nbytes, ptr, stream, charged_bytes,
-        time_us (microseconds since the Unix epoch, the clock of torch's allocation history)."""
+        time_us (microseconds since the Unix epoch, the clock of torch's allocation history,
+        while ``time_events`` is on; else 0)."""
         return self._core.events()
+
+    def time_events(self, on: bool) -> None:
+        """Whether the events from now on carry their time (off by default: a clock read an
+        event costs about half of the core's acquire and release pair)."""
+        self._core.time_events(on)
 
     def hot_set(self) -> dict[int, int]:
         """{block capacity: count} recorded when the recovery started (empty before)."""

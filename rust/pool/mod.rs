@@ -770,6 +770,12 @@ impl<B: Backend> GatherPool<B> {
         self.log.iter()
     }
 
+    /// Whether the telemetry events from now on carry their time (off by default: a clock
+    /// read an event).
+    pub fn time_events(&mut self, on: bool) {
+        self.log.set_timed(on);
+    }
+
     /// The hot set recorded by the recovery (capacity -> count; empty before it).
     pub fn hot_set(&self) -> &BTreeMap<u64, u64> {
         &self.hot_set

@@ -446,6 +446,11 @@ impl PoolCore {
         Ok(d)
     }
 
+    /// Whether the events from now on carry their time (`time_us`; off by default).
+    fn time_events(&self, on: bool) {
+        self.shared.lock().time_events(on);
+    }
+
     /// The retained telemetry events, oldest first, as dicts.
     fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events: Vec<_> = self.shared.lock().events().cloned().collect();
