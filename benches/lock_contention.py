@@ -117,35 +117,32 @@ def populate(memory: torch.Tensor) -> float:
     return time.perf_counter() - began
 
 
-def split(nbytes: int, touch: int) -> dict:
-    """One arena's locking in parts: the pages touched (strided writes), then registered; the
-    pages populated by one ``madvise``, then registered; ``HostArena`` as zbuf builds it."""
-    cudart = torch.cuda.cudart()
-    out = {}
-    memory = torch.empty(nbytes, dtype=torch.uint8)
-    t = time.perf_counter()
-    memory[::4096].zero_()
-    out["touch_s"] = time.perf_counter() - t
+def _register_seconds(memory: torch.Tensor) -> float | str:
+    """Seconds ``cudaHostRegister`` took to lock ``memory`` (unlocked after), or why it refused."""
     t = time.perf_counter()
     try:
         _registered(memory)
-        out["register_after_touch_s"] = time.perf_counter() - t
-        cudart.cudaHostUnregister(memory.data_ptr())
     except RuntimeError as e:
-        out["register_after_touch_s"] = f"refused: {e}"
-    del memory
+        return f"refused: {e}"
+    seconds = time.perf_counter() - t
+    torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+    return seconds
+
+
+def split(nbytes: int, touch: int) -> dict:
+    """One arena's locking in parts: the pages touched (strided writes), then registered; the
+    pages populated by one ``madvise``, then registered; ``HostArena`` as zbuf builds it."""
+    out = {}
+    t = time.perf_counter()
+    memory = _touched(nbytes)
+    out["touch_s"] = time.perf_counter() - t
+    out["register_after_touch_s"] = _register_seconds(memory)
     memory = torch.empty(nbytes, dtype=torch.uint8)
     try:
         out["populate_s"] = populate(memory)
     except OSError as e:
         out["populate_s"] = f"refused: {e}"
-    t = time.perf_counter()
-    try:
-        _registered(memory)
-        out["register_after_populate_s"] = time.perf_counter() - t
-        cudart.cudaHostUnregister(memory.data_ptr())
-    except RuntimeError as e:
-        out["register_after_populate_s"] = f"refused: {e}"
+    out["register_after_populate_s"] = _register_seconds(memory)
     del memory
     t = time.perf_counter()
     arena = HostArena(nbytes, torch.device("cuda"), (), touch)

@@ -357,12 +357,16 @@ class BlockReplanner:
                                           or measure_host_link(device))
         forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second
         tail = frames.clock.tail_forwards() or 1.0  # before a forward ran: the last block alone
-        weights = next(iter(frames.called.values())).weights
         (share, speed, forward_ns, tail_millis), _ = agree_extremes(
-            runtime.process_group(weights.specs[0].group_name), device,
+            self._group(), device,
             smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second),
                       int(forward * 1e9), int(tail * 1e3)])
         return HostLink(speed, forward_ns / 1e9, share, max(1.0, tail_millis / 1e3))
+
+    def _group(self):
+        """The blocks' sharding group, which the agreements run over."""
+        weights = next(iter(self.frames.called.values())).weights
+        return runtime.process_group(weights.specs[0].group_name)
 
     def _pays_for_its_compile(self, plan: RecomputePlan) -> bool:
         """Whether ``plan`` compiles no frame, or saves within ``replan_payback_steps`` steps
@@ -371,10 +375,9 @@ class BlockReplanner:
         frames = self.frames
         if all(frames.has_frame(lv) for lv in set(plan.levels) if lv):
             return True
-        weights = next(iter(frames.called.values())).weights
-        _, (micros,) = agree_extremes(
-            runtime.process_group(weights.specs[0].group_name), frames.pool.device,
-            largest=[int(1e6 * (time.perf_counter() - frames.started_at))])
+        first_step = time.perf_counter() - frames.started_at
+        _, (micros,) = agree_extremes(self._group(), frames.pool.device,
+                                      largest=[int(1e6 * first_step)])
         steps = self.options.replan_payback_steps
         if plan.saved_seconds * steps >= micros / 1e6:
             return True
