@@ -5,20 +5,42 @@ on one clock.
 The sum of the two peaks counts both at once whether or not they coincide; at the user's SDPA
 decoder in tests/gpu/test_user_checkpointing_gpu.py that sum came out 20 KB above FSDP2's peak
 (0.03 %) where torch's own peak alone was 46 KB below it (benches/results/gpu_tests.md). Both
-logs stamp their entries in microseconds since the Unix epoch (torch from an approximate clock):
-``Recording`` calibrates the offset between them with a pool acquire and a torch allocation made
-back to back, and ``both_peak`` widens each of the pool's buffers by ``slack_us`` on either side,
-so that what the clocks cannot order counts as live at once.
+logs stamp their entries in microseconds since the Unix epoch, from two clocks (torch's an
+approximate one): ``Recording`` brackets torch allocations between a pool acquire and its release,
+several times, each bracket bounding the offset between the clocks (``clock_offset``), and
+``both_peak`` widens each of the pool's buffers by what the brackets leave uncertain, so that
+what the clocks cannot order counts as live at once.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 ACQUIRES = ("hit", "allocate", "allocate_outside")
 SLACK_US = 50
-"""How far apart on the two clocks an acquire or a release and a torch allocation may be taken
-to be at once: the calibration's own gap (one acquire, one allocation) and torch's clock's."""
+"""``both_peak``'s default widening of the pool's buffers, for logs with no brackets."""
+BRACKETS = 16
+"""Torch allocations ``Recording`` makes between a pool acquire and its release, one each."""
+TICK_US = 2
+"""Each clock's resolution: whole microseconds, torch's through a conversion that rounds."""
+
+
+class ClockOffset(NamedTuple):
+    """Where the pool's clock stands against torch's: add ``offset_us`` to a pool time, and
+    torch's time of the same moment is within ``uncertainty_us`` of it."""
+
+    offset_us: int
+    uncertainty_us: int
+
+
+def clock_offset(brackets: Sequence[tuple[int, int, int]]) -> ClockOffset:
+    """The offset from brackets of (pool acquire, torch allocation, pool release) times, each
+    on its own clock, made in that order: each bounds the offset to between the allocation less
+    the release and the allocation less the acquire, and all of them to the bounds' overlap."""
+    low = max(alloc - release for _, alloc, release in brackets) - TICK_US
+    high = min(alloc - acquire for acquire, alloc, _ in brackets) + TICK_US
+    assert low <= high, f"the brackets disagree on the clocks' offset: {brackets}"
+    return ClockOffset((low + high) // 2, (high - low + 1) // 2)
 
 
 def both_peak(trace: Sequence[Mapping], pool_events: Iterable[Mapping], offset_us: int = 0,
@@ -60,20 +82,23 @@ class Recording:
     def __init__(self, device, pool) -> None:
         self.device, self.pool = device, pool
         self.peak: int | None = None
+        self.clocks: ClockOffset | None = None
 
     def __enter__(self) -> "Recording":
         import torch
 
         torch.cuda.synchronize(self.device)
+        # No stacks: torch 2.11's Python stack capture made an autograd Function's ``apply``
+        # return NULL in the parent placement's recompute.
         torch.cuda.memory._record_memory_history(max_entries=1 << 20, context=None,
                                                  clear_history=True)
         self.pool.time_events(True)
         self.first_seq = self._next_seq()
         self.start_bytes = self.pool.stats().checked_out_bytes
-        # The clocks' calibration: an acquire of the pool's, then a torch allocation.
-        marker = self.pool.acquire((1,), torch.float32)
-        torch.empty(1, dtype=torch.uint8, device=self.device)
-        self.pool.release(marker)
+        for _ in range(BRACKETS):  # the clocks' brackets (``clock_offset``)
+            marker = self.pool.acquire((1,), torch.float32)
+            torch.empty(1, dtype=torch.uint8, device=self.device)
+            self.pool.release(marker)
         return self
 
     def _next_seq(self) -> int:
@@ -92,7 +117,11 @@ class Recording:
         trace = snapshot["device_traces"][self.device.index]
         events = [e for e in self.pool.events() if e["seq"] >= self.first_seq]
         assert events and events[0]["seq"] == self.first_seq, "the pool's log dropped events"
-        marker = next(e for e in trace if e["action"] == "alloc")
-        # The markers' own bytes stay in, for a moment at the start: the peak is no lower.
-        self.peak = both_peak(trace, events, marker["time_us"] - events[0]["time_us"],
+        allocs = [e["time_us"] for e in trace if e["action"] == "alloc"][:BRACKETS]
+        acquires = [e["time_us"] for e in events if e["kind"] in ACQUIRES][:BRACKETS]
+        releases = [e["time_us"] for e in events if e["kind"] == "release"][:BRACKETS]
+        self.clocks = clock_offset(list(zip(acquires, allocs, releases)))
+        # The brackets' own bytes stay in, for a moment at the start: the peak is no lower.
+        self.peak = both_peak(trace, events, self.clocks.offset_us, self.clocks.uncertainty_us,
                               pool_start_bytes=self.start_bytes)
+

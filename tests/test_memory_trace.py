@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memory_trace import both_peak
+from memory_trace import TICK_US, both_peak, clock_offset
 
 
 def alloc(t, n):
@@ -84,3 +84,24 @@ def test_both_peak_is_the_highest_sum_at_one_moment(logs, slack):
     assert both_peak(trace, events, slack_us=0) == exact
     assert exact <= max(t for t, _ in moments) + max(p for _, p in moments)
     assert both_peak(trace, events, slack_us=slack) >= exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-10**12, 10**12), st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 50),
+                                                       st.integers(1, 50)), min_size=1, max_size=16),
+       st.lists(st.integers(-TICK_US + 1, TICK_US - 1), min_size=48, max_size=48))
+def test_the_brackets_hold_the_clocks_true_offset(offset, brackets, jitter):
+    """Brackets made in order on one real clock, read off two clocks ``offset`` apart, each
+    read rounded by less than a tick: the offset found is the true one within its uncertainty,
+    and closer brackets leave less uncertain."""
+    read, start = [], 0  # (pool acquire, torch allocation, pool release)
+    for i, (gap, before, after) in enumerate(brackets):
+        acquire = start + gap
+        alloc, release = acquire + before, acquire + before + after
+        start = release
+        read.append((acquire + jitter[3 * i], alloc + offset + jitter[3 * i + 1],
+                     release + jitter[3 * i + 2]))
+    found = clock_offset(read)
+    assert abs(found.offset_us - offset) <= found.uncertainty_us
+    narrowest = min(before + after for _, before, after in brackets)
+    assert found.uncertainty_us <= (narrowest + 1) // 2 + 2 * TICK_US

@@ -92,7 +92,8 @@ def _worker(rank, world):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
         assert pool.stats().checked_out == 0
         out[placement] = {"zbuf": recorded.peak, "fsdp2": fsdp_peak, "fsdp2_steps": fsdp_steps,
-                          "pool_high_water": pool.stats().high_water_bytes}
+                          "pool_high_water": pool.stats().high_water_bytes,
+                          "clocks": recorded.clocks}
         del model, cm, opt
     # Every placement measured before any is judged: the record says where each one peaked.
     assert all(p["zbuf"] <= p["fsdp2"] for p in out.values()), out
