@@ -811,6 +811,11 @@ def test_calls_whose_arena_is_still_locking_copy_through_pageable_memory(monkeyp
     offload = late.frames.offload
     assert offload.unlocked_host_bytes == offload.moved_down // (steps - 1) > 0
     assert offload.unplanned_host_bytes == 0
+    # The record times the re-plan and, from it, the arenas' locking (held back here for a
+    # whole forward, so later than the ready run's).
+    late_report, ready_report = offload.report(), ready.frames.offload.report()
+    assert late_report["planned_in_s"] > 0 and ready_report["planned_in_s"] > 0
+    assert late_report["arenas_locked_after_s"] > ready_report["arenas_locked_after_s"] >= 0
     assert late.losses == ready.losses
     assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
 
@@ -873,10 +878,12 @@ def test_zbuf_report_shows_the_offloaded_blocks(monkeypatch):
     # The arenas, one per offloaded block (nothing to lock on the CPU stand-in).
     arenas = offload.report()["host_arena_bytes"] / 1024
     assert f"host memory page-locked │ {arenas:.2f} KiB in 0.0 s, " in text, text
-    assert "copied before │" in text, text
+    assert "copied before (the thread held 0.0 s) │" in text, text
     old = dict(run.frames.schedule())
     old["activation_offload"] = {k: v for k, v in old["activation_offload"].items()
-                                 if k != "host_arena_bytes"}
+                                 if k != "unlocked_copy_seconds"}
+    assert "copied before │" in table(old)
+    old["activation_offload"].pop("host_arena_bytes")
     assert "host memory page-locked │ - │" in table(old)
     quiet = dict(run.frames.schedule(), activation_offload={"blocks": []})
     assert "offloaded" not in table(quiet)

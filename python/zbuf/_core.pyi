@@ -26,11 +26,12 @@ class UnsupportedDtypeError(PoolError, TypeError): ...
 class PoolBackendError(PoolError): ...
 
 def page_lock(device_index: int, ptr: int, nbytes: int,
-              touch_threads: int | None = None) -> None:
+              touch_threads: int | None = None) -> tuple[float, float]:
     """Page-locks the host range ``ptr .. ptr + nbytes`` (memory the caller keeps allocated until
     ``page_unlock``) for ``cuda:device_index``, its pages first faulted in by ``touch_threads``
     threads (default: the machine's cores, at most 8), the GIL released throughout ([Note:
-    page-locked host ranges] in rust/backend/cuda.rs). Contents are unchanged.
+    page-locked host ranges] in rust/backend/cuda.rs). Contents are unchanged. Returns the
+    seconds the touching and the registration took.
     NoCudaDriverError without a driver; PoolOutOfMemoryError when the host cannot lock that
     much; InvalidRequestError for an empty range or no touch thread."""
 def page_unlock(device_index: int, ptr: int) -> None:

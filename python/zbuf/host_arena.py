@@ -70,13 +70,22 @@ class HostArena:
         """Bytes handed out since the last ``reset`` (their ends aligned up)."""
         self.lock_seconds = 0.0
         """Wall time the page-locking took (on whichever thread built the arena)."""
+        self.touch_seconds = 0.0
+        """Of it, faulting the pages in: what holds up the host's memory map (the page faults
+        of every thread, the Python thread's among them)."""
+        self.register_seconds = 0.0
+        """Of it, registering them with the device: what holds up the driver's calls from
+        other threads (benches/lock_contention.py)."""
         if device.type == "cuda" and nbytes > 0:
             index = torch.cuda.current_device() if device.index is None else device.index
             start = time.perf_counter()
-            page_lock(index, self.memory.data_ptr(), nbytes, touch_threads)
+            self.touch_seconds, self.register_seconds = page_lock(
+                index, self.memory.data_ptr(), nbytes, touch_threads)
             self.lock_seconds = time.perf_counter() - start
             weakref.finalize(self, _unlock, index, self.memory.data_ptr(), tuple(streams),
                              self.memory)
+        self.locked_at = time.perf_counter()
+        """When the locking ended (``time.perf_counter``)."""
 
     @property
     def nbytes(self) -> int:

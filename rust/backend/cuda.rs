@@ -16,6 +16,7 @@
 use std::ffi::CStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 
@@ -247,21 +248,33 @@ impl Backend for CudaBackend {
 /// fewer pages). The advice is only advice: where the kernel refuses it the range is locked
 /// as it is.
 
+/// How long each part of [`page_lock`] took: the two stall different things (the page faults the
+/// host's memory map, the registration the driver's calls from other threads).
+#[derive(Clone, Copy, Debug)]
+pub struct LockTimes {
+    /// Faulting the range's pages in (`touch_threads` threads).
+    pub touch: Duration,
+    /// Registering them with the device's context (`cuMemHostRegister`).
+    pub register: Duration,
+}
+
 /// Page-locks `nbytes` of host memory at `ptr` for `cuda:index` (contents unchanged).
 ///
 /// # Safety
 /// `ptr..ptr + nbytes` must be memory the caller owns, readable and writable, and must stay
 /// allocated until [`page_unlock`].
-pub unsafe fn page_lock(index: u32, ptr: u64, nbytes: u64, touch_threads: usize) -> Result<(), PoolError> {
+pub unsafe fn page_lock(index: u32, ptr: u64, nbytes: u64, touch_threads: usize) -> Result<LockTimes, PoolError> {
     let backend = primary_context(index)?;
+    let start = Instant::now();
     advise_huge_pages(ptr as usize, nbytes as usize);
     // SAFETY: the caller's range (see above).
     unsafe { touch_pages(ptr as *mut u8, nbytes as usize, touch_threads) };
+    let touched = Instant::now();
     let _ctx = backend.enter()?;
     // SAFETY: the caller's range; the context is current.
     let r = unsafe { cu::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, nbytes as usize, 0) };
     match r {
-        cu::CUresult::CUDA_SUCCESS => Ok(()),
+        cu::CUresult::CUDA_SUCCESS => Ok(LockTimes { touch: touched - start, register: touched.elapsed() }),
         cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(PoolError::OutOfMemory {
             nbytes,
             detail: "cuMemHostRegister: the host could not page-lock that much memory".into(),

@@ -139,6 +139,8 @@ def test_calls_copied_through_pageable_memory_train_bit_for_bit_on_cuda(monkeypa
     offload = late.frames.offload
     assert offload.unlocked_host_bytes == offload.moved_down // 3 > 0
     assert offload.unplanned_host_bytes == 0 and offload.late_uploads == 0
+    # The host thread waited for those copies, and only for those.
+    assert offload.unlocked_copy_seconds > 0 == ready.frames.offload.unlocked_copy_seconds
     assert late.losses == ready.losses
     assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
 

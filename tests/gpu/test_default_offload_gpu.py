@@ -53,6 +53,9 @@ def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkey
     # offloaded step] in zbuf/compile/block_offload.py).
     report = offload.report()
     assert report["unplanned_host_bytes"] == 0 and report["lock_seconds"] > 0, report
+    assert (0 < report["lock_touch_seconds"] + report["lock_register_seconds"]
+            <= report["lock_seconds"]), report
+    assert report["planned_in_s"] > 0 and report["arenas_locked_after_s"] > 0, report
     assert not plain.frames.offload.offloaded
     torch.testing.assert_close(moved.losses, plain.losses, rtol=1e-5, atol=0)
     assert len(moved.peaks) == len(plain.peaks) == 5

@@ -132,6 +132,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
@@ -270,8 +271,11 @@ class OffloadedCall:
                 self._copy_began = torch.cuda.Event(enable_timing=True)
                 self._copy_began.record(owner.down)
                 self._downloaded = torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
             with torch.cuda.stream(owner.down):
-                copy.copy_(t, non_blocking=True)
+                copy.copy_(t, non_blocking=True)  # into pageable memory: the thread waits
+            if self._pageable:
+                owner.unlocked_copy_seconds += time.perf_counter() - start
             self._on_the_way.append(t)
             self._downloaded.record(owner.down)  # moved to this copy: every wait comes later
         self._host.append(copy)
@@ -397,6 +401,15 @@ class BlockOffload:
         self.unlocked_host_bytes = 0
         """Bytes copied through pageable host memory, their arena still being page-locked
         (producer: ``OffloadedCall.pack``)."""
+        self.unlocked_copy_seconds = 0.0
+        """Seconds the Python thread waited for those copies (producer: ``OffloadedCall.pack``):
+        a pageable copy waits for the compute stream to reach the block, then runs."""
+        self.planned_in_seconds: Optional[float] = None
+        """The re-plan's own wall time: the host link's probe, the agreements, the plan
+        (producer: the re-planner; consumer: ``report``)."""
+        self._planned_at = 0.0
+        """When ``plan`` started the arenas' locking (consumer: ``report``, which times the last
+        arena's locking from it)."""
         self._arenas: dict[int, Future[HostArena]] = {}
         """Position -> the host arena of its offloaded calls, built on ``_pinning`` (producer:
         ``plan``; consumer: ``arena_for``)."""
@@ -422,6 +435,7 @@ class BlockOffload:
         # The arenas of positions still offloaded are kept, unless the calls' bytes changed.
         arenas = self._arenas if nbytes == self._arena_bytes else {}
         self._arena_bytes = nbytes
+        self._planned_at = time.perf_counter()
         self._arenas = {p: arenas.get(p) or self._pin(nbytes) for p in positions}
         self._holders = {p: h for p, h in self._holders.items() if p in self._arenas}
 
@@ -560,7 +574,15 @@ class BlockOffload:
                 "planned_tail_forwards": None if self.link is None else self.link.tail_forwards,
                 "host_arena_bytes": sum(a.nbytes for a in arenas),
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
+                "lock_touch_seconds": sum(a.touch_seconds for a in arenas),
+                "lock_register_seconds": sum(a.register_seconds for a in arenas),
+                # From the plan to its last arena locked (the arenas kept from an earlier plan
+                # count from this one).
+                "arenas_locked_after_s": max((max(0.0, a.locked_at - self._planned_at)
+                                              for a in arenas), default=None),
+                "planned_in_s": self.planned_in_seconds,
                 "unlocked_host_bytes": self.unlocked_host_bytes,
+                "unlocked_copy_seconds": self.unlocked_copy_seconds,
                 "unplanned_host_bytes": self.unplanned_host_bytes,
                 "exposed_ms_per_step": per_step(sum(self.exposed_ms.values())),
                 "exposed_ms_per_step_by_wait": {w.value: per_step(ms)

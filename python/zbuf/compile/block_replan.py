@@ -457,6 +457,7 @@ class BlockReplanner:
         (nothing compiled)."""
         if not self.options.measuring or not self.phases.enter(PlanPhase.GROWN):
             return None
+        start = time.perf_counter()
         self.frames.prefetch.check_next_forward()  # changed or not: see the Note
         before = self.recompute_stats()
         room = room_bytes - self.frames.plan.pool_bytes
@@ -466,7 +467,9 @@ class BlockReplanner:
         spent = 0 if plan is None else plan.kept_bytes
         if plan is not None and not any(plan.levels):
             plan = None
-        return self._apply(plan, self._blocks_kept(room_bytes, room - spent), before)
+        replan = self._apply(plan, self._blocks_kept(room_bytes, room - spent), before)
+        self.frames.offload.planned_in_seconds = time.perf_counter() - start
+        return replan
 
     def settle(self, budget_bytes: int, room_bytes: int, world_size: int,
                profile: Optional[StepProfile] = None) -> Optional[Replan]:

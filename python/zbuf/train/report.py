@@ -740,14 +740,18 @@ def block_schedule_table(record: dict[str, Any]) -> Optional[Table]:
 def _locked(offload: dict) -> str:
     """The offloaded blocks' host arenas, the wall time their locking took on its own thread,
     and what the forward copied through pageable memory meanwhile ([Note: host arenas and the
-    first offloaded step] in zbuf/compile/block_offload.py); records made before the arenas have
-    none, and those before the forward stopped waiting for them the time it waited."""
+    first offloaded step] in zbuf/compile/block_offload.py), with the Python thread's wait for
+    those copies where the record has it; records made before the arenas have none, and those
+    before the forward stopped waiting for them the time it waited."""
     if "host_arena_bytes" not in offload:
         return "-"
     locked = f"{format_bytes(offload['host_arena_bytes'])} in {offload['lock_seconds']:.1f} s"
     if "pin_wait_seconds" in offload:
         return f"{locked}, waited {offload['pin_wait_seconds']:.1f} s"
-    return f"{locked}, {format_bytes(offload['unlocked_host_bytes'])} copied before"
+    copied = f"{locked}, {format_bytes(offload['unlocked_host_bytes'])} copied before"
+    if "unlocked_copy_seconds" in offload:
+        copied += f" (the thread held {offload['unlocked_copy_seconds']:.1f} s)"
+    return copied
 
 
 def main(path: str, out_dir: Optional[str] = None) -> int:
