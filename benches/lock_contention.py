@@ -147,6 +147,8 @@ def split(nbytes: int, touch: int) -> dict:
     t = time.perf_counter()
     arena = HostArena(nbytes, torch.device("cuda"), (), touch)
     out["host_arena_s"] = time.perf_counter() - t
+    out["host_arena_touch_s"], out["host_arena_register_s"] = (arena.touch_seconds,
+                                                                arena.register_seconds)
     del arena
     print({"split": out}, flush=True)
     return out
