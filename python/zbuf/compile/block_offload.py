@@ -273,8 +273,8 @@ class OffloadedCall:
                 self._downloaded = torch.cuda.Event(enable_timing=True)
             start = time.perf_counter()
             with torch.cuda.stream(owner.down):
-                copy.copy_(t, non_blocking=True)  # into pageable memory: the thread waits
-            if self._pageable:
+                copy.copy_(t, non_blocking=True)
+            if self._pageable:  # a copy into pageable memory held the thread until it ran
                 owner.unlocked_copy_seconds += time.perf_counter() - start
             self._on_the_way.append(t)
             self._downloaded.record(owner.down)  # moved to this copy: every wait comes later
