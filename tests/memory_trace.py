@@ -17,8 +17,6 @@ from __future__ import annotations
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 ACQUIRES = ("hit", "allocate", "allocate_outside")
-SLACK_US = 50
-"""``both_peak``'s default widening of the pool's buffers, for logs with no brackets."""
 BRACKETS = 16
 """Torch allocations ``Recording`` makes between a pool acquire and its release, one each."""
 TICK_US = 2
@@ -44,14 +42,15 @@ def clock_offset(brackets: Sequence[tuple[int, int, int]]) -> ClockOffset:
 
 
 def both_peak(trace: Sequence[Mapping], pool_events: Iterable[Mapping], offset_us: int = 0,
-              slack_us: int = SLACK_US, pool_start_bytes: int = 0) -> int:
+              slack_us: int = 0, pool_start_bytes: int = 0) -> int:
     """The highest torch-allocated bytes (from the history's first entry, relative) plus the
     pool's checked-out bytes at the same moment. ``trace``: torch's device trace entries
     (``action``, ``size``, ``time_us``; an allocation counts from ``alloc`` to
     ``free_requested``, as ``torch.cuda.memory_allocated`` does); ``pool_events``: the pool's
     events (``kind``, ``nbytes``, ``time_us``), on torch's clock after adding ``offset_us``;
     ``pool_start_bytes``: the pool's checked-out bytes before its first event. Each acquire
-    counts ``slack_us`` early and each release ``slack_us`` late."""
+    counts ``slack_us`` early and each release ``slack_us`` late (``Recording``: the clocks'
+    uncertainty, ``ClockOffset``)."""
     # (time, order, torch delta, pool delta): at one time, what rises comes first.
     changes = []
     for e in trace:

@@ -145,7 +145,7 @@ from ..stream_waits import TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
 __all__ = ["BlockOffload", "CopyWait", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
-           "touch_threads_per_arena"]
+           "WALL_TIMES", "touch_threads_per_arena"]
 
 
 class CopyWait(enum.Enum):
@@ -161,6 +161,11 @@ class CopyWait(enum.Enum):
     UPLOAD = "upload"
     """In backward, a call's first unpack, for its upload."""
 
+
+WALL_TIMES = ("lock_seconds", "lock_touch_seconds", "lock_register_seconds",
+              "arenas_locked_after_s", "planned_in_s", "unlocked_copy_seconds")
+"""The keys of ``BlockOffload.report`` that are this rank's host wall times: every other one the
+ranks share (the plan and the bytes are agreed)."""
 
 PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
@@ -271,10 +276,11 @@ class OffloadedCall:
                 self._copy_began = torch.cuda.Event(enable_timing=True)
                 self._copy_began.record(owner.down)
                 self._downloaded = torch.cuda.Event(enable_timing=True)
-            start = time.perf_counter()
+            # Only a copy into pageable memory holds the thread (until it ran): only it is timed.
+            start = time.perf_counter() if self._pageable else None
             with torch.cuda.stream(owner.down):
                 copy.copy_(t, non_blocking=True)
-            if self._pageable:  # a copy into pageable memory held the thread until it ran
+            if start is not None:
                 owner.unlocked_copy_seconds += time.perf_counter() - start
             self._on_the_way.append(t)
             self._downloaded.record(owner.down)  # moved to this copy: every wait comes later
