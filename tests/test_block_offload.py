@@ -201,7 +201,7 @@ def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
 
 
 def _cpu_link(copies: float, host_below_keep: bool = False):
-    """A stand-in for ``BlockReplanner._host_link`` on the CPU, which has no host link: one
+    """A stand-in for ``BlockReplanner._rank_host_link`` on the CPU, which has no host link: one
     block's copy at "keep" is modelled to take ``copies`` blocks' forward (at ``LINK_SHARE`` of
     the link's speed), and the host holds every block (``host_below_keep``: less than one block
     at "keep")."""
@@ -209,7 +209,8 @@ def _cpu_link(copies: float, host_below_keep: bool = False):
     def link(self):
         nbytes = self.frames.estimate.levels[2].extra_bytes
         host = nbytes - 1 if host_below_keep else 1 << 40
-        return HostLink(nbytes / (LINK_SHARE * copies * 1e-3), 1e-3, host)
+        # Whole bytes a second, as the ranks agree it: a copy of no more than ``copies``.
+        return HostLink(math.ceil(nbytes / (LINK_SHARE * copies * 1e-3)), 1e-3, host)
 
     return link
 
@@ -265,7 +266,7 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
     ``reserve_ceiling``, on CUDA), its re-plan's compile paid for in ``payback_steps`` (default:
     whatever the tiny blocks save, [Note: a re-plan's compile pays for itself])."""
-    monkeypatch.setattr(block_replan.BlockReplanner, "_host_link",
+    monkeypatch.setattr(block_replan.BlockReplanner, "_rank_host_link",
                         _cpu_link(copies, host_below_keep) if copies else lambda self: None)
     if ceiling is not None:
         monkeypatch.setattr(block_replan, "reserve_ceiling", ceiling)
@@ -390,6 +391,11 @@ def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks
     at_level = levels["regions_kept" if level == 2 else "regions_selective"]
     assert (levels["regions_offloaded"], at_level) == (len(expected), len(expected))
     assert run.memory.steady is not None and not run.memory.steady.replanned
+    # Its arenas were locked ahead of the plan, as many as it took ([Note: arenas locked
+    # ahead] in block_offload.py: the room here leaves the prediction's unbounded one's blocks).
+    report = offload.report()
+    assert report["arenas_locked_ahead"] == report["arenas_taken_ahead"] == len(expected)
+    assert report["unlocked_host_bytes"] == 0
 
     ref = copy.deepcopy(init)
     ref_losses = train_adamw(ref, ref, token_batches(steps),
@@ -402,6 +408,38 @@ def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks
     assert kept.frames.offload.moved_down == 0
     assert kept.losses == run.losses
     assert all(torch.equal(kept.params[k], run.params[k]) for k in run.params)
+
+
+def test_a_plan_takes_its_arenas_from_those_locked_ahead():
+    """[Note: arenas locked ahead]: the first plan takes, in order, as many of the arenas locked
+    ahead as its positions need, and locks its own where those are too few or too small; the
+    rest are dropped; locking ahead happens once, before any plan."""
+    from concurrent.futures import wait
+
+    def arenas(offload):
+        wait(offload._arenas.values())
+        return offload.report()
+
+    offload = block_offload.BlockOffload(torch.device("cpu"))
+    offload.lock_ahead(4096, 3)
+    ahead = list(offload._ahead)
+    offload.plan({b: b for b in range(6)}, recompute_plan.CopyQueue((1, 3), 2, 4, 1), 4096)
+    assert [offload._arenas[p] for p in (1, 3)] == ahead[:2] and not offload._ahead
+    report = arenas(offload)
+    assert (report["arenas_locked_ahead"], report["arenas_taken_ahead"]) == (3, 2)
+    assert report["host_arena_bytes"] == 2 * block_offload.arena_bytes(4096)
+    offload.lock_ahead(4096, 3)
+    offload.plan({b: b for b in range(6)}, recompute_plan.CopyQueue((0, 1, 3), 2, 4, 1), 4096)
+    report = arenas(offload)
+    assert (report["arenas_locked_ahead"], report["arenas_taken_ahead"]) == (3, 2)
+    assert report["host_arena_bytes"] == 3 * block_offload.arena_bytes(4096)
+
+    small = block_offload.BlockOffload(torch.device("cpu"))
+    small.lock_ahead(1024, 2)
+    small.plan({b: b for b in range(6)}, recompute_plan.CopyQueue((1, 3), 2, 4, 1), 4096)
+    report = arenas(small)
+    assert (report["arenas_locked_ahead"], report["arenas_taken_ahead"]) == (2, 0)
+    assert report["host_arena_bytes"] == 2 * block_offload.arena_bytes(4096)
 
 
 def test_the_default_gives_its_offload_up_when_the_steady_step_peaks_higher(monkeypatch):
@@ -815,7 +853,7 @@ def test_calls_whose_arena_is_still_locking_copy_through_pageable_memory(monkeyp
     # whole forward, so later than the ready run's).
     late_report, ready_report = offload.report(), ready.frames.offload.report()
     assert late_report["planned_in_s"] > 0 and ready_report["planned_in_s"] > 0
-    assert set(block_offload.WALL_TIMES) <= late_report.keys()
+    assert set(block_offload.RANK_OWN) <= late_report.keys()
     assert late_report["arenas_locked_after_s"] > ready_report["arenas_locked_after_s"] >= 0
     assert late.losses == ready.losses
     assert all(torch.equal(late.params[k], ready.params[k]) for k in ready.params)
@@ -832,7 +870,7 @@ def test_hugging_face_layers_offloaded_train_as_the_same_layers_kept(monkeypatch
     data = token_batches(3)
     runs = []
     for to_host in (True, False):
-        monkeypatch.setattr(block_replan.BlockReplanner, "_host_link", _cpu_link(1))
+        monkeypatch.setattr(block_replan.BlockReplanner, "_rank_host_link", _cpu_link(1))
         if not to_host:
             monkeypatch.setattr(block_offload.BlockOffload, "start",
                                 lambda self, block, args, kwargs: None)

@@ -477,6 +477,10 @@ class BlockFrames:
         """Called as each block's forward begins, outside backward (producer: whoever wants the
         step's progress points, [Note: progress points] in zbuf/memory/progress.py; consumer:
         ``run``)."""
+        self.finish_observers: list[Callable[[], None]] = []
+        """Called at the model's output, after the frames' own bookkeeping (producer: the
+        re-planner, [Note: arenas locked ahead] in block_offload.py; consumer:
+        ``finish_forward``)."""
         self._frames: dict[int, Callable] = {}
         """Level (``SHARED`` for the shared frame) -> its compiled frame, each compiled on first
         use (producer and consumer: ``frame_of``)."""
@@ -639,6 +643,8 @@ class BlockFrames:
         self.clock.forward_finished()  # the model's output, before any wait for the copies
         self.prefetch.finish_forward()
         self.offload.finish_forward()
+        for observer in self.finish_observers:
+            observer()
 
     def _block_before(self, slot: FrameSlot) -> Optional[int]:
         """id of the block called before ``slot``'s in its stack, once it ran; else None."""

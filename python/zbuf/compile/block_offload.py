@@ -126,6 +126,25 @@ there touched before, and the lock probe (benches/lock_contention.py) holds driv
 0.29 s behind each arena's registration and slows a trace by 7-10 %.
 A second call at a position whose arena holds a live call's copies (two forwards
 before one backward) copies through torch's pinned tensors instead.
+
+[Note: arenas locked ahead]
+Locked from the plan on, the arenas were still being locked through the first offloaded step:
+at qwen3-14b at the parent placement on a fresh H100 that step took 10.1 s against a 2.86 s step,
+nothing compiled, beside 23.0 s of locking (summed over 22 arenas, 38.2 GB) and 5.14 GB copied
+through pageable host memory that no process had touched (benches/results/onepath14.md). The
+arenas do not need the plan: a call carves its copies from whichever arena its position holds,
+and every arena of a plan has the same size, the estimate's bytes of a call at the offloaded
+level. So at the measured step's output, before its backward, the re-planner predicts the
+default's plan with the room it cannot know yet unbounded (the link, the block's forward as
+that forward took it, the host's share: the plan's own inputs, this rank's, not agreed, since
+locking host memory changes nothing the ranks share) and ``lock_ahead`` starts locking that
+many arenas, in the forward's order, on the arenas' threads. The plan, made after the backward,
+takes as many as its positions need (a plan offloads no more blocks than the unbounded room
+allows); those not yet started are cancelled, the others dropped once locked. The backward's
+compile and run, the optimizer's step and the re-plan run beside the locking instead of the
+first offloaded step. The record says how many were locked ahead and taken
+(``arenas_locked_ahead``, ``arenas_taken_ahead``); ``arenas_locked_after_s`` then counts from
+the locking's start.
 """
 
 from __future__ import annotations
@@ -145,7 +164,7 @@ from ..stream_waits import TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
 
 __all__ = ["BlockOffload", "CopyWait", "OffloadedCall", "OffloadedTensor", "PIN_THREADS",
-           "WALL_TIMES", "touch_threads_per_arena"]
+           "RANK_OWN", "arena_bytes", "touch_threads_per_arena"]
 
 
 class CopyWait(enum.Enum):
@@ -162,9 +181,11 @@ class CopyWait(enum.Enum):
     """In backward, a call's first unpack, for its upload."""
 
 
-WALL_TIMES = ("lock_seconds", "lock_touch_seconds", "lock_register_seconds",
-              "arenas_locked_after_s", "planned_in_s", "unlocked_copy_seconds")
-"""The keys of ``BlockOffload.report`` that are this rank's host wall times: every other one the
+RANK_OWN = ("lock_seconds", "lock_touch_seconds", "lock_register_seconds",
+            "arenas_locked_after_s", "planned_in_s", "unlocked_copy_seconds",
+            "arenas_locked_ahead", "arenas_taken_ahead")
+"""The keys of ``BlockOffload.report`` that are this rank's own: its host wall times and the
+arenas it locked ahead from its own link ([Note: arenas locked ahead]); every other one the
 ranks share (the plan and the bytes are agreed)."""
 
 PIN_THREADS = 4
@@ -183,6 +204,11 @@ def touch_threads_per_arena(cores: int) -> int:
 ARENA_SLACK = 64
 """A position's arena holds the plan's estimate of a block's bytes, 1/``ARENA_SLACK`` more, and
 ``ARENA_SLACK`` tensors' alignment."""
+
+
+def arena_bytes(block_bytes: int) -> int:
+    """The arena of a call the plan estimates at ``block_bytes``."""
+    return block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
 
 
 class OffloadedTensor(NamedTuple):
@@ -427,6 +453,18 @@ class BlockOffload:
         self._pinning: Optional[ThreadPoolExecutor] = None
         """The thread that builds the arenas, while the Python thread goes on (the re-plan's
         compile, the step's first blocks)."""
+        self._ahead: list[Future[HostArena]] = []
+        """Arenas locked before any plan, for the first plan's positions ([Note: arenas locked
+        ahead]; producer: ``lock_ahead``; consumer: ``plan``, which takes what it needs and
+        drops the rest)."""
+        self._ahead_bytes = 0
+        """The size of each of ``_ahead`` (producer: ``lock_ahead``)."""
+        self._ahead_at = 0.0
+        """When ``lock_ahead`` started their locking (consumer: ``plan``)."""
+        self.locked_ahead = 0
+        """Arenas ``lock_ahead`` asked for (producer: ``lock_ahead``)."""
+        self.taken_ahead = 0
+        """Of them, the arenas a plan took (producer: ``plan``)."""
 
     def plan(self, order: dict[int, int], queue: CopyQueue, block_bytes: int = 0,
              link: Optional[HostLink] = None) -> None:
@@ -436,14 +474,36 @@ class BlockOffload:
         self.order, self.queue = order, queue
         self.offloaded = frozenset(b for b, p in order.items() if p in queue.positions)
         self.block_bytes, self.link = block_bytes, link
-        nbytes = block_bytes + block_bytes // ARENA_SLACK + ARENA_SLACK * ALIGN
+        nbytes = arena_bytes(block_bytes)
         positions = list(queue.positions) if block_bytes > 0 else []
         # The arenas of positions still offloaded are kept, unless the calls' bytes changed.
         arenas = self._arenas if nbytes == self._arena_bytes else {}
         self._arena_bytes = nbytes
         self._planned_at = time.perf_counter()
-        self._arenas = {p: arenas.get(p) or self._pin(nbytes) for p in positions}
+        # Arenas locked ahead of a larger size serve as well (a call carves what it needs).
+        ahead = self._ahead if self._ahead_bytes >= nbytes else []
+        self._arenas = {}
+        for p in positions:
+            arena = arenas.get(p)
+            if arena is None and ahead:
+                arena = ahead.pop(0)
+                self.taken_ahead += 1
+                self._planned_at = self._ahead_at  # their locking began before this plan
+            self._arenas[p] = arena or self._pin(nbytes)
+        for future in self._ahead:
+            future.cancel()  # not started yet: never locked; started: dropped once locked
+        self._ahead = []
         self._holders = {p: h for p, h in self._holders.items() if p in self._arenas}
+
+    def lock_ahead(self, block_bytes: int, count: int) -> None:
+        """Start page-locking ``count`` arenas for calls of ``block_bytes`` now, before any plan
+        ([Note: arenas locked ahead]); once only, and only before the first plan."""
+        if self.locked_ahead or self._arenas or count <= 0 or block_bytes <= 0:
+            return
+        self.locked_ahead = count
+        self._ahead_at = time.perf_counter()
+        self._ahead_bytes = arena_bytes(block_bytes)
+        self._ahead = [self._pin(self._ahead_bytes) for _ in range(count)]
 
     def _pin(self, nbytes: int) -> Future[HostArena]:
         """An arena of ``nbytes``, page-locked on the arenas' thread."""
@@ -582,11 +642,13 @@ class BlockOffload:
                 "lock_seconds": sum(a.lock_seconds for a in arenas),
                 "lock_touch_seconds": sum(a.touch_seconds for a in arenas),
                 "lock_register_seconds": sum(a.register_seconds for a in arenas),
-                # From the plan to its last arena locked (the arenas kept from an earlier plan
-                # count from this one).
+                # From the plan (or the locking ahead of it) to its last arena locked (the
+                # arenas kept from an earlier plan count from this one).
                 "arenas_locked_after_s": max((max(0.0, a.locked_at - self._planned_at)
                                               for a in arenas), default=None),
                 "planned_in_s": self.planned_in_seconds,
+                "arenas_locked_ahead": self.locked_ahead,
+                "arenas_taken_ahead": self.taken_ahead,
                 "unlocked_host_bytes": self.unlocked_host_bytes,
                 "unlocked_copy_seconds": self.unlocked_copy_seconds,
                 "unplanned_host_bytes": self.unplanned_host_bytes,

@@ -211,6 +211,10 @@ from .replan import Replanner
 __all__ = ["BlockReplanner", "ReserveRoom", "blocks_to_keep", "reserve_ceiling"]
 
 
+UNBOUNDED = 1 << 62
+"""Device bytes no plan runs out of: the room the arenas locked ahead are predicted in ([Note:
+arenas locked ahead] in block_offload.py)."""
+
 SETTLE_TOLERANCE = 64
 """The default's steady step may peak above the measured step by 1/64 of it (allocator noise:
 the measured step compiled, the steady one did not) before its offloaded blocks go back to
@@ -340,12 +344,23 @@ class BlockReplanner:
 
     def _host_link(self) -> Optional[HostLink]:
         """What offloading a block's kept activations costs, on CUDA ([Note: offloaded blocks]
-        in block_offload.py): a copy at the host link's speed (measured here once, unless the
-        options give it: [Note: the measured host link] in zbuf/host_link.py), a block's forward
-        as the last forward took it ([Note: the measured block forward] in block_clock.py; the
-        cost model's flops before one ran), and half of this rank's share of the host's
-        available memory (pinned memory cannot be paged out); each agreed over the ranks (the
+        in block_offload.py): ``_rank_host_link``'s, each field agreed over the ranks (the
         least)."""
+        link = self._rank_host_link()
+        if link is None:
+            return None
+        (share, speed, forward_ns, tail_millis), _ = agree_extremes(
+            self._group(), self.frames.pool.device,
+            smallest=[link.host_bytes, int(link.bytes_per_second),
+                      int(link.forward_seconds * 1e9), int(link.tail_forwards * 1e3)])
+        return HostLink(speed, forward_ns / 1e9, share, max(1.0, tail_millis / 1e3))
+
+    def _rank_host_link(self) -> Optional[HostLink]:
+        """This rank's host link, on CUDA: a copy at the link's speed (measured here once,
+        unless the options give it: [Note: the measured host link] in zbuf/host_link.py), a
+        block's forward as the last forward took it ([Note: the measured block forward] in
+        block_clock.py; the cost model's flops before one ran), and half of this rank's share
+        of the host's available memory (pinned memory cannot be paged out)."""
         frames = self.frames
         device = frames.pool.device
         estimate = frames.estimate
@@ -357,11 +372,26 @@ class BlockReplanner:
                                           or measure_host_link(device))
         forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second
         tail = frames.clock.tail_forwards() or 1.0  # before a forward ran: the last block alone
-        (share, speed, forward_ns, tail_millis), _ = agree_extremes(
-            self._group(), device,
-            smallest=[host_share_bytes() // 2, int(self.link_bytes_per_second),
-                      int(forward * 1e9), int(tail * 1e3)])
-        return HostLink(speed, forward_ns / 1e9, share, max(1.0, tail_millis / 1e3))
+        return HostLink(self.link_bytes_per_second, forward, host_share_bytes() // 2,
+                        max(1.0, tail))
+
+    def lock_ahead(self) -> None:
+        """At the measured step's output, before the plan: start page-locking the host arenas of
+        the blocks the default would offload with all the room it could have ([Note: arenas
+        locked ahead] in block_offload.py)."""
+        frames = self.frames
+        if (not self.plans_from_profile or not self.options.measuring
+                or self.phases.phase != PlanPhase.MEASURING or frames.offload.locked_ahead
+                or frames.estimate is None or not frames.called):
+            return
+        link = self._rank_host_link()
+        if link is None:
+            return
+        estimate = frames.estimate
+        most = plan_block_levels(estimate.levels, len(frames.called), 0, link,
+                                 reserve_room_bytes=UNBOUNDED, tail_room_bytes=UNBOUNDED,
+                                 moved_beside_bytes=estimate.moved_beside_level_bytes)
+        frames.offload.lock_ahead(most.offload_block_bytes, len(most.offloaded))
 
     def _group(self):
         """The blocks' sharding group, which the agreements run over."""

@@ -214,6 +214,8 @@ def compile_model(
         step_memory = StepMemory(model, optimizer, hooked=model, replanner=block_replanner,
                                  host_free_bytes=host_free)
         frames.forward_observers.append(step_memory.progress.forward_block)
+        if block_replanner is not None:
+            frames.finish_observers.append(block_replanner.lock_ahead)
         model.__dict__["_zbuf_step_memory"] = step_memory
         _attach_offload(step_memory, choice)
         return model
