@@ -814,11 +814,19 @@ def test_the_arenas_locking_takes_a_quarter_of_the_cores_at_most(monkeypatch, co
 
 
 def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, Trained]:
-    """``init`` trained with a copy at "keep" taking one forward, twice: with its arenas locked
-    as usual, and with them held back until the first offloaded forward has ended (then
-    awaited, so that the next forward finds them all)."""
+    """``init`` trained with a copy at "keep" taking one forward, twice: with its arenas ready
+    when planned (the plan waits for them: on CUDA a tiny model's first offloaded step can
+    outrun their locking), and with them held back until the first offloaded forward has ended
+    (then awaited, so that the next forward finds them all)."""
     from concurrent.futures import wait
 
+    def plan_and_wait(self, *args, **kwargs):
+        original_plan(self, *args, **kwargs)
+        wait(list(self._arenas.values()))
+
+    original_plan = block_offload.BlockOffload.plan
+    monkeypatch.setattr(block_offload.BlockOffload, "plan", plan_and_wait)
+    ready = _train(monkeypatch, init, 1, steps, **train)
     release = threading.Event()
 
     class SlowArena(block_offload.HostArena):
@@ -833,7 +841,6 @@ def arenas_ready_and_late(monkeypatch, init, steps, **train) -> tuple[Trained, T
             wait(list(self._arenas.values()))
 
     original_finish = block_offload.BlockOffload.finish_forward
-    ready = _train(monkeypatch, init, 1, steps, **train)
     monkeypatch.setattr(block_offload, "HostArena", SlowArena)
     monkeypatch.setattr(block_offload.BlockOffload, "finish_forward", finish_forward)
     return ready, _train(monkeypatch, init, 1, steps, **train)
