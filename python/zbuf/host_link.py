@@ -9,7 +9,8 @@ a PCIe 4 link moves about half of that, a GPU behind a shared switch less again.
 on every machine but one: set too high, the compute stream waits for the copies at every
 offloaded block; too low, blocks recompute what the link could have carried (at qwen3-14b a
 40 GB/s constant spaced the blocks four apart where the copies were exposed 0.08 ms a step).
-So when the plan is first made, ``measure_host_link`` times, with CUDA events on a stream of its
+So when the plan is first made (or its arenas locked ahead of it: [Note: arenas locked ahead] in
+zbuf/compile/block_offload.py), ``measure_host_link`` times, with CUDA events on a stream of its
 own, copies of ``PROBE_BYTES`` each way between the device and a page-locked host arena: first
 ``WARM_COPIES`` untimed each way (the first copy of a range pays for its mapping, and a link
 that sat idle through a whole step of compute ramps up), then ``TIMED_COPIES`` timed each way;

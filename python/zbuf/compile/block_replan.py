@@ -266,7 +266,7 @@ class BlockReplanner:
         self.ceiling_bytes: Optional[int] = None
         """That peak, the profiled measured step's (producer: ``grow``; consumer: ``settle``)."""
         self.link_bytes_per_second: Optional[float] = None
-        """This rank's host link speed, one direction (producer: ``_host_link``, once: the
+        """This rank's host link speed, one direction (producer: ``_rank_host_link``, once: the
         options' or measured)."""
         self.phases = PlanPhases()
         """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
