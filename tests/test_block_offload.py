@@ -257,7 +257,8 @@ def _room_under_the_peak(rise: int = 0):
 
 def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
            batches=None, recompute="auto", ceiling=None, host_below_keep=False,
-           inner="aot_eager", loss_of=decoder_loss, payback_steps=EVERY_COMPILE_PAYS) -> Trained:
+           inner="aot_eager", loss_of=decoder_loss, payback_steps=EVERY_COMPILE_PAYS,
+           real_link: bool = False) -> Trained:
     """``init`` sharded on ``device``, compiled under blocks with its optimizer and the host
     link ``_cpu_link(copies)`` (None: no link), trained on ``batches`` (default: ``steps`` tiny
     ones), each step's loss ``loss_of(compiled, tokens)``; with
@@ -265,9 +266,11 @@ def _train(monkeypatch, init, copies, steps, *, to_host=True, device="cpu",
     ``recompute="auto"``: the room ``_reserve_only`` at the grow and settle; the default
     (``"checkpointed"``): the step's own peak read by ``ceiling`` (default: the real
     ``reserve_ceiling``, on CUDA), its re-plan's compile paid for in ``payback_steps`` (default:
-    whatever the tiny blocks save, [Note: a re-plan's compile pays for itself])."""
-    monkeypatch.setattr(block_replan.BlockReplanner, "_rank_host_link",
-                        _cpu_link(copies, host_below_keep) if copies else lambda self: None)
+    whatever the tiny blocks save, [Note: a re-plan's compile pays for itself]); ``real_link``:
+    the rank's own link as measured (CUDA), ``copies`` unused."""
+    if not real_link:
+        monkeypatch.setattr(block_replan.BlockReplanner, "_rank_host_link",
+                            _cpu_link(copies, host_below_keep) if copies else lambda self: None)
     if ceiling is not None:
         monkeypatch.setattr(block_replan, "reserve_ceiling", ceiling)
     if not to_host:

@@ -22,7 +22,8 @@ offloaded 12 blocks where the link carried 23. The re-planner agrees the speed o
 the options replaces it. A rank
 that cannot hold the probe (the device or the host out of memory) measures 0: every rank then
 plans without offload, still through the same agreement (a rank leaving it would hang the
-others).
+others), and the next plan probes again (the arenas locked ahead probe at the measured step's
+output, nearer its peak than the plan after it).
 """
 
 from __future__ import annotations

@@ -62,3 +62,31 @@ def test_the_default_offloads_where_its_loss_peaks_and_never_peaks_higher(monkey
     for ours, theirs in ((moved.peaks, plain.peaks), (moved.reserved, plain.reserved)):
         for with_host, without, peak in zip(moved.rise(ours), plain.rise(theirs), theirs[2:]):
             assert with_host <= without + peak // block_replan.SETTLE_TOLERANCE, (ours, theirs)
+
+
+def test_a_probe_that_found_no_room_is_not_kept(monkeypatch):
+    """The host link's probe, taken at the measured step's output for the arenas locked ahead
+    ([Note: arenas locked ahead] in zbuf/compile/block_offload.py), finds no room: nothing is
+    locked ahead, and the re-plan after the step probes again instead of planning with no link
+    ([Note: the measured host link] in zbuf/host_link.py), once; the later plans keep its
+    speed."""
+    from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
+
+    cfg = resolve_config("tiny").replace(num_layers=6, hidden_size=512, ffn_hidden_size=1408)
+    torch.manual_seed(0)
+    init = build_model(cfg)
+    apply_activation_checkpointing(init, True)
+    probes = []
+    measure = block_replan.measure_host_link
+
+    def first_finds_no_room(device):
+        probes.append(device)
+        return 0.0 if len(probes) == 1 else measure(device)
+
+    monkeypatch.setattr(block_replan, "measure_host_link", first_finds_no_room)
+    run = _train(monkeypatch, init, None, 4, device="cuda", recompute="checkpointed",
+                 real_link=True)
+    assert len(probes) == 2, probes
+    assert run.frames.offload.report()["arenas_locked_ahead"] == 0
+    assert run.memory.replanner.link_bytes_per_second > 0
+

@@ -267,7 +267,7 @@ class BlockReplanner:
         """That peak, the profiled measured step's (producer: ``grow``; consumer: ``settle``)."""
         self.link_bytes_per_second: Optional[float] = None
         """This rank's host link speed, one direction (producer: ``_rank_host_link``, once: the
-        options' or measured)."""
+        options' or the first probe that measured one)."""
         self.phases = PlanPhases()
         """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
         zbuf/memory/planner.py)."""
@@ -367,13 +367,14 @@ class BlockReplanner:
         if device.type != "cuda" or len(estimate.levels) < 2:  # no level keeps anything
             return None
         opts = self.options
-        if self.link_bytes_per_second is None:
-            self.link_bytes_per_second = (opts.host_link_bytes_per_second
-                                          or measure_host_link(device))
+        speed = self.link_bytes_per_second
+        if speed is None:
+            speed = opts.host_link_bytes_per_second or measure_host_link(device)
+            if speed > 0:  # a probe that found no room is not kept: the next plan measures again
+                self.link_bytes_per_second = speed
         forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second
         tail = frames.clock.tail_forwards() or 1.0  # before a forward ran: the last block alone
-        return HostLink(self.link_bytes_per_second, forward, host_share_bytes() // 2,
-                        max(1.0, tail))
+        return HostLink(speed, forward, host_share_bytes() // 2, max(1.0, tail))
 
     def lock_ahead(self) -> None:
         """At the measured step's output, before the plan: start page-locking the host arenas of
@@ -386,6 +387,8 @@ class BlockReplanner:
             return
         link = self._rank_host_link()
         if link is None:
+            return
+        if link.bytes_per_second <= 0:  # the probe found no room: the re-plan measures again
             return
         estimate = frames.estimate
         most = plan_block_levels(estimate.levels, len(frames.called), 0, link,
