@@ -39,6 +39,10 @@ def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_p
     assert all(len(r["step_s"]) == 3 for r in runs.values())
     assert runs["zbuf.compile"]["losses"] == pytest.approx(runs["fsdp2"]["losses"], rel=1e-5)
     for run in runs.values():  # where the first step's time went, phase by phase
+        # On the CPU (no host link) zbuf's default re-plans nothing: its final plan is step 0's.
+        assert run["replanned_steps"] == [] and run["compiled_steps"][0] == 0
+        assert run["time_to_final_plan_s"] == sum(
+            run["step_s"][:max(run["compiled_steps"]) + 1])
         first = run["compile_phases_by_step"]["0"]
         assert first["first_step_s"] == run["step_s"][0]
         assert sum(first["phases"].values()) == pytest.approx(first["first_step_s"], rel=1e-6)
