@@ -626,10 +626,15 @@ def test_the_default_offloads_only_where_the_saving_pays_for_the_compile(monkeyp
     taken = run(EVERY_COMPILE_PAYS)
     assert taken.frames.offload.offloaded and taken.frames.offload.declined_for_compile is None
     assert set(taken.frames.levels.values()) == {LEVELS.index("selective")}
+    ahead = taken.frames.offload.report()
+    assert ahead["arenas_locked_ahead"] == ahead["arenas_taken_ahead"] == len(ahead["blocks"])
     if placement == "parent":
         assert offload.report()["blocks"] == taken.frames.offload.report()["blocks"]
         assert offload.declined_for_compile is None
         return
+    # Declined before the step ended, when its arenas would have been locked ahead ([Note:
+    # arenas locked ahead] in block_offload.py): none was.
+    assert offload.report()["arenas_locked_ahead"] == 0
     assert not offload.offloaded and declined.frames.levels == {}
     assert not declined.memory.measured.replanned
     record = offload.report()["declined_for_compile"]

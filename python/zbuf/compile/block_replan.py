@@ -394,6 +394,12 @@ class BlockReplanner:
         most = plan_block_levels(estimate.levels, len(frames.called), 0, link,
                                  reserve_room_bytes=UNBOUNDED, tail_room_bytes=UNBOUNDED,
                                  moved_beside_bytes=estimate.moved_beside_level_bytes)
+        # A plan that would not pay for its compile in the step so far will not once the step
+        # has ended ([Note: a re-plan's compile pays for itself]): it saves no more in less room.
+        so_far = time.perf_counter() - frames.started_at
+        if (not self._compiles_nothing(most)
+                and most.saved_seconds * self.options.replan_payback_steps < so_far):
+            return
         frames.offload.lock_ahead(most.offload_block_bytes, len(most.offloaded))
 
     def _group(self):
@@ -401,12 +407,16 @@ class BlockReplanner:
         weights = next(iter(self.frames.called.values())).weights
         return runtime.process_group(weights.specs[0].group_name)
 
+    def _compiles_nothing(self, plan: RecomputePlan) -> bool:
+        """Whether every level ``plan`` runs has its frame already."""
+        return all(self.frames.has_frame(lv) for lv in set(plan.levels) if lv)
+
     def _pays_for_its_compile(self, plan: RecomputePlan) -> bool:
         """Whether ``plan`` compiles no frame, or saves within ``replan_payback_steps`` steps
         what the first step took ([Note: a re-plan's compile pays for itself]); a plan declined
         is recorded in the offload's report."""
         frames = self.frames
-        if all(frames.has_frame(lv) for lv in set(plan.levels) if lv):
+        if self._compiles_nothing(plan):
             return True
         first_step = time.perf_counter() - frames.started_at
         _, (micros,) = agree_extremes(self._group(), frames.pool.device,
