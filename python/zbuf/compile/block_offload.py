@@ -141,9 +141,10 @@ that forward took it, the host's share: the plan's own inputs, this rank's, not 
 locking host memory changes nothing the ranks share) and ``lock_ahead`` starts locking that
 many arenas, in the forward's order, on the arenas' threads, unless that plan would compile a
 frame its saving does not pay for within the step so far ([Note: a re-plan's compile pays for
-itself] in block_replan.py; the step only grows, and less room saves no more). The plan, made after the backward,
-takes as many as its positions need (a plan offloads no more blocks than the unbounded room
-allows); those not yet started are cancelled, the others dropped once locked. The backward's
+itself] in block_replan.py; the step only grows, and less room saves no more). The plan, made
+after the backward, takes as many as its positions need (a plan offloads no more blocks than
+the unbounded room allows); those not yet started are cancelled, the others dropped once
+locked. The backward's
 compile and run, the optimizer's step and the re-plan run beside the locking instead of the
 first offloaded step. The record says how many were locked ahead and taken
 (``arenas_locked_ahead``, ``arenas_taken_ahead``); ``arenas_locked_after_s`` then counts from
