@@ -133,6 +133,15 @@ class OffloadChoice:
     def offloaded(self) -> bool:
         return self.chosen_by is not None
 
+    def undecided_host_bytes(self) -> int:
+        """Host memory step 0's decision may still take: the whole state while it is pending
+        (the host arenas locked before it leave room for it: [Note: arenas locked ahead] in
+        zbuf/compile/block_offload.py)."""
+        if not self.pending:
+            return 0
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return OptimizerPolicy.of(self.optimizer).state_bytes(params)
+
     def install(self) -> StepOffload:
         self.offload = StepOffload(self.optimizer, self.device, bucket_bytes=BUCKET_BYTES,
                                    active=self.offloaded)

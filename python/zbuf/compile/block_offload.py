@@ -138,7 +138,9 @@ and every arena of a plan has the same size, the estimate's bytes of a call at t
 level. So at the measured step's output, before its backward, the re-planner predicts the
 default's plan with the room it cannot know yet unbounded (the link, the block's forward as
 that forward took it, the host's share: the plan's own inputs, this rank's, not agreed, since
-locking host memory changes nothing the ranks share) and ``lock_ahead`` starts locking that
+locking host memory changes nothing the ranks share; the share less what step 0's optimizer
+step may still put in host memory, the optimizer's state while its place is undecided:
+``OffloadChoice.undecided_host_bytes``) and ``lock_ahead`` starts locking that
 many arenas, in the forward's order, on the arenas' threads, unless that plan would compile a
 frame its saving does not pay for within the step so far ([Note: a re-plan's compile pays for
 itself] in block_replan.py; the step only grows, and less room saves no more). The plan, made

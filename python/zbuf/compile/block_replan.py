@@ -376,10 +376,12 @@ class BlockReplanner:
         tail = frames.clock.tail_forwards() or 1.0  # before a forward ran: the last block alone
         return HostLink(speed, forward, host_share_bytes() // 2, max(1.0, tail))
 
-    def lock_ahead(self) -> None:
+    def lock_ahead(self, host_reserved_bytes: int = 0) -> None:
         """At the measured step's output, before the plan: start page-locking the host arenas of
         the blocks the default would offload with all the room it could have ([Note: arenas
-        locked ahead] in block_offload.py)."""
+        locked ahead] in block_offload.py), in half of this rank's host share less
+        ``host_reserved_bytes`` (what the rest of the step may still put in host memory), as the
+        plan after that step will see it."""
         frames = self.frames
         if (not self.plans_from_profile or not self.options.measuring
                 or self.phases.phase != PlanPhase.MEASURING or frames.offload.locked_ahead
@@ -390,6 +392,7 @@ class BlockReplanner:
             return
         if link.bytes_per_second <= 0:  # the probe found no room: the re-plan measures again
             return
+        link = link._replace(host_bytes=max(0, link.host_bytes - host_reserved_bytes // 2))
         estimate = frames.estimate
         most = plan_block_levels(estimate.levels, len(frames.called), 0, link,
                                  reserve_room_bytes=UNBOUNDED, tail_room_bytes=UNBOUNDED,

@@ -215,7 +215,8 @@ def compile_model(
                                  host_free_bytes=host_free)
         frames.forward_observers.append(step_memory.progress.forward_block)
         if block_replanner is not None:
-            frames.finish_observers.append(block_replanner.lock_ahead)
+            frames.finish_observers.append(lambda: block_replanner.lock_ahead(
+                0 if choice is None else choice.undecided_host_bytes()))
         model.__dict__["_zbuf_step_memory"] = step_memory
         _attach_offload(step_memory, choice)
         return model
