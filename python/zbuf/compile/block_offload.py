@@ -450,8 +450,9 @@ class BlockOffload:
         """The re-plan's own wall time: the host link's probe, the agreements, the plan
         (producer: the re-planner; consumer: ``report``)."""
         self._planned_at = 0.0
-        """When ``plan`` started the arenas' locking (consumer: ``report``, which times the last
-        arena's locking from it)."""
+        """When the last plan's arenas began locking, 0 before any plan (producer: ``plan``;
+        consumers: ``report``, which times the last arena's locking from it, and
+        ``lock_ahead``)."""
         self._arenas: dict[int, Future[HostArena]] = {}
         """Position -> the host arena of its offloaded calls, built on ``_pinning`` (producer:
         ``plan``; consumer: ``arena_for``)."""
@@ -490,25 +491,27 @@ class BlockOffload:
         arenas = self._arenas if nbytes == self._arena_bytes else {}
         self._arena_bytes = nbytes
         self._planned_at = time.perf_counter()
-        # Arenas locked ahead of a larger size serve as well (a call carves what it needs).
-        ahead = self._ahead if self._ahead_bytes >= nbytes else []
-        self._arenas = {}
+        # Arenas locked ahead serve, in order, where they are as large (a call carves what it
+        # needs); the rest are cancelled (not started: never locked) or dropped once locked.
+        ahead, self._ahead = self._ahead, []
+        fits = self._ahead_bytes >= nbytes
+        self._arenas, took = {}, 0
         for p in positions:
             arena = arenas.get(p)
-            if arena is None and ahead:
-                arena = ahead.pop(0)
-                self.taken_ahead += 1
-                self._planned_at = self._ahead_at  # their locking began before this plan
+            if arena is None and fits and ahead:
+                arena, took = ahead.pop(0), took + 1
             self._arenas[p] = arena or self._pin(nbytes)
-        for future in self._ahead:
-            future.cancel()  # not started yet: never locked; started: dropped once locked
-        self._ahead = []
+        for future in ahead:
+            future.cancel()
+        if took:  # this plan's arenas began locking before it
+            self.taken_ahead += took
+            self._planned_at = self._ahead_at
         self._holders = {p: h for p, h in self._holders.items() if p in self._arenas}
 
     def lock_ahead(self, block_bytes: int, count: int) -> None:
         """Start page-locking ``count`` arenas for calls of ``block_bytes`` now, before any plan
         ([Note: arenas locked ahead]); once only, and only before the first plan."""
-        if self.locked_ahead or self._arenas or count <= 0 or block_bytes <= 0:
+        if self.locked_ahead or self._planned_at or count <= 0 or block_bytes <= 0:
             return
         self.locked_ahead = count
         self._ahead_at = time.perf_counter()
