@@ -386,8 +386,11 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 "device_allocs_by_step": device_allocs, "planned": _planned(model),
                 "compile_phases_by_step": phases_by_step}
 
+    counted_at_warmup = None  # zbuf's collectives' bytes when the measured steps begin
     try:
         for step in range(cfg.steps):
+            if step == cfg.warmup and pool is not None:
+                counted_at_warmup = _collective_bytes(model)
             batch = batch_of(step)
             clock = PhaseClock() if step < max(cfg.warmup, 1) else None
             with clock or contextlib.nullcontext():
@@ -435,6 +438,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     replanned = ([] if memory is None else
                  [row.phases.step for row in memory.rows if row.replanned and
                   row.phases.step < len(times)])
+    communication = _communication(variant, cfg, model, world, dtype, counted_at_warmup,
+                                   len(measured))
     peak = reserved = 0
     if device.type == "cuda":
         reserved = _reserved_peak(model, device)
@@ -442,6 +447,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     out = {"variant": variant, "status": "ok", "step_ms_median": 1e3 * statistics.median(measured),
            "step_ms_min": 1e3 * min(measured), "step_ms_max": 1e3 * max(measured),
            "first_step_s": times[0],
+           "mfu": _mfu(cfg, device, statistics.median(measured)),
+           "communication": communication.to_json(),
            "time_to_final_plan_s": sum(times[:max(compiled_steps + replanned) + 1]),
            "compiled_steps": compiled_steps, "replanned_steps": replanned,
            "warmup_step_s": times[:cfg.warmup],
@@ -457,6 +464,42 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
+
+
+def _collective_bytes(model) -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far for ``model``."""
+    from zbuf.shard import op_counts
+
+    counts = op_counts(model)
+    return counts["all_gather_bytes"], counts["reduce_scatter_bytes"]
+
+
+def _communication(variant: str, cfg, model, world: int, dtype, counted_at_warmup,
+                   measured_steps: int):
+    """One rank's per-step communication, as ``zbuf bench`` estimates it: zbuf's collectives
+    counted over the measured steps, or FSDP2's derived from the model (the step times of a
+    simulated rank exclude it)."""
+    from zbuf.train.simulate import communication_estimate, model_bytes
+
+    if counted_at_warmup is not None:
+        now = _collective_bytes(model)
+        counted = tuple((n - w) // measured_steps for n, w in zip(now, counted_at_warmup))
+        return communication_estimate("zbuf", world, cfg.link_gbps, counted=counted,
+                                      param_bytes=0, block_param_bytes=0, grad_bytes=0)
+    params, blocks, grads = model_bytes(model, dtype, torch.float32 if dtype else None)
+    return communication_estimate(variant, world, cfg.link_gbps, counted=None,
+                                  param_bytes=params, block_param_bytes=blocks, grad_bytes=grads)
+
+
+def _mfu(cfg, device, step_s: float):
+    """Model FLOPs utilisation of the median step (the preset's FLOPs per token, the PaLM
+    convention: recompute not counted), or None where the device's peak is unknown."""
+    from zbuf.train.metrics import peak_flops_per_second
+
+    peak = peak_flops_per_second(device, None, cfg.dtype)
+    tokens = cfg.micro_batch * cfg.seq_len
+    return None if peak is None else cfg.model_config().flops_per_token(cfg.seq_len) * tokens / (
+        step_s * peak)
 
 
 def _cache_of(device: torch.device) -> dict:
@@ -488,6 +531,13 @@ def _failure(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+def _comm_cell(communication, world: int) -> str:
+    """The communication estimate's time at its link, or "-" for one rank (nothing to move)."""
+    if not communication or world < 2:
+        return "-"
+    return f"{1e3 * communication['seconds']:.1f} ms at {communication['link_gbps']:g} Gbit/s"
+
+
 def markdown(result: dict) -> str:
     a = result["args"]
     base = next((r for r in result["variants"] if r["variant"] == "bench"
@@ -506,15 +556,17 @@ def markdown(result: dict) -> str:
              + f", {result['device']}",
              "", f"torch {result['torch']}; {a['warmup']} warm-up + {a['steps'] - a['warmup']} "
                  f"measured steps. Ratios against `bench`.", "",
-             "| variant | step median (ms) | min-max | vs bench | peak memory | peak reserved | "
+             "| variant | step median (ms) | min-max | vs bench | MFU | comm. estimate | "
+             "peak memory | peak reserved | "
              "retries warm-up/measured/after step 2 | first step (s) | final loss | "
              "budget fw/bw | kept weights | modelled exposed fw/bw (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]
     gib = float(1 << 30)
     for r in result["variants"]:
         if r.get("status", "ok") != "ok":
             lines.append(f"| {r['variant']} | **{r['status']} in step {r['failed_step']}**: "
-                         f"{r['error']} | | | | {r['peak_reserved_bytes'] / gib:.2f} GiB |"
+                         f"{r['error']} | | | | | | {r['peak_reserved_bytes'] / gib:.2f} GiB |"
                          " | | | | | |")
             continue
         p = r["planned"]
@@ -522,6 +574,8 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
             f"{r['step_ms_max']:.1f} | {ratio} | "
+            f"{'-' if r.get('mfu') is None else format(100 * r['mfu'], '.1f') + ' %'} | "
+            f"{_comm_cell(r.get('communication'), result['world'])} | "
             f"{r['peak_device_bytes'] / gib:.2f} GiB | {r.get('peak_reserved_bytes', 0) / gib:.2f} "
             f"GiB | {r.get('alloc_retries_warmup', 0)}/{r.get('alloc_retries_measured', 0)}/"
             f"{r.get('alloc_retries_after_step2', '-')} | {r['first_step_s']:.1f} | "

@@ -47,4 +47,9 @@ def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_p
         assert first["first_step_s"] == run["step_s"][0]
         assert sum(first["phases"].values()) == pytest.approx(first["first_step_s"], rel=1e-6)
         assert first["caches"]["graphs"] > 0
+    # The communication estimate beside the step: zbuf's collectives counted over the measured
+    # steps reduce each gradient once, the bytes FSDP2's are derived to reduce.
+    counted, derived = runs["zbuf.compile"]["communication"], runs["fsdp2"]["communication"]
+    assert counted["source"].startswith("counted") and derived["source"].startswith("derived")
+    assert counted["reduce_scatter_bytes"] == derived["reduce_scatter_bytes"] > 0
     assert f"the user's checkpoint: {placement}" in (out / "plain_setup.md").read_text()
