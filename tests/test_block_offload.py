@@ -142,6 +142,35 @@ def assert_copies_never_wait(queue, block_bytes: int, link: HostLink, blocks: in
                for p in queue.positions)
 
 
+@given(st.floats(1e6, 1e12), st.floats(1e6, 1e12))
+def test_the_queue_counts_the_link_down_unless_uploads_outrun_backward(down, up):
+    """The copy queue's speed ([Note: the copy queue]): the forward's copies down, each under one
+    block forward; an upload runs under a block's backward, ``UPLOAD_FORWARDS`` forwards, so
+    the speed falls below the downward one only where the uploads could not keep to it."""
+    speed = recompute_plan.queue_speed(down, up)
+    assert speed <= down
+    assert 1 / up <= recompute_plan.UPLOAD_FORWARDS / speed * (1 + 1e-12)  # an upload fits
+    assert speed == down or speed == recompute_plan.UPLOAD_FORWARDS * up
+
+
+def test_a_slower_upward_link_costs_the_14b_plan_no_blocks():
+    """qwen3-14b's shapes on an H100 whose probe read 41.8 GB/s one way and whose forward's
+    copies ran at 53.1 GB/s (benches/results/onepath14.md): counted at the slower direction,
+    the plan offloads 17 blocks (as that H100 ran), at the downward link's 21 (22 at the 54.9
+    GB/s of an earlier call's probe); an upward link that slow still keeps up with backward, so
+    the plan is the downward link's."""
+    lv = (RegionLevel("recompute", 0, 0.0135), RegionLevel("selective", 1_711_276_032, 0.002),
+          RegionLevel("keep", 2_820_000_000, 0.0))
+
+    def offloaded(speed: float) -> int:
+        link = HostLink(speed, 0.0177, 64 * GiB, tail_forwards=3.7)
+        return len(plan_block_levels(lv, 40, 0, link, reserve_room_bytes=8 * GiB,
+                                     tail_room_bytes=8 * GiB).offloaded)
+
+    assert recompute_plan.queue_speed(53.1e9, 41.8e9) == 53.1e9
+    assert (offloaded(41.8e9), offloaded(53.1e9), offloaded(54.9e9)) == (17, 21, 22)
+
+
 def test_at_qwen3_14b_shapes_the_link_carries_more_blocks_at_selective():
     """The default at issue 36's setup (qwen3-14b as rank 0 of 8 on 80 GiB, the user's fp32 loss
     outside the model: no room on the device, 8 GiB under the step's peak for the reserve), a

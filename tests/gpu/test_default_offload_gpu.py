@@ -15,6 +15,8 @@ from parity import token_batches  # noqa: E402
 from test_block_offload import _train, assert_copies_never_wait  # noqa: E402
 
 from zbuf.compile import block_replan  # noqa: E402
+from zbuf.compile.recompute_plan import queue_speed  # noqa: E402
+from zbuf.host_link import LinkSpeed  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -81,12 +83,15 @@ def test_a_probe_that_found_no_room_is_not_kept(monkeypatch):
 
     def first_finds_no_room(device):
         probes.append(device)
-        return 0.0 if len(probes) == 1 else measure(device)
+        return LinkSpeed(0.0, 0.0) if len(probes) == 1 else measure(device)
 
     monkeypatch.setattr(block_replan, "measure_host_link", first_finds_no_room)
     run = _train(monkeypatch, init, None, 4, device="cuda", recompute="checkpointed",
                  real_link=True)
     assert len(probes) == 2, probes
     assert run.frames.offload.report()["arenas_locked_ahead"] == 0
-    assert run.memory.replanner.link_bytes_per_second > 0
+    # The plan's speed is the copy queue's of the two directions the probe read.
+    probe = run.frames.offload.report()["host_link_probe"]
+    assert probe["down"] > 0 and probe["up"] > 0
+    assert run.memory.replanner.link_bytes_per_second == queue_speed(probe["down"], probe["up"])
 

@@ -169,6 +169,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host_arena import ALIGN, HostArena, span_bytes
+from ..host_link import LinkSpeed
 from ..memory import host_core_share
 from ..stream_waits import TimedWaits
 from .recompute_plan import NO_COPIES, CopyQueue, HostLink
@@ -193,10 +194,10 @@ class CopyWait(enum.Enum):
 
 RANK_OWN = ("lock_seconds", "lock_touch_seconds", "lock_register_seconds",
             "arenas_locked_after_s", "planned_in_s", "unlocked_copy_seconds",
-            "arenas_locked_ahead", "arenas_taken_ahead")
-"""The keys of ``BlockOffload.report`` that are this rank's own: its host wall times and the
-arenas it locked ahead from its own link ([Note: arenas locked ahead]); every other one the
-ranks share (the plan and the bytes are agreed)."""
+            "arenas_locked_ahead", "arenas_taken_ahead", "host_link_probe")
+"""The keys of ``BlockOffload.report`` that are this rank's own: its host wall times, its link
+as its probe read it, and the arenas it locked ahead from that link ([Note: arenas locked
+ahead]); every other one the ranks share (the plan and the bytes are agreed)."""
 
 PIN_THREADS = 4
 """Arenas page-locked at once: each lock mostly waits in the kernel, so several overlap."""
@@ -435,6 +436,9 @@ class BlockOffload:
         self.unplanned_host_bytes = 0
         """Bytes copied to host memory outside the arenas (producer: ``OffloadedCall.pack``):
         a call's tensors beyond its arena, or a second live call at one position."""
+        self.link_probe: Optional[LinkSpeed] = None
+        """The host link measured each way (producer: the re-planner's probe, the last one;
+        consumer: ``report``), None where none ran."""
         self.declined_for_compile: Optional[dict[str, float]] = None
         """The default's plan of offloaded blocks the re-plan declined, its frame's compile not
         paid for by the recompute it saves: blocks, modelled saving a step, the first step's
@@ -646,6 +650,8 @@ class BlockOffload:
                 "planned_block_bytes": self.block_bytes,
                 "host_link_bytes_per_second": (None if self.link is None
                                                else self.link.bytes_per_second),
+                "host_link_probe": (None if self.link_probe is None
+                                    else self.link_probe._asdict()),
                 "planned_copy_ms": (None if self.link is None
                                     else 1e3 * self.link.copy_seconds(self.block_bytes)),
                 "planned_block_forward_ms": (None if self.link is None

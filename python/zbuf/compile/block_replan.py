@@ -205,7 +205,7 @@ from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
 from .recompute import RecomputeStats
-from .recompute_plan import NO_COPIES, HostLink, RecomputePlan, plan_block_levels
+from .recompute_plan import NO_COPIES, HostLink, RecomputePlan, plan_block_levels, queue_speed
 from .replan import Replanner
 
 __all__ = ["BlockReplanner", "ReserveRoom", "blocks_to_keep", "reserve_ceiling"]
@@ -266,8 +266,8 @@ class BlockReplanner:
         self.ceiling_bytes: Optional[int] = None
         """That peak, the profiled measured step's (producer: ``grow``; consumer: ``settle``)."""
         self.link_bytes_per_second: Optional[float] = None
-        """This rank's host link speed, one direction (producer: ``_rank_host_link``, once: the
-        options' or the first probe that measured one)."""
+        """This rank's host link speed as the copy queue counts it (producer:
+        ``_rank_host_link``, once: the options' or the first probe that measured one)."""
         self.phases = PlanPhases()
         """Where the plan stands: measured, grown, settled ([Note: one planner interface] in
         zbuf/memory/planner.py)."""
@@ -356,8 +356,9 @@ class BlockReplanner:
         return HostLink(speed, forward_ns / 1e9, share, max(1.0, tail_millis / 1e3))
 
     def _rank_host_link(self) -> Optional[HostLink]:
-        """This rank's host link, on CUDA: a copy at the link's speed (measured here once,
-        unless the options give it: [Note: the measured host link] in zbuf/host_link.py), a
+        """This rank's host link, on CUDA: a copy at the link's speed (measured here once each
+        way, unless the options give it: [Note: the measured host link] in zbuf/host_link.py;
+        ``queue_speed`` of the two), a
         block's forward as the last forward took it ([Note: the measured block forward] in
         block_clock.py; the cost model's flops before one ran), and half of this rank's share
         of the host's available memory (pinned memory cannot be paged out)."""
@@ -369,7 +370,11 @@ class BlockReplanner:
         opts = self.options
         speed = self.link_bytes_per_second
         if speed is None:
-            speed = opts.host_link_bytes_per_second or measure_host_link(device)
+            speed = opts.host_link_bytes_per_second
+            if speed is None:
+                probe = measure_host_link(device)
+                frames.offload.link_probe = probe
+                speed = queue_speed(probe.down, probe.up)
             if speed > 0:  # a probe that found no room is not kept: the next plan measures again
                 self.link_bytes_per_second = speed
         forward = frames.clock.block_seconds() or estimate.forward_flops / opts.flops_per_second

@@ -166,9 +166,10 @@ class CostModel:
     """Memory bandwidth of the cost model (elementwise and data-movement nodes)."""
 
     host_link_bytes_per_second: Optional[float] = None
-    """Host link (PCIe) bandwidth, one direction: what offloading a block's activations costs
-    ([Note: offloaded blocks] in block_offload.py). None (the default): measured on the device
-    when the plan is first made ([Note: the measured host link] in zbuf/host_link.py); a PCIe 5
+    """Host link (PCIe) bandwidth as the copy queue counts it: what offloading a block's
+    activations costs ([Note: offloaded blocks] in block_offload.py). None (the default):
+    measured each way on the device when the plan is first made ([Note: the measured host link]
+    in zbuf/host_link.py; ``recompute_plan.queue_speed`` of the two); a PCIe 5
     x16 link moved 47.6 GB/s each way at once on an H200 (benches/results/offload14.md). Either
     way the plan models a copy at ``LINK_SHARE`` of it ([Note: the copy queue] in
     recompute_plan.py)."""

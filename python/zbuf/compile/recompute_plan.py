@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 __all__ = ["RegionLevel", "RegionSpec", "RecomputePlan", "HostLink", "CopyQueue", "NO_COPIES",
-           "plan_recompute", "plan_block_levels", "copy_queue", "hull_steps", "LINK_SHARE"]
+           "plan_recompute", "plan_block_levels", "copy_queue", "hull_steps", "LINK_SHARE",
+           "UPLOAD_FORWARDS", "queue_speed"]
 
 
 @dataclass(frozen=True)
@@ -229,13 +230,25 @@ LINK_SHARE = 0.95
 """The share of the host link's measured speed a copy is modelled at ([Note: the copy queue])."""
 
 
+UPLOAD_FORWARDS = 2
+"""Block forwards an upload runs under at least: a block's backward, whose matmuls' flops are
+twice its forward's ([Note: the copy queue])."""
+
+
+def queue_speed(down_bytes_per_second: float, up_bytes_per_second: float) -> float:
+    """The link speed the copy queue is modelled at ([Note: the copy queue]): the forward's
+    copies down, each under one block forward, unless the uploads, each under
+    ``UPLOAD_FORWARDS`` of them, are slower still."""
+    return min(down_bytes_per_second, UPLOAD_FORWARDS * up_bytes_per_second)
+
+
 class HostLink(NamedTuple):
     """What moving blocks' kept activations through host memory costs ([Note: offloaded
     blocks]); every field is rank-invariant."""
 
     bytes_per_second: float
-    """The host link's speed, one direction ([Note: the measured host link] in
-    zbuf/host_link.py)."""
+    """The host link's speed as the copy queue counts it (``queue_speed`` of the two directions
+    measured: [Note: the measured host link] in zbuf/host_link.py)."""
     forward_seconds: float
     """One block's forward, the compute a copy runs under (measured: [Note: the measured block
     forward] in block_clock.py)."""
@@ -315,8 +328,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # drained one block too early for its last copy: 12.5 ms a step exposed.
 # Backward needs no model of its own: a call's upload starts ``upload_ahead`` blocks before its
 # block's backward, each block's backward at least twice its forward (its matmuls' flops), and
-# the uploads ask for at most one forward's worth of link per block (the forward's rate); the
-# plan only checks that no ``upload_ahead + 1`` blocks in a row hold more than ``in_flight``
+# the uploads ask for at most one forward's worth of link per block (the forward's rate), so
+# the link's upward direction may run at half the downward's (``queue_speed``: a slower one
+# slows the model's link to twice its speed); the plan only checks that no ``upload_ahead + 1`` blocks in a row hold more than ``in_flight``
 # offloaded calls, the device bytes the uploads wait in.
 # With three calls on their way the queue runs the link without a gap from the first call to the
 # drain, so the plan has no slack of its own: a copy a few percent slower than modelled is
