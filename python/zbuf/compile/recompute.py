@@ -91,6 +91,7 @@ from .graph_info import (
     node_flops,
     node_seconds,
     tensor_bytes,
+    unpacks_results,
     weight_tree,
 )
 from .options import CompileOptions
@@ -220,9 +221,10 @@ def _gather_trees(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 
 def _value_bytes(n: torch.fx.Node) -> int:
     """Bytes a node's output occupies: none for views (their base holds them) and for
-    multi-output nodes (their getitems hold them)."""
+    multi-output nodes (the getitems that unpack their results hold them: attention's output
+    and log-sum-exp)."""
     val = n.meta.get("val")
-    if is_view(n) or not isinstance(val, torch.Tensor):
+    if (is_view(n) and not unpacks_results(n)) or not isinstance(val, torch.Tensor):
         return 0
     return tensor_bytes(val)
 
@@ -234,7 +236,9 @@ def level_specs(graph: torch.fx.Graph, forward: set[torch.fx.Node], regions: lis
     A level's recompute is the closure of the region's nodes that backward reads, through their
     inputs inside the region, stopping at what the level saves; its extra bytes are what it saves
     beyond level 0 (the user's own ``MUST_SAVE`` tags are saved at every level)."""
-    bw = {n for n in graph.nodes if n not in forward and n.op != "placeholder"}
+    # The output node is no reader: it returns the forward's outputs beside the gradients, and
+    # what backward keeps of the forward its own nodes read.
+    bw = {n for n in graph.nodes if n not in forward and n.op not in ("placeholder", "output")}
     weights = _gather_trees(graph)
     by_name = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
