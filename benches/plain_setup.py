@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -384,7 +385,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         """What every step recorded, and the plan that ran them: in a failure's record too."""
         return {"step_s": times, "losses": losses, "alloc_retries_by_step": retries,
                 "device_allocs_by_step": device_allocs, "planned": _planned(model),
-                "compile_phases_by_step": phases_by_step}
+                "compile_phases_by_step": phases_by_step, **_memory_of(model)}
 
     counted_at_warmup = None  # zbuf's collectives' bytes when the measured steps begin
     try:
@@ -464,6 +465,22 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out
+
+
+def _memory_of(model) -> dict:
+    """zbuf's own account of the card, step by step (none for FSDP2): each closed step's row
+    (``StepMemoryRow``: every phase's allocated and reserved peaks, what the pool held, lent to
+    the optimizer step and reclaimed, the budget in force) and the counts of the pool's and
+    torch's trading of memory (``MemoryEvents``). At 32B the pool re-allocated its blocks every
+    step beside one torch retry a step (benches/results/onepath32b.md); these say where."""
+    import zbuf
+
+    memory = zbuf.compile.step_memory_of(model)
+    if memory is None:
+        return {}
+    rows = [{**row.phases._asdict(), **{k: v for k, v in row._asdict().items() if k != "phases"}}
+            for row in memory.rows]
+    return {"memory_rows": rows, "memory_events": dataclasses.asdict(memory.memory.events)}
 
 
 def _collective_bytes(model) -> tuple[int, int]:

@@ -47,6 +47,12 @@ def test_zbuf_compile_trains_as_fsdp2_in_the_plain_setup(placement, extra, tmp_p
         assert first["first_step_s"] == run["step_s"][0]
         assert sum(first["phases"].values()) == pytest.approx(first["first_step_s"], rel=1e-6)
         assert first["caches"]["graphs"] > 0
+    # zbuf's own rows of the card, a step each, and its trading counts; none for FSDP2.
+    rows = runs["zbuf.compile"]["memory_rows"]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 2
+    assert all(r["forward_peak_bytes"] > 0 and r["pool_held_bytes"] >= 0 for r in rows)
+    assert set(runs["zbuf.compile"]["memory_events"]) >= {"yields", "reclaims", "cache_releases"}
+    assert "memory_rows" not in runs["fsdp2"]
     # The communication estimate beside the step: zbuf's collectives counted over the measured
     # steps reduce each gradient once, the bytes FSDP2's are derived to reduce.
     counted, derived = runs["zbuf.compile"]["communication"], runs["fsdp2"]["communication"]
