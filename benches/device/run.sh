@@ -303,10 +303,13 @@ case "${1:-}" in
     # the order of the calls should not decide it).
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warm python3 -c "import torch; torch.compile(lambda x: (x * 2).sin())(torch.ones(8, device='cuda'))" >/dev/null 2>&1 || true
     rm -rf /tmp/inductor_warm
+    # OWN_CARD=1: no --gpu-memory, the card's own limit (a card of 80 GiB or less: the emulation
+    # splits the card by the pool's budget, stricter than the card itself; onepath32b.md)
+    card=(--gpu-memory $CARD80); [ -z "${OWN_CARD:-}" ] || card=()
     case "${2:?give 14b, 17b or 32b}" in
-      14b) model=(--preset qwen3-14b --simulate-world 8 --gpu-memory $CARD80) ;;
+      14b) model=(--preset qwen3-14b --simulate-world 8 "${card[@]}") ;;
       17b) model=(--preset qwen3-1.7b) ;;
-      32b) model=(--preset qwen3-32b --simulate-world 8 --gpu-memory $CARD80); limit=580 ;;  # one variant a call
+      32b) model=(--preset qwen3-32b --simulate-world 8 "${card[@]}"); limit=580 ;;  # one variant a call
     esac
     for placement in $(echo "${3:?give inside, parent, wrapper, selective or none}" | tr , ' '); do
      for v in $(echo "${4:-fsdp2,zbuf.compile}" | tr , ' '); do
