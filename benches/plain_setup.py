@@ -338,6 +338,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 profile_dir: str | None = None) -> dict:
     from zbuf.train.compile_phases import PhaseClock
     from zbuf.train.data import rank_batch
+    from zbuf.train.simulate import collective_bytes, step_communication
 
     torch._dynamo.reset()
     gc.collect()
@@ -391,7 +392,7 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     try:
         for step in range(cfg.steps):
             if step == cfg.warmup and pool is not None:
-                counted_at_warmup = _collective_bytes(model)
+                counted_at_warmup = collective_bytes(model)
             batch = batch_of(step)
             clock = PhaseClock() if step < max(cfg.warmup, 1) else None
             with clock or contextlib.nullcontext():
@@ -439,8 +440,11 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     replanned = ([] if memory is None else
                  [row.phases.step for row in memory.rows if row.replanned and
                   row.phases.step < len(times)])
-    communication = _communication(variant, cfg, model, world, dtype, counted_at_warmup,
-                                   len(measured))
+    # zbuf's collectives counted over the measured steps; FSDP2's derived from its sharding.
+    counted = None if counted_at_warmup is None else tuple(
+        (n - w) // len(measured) for n, w in zip(collective_bytes(model), counted_at_warmup))
+    communication = step_communication("zbuf" if pool is not None else variant, world,
+                                       cfg.link_gbps, model, counted, dtype)
     peak = reserved = 0
     if device.type == "cuda":
         reserved = _reserved_peak(model, device)
@@ -481,31 +485,6 @@ def _memory_of(model) -> dict:
     rows = [{**row.phases._asdict(), **{k: v for k, v in row._asdict().items() if k != "phases"}}
             for row in memory.rows]
     return {"memory_rows": rows, "memory_events": dataclasses.asdict(memory.memory.events)}
-
-
-def _collective_bytes(model) -> tuple[int, int]:
-    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far for ``model``."""
-    from zbuf.shard import op_counts
-
-    counts = op_counts(model)
-    return counts["all_gather_bytes"], counts["reduce_scatter_bytes"]
-
-
-def _communication(variant: str, cfg, model, world: int, dtype, counted_at_warmup,
-                   measured_steps: int):
-    """One rank's per-step communication, as ``zbuf bench`` estimates it: zbuf's collectives
-    counted over the measured steps, or FSDP2's derived from the model (the step times of a
-    simulated rank exclude it)."""
-    from zbuf.train.simulate import communication_estimate, model_bytes
-
-    if counted_at_warmup is not None:
-        now = _collective_bytes(model)
-        counted = tuple((n - w) // measured_steps for n, w in zip(now, counted_at_warmup))
-        return communication_estimate("zbuf", world, cfg.link_gbps, counted=counted,
-                                      param_bytes=0, block_param_bytes=0, grad_bytes=0)
-    params, blocks, grads = model_bytes(model, dtype, torch.float32 if dtype else None)
-    return communication_estimate(variant, world, cfg.link_gbps, counted=None,
-                                  param_bytes=params, block_param_bytes=blocks, grad_bytes=grads)
 
 
 def _mfu(cfg, device, step_s: float):

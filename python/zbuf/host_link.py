@@ -23,9 +23,9 @@ under backward, at least twice as long a block ([Note: the copy queue] in
 zbuf/compile/recompute_plan.py, ``queue_speed``). With the slower direction taken for both,
 the 14B inside placement offloaded 17 blocks instead of 22 on an H100 whose probe read 41.8 GB/s
 its slower way (the record did not say which) while the forward's copies then ran at 53.1 GB/s
-(0.911x FSDP2's step against 0.892x; benches/results/onepath14.md): the record now gives both. The re-planner agrees the speed over the ranks (the slowest
-rank's), so every rank plans the same blocks. A ``host_link_bytes_per_second`` in
-the options replaces it. A rank
+(0.911x FSDP2's step against 0.892x; benches/results/onepath14.md): the record now gives both.
+The re-planner agrees the speed over the ranks (the slowest rank's), so every rank plans the
+same blocks. A ``host_link_bytes_per_second`` in the options replaces it. A rank
 that cannot hold the probe (the device or the host out of memory) measures 0: every rank then
 plans without offload, still through the same agreement (a rank leaving it would hang the
 others), and the next plan probes again (the arenas locked ahead probe at the measured step's

@@ -137,8 +137,10 @@ class OffloadChoice:
         """Host memory step 0's decision may still take: the whole state while it is pending
         (the host arenas locked before it leave room for it: [Note: arenas locked ahead] in
         zbuf/compile/block_offload.py)."""
-        if not self.pending:
-            return 0
+        return self._state_bytes() if self.pending else 0
+
+    def _state_bytes(self) -> int:
+        """The optimizer's whole state, as ``OptimizerPolicy`` counts it."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return OptimizerPolicy.of(self.optimizer).state_bytes(params)
 

@@ -330,8 +330,9 @@ def plan_block_levels(levels: tuple[RegionLevel, ...], blocks: int, room_bytes: 
 # block's backward, each block's backward at least twice its forward (its matmuls' flops), and
 # the uploads ask for at most one forward's worth of link per block (the forward's rate), so
 # the link's upward direction may run at half the downward's (``queue_speed``: a slower one
-# slows the model's link to twice its speed); the plan only checks that no ``upload_ahead + 1`` blocks in a row hold more than ``in_flight``
-# offloaded calls, the device bytes the uploads wait in.
+# slows the model's link to twice its speed); the plan only checks that no ``upload_ahead + 1``
+# blocks in a row hold more than ``in_flight`` offloaded calls, the device bytes the uploads
+# wait in.
 # With three calls on their way the queue runs the link without a gap from the first call to the
 # drain, so the plan has no slack of its own: a copy a few percent slower than modelled is
 # exposed at every throttle and at the drain. The model's speed is one probe's fastest copy

@@ -54,7 +54,6 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import faults
-from ..shard import op_counts
 from ..memory import PhaseMeter, StepMemoryRow, StepPhases
 from .compile_phases import PhaseClock
 from .config import Engine, TrainConfig
@@ -63,7 +62,7 @@ from .engines import build_engine
 from .metrics import MemoryProbe, MemorySample
 from .profile import PROFILED_STEPS, StepProfiler
 from .record import budget_notices
-from .simulate import CommEstimate, communication_estimate, model_bytes
+from .simulate import CommEstimate, collective_bytes, step_communication
 
 __all__ = ["run_engine", "StepRow"]
 
@@ -155,7 +154,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
     counted = None  # zbuf's collective bytes in the latest step (simulated runs' estimate)
     try:
         for step in range(start, cfg.steps):
-            before = _collective_bytes(setup.model)
+            before = collective_bytes(setup.model)
             batch = rank_batch(cfg.task, cfg.seed, step, cfg.micro_batch, world, rank, cfg.seq_len,
                                mcfg_vocab, device)
             t_step = time.perf_counter()
@@ -164,7 +163,7 @@ def run_engine(engine: Engine, cfg: TrainConfig, device: torch.device, progress,
                 if cuda:
                     torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - t_step
-            counted = tuple(a - b for a, b in zip(_collective_bytes(setup.model), before))
+            counted = tuple(a - b for a, b in zip(collective_bytes(setup.model), before))
             timed = clock.result(elapsed)
             if step == start or timed.caches["graphs"] > 0:
                 compile_phases.append(dict(timed.to_json(), step=step))
@@ -286,25 +285,13 @@ def _train_step(setup, batch, marks=None) -> torch.Tensor:
     return loss
 
 
-def _collective_bytes(model) -> tuple[int, int]:
-    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far for ``model``'s
-    parameters (0 for the engines that are not zbuf's)."""
-    counts = op_counts(model)
-    return counts["all_gather_bytes"], counts["reduce_scatter_bytes"]
-
-
 def _communication(engine: Engine, cfg: TrainConfig, setup, world: int,
                    counted: Optional[tuple[int, int]]) -> CommEstimate:
     """One rank's per-step communication estimate: zbuf's counted bytes of the last step, or
     the FSDP2 / DDP engine's bytes derived from the model."""
-    if engine.uses_zbuf:
-        return communication_estimate(engine.value, world, cfg.link_gbps, counted=counted,
-                                      param_bytes=0, block_param_bytes=0, grad_bytes=0)
-    bf16 = cfg.dtype == "bf16"
-    gathered = torch.bfloat16 if bf16 and engine is Engine.FSDP2 else None
-    params, blocks, grads = model_bytes(setup.model, gathered, torch.float32)
-    return communication_estimate(engine.value, world, cfg.link_gbps, counted=None,
-                                  param_bytes=params, block_param_bytes=blocks, grad_bytes=grads)
+    gathered = torch.bfloat16 if cfg.dtype == "bf16" and engine is Engine.FSDP2 else None
+    return step_communication(engine.value, world, cfg.link_gbps, setup.model,
+                              counted if engine.uses_zbuf else None, gathered)
 
 
 def _mean_over_ranks(loss: torch.Tensor, ranks: int) -> float:

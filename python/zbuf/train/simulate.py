@@ -38,8 +38,10 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommEstimate", "communication_estimate", "init_fake_group", "simulate_world",
-           "SIMULATED_NOTE"]
+from ..shard import op_counts
+
+__all__ = ["CommEstimate", "communication_estimate", "collective_bytes", "step_communication",
+           "init_fake_group", "simulate_world", "SIMULATED_NOTE"]
 
 SIMULATED_NOTE = ("simulated ranks: rank 0 of {world} over torch's fake process group; step "
                   "times are compute and memory only (communication excluded, estimated "
@@ -126,6 +128,28 @@ def communication_estimate(engine: str, world: int, link_gbps: float, *,
     ring = (world - 1) / world
     wire = int(ring * (ag + rs) + 2 * ring * ar)
     return CommEstimate(ag, rs, ar, wire, link_gbps, wire * 8 / (link_gbps * 1e9), source)
+
+
+def collective_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes zbuf's collectives issued so far for ``model``'s
+    parameters (0 for a model zbuf did not shard): their difference over steps is the
+    ``counted`` of ``step_communication``."""
+    counts = op_counts(model)
+    return counts["all_gather_bytes"], counts["reduce_scatter_bytes"]
+
+
+def step_communication(engine: str, world: int, link_gbps: float, model: torch.nn.Module,
+                       counted: Optional[tuple[int, int]],
+                       gathered_dtype: Optional[torch.dtype]) -> CommEstimate:
+    """One rank's per-step ``CommEstimate``: zbuf's ``counted`` bytes of a measured step where
+    given, else the engine's derived from ``model`` (its parameters gathered in
+    ``gathered_dtype``, None: their own; its gradients reduced in fp32)."""
+    if counted is not None:
+        return communication_estimate(engine, world, link_gbps, counted=counted,
+                                      param_bytes=0, block_param_bytes=0, grad_bytes=0)
+    params, blocks, grads = model_bytes(model, gathered_dtype, torch.float32)
+    return communication_estimate(engine, world, link_gbps, counted=None, param_bytes=params,
+                                  block_param_bytes=blocks, grad_bytes=grads)
 
 
 def model_bytes(model: torch.nn.Module, gathered_dtype: Optional[torch.dtype],
