@@ -743,6 +743,13 @@ def test_fragmentation_is_measured_per_byte_the_step_allocated():
     assert fragmentation_ppm(StepPhases(0, 10, 50, 90, 95, 50, 90, 95)) == 0
     # A cache far larger than the step's own growth halves the room, not more.
     assert fragmentation_ppm(StepPhases(0, 10, 11, 12, None, 11, 900, None)) == PPM
+    # A steady step's forward starts with the cache its predecessor's backward left: 25.95 GB
+    # reserved under a 15.61 GB forward is the backward's cache, not the forward's
+    # fragmentation; the step reads what its high-water marks read.
+    steady = h200._replace(step=3, forward_reserved_bytes=25_950_000_000)
+    assert fragmentation_ppm(steady) == fragmentation_ppm(h200)
+    # The optimizer's own peak counts: reserved beyond the step's largest allocation.
+    assert fragmentation_ppm(StepPhases(0, 10, 50, 90, 110, 50, 90, 130)) == 20 * PPM // 100
 
 
 # qwen3-14b's block frames as rank 0 of 8 on an 80 GiB card, ``--ac auto``, the steady step of

@@ -29,8 +29,12 @@ agreed memory] in agreement.py), so a relaunch plans the same.
 The measured peaks are the allocator's reserved bytes, so the measured step's fragmentation is in
 them; but what a re-plan puts into the room (``recompute="auto"``'s kept activations above all)
 fragments the allocator too, in proportion. So the room is divided by one plus the measured
-step's fragmentation: its reserved-but-unallocated bytes per byte it allocated beyond its start,
-in its worse phase, rank-agreed (``fragmentation_ppm``). At the steady step the measured step
+step's fragmentation: what it reserved beyond its allocated high-water mark, per byte it
+allocated beyond its start, rank-agreed (``fragmentation_ppm``). The high-water marks, not each
+phase's own: a steady step's forward starts with the cache the step before left (its backward
+and optimizer peaks), which the forward's allocated peak need not reach; read per phase, that
+cache counted as the forward's fragmentation (qwen3-32b's plain setup, whose backward begins
+17 GiB above its forward at the fp32 loss, read the cap and sized no window for the state). At the steady step the measured step
 ran the plan being judged: its kept activations and gathered bytes, and their fragmentation, are
 in the measured peaks, so only the memory left beside them (or what they lack) is divided
 (``measured_room``), never the fragmentation charged twice.
@@ -69,15 +73,14 @@ allocator's cache of freed blocks than about fragmentation; the room is never cu
 
 def fragmentation_ppm(row: StepPhases) -> int:
     """The allocator's fragmentation in the measured step, parts per million of what the step
-    allocated beyond its start ([Note: fragmentation grows with the room]): the worse of the
-    forward and the backward. 0 on the CPU stand-in, which reserves exactly what it allocates."""
-    worst = 0
-    for alloc, reserved in ((row.forward_peak_bytes, row.forward_reserved_bytes),
-                            (row.backward_peak_bytes, row.backward_reserved_bytes)):
-        grown = alloc - row.start_bytes
-        if grown > 0 and reserved > alloc:
-            worst = max(worst, (reserved - alloc) * PPM // grown)
-    return min(worst, MAX_FRAGMENTATION_PPM)
+    allocated beyond its start ([Note: fragmentation grows with the room]): what it reserved
+    beyond its allocated high-water mark. 0 on the CPU stand-in, which reserves exactly what it
+    allocates."""
+    grown = row.allocated_peak_bytes - row.start_bytes
+    over = row.reserved_peak_bytes - row.allocated_peak_bytes
+    if grown <= 0 or over <= 0:
+        return 0
+    return min(over * PPM // grown, MAX_FRAGMENTATION_PPM)
 
 
 def beside_fragmentation(nbytes: int, frag_ppm: int) -> int:
