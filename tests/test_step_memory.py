@@ -594,7 +594,8 @@ def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
         for s in eng["steps"]:
             for key in ("alloc_retries", "forward_peak_bytes", "backward_peak_bytes",
                         "optimizer_peak_bytes", "pool_held_bytes", "pool_idle_bytes",
-                        "pool_yielded_bytes", "budget_bytes", "replanned"):
+                        "pool_yielded_bytes", "budget_bytes", "replanned",
+                        "pool_budget_bytes", "pool_recovered"):
                 assert len(s[key]) == 2, (key, s[key])  # one entry per rank
         # CPU stand-in: a rank's fp32 shards of parameters, gradients and SGD's momentum (which
         # appears in the first optimizer step and stays), the same for both sharded engines
@@ -852,3 +853,35 @@ def test_the_room_leaves_the_measured_fragmentation_free(monkeypatch):
     low = (whole.room_bytes - extra) / 1.5 * (15 / 16)
     high = (whole.room_bytes * 17 / 16 - extra) / 1.5
     assert low <= half.room_bytes <= high
+
+
+@pytest.mark.usefixtures("one_rank_group", "fresh_dynamo")
+def test_a_step_row_says_what_the_pools_pressure_policy_left_it():
+    """The step rows carry the pool's own budget and whether its one-shot recovery ran: at
+    qwen3-32b (benches/results/onepath32b.md) the plan's gather budget stayed 5.37 GB in every
+    row while the pool, shrunk after torch's retries, held 84 MB and allocated every gather."""
+    import zbuf
+    from zbuf.models import loss
+
+    init, cfg = _tiny(1)
+    model = zbuf.shard(copy.deepcopy(init))
+    opt, _ = _adamw(model.parameters())
+    cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt)
+    sm = zbuf.compile.step_memory_of(cm)
+    pool = sm.memory.pool
+    rows = []
+    try:
+        for step, (tokens, targets) in enumerate(_batches(cfg.vocab_size, 1, 3)):
+            if step == 2:  # torch's allocator retried three times since the baseline
+                assert pool.observe_pressure(0, 1 << 30, 1 << 30) == "none"
+                assert pool.observe_pressure(3, 1 << 10, 1 << 30) == "recover"
+            loss(cm, tokens, targets).backward()
+            opt.step()
+            opt.zero_grad()
+            rows.append(sm.close_step())
+    finally:
+        sm.detach()
+    before, after = rows[1], rows[2]
+    assert not before.pool_recovered and after.pool_recovered
+    assert before.pool_budget_bytes > after.pool_budget_bytes == pool.stats().budget_bytes
+    assert after.budget_bytes == before.budget_bytes  # the plan's budget did not move

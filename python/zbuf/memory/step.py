@@ -175,6 +175,13 @@ class StepMemoryRow(NamedTuple):
     the re-plan, the measured one after it (None: no compiled plan)."""
     replanned: bool
     """The re-plan took effect in this step (its graphs were compiled in it)."""
+    pool_budget_bytes: int
+    """The pool's own budget at the step's end: ``budget_bytes`` as the pool keeps it, less what
+    its pressure policy took back after torch's allocator retried ([Note: pressure policy] in
+    rust/pressure.rs); gathers beyond it are freed on release."""
+    pool_recovered: bool
+    """The pool's one-shot recovery has run ([Note: one-shot recovery] in rust/pool/mod.rs): it
+    keeps blocks only of the sizes it held then."""
 
 
 def _root_of(model: nn.Module):
@@ -525,7 +532,7 @@ class StepMemory:
         row = StepMemoryRow(
             phases, s.charged_bytes, s.idle_bytes, self._yielded,
             counts[0] - self._events0[0], counts[1] - self._events0[1], budget,
-            phases.step in self._replan_steps)
+            phases.step in self._replan_steps, s.budget_bytes, s.recovering or s.recovered)
         self._yielded = 0
         self._events0 = counts
         self.rows.append(row)

@@ -336,6 +336,8 @@ _PER_RANK: dict[str, Any] = {
     "torch_ooms": _pool_field("torch_ooms"),
     "budget_bytes": lambda r: r.step_memory.budget_bytes if r.step_memory is not None else None,
     "replanned": lambda r: bool(r.step_memory is not None and r.step_memory.replanned),
+    "pool_budget_bytes": _pool_field("pool_budget_bytes"),
+    "pool_recovered": lambda r: bool(r.step_memory is not None and r.step_memory.pool_recovered),
 }
 """Step fields the record keeps per rank (lists indexed by rank): retries and the memory
 telemetry (record.py lists what each means)."""

@@ -24,7 +24,10 @@ Record layout (``schema: zbuf.run/1``)::
                             pool_held_bytes, pool_idle_bytes [at the step's end],
                             pool_yielded_bytes [lent to the optimizer step], pool_reclaims,
                             torch_ooms, budget_bytes [the gather budget in force: planned,
-                            then re-planned], replanned [the re-plan took effect here]),
+                            then re-planned], replanned [the re-plan took effect here],
+                            pool_budget_bytes [the pool's own budget at the step's end, after
+                            its pressure policy's shrinks], pool_recovered [its one-shot
+                            recovery has run]),
                    per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
                                alloc_retries_total, alloc_retries_measured),
                    pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
