@@ -447,6 +447,7 @@ def _pool_refuses_case(rank, world):
     s = pool.stats()
     return {"error": _worst(states[2], ref_states[2]), "reclaims": [r.reclaims for r in rows],
             "alloc_failures": s.alloc_failures, "idle_before": seen.get("idle", 0),
+            "failures_by_step": [r.pool_alloc_failures for r in rows],
             "evicted": s.evictions - seen.get("evictions", s.evictions)}
 
 
@@ -560,6 +561,7 @@ def test_pool_backend_refusing_memory_mid_step_is_survived(two_ranks):
     assert r0["idle_before"] > 0 and r0["evicted"] >= 1  # the pool gave its idle block up
     assert r0["alloc_failures"] == 2 and r0["reclaims"] == [0, 1, 0]
     assert r1["alloc_failures"] == 0 and r1["reclaims"] == [0, 0, 0]
+    assert r0["failures_by_step"] == [0, 2, 0] and r1["failures_by_step"] == [0, 0, 0]
 
 
 # -- zbuf bench / zbuf report ------------------------------------------------------------------
@@ -595,7 +597,7 @@ def test_bench_records_the_optimizer_and_per_rank_step_memory(tmp_path):
             for key in ("alloc_retries", "forward_peak_bytes", "backward_peak_bytes",
                         "optimizer_peak_bytes", "pool_held_bytes", "pool_idle_bytes",
                         "pool_yielded_bytes", "budget_bytes", "replanned",
-                        "pool_budget_bytes", "pool_recovered"):
+                        "pool_budget_bytes", "pool_recovered", "pool_alloc_failures"):
                 assert len(s[key]) == 2, (key, s[key])  # one entry per rank
         # CPU stand-in: a rank's fp32 shards of parameters, gradients and SGD's momentum (which
         # appears in the first optimizer step and stays), the same for both sharded engines

@@ -182,6 +182,9 @@ class StepMemoryRow(NamedTuple):
     pool_recovered: bool
     """The pool's one-shot recovery has run ([Note: one-shot recovery] in rust/pool/mod.rs): it
     keeps blocks only of the sizes it held then."""
+    pool_alloc_failures: int
+    """The pool's allocations the device refused during this step (each waits for the pool's
+    pending frees and retries once): torch's cache grown into the memory the pool gave up."""
 
 
 def _root_of(model: nn.Module):
@@ -501,9 +504,9 @@ class StepMemory:
 
     # -- telemetry ----------------------------------------------------------------------------
 
-    def _event_counts(self) -> tuple[int, int]:
+    def _event_counts(self) -> tuple[int, int, int]:
         e = self.memory.events
-        return e.reclaims, e.torch_ooms
+        return e.reclaims, e.torch_ooms, self.memory.pool.stats().alloc_failures
 
     def close_step(self) -> Optional[StepMemoryRow]:
         """Close the running step (call after it, e.g. after ``loss.item()``); returns its row."""
@@ -532,7 +535,8 @@ class StepMemory:
         row = StepMemoryRow(
             phases, s.charged_bytes, s.idle_bytes, self._yielded,
             counts[0] - self._events0[0], counts[1] - self._events0[1], budget,
-            phases.step in self._replan_steps, s.budget_bytes, s.recovering or s.recovered)
+            phases.step in self._replan_steps, s.budget_bytes, s.recovering or s.recovered,
+            counts[2] - self._events0[2])
         self._yielded = 0
         self._events0 = counts
         self.rows.append(row)

@@ -338,6 +338,7 @@ _PER_RANK: dict[str, Any] = {
     "replanned": lambda r: bool(r.step_memory is not None and r.step_memory.replanned),
     "pool_budget_bytes": _pool_field("pool_budget_bytes"),
     "pool_recovered": lambda r: bool(r.step_memory is not None and r.step_memory.pool_recovered),
+    "pool_alloc_failures": _pool_field("pool_alloc_failures"),
 }
 """Step fields the record keeps per rank (lists indexed by rank): retries and the memory
 telemetry (record.py lists what each means)."""

@@ -27,7 +27,8 @@ Record layout (``schema: zbuf.run/1``)::
                             then re-planned], replanned [the re-plan took effect here],
                             pool_budget_bytes [the pool's own budget at the step's end, after
                             its pressure policy's shrinks], pool_recovered [its one-shot
-                            recovery has run]),
+                            recovery has run], pool_alloc_failures [its allocations the
+                            device refused in the step]),
                    per_rank[] (peak_device_bytes, allocated_peak_bytes, pool_high_water_bytes,
                                alloc_retries_total, alloc_retries_measured),
                    pool (rank 0's pool stats), schedule (zbuf schedule report), memory_cap,
