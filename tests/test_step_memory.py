@@ -105,6 +105,33 @@ def test_shared_memory_reclaims_yields_and_follows_budget_changes():
     pool.release(pool.acquire((7000,), torch.float32))
 
 
+def test_after_its_recovery_the_pools_share_is_what_it_may_still_keep():
+    """[Note: emulated capacity]: the pool's share of the card is its budget until its one-shot
+    recovery ran; from then on it keeps blocks only of the hot set it remembered, so its share
+    is that set, and the rest of its budget goes to torch as it would on a real card."""
+    import zbuf
+    from zbuf.memory import SharedMemory
+
+    pool = zbuf.GatherBufferPool("cpu", budget_bytes=1 << 20)
+    mem = SharedMemory(pool)
+    hot = pool.acquire((1000,), torch.float32)
+    pool.release(hot)
+    pool.release(pool.acquire((1000,), torch.float32))  # a hit: this size is in the hot set
+    cold = pool.acquire((3000,), torch.float32)
+    pool.release(cold)  # never hit: not remembered
+    assert mem.pool_share_bytes() == 1 << 20
+    assert pool.observe_pressure(0, 1 << 30, 1 << 30) == "none"
+    assert pool.observe_pressure(3, 1 << 30, 1 << 30) == "recover"
+    s = pool.stats()
+    assert s.recovered and s.budget_bytes == 1 << 20 and s.charged_bytes == 0
+    (capacity, count), = pool.hot_set().items()
+    assert count == 1 and mem.pool_share_bytes() == capacity < 1 << 20
+    # What it holds still counts: a gather beyond the hot set, outside the pool, while live.
+    out = pool.acquire((3000,), torch.float32)
+    assert mem.pool_share_bytes() == max(capacity, pool.stats().outside_bytes)
+    pool.release(out)
+
+
 def test_quantised_budgets_are_stable_and_close():
     from zbuf.memory.agreement import stable_budget
 
@@ -649,7 +676,8 @@ def test_the_pool_counts_against_a_users_memory_fraction(monkeypatch):
     # The arbiter's side: with the user's cap as capacity and the pool allowed 8 GiB, torch
     # gets the rest of the cap, not the cap itself.
     pool = SimpleNamespace(stats=lambda: SimpleNamespace(
-        charged_bytes=0, outside_bytes=0, pending_free_bytes=0, budget_bytes=8 << 30))
+        charged_bytes=0, outside_bytes=0, pending_free_bytes=0, budget_bytes=8 << 30,
+        recovering=False, recovered=False))
     arbiter = SimpleNamespace(_capacity=user_capacity_bytes(cuda), device=cuda, pool=pool,
                               _lent=False, events=SimpleNamespace(cache_releases=0))
     arbiter.pool_share_bytes = lambda: SharedMemory.pool_share_bytes(arbiter)

@@ -24,7 +24,9 @@ out-of-memory error that the other side could have prevented by letting go is a 
 caps only torch's allocator, and the pool allocates beside it: so that allocator + pool never
 exceed F of the card (the same total every engine gets), ``emulate_capacity`` keeps torch's
 fraction at ``(capacity - what the pool may hold) / total`` and moves it whenever that changes:
-lower while the pool holds its blocks, higher while they are lent to the optimizer step. When the
+lower while the pool holds its blocks, higher while they are lent to the optimizer step. What
+the pool may hold is its budget, or after its one-shot recovery the hot set it may still keep
+(``pool_share_bytes``). When the
 pool takes its share back and torch's cache has grown into it, that cache is emptied, as the
 reclaim hook would do on a real card of that size.
 
@@ -200,11 +202,22 @@ class SharedMemory:
     # -- what the device holds ----------------------------------------------------------------
 
     def pool_share_bytes(self) -> int:
-        """Bytes the pool may hold now: its budget or what it holds, whichever is larger (while
-        it lends its idle blocks: what it holds)."""
+        """Bytes the pool may hold now: what it holds, or what it may keep in its own blocks if
+        that is more (while it lends its idle blocks: what it holds). It may keep its budget;
+        once its one-shot recovery ran, no more than the hot set it remembered ([Note: one-shot
+        recovery] in rust/pool/mod.rs): beyond that it allocates outside and frees on release,
+        so the rest of the budget is torch's on a real card, and the emulated one gives it to
+        torch too (qwen3-32b's pool held 84 MB under a 3.82 GB budget for 25 steps,
+        benches/results/onepath32b.md)."""
         s = self.pool.stats()
         held = s.charged_bytes + s.outside_bytes + s.pending_free_bytes
-        return held if self._lent else max(held, s.budget_bytes)
+        if self._lent:
+            return held
+        keep = s.budget_bytes
+        if s.recovering or s.recovered:
+            keep = min(keep, 0 if s.recovering else sum(
+                capacity * count for capacity, count in self.pool.hot_set().items()))
+        return max(held, keep)
 
     def limit_bytes(self) -> Optional[int]:
         """Bytes torch and the pool may use together on this device (CUDA: the driver's free
