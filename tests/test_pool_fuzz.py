@@ -164,9 +164,10 @@ class Model:
             return "none"
         self.retries_seen += retries - prev
         self.pressure_events += 1
-        self.budget = min(self.budget, max(free // 4, self.checked_out_pool()))
-        self.evict_lru_until(self.budget)
+        budget = min(self.budget, max(free // 4, self.checked_out_pool()))
         if self.recovery_triggered or self.retries_seen < THRESHOLD:
+            self.budget = budget
+            self.evict_lru_until(self.budget)
             return "shrink"
         self.recovery_triggered = True
         self.hot = {}
@@ -179,6 +180,8 @@ class Model:
         self.recovering = True
         if not any(b.retired for b in self.blocks):
             self.end_recovery()
+        self.budget = budget
+        self.evict_lru_until(self.budget)
         return "recover"
 
     def expected_stats(self) -> dict:

@@ -55,7 +55,8 @@
 //! [Note: one-shot recovery]
 //! Started by sustained allocator pressure (see [`crate::pressure`]), once per pool:
 //! 1. remember the hot set: the capacities (with multiplicity) of the pool blocks checked out
-//!    now plus the idle ones that served at least one hit;
+//!    now plus the idle ones that served at least one hit, before the shrink that comes with
+//!    the recovery evicts any of them;
 //! 2. drain: free every idle block; mark the checked-out ones retired (freed when they return);
 //! 3. while retired blocks are out, serve every request outside the pool;
 //! 4. when the last retired block is back, readmit: from then on a new pool block is created
@@ -709,13 +710,16 @@ impl<B: Backend> GatherPool<B> {
             PressureAction::None => {}
             PressureAction::Shrink { budget_bytes } | PressureAction::ShrinkAndRecover { budget_bytes } => {
                 self.stats.pressure_events += 1;
+                if matches!(action, PressureAction::ShrinkAndRecover { .. }) {
+                    // The hot set is the working set before this shrink evicts any of it: taken
+                    // after, a shrink to a quarter of a full card's free memory left it nearly
+                    // empty, and the pool allocated every gather from then on.
+                    self.start_recovery();
+                }
                 self.config.budget_bytes = budget_bytes;
                 self.stats.budget_bytes = budget_bytes;
                 self.evict_lru_until(budget_bytes);
                 self.log_event(EventKind::Pressure, budget_bytes, 0, 0);
-                if matches!(action, PressureAction::ShrinkAndRecover { .. }) {
-                    self.start_recovery();
-                }
             }
         }
         action

@@ -212,8 +212,7 @@ impl Model {
         };
         self.retries_seen += rise;
         self.stats.pressure_events += 1;
-        self.budget = self.budget.min((free / 4).max(self.checked_out_pool_bytes()));
-        self.evict_lru_until(self.budget);
+        let budget = self.budget.min((free / 4).max(self.checked_out_pool_bytes()));
         if !self.recovery_triggered && self.retries_seen >= THRESHOLD {
             self.recovery_triggered = true;
             self.hot.clear();
@@ -232,6 +231,8 @@ impl Model {
                 self.end_recovery();
             }
         }
+        self.budget = budget;
+        self.evict_lru_until(self.budget);
     }
 }
 

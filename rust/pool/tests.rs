@@ -182,6 +182,21 @@ fn recovery_is_one_shot_and_readmits_hot_set() {
     assert!(!p.stats().recovering);
 }
 
+#[test]
+fn recovery_remembers_the_hot_blocks_its_own_shrink_evicts() {
+    let mut p = pool(1 << 20);
+    let a = p.acquire(1024, 0).unwrap();
+    p.release(a.id, None).unwrap();
+    let again = p.acquire(1024, 0).unwrap();
+    p.release(again.id, None).unwrap(); // a hit: the block is hot, and idle
+    assert_eq!(p.observe_pressure(0, 1 << 30), PressureAction::None);
+    // No free memory: the shrink takes the budget to 0, evicting every idle block.
+    assert_eq!(p.observe_pressure(3, 0), PressureAction::ShrinkAndRecover { budget_bytes: 0 });
+    let s = p.stats();
+    assert!(s.recovered && s.entries == 0 && s.budget_bytes == 0);
+    assert_eq!(p.hot_set().iter().map(|(c, n)| (*c, *n)).collect::<Vec<_>>(), vec![(1024, 1)]);
+}
+
 /// Host time of an acquire+release pair on a hit (run with
 /// `cargo test --release --lib hot_path -- --ignored --nocapture`; benches/pool_bench.py runs it).
 #[test]
