@@ -207,7 +207,7 @@ class SharedMemory:
         once its one-shot recovery ran, no more than the hot set it remembered ([Note: one-shot
         recovery] in rust/pool/mod.rs): beyond that it allocates outside and frees on release,
         so the rest of the budget is torch's on a real card, and the emulated one gives it to
-        torch too (qwen3-32b's pool held 84 MB under a 3.82 GB budget for 25 steps,
+        torch too (qwen3-32b's pool held 84-126 MB from step 4 on, its budget 3.82 GB at the end,
         benches/results/onepath32b.md)."""
         s = self.pool.stats()
         held = s.charged_bytes + s.outside_bytes + s.pending_free_bytes
