@@ -712,8 +712,8 @@ impl<B: Backend> GatherPool<B> {
                 self.stats.pressure_events += 1;
                 if matches!(action, PressureAction::ShrinkAndRecover { .. }) {
                     // The hot set is the working set before this shrink evicts any of it: taken
-                    // after, a shrink to a quarter of a full card's free memory left it nearly
-                    // empty, and the pool allocated every gather from then on.
+                    // after, a shrink to a quarter of a full card's free memory can leave it
+                    // nearly empty, and the pool then allocates nearly every gather for good.
                     self.start_recovery();
                 }
                 self.config.budget_bytes = budget_bytes;

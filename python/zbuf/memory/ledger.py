@@ -34,10 +34,11 @@ allocated beyond its start, rank-agreed (``fragmentation_ppm``). The high-water 
 phase's own: a steady step's forward starts with the cache the step before left (its backward
 and optimizer peaks), which the forward's allocated peak need not reach; read per phase, that
 cache counted as the forward's fragmentation (qwen3-32b's plain setup, whose backward begins
-17 GiB above its forward at the fp32 loss, read the cap and sized no window for the state). At the steady step the measured step
-ran the plan being judged: its kept activations and gathered bytes, and their fragmentation, are
-in the measured peaks, so only the memory left beside them (or what they lack) is divided
-(``measured_room``), never the fragmentation charged twice.
+17 GiB above its forward at the fp32 loss, read the cap and sized no window for the state).
+At the steady step the measured step ran the plan being judged: its kept activations and
+gathered bytes, and their fragmentation, are in the measured peaks, so only the memory left
+beside them (or what they lack) is divided (``measured_room``), never the fragmentation charged
+twice.
 """
 
 from __future__ import annotations

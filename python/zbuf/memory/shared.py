@@ -211,12 +211,11 @@ class SharedMemory:
         benches/results/onepath32b.md)."""
         s = self.pool.stats()
         held = s.charged_bytes + s.outside_bytes + s.pending_free_bytes
-        if self._lent:
+        if self._lent or s.recovering:  # recovering: every request is served outside
             return held
         keep = s.budget_bytes
-        if s.recovering or s.recovered:
-            keep = min(keep, 0 if s.recovering else sum(
-                capacity * count for capacity, count in self.pool.hot_set().items()))
+        if s.recovered:
+            keep = min(keep, sum(capacity * n for capacity, n in self.pool.hot_set().items()))
         return max(held, keep)
 
     def limit_bytes(self) -> Optional[int]:

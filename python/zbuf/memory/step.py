@@ -183,8 +183,8 @@ class StepMemoryRow(NamedTuple):
     """The pool's one-shot recovery has run ([Note: one-shot recovery] in rust/pool/mod.rs): it
     keeps blocks only of the sizes it held then."""
     pool_alloc_failures: int
-    """The pool's allocations the device refused during this step (each waits for the pool's
-    pending frees and retries once): torch's cache grown into the memory the pool gave up."""
+    """The pool's allocations the device refused during this step (each frees the pool's idle
+    blocks, waits for its pending frees and retries once)."""
 
 
 def _root_of(model: nn.Module):
