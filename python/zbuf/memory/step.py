@@ -176,9 +176,10 @@ class StepMemoryRow(NamedTuple):
     replanned: bool
     """The re-plan took effect in this step (its graphs were compiled in it)."""
     pool_budget_bytes: int
-    """The pool's own budget at the step's end: ``budget_bytes`` as the pool keeps it, less what
-    its pressure policy took back after torch's allocator retried ([Note: pressure policy] in
-    rust/pressure.rs); gathers beyond it are freed on release."""
+    """The pool's own budget at the step's end: what the plan set it to ([Note: one writer of the
+    pool's budget] in pool_budget.py) less what its pressure policy took back after torch's
+    allocator retried ([Note: pressure policy] in rust/pressure.rs); gathers beyond it are freed
+    on release."""
     pool_recovered: bool
     """The pool's one-shot recovery has run ([Note: one-shot recovery] in rust/pool/mod.rs): it
     keeps blocks only of the sizes it held then."""
@@ -254,7 +255,7 @@ class StepMemory:
         self._replan_steps: set[int] = set()
         self._yielded = 0
         self._pool_after_backward: Optional[int] = None  # of the running step
-        self._events0 = self._event_counts()
+        self._events0 = self._event_counts(self.memory.pool.stats())
         self.offload_choice: Optional[StatePlacement] = None
         """Where the optimizer's state lives, when the plan decides it at step 0 ([Note:
         offloading when the step does not fit] in zbuf/offload_choice.py); set by
@@ -504,9 +505,9 @@ class StepMemory:
 
     # -- telemetry ----------------------------------------------------------------------------
 
-    def _event_counts(self) -> tuple[int, int, int]:
+    def _event_counts(self, pool_stats) -> tuple[int, int, int]:
         e = self.memory.events
-        return e.reclaims, e.torch_ooms, self.memory.pool.stats().alloc_failures
+        return e.reclaims, e.torch_ooms, pool_stats.alloc_failures
 
     def close_step(self) -> Optional[StepMemoryRow]:
         """Close the running step (call after it, e.g. after ``loss.item()``); returns its row."""
@@ -522,7 +523,7 @@ class StepMemory:
         if phases.step == judged:
             self._judged = (phases, held)
         self._pool_after_backward = None
-        counts = self._event_counts()
+        counts = self._event_counts(s)
         m = self.measured
         if self.steady is not None and self.steady.replanned:
             budget = self.steady.budget_bytes
