@@ -55,6 +55,7 @@ class Model:
     """Reference model of one pool (host backend: one stream, events complete at once)."""
 
     budget: int
+    floor: int = 0
     blocks: list[MBlock] = field(default_factory=list)
     tick: int = 0
     fail_next: int = 0
@@ -158,13 +159,16 @@ class Model:
         self.budget = min(n, HARD_CAP)
         self.evict_lru_until(self.budget)
 
+    def set_floor(self, n: int) -> None:
+        self.floor = min(n, HARD_CAP)
+
     def pressure(self, retries: int, free: int) -> str:
         prev, self.last_retries = self.last_retries, retries
         if prev is None or retries <= prev:
             return "none"
         self.retries_seen += retries - prev
         self.pressure_events += 1
-        budget = min(self.budget, max(free // 4, self.checked_out_pool()))
+        budget = min(self.budget, max(free // 4, self.checked_out_pool(), self.floor))
         if self.recovery_triggered or self.retries_seen < THRESHOLD:
             self.budget = budget
             self.evict_lru_until(self.budget)
@@ -188,6 +192,7 @@ class Model:
         return dict(
             budget_bytes=self.budget,
             hard_cap_bytes=HARD_CAP,
+            floor_bytes=self.floor,
             charged_bytes=self.charged(),
             idle_bytes=self.idle(),
             checked_out_bytes=self.checked_out_pool(),
@@ -318,6 +323,12 @@ class PoolMachine(RuleBasedStateMachine):
     def set_budget(self, units):
         assert self.pool.set_budget(units * ALIGN) == min(units * ALIGN, HARD_CAP)
         self.model.set_budget(units * ALIGN)
+
+    @precondition(lambda self: self.pool is not None)
+    @rule(units=st.integers(0, 40))
+    def set_floor(self, units):
+        assert self.pool.set_floor(units * ALIGN) == min(units * ALIGN, HARD_CAP)
+        self.model.set_floor(units * ALIGN)
 
     @precondition(lambda self: self.pool is not None)
     @rule()

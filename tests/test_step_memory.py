@@ -889,7 +889,10 @@ def test_the_room_leaves_the_measured_fragmentation_free(monkeypatch):
 def test_a_step_row_says_what_the_pools_pressure_policy_left_it():
     """The step rows carry the pool's own budget and whether its one-shot recovery ran: at
     qwen3-32b (benches/results/onepath32b.md) the plan's gather budget stayed 5.37 GB in every
-    row while the pool, shrunk after torch's retries, held 84 MB and allocated every gather."""
+    row while the pool, shrunk after torch's retries, held 84 MB and allocated every gather.
+    The plan's working set is the pressure policy's floor ([Note: one writer of the pool's
+    budget]): after the retries and the recovery's one drain, the gathers are pool blocks again
+    and a step allocates nothing (before the floor, every later gather was an allocation)."""
     import zbuf
     from zbuf.models import loss
 
@@ -899,19 +902,25 @@ def test_a_step_row_says_what_the_pools_pressure_policy_left_it():
     cm = zbuf.compile(model, structure="graph", inner="aot_eager", optimizer=opt)
     sm = zbuf.compile.step_memory_of(cm)
     pool = sm.memory.pool
-    rows = []
+    rows, allocations = [], []
     try:
-        for step, (tokens, targets) in enumerate(_batches(cfg.vocab_size, 1, 3)):
+        for step, (tokens, targets) in enumerate(_batches(cfg.vocab_size, 1, 5)):
             if step == 2:  # torch's allocator retried three times since the baseline
                 assert pool.observe_pressure(0, 1 << 30, 1 << 30) == "none"
-                assert pool.observe_pressure(3, 1 << 10, 1 << 30) == "recover"
+                assert pool.observe_pressure(3, 0, 1 << 30) == "recover"
+            if step == 4:  # and again, with the device full
+                assert pool.observe_pressure(9, 0, 1 << 30) == "shrink"
+            allocations.append(pool.stats().allocations)
             loss(cm, tokens, targets).backward()
             opt.step()
             opt.zero_grad()
             rows.append(sm.close_step())
+        allocations.append(pool.stats().allocations)
     finally:
         sm.detach()
     before, after = rows[1], rows[2]
     assert not before.pool_recovered and after.pool_recovered
-    assert before.pool_budget_bytes > after.pool_budget_bytes == pool.stats().budget_bytes
+    assert after.pool_budget_bytes == before.pool_budget_bytes == pool.stats().floor_bytes > 0
+    assert rows[4].pool_budget_bytes == before.pool_budget_bytes
+    assert allocations[4] - allocations[3] == 0 and allocations[5] - allocations[4] == 0
     assert after.budget_bytes == before.budget_bytes  # the plan's budget did not move

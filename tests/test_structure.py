@@ -292,15 +292,18 @@ def test_no_module_level_mutable_state():
 BUDGET_WRITER = "zbuf.memory"
 """The package whose modules alone may set a pool's budget."""
 POOL = "zbuf.pool"
-"""The pool itself: its ``set_budget`` hands the call to the Rust pool."""
+"""The pool itself: its ``set_budget`` and ``set_floor`` hand the call to the Rust pool."""
+BUDGET_SETTERS = ("set_budget", "set_floor")
+"""The pool's methods that move its budget or what its pressure policy may shrink it to."""
 
 
 def budget_setters(source: str, path: str = "<source>") -> list[int]:
-    """Lines of ``source`` that call a ``set_budget`` (any receiver: a pool is reached through
-    attributes, registries and arguments, so the method's name is what can be checked)."""
+    """Lines of ``source`` that call one of ``BUDGET_SETTERS`` (any receiver: a pool is reached
+    through attributes, registries and arguments, so the method's name is what can be
+    checked)."""
     return sorted(node.lineno for node in ast.walk(ast.parse(source, path))
                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr == "set_budget")
+                  and node.func.attr in BUDGET_SETTERS)
 
 
 def test_only_the_memory_package_sets_the_pools_budget():
@@ -319,6 +322,7 @@ def test_only_the_memory_package_sets_the_pools_budget():
 def test_the_budget_check_sees_a_setter():
     # the check itself: a call through any receiver counts, a mention or a definition does not
     assert budget_setters("frames.pool.set_budget(n)\nx = pool.set_budget\n") == [1]
+    assert budget_setters("x = 1\npool.set_floor(n)\n") == [2]
     assert budget_setters("def set_budget(self, n):\n    return n\n") == []
 
 

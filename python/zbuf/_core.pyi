@@ -69,6 +69,9 @@ class PoolCore:
     def owns(self, tensor: torch.Tensor) -> bool: ...
     def set_budget(self, nbytes: int) -> int:
         """Sets the budget (clamped to the hard cap); returns the effective value."""
+    def set_floor(self, nbytes: int) -> int:
+        """Sets the floor the pressure policy never shrinks the budget below (clamped to the
+        hard cap); returns the effective value."""
     def set_reclaim_hook(self, hook: Any) -> None:
         """`hook(nbytes)` runs (pool unlocked) when the device refuses an acquire even after the
         pool freed its idle blocks; the acquire is then retried once. None removes it."""

@@ -52,6 +52,8 @@ class PoolStats:
     """Bytes the pool may keep in its own blocks (after pressure shrinks and `set_budget`)."""
     hard_cap_bytes: int
     """The budget never exceeds this."""
+    floor_bytes: int
+    """The pressure policy never shrinks the budget below this (`set_floor`)."""
     charged_bytes: int
     """Bytes of pool blocks, idle + checked out."""
     idle_bytes: int
@@ -222,6 +224,13 @@ class GatherBufferPool:
             self._budget_observer(effective)
         return effective
 
+    def set_floor(self, nbytes: int) -> int:
+        """The pressure policy never shrinks the budget below ``nbytes`` (clamped to the hard
+        cap): the working set a memory plan sized the budget to, whose gathers need those bytes
+        at once whatever the budget says (rust/pressure.rs, [Note: pressure policy]). Moves
+        nothing now; returns the effective floor."""
+        return self._core.set_floor(nbytes)
+
     def set_budget_observer(self, observer: Callable[[int], object] | None) -> None:
         """``observer(effective_budget)`` runs after every ``set_budget`` (e.g. the schedule
         sizing the pool on a graph's first run); ``zbuf.memory`` uses it to keep an emulated
@@ -250,9 +259,9 @@ class GatherBufferPool:
         """Feeds the caching allocator's cumulative retry counter and the device's free/total bytes.
 
         The first call sets the baseline. A rising counter shrinks the budget to
-        min(budget, max(free / 4, checked-out bytes)); once 3 retries (the configured threshold)
-        have been seen, the one-shot recovery starts (rust/pool/mod.rs, [Note: one-shot
-        recovery]). Returns "none", "shrink" or "recover".
+        min(budget, max(free / 4, checked-out bytes, floor)); once 3 retries (the configured
+        threshold) have been seen, the one-shot recovery starts (rust/pool/mod.rs, [Note:
+        one-shot recovery]). Returns "none", "shrink" or "recover".
         """
         action, _budget = self._core.observe_pressure(num_alloc_retries, free_bytes, total_bytes)
         return action

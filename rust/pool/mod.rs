@@ -696,6 +696,14 @@ impl<B: Backend> GatherPool<B> {
         self.config.budget_bytes
     }
 
+    /// Sets the floor the pressure policy never shrinks the budget below (clamped to the hard
+    /// cap): the working set a memory plan sized the budget to (see [`crate::pressure`]).
+    /// Returns the effective floor. It moves nothing now: the budget stays where it is.
+    pub fn set_floor(&mut self, nbytes: u64) -> u64 {
+        self.stats.floor_bytes = nbytes.min(self.config.hard_cap_bytes);
+        self.stats.floor_bytes
+    }
+
     /// Feeds the caching allocator's cumulative retry counter and the device's free bytes
     /// (see [`crate::pressure`]). Returns what the pool did.
     pub fn observe_pressure(&mut self, num_alloc_retries: u64, free_bytes: u64) -> PressureAction {
@@ -704,6 +712,7 @@ impl<B: Backend> GatherPool<B> {
             free_bytes,
             self.config.budget_bytes,
             self.stats.checked_out_bytes,
+            self.stats.floor_bytes,
             self.config.recovery_retry_threshold,
         );
         match action {

@@ -35,6 +35,7 @@ enum Op {
     StaleDies { pick: usize },
     ReleaseForeign,
     SetBudget { units: u64 },
+    SetFloor { units: u64 },
     Trim,
     Pressure { rise: u64, free_units: u64 },
     InjectOom { count: u64 },
@@ -52,6 +53,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(|pick| Op::StaleDies { pick }),
         1 => Just(Op::ReleaseForeign),
         4 => (0u64..=80).prop_map(|units| Op::SetBudget { units }),
+        2 => (0u64..=40).prop_map(|units| Op::SetFloor { units }),
         2 => Just(Op::Trim),
         4 => (0u64..3, 0u64..=128).prop_map(|(rise, free_units)| Op::Pressure { rise, free_units }),
         3 => (1u64..=2).prop_map(|count| Op::InjectOom { count }),
@@ -79,6 +81,7 @@ struct MBlock {
 struct Model {
     blocks: Vec<MBlock>,
     budget: u64,
+    floor: u64,
     tick: u64,
     fail_next: u64,
     stats: PoolStats,
@@ -212,7 +215,7 @@ impl Model {
         };
         self.retries_seen += rise;
         self.stats.pressure_events += 1;
-        let budget = self.budget.min((free / 4).max(self.checked_out_pool_bytes()));
+        let budget = self.budget.min((free / 4).max(self.checked_out_pool_bytes()).max(self.floor));
         if !self.recovery_triggered && self.retries_seen >= THRESHOLD {
             self.recovery_triggered = true;
             self.hot.clear();
@@ -270,6 +273,7 @@ fn check_invariants(pool: &GatherPool<HostBackend>, model: &Model, recovery_star
     let mut expected = model.stats.clone();
     expected.budget_bytes = model.budget;
     expected.hard_cap_bytes = HARD_CAP;
+    expected.floor_bytes = model.floor;
     expected.charged_bytes = model.charged();
     expected.idle_bytes = model.idle_bytes();
     expected.checked_out_bytes = model.checked_out_pool_bytes();
@@ -457,6 +461,10 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
                 assert_eq!(b, model.budget);
                 let budget = model.budget;
                 model.evict_lru_until(budget);
+            }
+            Op::SetFloor { units } => {
+                model.floor = (units * ALIGN).min(HARD_CAP);
+                assert_eq!(pool.set_floor(units * ALIGN), model.floor);
             }
             Op::Trim => {
                 pool.trim();

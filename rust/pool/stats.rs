@@ -10,6 +10,8 @@ pub struct PoolStats {
     pub budget_bytes: u64,
     /// The budget never exceeds this.
     pub hard_cap_bytes: u64,
+    /// The pressure policy never shrinks the budget below this (`GatherPool::set_floor`).
+    pub floor_bytes: u64,
     /// Bytes of pool blocks, idle + checked out.
     pub charged_bytes: u64,
     /// Bytes of idle pool blocks (cached for reuse).

@@ -197,6 +197,31 @@ fn recovery_remembers_the_hot_blocks_its_own_shrink_evicts() {
     assert_eq!(p.hot_set().iter().map(|(c, n)| (*c, *n)).collect::<Vec<_>>(), vec![(1024, 1)]);
 }
 
+#[test]
+fn a_planned_working_set_stays_in_the_pool_under_pressure() {
+    let mut p = pool(4096);
+    assert_eq!(p.set_floor(4096), 4096);
+    let step = |p: &mut GatherPool<HostBackend>| {
+        let a = p.acquire(2048, 0).unwrap();
+        let b = p.acquire(2048, 0).unwrap();
+        let outside = a.outside || b.outside;
+        p.release(a.id, None).unwrap();
+        p.release(b.id, None).unwrap();
+        outside
+    };
+    step(&mut p);
+    step(&mut p); // hits: both blocks are hot
+    assert_eq!(p.observe_pressure(0, 0), PressureAction::None);
+    // Retries with nothing free and nothing checked out: the budget stays at the floor, so after
+    // the recovery's one drain the working set is cached again and later steps allocate nothing.
+    assert_eq!(p.observe_pressure(5, 0), PressureAction::ShrinkAndRecover { budget_bytes: 4096 });
+    assert!(!step(&mut p), "the recovery served the planned working set outside the pool");
+    let before = p.stats().allocations;
+    assert!(matches!(p.observe_pressure(9, 0), PressureAction::Shrink { budget_bytes: 4096 }));
+    assert!(!step(&mut p));
+    assert_eq!(p.stats().allocations, before, "a gather of the planned working set allocated");
+}
+
 /// Host time of an acquire+release pair on a hit (run with
 /// `cargo test --release --lib hot_path -- --ignored --nocapture`; benches/pool_bench.py runs it).
 #[test]

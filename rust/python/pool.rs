@@ -393,6 +393,16 @@ impl PoolCore {
         Ok(self.shared.lock().set_budget(nbytes))
     }
 
+    /// Sets the floor the pressure policy never shrinks the budget below (clamped to the hard
+    /// cap); returns the effective value.
+    fn set_floor(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if nbytes.is_none() {
+            return Err(invalid_request(py, "set_floor() needs a number of bytes, got None".into()));
+        }
+        let nbytes = byte_count(py, "nbytes", nbytes)?;
+        Ok(self.shared.lock().set_floor(nbytes))
+    }
+
     /// Frees every idle block (waiting for their release events); returns the bytes freed.
     fn trim(&self, py: Python<'_>) -> u64 {
         let shared = Arc::clone(&self.shared);
@@ -424,6 +434,7 @@ impl PoolCore {
         let d = PyDict::new(py);
         d.set_item("budget_bytes", s.budget_bytes)?;
         d.set_item("hard_cap_bytes", s.hard_cap_bytes)?;
+        d.set_item("floor_bytes", s.floor_bytes)?;
         d.set_item("charged_bytes", s.charged_bytes)?;
         d.set_item("idle_bytes", s.idle_bytes)?;
         d.set_item("checked_out_bytes", s.checked_out_bytes)?;

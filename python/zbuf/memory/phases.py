@@ -61,6 +61,10 @@ class StepPhases(NamedTuple):
     """Peak reserved during backward (CPU: as allocated)."""
     optimizer_reserved_bytes: Optional[int]
     """Peak reserved during the optimizer step (CPU: as allocated); None as above."""
+    retries: tuple[int, int, int] = (0, 0, 0)
+    """The caching allocator's retries (``num_alloc_retries``: a request it could serve only
+    after freeing its cache) in the forward, backward and optimizer phases (CPU: none), so that
+    a step that retried says where."""
 
     @property
     def reserved_peak_bytes(self) -> int:
@@ -126,7 +130,9 @@ class PhaseMeter:
         self._phase: Optional[str] = None  # None: no step open; else the running phase
         self._start = 0
         self._peaks: dict[str, tuple[int, int]] = {}
-        self._boundary = 0  # CPU: tracked bytes at the running phase's start
+        self._retries: dict[str, int] = {}
+        """Each phase's allocator retries so far in the open step (CUDA)."""
+        self._retries_read = 0  # CUDA: the allocator's retry counter at the running phase's start
         self._handles: list[Any] = []
         self._optimizer_ran = False
         self._segments: Optional[dict[str, list[int]]] = None
@@ -238,7 +244,8 @@ class PhaseMeter:
         bw = p.get("backward", fw)
         opt = p.get("optimizer") if self.optimizer is not None else None
         return StepPhases(self.closed, self._start, fw[0], bw[0], opt[0] if opt else None,
-                          fw[1], bw[1], opt[1] if opt else None)
+                          fw[1], bw[1], opt[1] if opt else None,
+                          tuple(self._retries.get(phase, 0) for phase in PHASES))
 
     def reserved_peak_so_far(self) -> int:
         """The largest reserved peak of the open step's ended phases (its start if none)."""
@@ -246,14 +253,24 @@ class PhaseMeter:
 
     def _open(self) -> None:
         self._peaks = {}
+        self._retries = {}
         self._optimizer_ran = False
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            self._retries_read = self._alloc_retries()
         else:
             self._start = self._boundary = self.tracked_bytes()
 
+    def _alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def _end_phase(self) -> None:
+        if self.cuda:
+            now = self._alloc_retries()
+            self._retries[self._phase] = (self._retries.get(self._phase, 0)
+                                          + max(0, now - self._retries_read))
+            self._retries_read = now
         alloc = self._fold()
         if self._segments is not None and self._phase in self._segments:
             self._segments[self._phase].append(alloc)

@@ -20,7 +20,14 @@ Below these the pool guards the device on its own: its default budget and hard c
 (``rust/python/pool.rs``: the device's total / 32 and / 4) and its pressure policy, which only
 ever shrinks the budget when torch's allocator retries (``rust/pressure.rs``: a quarter of the
 free memory). Those are the pool's defences, not decisions about the step: a ``set_budget`` here
-is clamped to the hard cap, and the pressure policy may lower it again.
+is clamped to the hard cap, and the pressure policy may lower it again, but never below the
+floor each of these sets with the budget (``GatherBufferPool.set_floor``). A budget the plan
+sized is the gathers' working set: they need those bytes at once whatever the budget says, so
+shrinking it frees nothing for torch and serves every gather by a device allocation of its own
+(qwen3-32b as rank 0 of 8: the pressure policy took the blocks' two-block budget from 4.7 GB to
+20 MB in twelve steps, and the pool then made about 640 allocations a step, each freed on
+release; benches/results/onepath32b.md). Above the floor (the pool's default budget, an eager
+model's) the policy shrinks as before.
 """
 
 from __future__ import annotations
@@ -30,21 +37,27 @@ from collections.abc import Mapping
 __all__ = ["size_by_first_runs", "raise_to", "set_to", "keep_weights"]
 
 
+def _planned(pool, nbytes: int) -> int:
+    """Budget and floor ``nbytes``: the plan's working set, which the pressure policy keeps."""
+    pool.set_floor(nbytes)
+    return pool.set_budget(nbytes)
+
+
 def size_by_first_runs(pool) -> None:
     """Budget 0: the plans' first runs size the pool to exactly what they need (``raise_to``)."""
-    pool.set_budget(0)
+    _planned(pool, 0)
 
 
 def raise_to(pool, nbytes: int) -> None:
     """At least ``nbytes``: a plan's first run needs them at once ([Note: pool sizing])."""
-    current = pool.stats().budget_bytes
-    if current is None or current < nbytes:
-        pool.set_budget(nbytes)
+    stats = pool.stats()
+    if stats.budget_bytes < nbytes or stats.floor_bytes < nbytes:
+        _planned(pool, max(stats.budget_bytes, nbytes))
 
 
 def set_to(pool, nbytes: int) -> int:
     """Exactly ``nbytes`` (clamped to the pool's hard cap); returns the effective budget."""
-    return pool.set_budget(nbytes)
+    return _planned(pool, nbytes)
 
 
 def keep_weights(pool, kept: Mapping[int, int]) -> None:
@@ -52,4 +65,4 @@ def keep_weights(pool, kept: Mapping[int, int]) -> None:
     change in the kept blocks' capacity. Every rank, same program point (between steps)."""
     delta = pool.kept.set(pool, kept)
     if delta:
-        pool.set_budget(max(0, pool.stats().budget_bytes + delta))
+        _planned(pool, max(0, pool.stats().budget_bytes + delta))
