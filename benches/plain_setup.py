@@ -488,14 +488,13 @@ def _memory_of(model) -> dict:
 
 
 def _mfu(cfg, device, step_s: float):
-    """Model FLOPs utilisation of the median step (the preset's FLOPs per token, the PaLM
-    convention: recompute not counted), or None where the device's peak is unknown."""
-    from zbuf.train.metrics import peak_flops_per_second
+    """Model FLOPs utilisation of the median step, or None where the device's peak is unknown
+    (``zbuf bench``'s, from the preset's FLOPs per token)."""
+    from zbuf.train.metrics import model_flops_utilisation, peak_flops_per_second
 
-    peak = peak_flops_per_second(device, None, cfg.dtype)
-    tokens = cfg.micro_batch * cfg.seq_len
-    return None if peak is None else cfg.model_config().flops_per_token(cfg.seq_len) * tokens / (
-        step_s * peak)
+    return model_flops_utilisation(cfg.model_config().flops_per_token(cfg.seq_len),
+                                   cfg.micro_batch * cfg.seq_len / step_s,
+                                   peak_flops_per_second(device, None, cfg.dtype))
 
 
 def _cache_of(device: torch.device) -> dict:

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["MemorySample", "MemoryProbe", "environment", "peak_flops_per_second"]
+__all__ = ["MemorySample", "MemoryProbe", "environment", "model_flops_utilisation",
+           "peak_flops_per_second"]
 
 
 class MemorySample(NamedTuple):
@@ -125,6 +126,15 @@ def peak_flops_per_second(device: torch.device, override_tflops: Optional[float]
         if key in name:
             return peak
     return None
+
+
+def model_flops_utilisation(flops_per_token: Optional[float], tokens_per_s_per_gpu: float,
+                            peak_flops: Optional[float]) -> Optional[float]:
+    """MFU: the model's FLOPs per token (the PaLM convention: recompute not counted) times the
+    tokens a GPU trains a second, over its peak; None where either is unknown."""
+    if not flops_per_token or not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s_per_gpu / peak_flops
 
 
 def _driver_version() -> Optional[str]:

@@ -56,6 +56,7 @@ from typing import Any, Optional
 
 from .compile_phases import PHASE_LABELS, PHASES
 from .config import TrainConfig, format_bytes
+from .metrics import model_flops_utilisation
 from .simulate import SIMULATED_NOTE
 
 __all__ = ["SCHEMA", "FIT_SCHEMA", "plans", "per_device_words", "ranks_text", "ac_text", "hardware_text",
@@ -203,7 +204,6 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
     times = [s["time_s"] for s in measured]
     median = statistics.median(times)
     tps_gpu = cfg.micro_batch * cfg.seq_len / median
-    mfu = (flops_per_token * tps_gpu / peak_flops) if flops_per_token and peak_flops else None
     final, replaced = plans(result.get("schedule"))
     return {
         "measured_steps": len(measured),
@@ -216,7 +216,7 @@ def summarize(result: dict[str, Any], cfg: TrainConfig, flops_per_token: Optiona
         "step_time_stdev_s": statistics.stdev(times) if len(times) > 1 else 0.0,
         "tokens_per_s_per_gpu": tps_gpu,
         "tokens_per_s": tps_gpu * cfg.nproc,
-        "mfu": mfu,
+        "mfu": model_flops_utilisation(flops_per_token, tps_gpu, peak_flops),
         "peak_device_bytes": max(r["peak_device_bytes"] for r in result["per_rank"]),
         "alloc_retries_per_rank": [r["alloc_retries_measured"] for r in result["per_rank"]],
         "alloc_retries_total_per_rank": [r["alloc_retries_total"] for r in result["per_rank"]],
