@@ -335,7 +335,8 @@ def _reserved_peak(model, device) -> int:
 
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 user_ac: UserCheckpointing = UserCheckpointing("inside"),
-                profile_dir: str | None = None) -> dict:
+                profile_dir: str | None = None, trace_step: int | None = None) -> dict:
+    from allocator_retries import recorded
     from zbuf.train.compile_phases import PhaseClock
     from zbuf.train.data import rank_batch
     from zbuf.train.simulate import collective_bytes, step_communication
@@ -366,6 +367,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     # (the re-plan's step set the 14B inside placement's time to the final plan at 1.500x
     # FSDP2's first step).
     phases_by_step: dict[int, dict] = {}
+    # Which requests made torch's allocator retry in step ``trace_step`` (benches/allocator_retries.py).
+    allocator_trace: dict | None = None
     times, losses = [], []
     vocab = cfg.model_config().vocab_size
 
@@ -386,7 +389,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
         """What every step recorded, and the plan that ran them: in a failure's record too."""
         return {"step_s": times, "losses": losses, "alloc_retries_by_step": retries,
                 "device_allocs_by_step": device_allocs, "planned": _planned(model),
-                "compile_phases_by_step": phases_by_step, **_memory_of(model)}
+                "compile_phases_by_step": phases_by_step, "allocator_trace": allocator_trace,
+                **_memory_of(model)}
 
     counted_at_warmup = None  # zbuf's collectives' bytes when the measured steps begin
     try:
@@ -395,10 +399,14 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 counted_at_warmup = collective_bytes(model)
             batch = batch_of(step)
             clock = PhaseClock() if step < max(cfg.warmup, 1) else None
-            with clock or contextlib.nullcontext():
+            traced = step == trace_step and device.type == "cuda"
+            with clock or contextlib.nullcontext(), \
+                    recorded(device) if traced else contextlib.nullcontext() as trace:
                 t0 = time.perf_counter()
                 loss = train_step(batch)
                 times.append(time.perf_counter() - t0)
+            if traced:
+                allocator_trace = {"step": step, **trace}
             if clock is not None:
                 phases_by_step[step] = clock.result(times[-1]).to_json()
             losses.append(loss.item())
@@ -605,6 +613,9 @@ def main() -> None:
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
                    help="emulate a card of this size (torch's allocator and the pool together)")
     p.add_argument("--out", default=None, help="directory for plain_setup.{json,md}")
+    p.add_argument("--trace-step", type=int, default=None, metavar="N",
+                   help="record step N's allocation history on CUDA and put the requests that "
+                        "made torch's allocator retry in the record (allocator_trace)")
     p.add_argument("--profile-dir", default=None, metavar="DIR",
                    help="profile two extra steps per variant: a trace and a summary of where the "
                         "device's time goes, per variant, in DIR")
@@ -663,7 +674,7 @@ def main() -> None:
     for v in variants:
         user_ac = UserCheckpointing(args.placement, args.attn_dropout, args.preserve_rng_state)
         results.append(run_variant(v, cfg, device, dtype, rank, world, user_ac,
-                                   args.profile_dir))
+                                   args.profile_dir, args.trace_step))
         if rank != 0:
             continue
         r = results[-1]

@@ -300,6 +300,8 @@ case "${1:-}" in
     # as rank 0 of 8 on an 80 GiB card, ~6 min for the two) or 17b (qwen3-1.7b, one real rank).
     # Records: onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json in $OUT/onepath_MODEL_records.tgz;
     # PROFILE=1: two extra steps profiled per variant, the summary under .../profile/ and printed.
+    # TRACE_STEP=N: step N's allocation history read for the requests torch's allocator retried
+    # at (benches/allocator_retries.py), in the record and printed.
     # zbuf.compile runs with PYTORCH_CUDA_ALLOC_CONF blank: torch's allocator left to zbuf
     limit=290
     # The first process on a fresh machine reads torch's, Triton's and CUDA's libraries from
@@ -326,9 +328,10 @@ case "${1:-}" in
         timeout "${BENCH_TIMEOUT:-$limit}" python3 benches/plain_setup.py "${model[@]}" --micro-batch 4 \
         --seq-len 4096 --ac full --placement "$placement" --steps 30 --warmup 10 \
         --variants "$v" --out "$OUT/$name" ${PLAIN_ARGS:-} \
-        ${PROFILE:+--profile-dir "$OUT/$name/profile"} 2>&1 | grep -v "Warning\|warn" \
+        ${PROFILE:+--profile-dir "$OUT/$name/profile"} ${TRACE_STEP:+--trace-step $TRACE_STEP} \
+        2>&1 | grep -v "Warning\|warn" \
         | tee "$OUT/$name.log" | tail -3
-      python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'replanned_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload'), 'block forward ms', (r.get('planned') or {}).get('measured_block_forward_ms'), 'phases', {k: {p: round(v, 1) for p, v in ph['phases'].items()} for k, ph in (r.get('compile_phases_by_step') or {}).items()}, 'timers of step 1', {t: round(v, 2) for t, v in list(((r.get('compile_phases_by_step') or {}).get('1') or {}).get('timers', {}).items())[:12]}) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
+      python3 -c "import json,sys; [print({k: r.get(k) for k in ('variant', 'status', 'step_ms_median', 'first_step_s', 'time_to_final_plan_s', 'compiled_steps', 'replanned_steps', 'warmup_step_s', 'peak_device_bytes', 'peak_reserved_bytes', 'alloc_retries_by_step', 'allocator_trace')}, 'last loss', (r.get('losses') or [None])[-1], 'offload', (r.get('planned') or {}).get('activation_offload'), 'block forward ms', (r.get('planned') or {}).get('measured_block_forward_ms'), 'phases', {k: {p: round(v, 1) for p, v in ph['phases'].items()} for k, ph in (r.get('compile_phases_by_step') or {}).items()}, 'timers of step 1', {t: round(v, 2) for t, v in list(((r.get('compile_phases_by_step') or {}).get('1') or {}).get('timers', {}).items())[:12]}) for r in json.load(open(sys.argv[1]))['variants']]" "$OUT/$name/plain_setup.json" || true
       [ -z "${PROFILE:-}" ] || python3 -c "import json,glob; [print(p, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.load(open(p)).items() if not k.startswith('top_')}, json.load(open(p)).get('top_kernels_ms_per_step', [])[:8], *[(round(k['ms'], 2), k['calls'], k['kernel']) for k in json.load(open(p)).get('top_named_kernels_ms_per_step', [])[:24]], sep='\\n') for p in glob.glob('$OUT/$name/profile/*.summary.json')]"
      done
     done
