@@ -419,6 +419,9 @@ def test_the_default_offloads_under_its_own_peak_as_the_reference_and_the_blocks
     assert [frames.levels.get(b, 0) for b in frames.called] == [
         level if i in expected else 0 for i in range(7)]
     assert offload.moved_down == offload.moved_up > 0 and offload.late_uploads == 0
+    # The step's progress saw the uploads in backward (the window uploads after them: [Note:
+    # the step's window] in zbuf/offload_window.py).
+    assert run.memory.progress.link_busy_until >= 0
     levels = run.memory.report()["measured"]["recompute"]
     assert levels["mode"] == "checkpointed"
     at_level = levels["regions_kept" if level == 2 else "regions_selective"]

@@ -49,12 +49,13 @@ def _fits(profile, window, slot, ceiling, step_slots=SLOTS):
 @settings(max_examples=MAX_EXAMPLES, deadline=None)
 @given(forward=peaks, backward=peaks, optimizer=st.integers(0, 100),
        buckets=st.integers(0, 12), slot=st.integers(1, 20), usable=st.integers(0, 150),
-       frag=st.integers(0, PPM))
+       frag=st.integers(0, PPM), busy=st.integers(-1, 14))
 def test_the_window_holds_each_slot_only_where_the_profiled_step_had_room(
-        forward, backward, optimizer, buckets, slot, usable, frag):
+        forward, backward, optimizer, buckets, slot, usable, frag, busy):
     profile = StepProfile(0, tuple(forward), tuple(backward), optimizer)
     ceiling = _ceiling(profile, usable, frag)
-    window = plan_window(profile, buckets, slot, usable, frag, SLOTS)
+    window = plan_window(profile, buckets, slot, usable, frag, SLOTS, link_busy_until=busy)
+    first = min(busy + 1, len(backward) - 1)  # the offloaded blocks' uploads have the link
     last = len(forward) - 1
 
     def window_of(slots):  # every bucket at the end of backward, every slot released at once
@@ -67,14 +68,14 @@ def test_the_window_holds_each_slot_only_where_the_profiled_step_had_room(
     assert min(SLOTS, buckets) <= window.slots <= buckets
     assert list(window.uploads) == sorted(window.uploads)
     assert list(window.releases) == sorted(window.releases)
-    assert all(0 <= u < len(backward) for u in window.uploads)
+    assert all(first <= u < len(backward) for u in window.uploads)
     assert all(0 <= r <= last for r in window.releases)
     assert _fits(profile, window, slot, ceiling)  # never above the step's own peak
     # The most slots, each bucket uploaded as early and each slot released as late as fits.
     assert window.slots == buckets or not _fits(profile, window_of(window.slots + 1), slot,
                                                 ceiling)
     for i, u in enumerate(window.uploads):
-        if u > 0:
+        if u > first:
             earlier = window.uploads[:i] + (u - 1,) * (window.slots - i)
             assert not _fits(profile, window._replace(uploads=tuple(
                 min(a, b) for a, b in zip(window.uploads, earlier))), slot, ceiling)
@@ -106,6 +107,23 @@ def test_the_window_fits_under_the_peak_the_offload_saved():
     # start, 2 past its first block.
     small = plan_window(profile, 28, gib // 2, 20 * gib, PPM // 10, SLOTS)
     assert small == OffloadWindow((3,) * 6, (1,) * 4 + (2,) * 2)
+
+
+def test_the_window_uploads_after_the_offloaded_blocks_on_the_shared_link():
+    """The offloaded blocks' uploads, which backward waits for, have the upward link to
+    themselves: the buckets that fitted from point 1 wait for the point after the last such
+    upload, and the window keeps every slot (the room only grows later in backward)."""
+    gib = 1 << 30
+    profile = StepProfile(0, forward=(15 * gib, 17 * gib, 20 * gib, 25 * gib),
+                          backward=(25 * gib, 21 * gib, 18 * gib, 15 * gib),
+                          optimizer=16 * gib)
+    alone = plan_window(profile, 28, gib // 2, 70 * gib, 0, SLOTS)
+    shared = plan_window(profile, 28, gib // 2, 70 * gib, 0, SLOTS, link_busy_until=1)
+    assert alone.uploads == (1,) * 8 + (2,) * 6 + (3,) * 6
+    assert shared == alone._replace(uploads=(2,) * 14 + (3,) * 6)
+    # Busy to the end of backward: every bucket at its last point, as room allows anyway.
+    late = plan_window(profile, 28, gib // 2, 70 * gib, 0, SLOTS, link_busy_until=9)
+    assert late.uploads == (3,) * 20 and late.releases == alone.releases
 
 
 # -- the executor on CPU -----------------------------------------------------------------------
@@ -230,3 +248,30 @@ def test_the_plain_loop_profiles_a_settled_step_and_trains_bit_exact_in_its_wind
     moved_each_way = rec["bytes_moved_per_step"] // 2
     assert [s["uploaded_bytes"] for s in rec["steps"]] == [0] + [moved_each_way] * 6
     assert [s["downloaded_bytes"] for s in rec["steps"]] == [moved_each_way] * 7
+
+
+def test_the_progress_remembers_where_backward_last_began_an_upload():
+    """[Note: progress points]: the last backward point at which an offloaded block's upload
+    began, read when the window is sized (the next forward has not reached a backward yet);
+    forward uploads (none are planned) and earlier steps' do not count."""
+    from zbuf.memory.progress import StepProgress
+
+    model = torch.nn.Linear(4, 4, bias=False)  # 64 bytes of gradient
+    import zbuf.memory.progress as progress_module
+
+    with mock.patch.object(progress_module, "MARK_BYTES", 16):
+        progress = StepProgress(model)
+        progress.watch_gradients()
+        progress.forward_started()
+        progress.upload_started()
+        assert progress.link_busy_until == -1
+        progress.backward_started()
+        progress.upload_started()
+        assert progress.link_busy_until == 0
+        model(torch.ones(1, 4)).sum().backward()  # four marks
+        progress.upload_started()
+        progress.forward_started()
+        assert progress.link_busy_until == 4
+        progress.backward_started()
+        assert progress.link_busy_until == -1
+        progress.detach()

@@ -185,16 +185,18 @@ class OffloadChoice:
                     f"in host memory")
 
     def plan_window(self, profile: StepProfile, usable_bytes: int,
-                    fragmentation_ppm: int) -> None:
+                    fragmentation_ppm: int, link_busy_until: int = -1) -> None:
         """[Note: the step's window] in zbuf/offload_window.py."""
         off = self.offload
         if off is None or not off.active or not off.buckets:
             return
         off.window = plan_window(profile, len(off.buckets), off.slot_bytes, usable_bytes,
-                                 fragmentation_ppm, min(SLOTS, len(off.buckets)))
+                                 fragmentation_ppm, min(SLOTS, len(off.buckets)),
+                                 link_busy_until)
         self.window_sized_from = {"step": profile.step, "peak_bytes": profile.peak,
                                   "usable_bytes": usable_bytes,
-                                  "fragmentation_ppm": fragmentation_ppm}
+                                  "fragmentation_ppm": fragmentation_ppm,
+                                  "link_busy_until": link_busy_until}
 
     def at(self, point: Point) -> None:
         if self.offload is not None:

@@ -28,6 +28,18 @@ The points are the step's progress marks ([Note: progress points] in zbuf/memory
 in backward, each ``MARK_BYTES`` of gradients that arrived; in forward, the start of the forward
 and of each block frame. They are the same program points in every step and on every rank.
 
+The upward link is shared: the offloaded blocks' activations ([Note: offloaded blocks] in
+zbuf/compile/block_offload.py) come back early in backward, the blocks forward called last
+first, and the compute stream waits for each. A bucket of state, needed only in the optimizer
+step, uploaded beside them halves their speed: at qwen3-32b as rank 0 of 8 the window uploaded
+15 buckets (13.5 GB) at backward point 1, among the uploads of the 12 offloaded blocks, and
+backward waited 117 ms a step for those (benches/results/onepath32b.md). So no bucket is
+uploaded before the point after the last at which an offloaded block's upload began in the
+profiled step (``link_busy_until``, [Note: progress points] in zbuf/memory/progress.py): later in
+backward the room only grows, so this costs the window no slot, only time under which the
+uploads hide, of which the rest of backward has more than the state's bytes need at the
+link's speed.
+
 Sized from one measured step ([Note: whole-step budget] in zbuf/memory/step.py): the first step
 of the settled plan is profiled, its allocated peak between each two points read, and
 ``plan_window`` sizes the window from those peaks, rank-agreed. The window never raises the
@@ -66,10 +78,13 @@ class OffloadWindow(NamedTuple):
 
 
 def plan_window(profile: StepProfile, buckets: int, slot_bytes: int, usable_bytes: int,
-                fragmentation_ppm: int, step_slots: int) -> Optional[OffloadWindow]:
+                fragmentation_ppm: int, step_slots: int,
+                link_busy_until: int = -1) -> Optional[OffloadWindow]:
     """The window for ``buckets`` streamed buckets of ``slot_bytes`` each, or None ([Note: the
     step's window]). ``profile``: the measured step, its optimizer step with ``step_slots``
-    slots; ``usable_bytes``: the limit less the margin and what the pool holds."""
+    slots; ``usable_bytes``: the limit less the margin and what the pool holds;
+    ``link_busy_until``: the profiled step's last backward point at which an offloaded block's
+    upload began (-1: none), before which no bucket is uploaded."""
     ceiling = min(profile.peak, usable_bytes * PPM // (PPM + fragmentation_ppm))
 
     def room(peak: int) -> int:  # slots that fit beside ``peak``
@@ -85,7 +100,9 @@ def plan_window(profile: StepProfile, buckets: int, slot_bytes: int, usable_byte
         slots = 0
     if buckets == 0 or slots < min(step_slots, buckets):
         return None
-    uploads = tuple(next(j for j, a in enumerate(after) if room(a) > i) for i in range(slots))
+    first = min(link_busy_until + 1, len(after) - 1)
+    uploads = tuple(max(first, next(j for j, a in enumerate(after) if room(a) > i))
+                    for i in range(slots))
     last = len(profile.forward) - 1  # the last block's start: its segment ends the forward
     releases = tuple(next((k for k, b in enumerate(before) if room(b) < slots - t), last)
                      for t in range(slots))

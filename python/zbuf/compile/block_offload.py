@@ -349,6 +349,8 @@ class OffloadedCall:
             self._uploaded = owner.up.record_event()
             self._compute = compute
         owner.moved_up += self.nbytes
+        for observe in owner.upload_observers:
+            observe()
 
     @staticmethod
     def unpack(saved: OffloadedTensor) -> torch.Tensor:
@@ -398,6 +400,10 @@ class BlockOffload:
         """Bytes sent to host memory so far (producer: ``OffloadedCall.pack``)."""
         self.moved_up = 0
         """Bytes brought back so far (producer: ``OffloadedCall.upload``)."""
+        self.upload_observers: list = []
+        """Called as each call's upload is issued (producer: ``OffloadedCall.upload``; consumer:
+        the step's progress, so that the streamed optimizer state's window uploads after them
+        on the shared upward link: [Note: the step's window] in zbuf/offload_window.py)."""
         self.late_uploads = 0
         """Calls whose backward began before their upload did (producer:
         ``OffloadedCall.unpack``)."""

@@ -214,6 +214,7 @@ def compile_model(
         step_memory = StepMemory(model, optimizer, hooked=model, replanner=block_replanner,
                                  host_free_bytes=host_free)
         frames.forward_observers.append(step_memory.progress.forward_block)
+        frames.offload.upload_observers.append(step_memory.progress.upload_started)
         if block_replanner is not None:
             frames.finish_observers.append(lambda: block_replanner.lock_ahead(
                 0 if choice is None else choice.undecided_host_bytes()))

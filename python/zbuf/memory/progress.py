@@ -18,6 +18,10 @@ forward. Two kinds of points mark a step's progress there, each counted from its
 
 Both depend only on the sequence of calls and the parameters' sizes, never on timing, so a
 point names the same place in the program in every step of a run and on every rank.
+
+The progress also remembers the last backward point at which another user of the upward host
+link, the offloaded blocks' uploads, began a copy (``link_busy_until``): the state's window
+uploads after it ([Note: the step's window]).
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class StepProgress:
         self._arrived = 0
         self._marks = 0
         self._handles: list = []
+        self._in_backward = False
+        self.link_busy_until = -1
+        """The last backward point of the latest backward at which an offloaded block's upload
+        began (``upload_started``); -1: none."""
 
     def watch_gradients(self) -> None:
         """Mark backward's progress from now on (idempotent)."""
@@ -74,6 +82,7 @@ class StepProgress:
 
     def forward_started(self) -> None:
         self._forward_blocks = 0
+        self._in_backward = False
         self._emit(Point("forward", 0))
 
     def forward_block(self) -> None:
@@ -82,7 +91,14 @@ class StepProgress:
 
     def backward_started(self) -> None:
         self._arrived = self._marks = 0
+        self._in_backward = True
+        self.link_busy_until = -1
         self._emit(Point("backward", 0))
+
+    def upload_started(self) -> None:
+        """An offloaded block's upload began (in backward: at the current point)."""
+        if self._in_backward:
+            self.link_busy_until = self._marks
 
     def _gradient(self, nbytes: int) -> None:
         self._arrived += nbytes

@@ -380,9 +380,11 @@ class StepMemory:
             return
         row = next(r for r in self.meter.rows if r.step == profile.step)
         usable = without_margin(self.limit_bytes()) - self.memory.pool_share_bytes()
-        (usable,), (frag,) = agree_extremes(self.group, self.memory.device, smallest=[usable],
-                                            largest=[fragmentation_ppm(row)])
-        self.offload_choice.plan_window(agreed, usable, frag)
+        # The progress still holds the profiled step's backward: no backward ran since.
+        (usable,), (frag, busy) = agree_extremes(
+            self.group, self.memory.device, smallest=[usable],
+            largest=[fragmentation_ppm(row), self.progress.link_busy_until])
+        self.offload_choice.plan_window(agreed, usable, frag, busy)
 
     def _before_optimizer(self) -> None:
         self._pool_after_backward = self.memory.pool.stats().charged_bytes
