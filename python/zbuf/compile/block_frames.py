@@ -147,7 +147,6 @@ from .block_offload import BlockOffload
 from .block_prefetch import BlockPrefetch, FrameSlot, HeldGather
 from .budget import PlanExceedsMemoryError, graph_memory
 from .dynamo_settings import traced_as_zbuf
-from .graph_info import unpacks_results
 from .options import CompileOptions
 from .recompute import (LEVELS, Region, apply_levels, find_regions, forward_nodes, level_specs,
                         measure_partition)
@@ -245,9 +244,6 @@ def _whole_block(graph: torch.fx.Graph, forward: set) -> Optional[Region]:
     """Every forward op of a block's joint graph as one region: the block as its caller's
     checkpoint recomputes it ([Note: a block under the caller's checkpoint])."""
     ops = {n for n in graph.nodes if n.op == "call_function" and n in forward}
-    # A multi-output op's items that only backward reads are its results too, computed with it
-    # (attention's log-sum-exp), as they are in a region the user's checkpoint tagged.
-    ops |= {u for n in ops for u in n.users if unpacks_results(u)}
     names = tuple(n.name for n in graph.nodes if n in ops)
     return Region("block", 0, names) if names else None
 

@@ -164,10 +164,12 @@ class Region:
 
 def forward_nodes(graph: torch.fx.Graph, num_fwd_outputs: int) -> set[torch.fx.Node]:
     """The forward of a joint graph: what its forward outputs (the first ``num_fwd_outputs``)
-    need, and every node of a checkpointed region (a region's values that only backward reads,
-    attention's log-sum-exp say, are computed in the forward too). Everything else runs in
-    backward, tangent or not (a backward may start from values of the forward alone: the zeros a
-    loss's gradient is scattered into)."""
+    need, every node of a checkpointed region (a region's values that only backward reads,
+    attention's log-sum-exp say, are computed in the forward too), and every item of a forward
+    op with several results (an item that only backward reads is computed with the op, in the
+    forward: attention's log-sum-exp outside a region). Everything else runs in backward,
+    tangent or not (a backward may start from values of the forward alone: the zeros a loss's
+    gradient is scattered into)."""
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     tangent_dependent = backward_nodes(graph)
     stack = [a for a in out.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)]
@@ -178,7 +180,8 @@ def forward_nodes(graph: torch.fx.Graph, num_fwd_outputs: int) -> set[torch.fx.N
         if n not in seen and n not in tangent_dependent:
             seen.add(n)
             stack.extend(n.all_input_nodes)
-    return seen
+    return seen | {u for n in seen for u in n.users
+                   if unpacks_results(u) and u not in tangent_dependent}
 
 
 def find_regions(graph: torch.fx.Graph,
