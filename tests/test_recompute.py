@@ -32,17 +32,22 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")  # conftest.py
 MAX_EXAMPLES = max(1, int(os.environ.get("ZBUF_FUZZ_EXAMPLES", "150")) // 10)
 
 
-def _decoder(layers=3):
+def _decoder(layers=3, checkpointed=True):
     from zbuf.models import apply_activation_checkpointing, build_model, resolve_config
 
     cfg = resolve_config("tiny").replace(num_layers=layers, vocab_size=97)
     torch.manual_seed(0)
-    return apply_activation_checkpointing(build_model(cfg))
+    model = build_model(cfg)
+    return apply_activation_checkpointing(model) if checkpointed else model
 
 
 @pytest.fixture(scope="module")
 def joint():
     """(joint graph module, partitioner kwargs, example inputs) of a 3-block decoder."""
+    return _joint_of(_decoder())
+
+
+def _joint_of(model):
     from zbuf.models import loss
     from zbuf.shard import shard
 
@@ -59,7 +64,7 @@ def joint():
 
     ZbufPartitioner.__call__ = capture
     try:
-        model = shard(_decoder())
+        model = shard(model)
         cm = torch.compile(model, backend="zbuf", fullgraph=True, options={"inner": "aot_eager"})
         tokens = torch.randint(0, 97, (4, 64), generator=torch.Generator().manual_seed(1))
         loss(cm, tokens, tokens).backward()
@@ -219,3 +224,21 @@ def test_identical_blocks_get_identical_levels_on_any_copy_of_the_graph(joint):
     assert first[0][0].recompute_seconds > 0
     for _ in range(5):  # new nodes at new addresses: another iteration order of any node set
         assert specs(recompute.copy_joint(joint["gm"])) == first
+
+
+def test_a_forward_ops_results_are_forward_values():
+    """``forward_nodes``: every item of a forward op with several results is a forward value,
+    also one only backward reads (attention's log-sum-exp outside any checkpointed region): it
+    is computed with its op, so a block's region and the partition's estimates count it where
+    it is made."""
+    from zbuf.compile.graph_info import unpacks_results
+
+    joint = _joint_of(_decoder(checkpointed=False))
+    gm = joint["gm"]
+    forward = recompute.forward_nodes(gm.graph, joint["kwargs"]["num_fwd_outputs"])
+    backward = recompute.backward_nodes(gm.graph)
+    items = [u for n in forward for u in n.users if unpacks_results(u) and u not in backward]
+    attention = [u for u in items if "attention" in str(u.args[0].target)]
+    assert attention and all(u in forward for u in items)
+    # Some of those items are read by backward alone (the op's second result).
+    assert any(all(r in backward for r in u.users) for u in attention)
