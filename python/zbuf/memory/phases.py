@@ -130,6 +130,7 @@ class PhaseMeter:
         self._phase: Optional[str] = None  # None: no step open; else the running phase
         self._start = 0
         self._peaks: dict[str, tuple[int, int]] = {}
+        self._boundary = 0  # CPU: tracked bytes at the running phase's start
         self._retries: dict[str, int] = {}
         """Each phase's allocator retries so far in the open step (CUDA)."""
         self._retries_read = 0  # CUDA: the allocator's retry counter at the running phase's start
