@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # One step of the GPU evidence per call, each inside the device tool's 10-minute command limit
 # (nvidia-h200-x2; carry python/zbuf/_core.abi3.so). Writes logs and records to $OUT.
-#   bash benches/device/run.sh tests-a    # every tests/gpu test but the slow three (~7.5 min cold)
-#   bash benches/device/run.sh tests-b    # two of the slow three: simulate, cli (~4-6 min)
-#   bash benches/device/run.sh tests-c    # the third: the user's checkpointing (~2-5 min)
+#   bash benches/device/run.sh tests      # every tests/gpu test, four files at a time
 #   bash benches/device/run.sh tests tests/gpu/test_compile_gpu.py ...  # only the files named
 #   bash benches/device/run.sh pool       # pool GPU tests, pool and op-dispatch benchmarks (~2 min)
 #   bash benches/device/run.sh 17b        # qwen3-1.7b: zbuf, ddp, fsdp2    (~6.5 min)
@@ -145,24 +143,27 @@ bench() {  # bench NAME ENGINE[:MODE] [extra args...]: one engine, its own recor
     --out "$OUT/${name}_${engine/:/-}.json" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/${name}_${engine/:/-}.log" | tail -20
 }
 
-# Every tests/gpu test in three calls, each under the 10-minute limit on a cold machine:
-# tests-a, tests-b, tests-c (at 2c7cf74 tests-a took 561 s; at 901b1fe the slow three files
-# 359 s, and at 3ae4b14 five of their six tests did not end within 480 s, so they are two calls
-# now). Each test's line is logged as it ends (-v), so a call cut off by the limit still says
-# which tests passed.
-SLOW_GPU_TESTS=(tests/gpu/test_simulate_gpu.py tests/gpu/test_cli_gpu.py)
-CHECKPOINTING_GPU_TESTS=(tests/gpu/test_user_checkpointing_gpu.py)
+# Every tests/gpu test in one call (serially they took 359 + 359 + 173 s at 901b1fe..e75dcd8, three
+# calls): the files that read the whole device's free memory or fill it run alone, after the rest
+# ran four files at a time (pytest-xdist, one file a worker: module fixtures stay whole; each
+# process counts its own peaks, and the small models leave the card mostly free for the others).
+# Each test's line is logged as it ends (-v), so a call cut off by the limit still says which
+# tests passed. `tests FILE...` runs only the files named, one after another.
+DEVICE_WIDE_GPU_TESTS=(tests/gpu/test_memory_gpu.py tests/gpu/test_pool_gpu.py
+  tests/gpu/test_torch_allocator_gpu.py)
 case "${1:-}" in
-  tests-a) set -- tests $(ls tests/gpu/test_*.py | grep -v -F "$(printf '%s\n' \
-    "${SLOW_GPU_TESTS[@]}" "${CHECKPOINTING_GPU_TESTS[@]}")") ;;
-  tests-b) set -- tests "${SLOW_GPU_TESTS[@]}" ;;
-  tests-c) set -- tests "${CHECKPOINTING_GPU_TESTS[@]}" ;;
-esac
-case "${1:-}" in
-  tests)  # tests [FILE...]: every tests/gpu test, or the files named
+  tests)
     shift
-    ZBUF_POISON_RELEASES=1 timeout 590 python3 -m pytest -v -ra -p no:cacheprovider "${@:-tests/gpu}" \
-      --timeout 300 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    log="$OUT/gpu_tests.log"
+    if [ $# -eq 0 ]; then
+      ZBUF_POISON_RELEASES=1 timeout 430 python3 -m pytest -v -ra -p no:cacheprovider -n 4 \
+        --dist loadfile $(ls tests/gpu/test_*.py | grep -v -F "$(printf '%s\n' \
+        "${DEVICE_WIDE_GPU_TESTS[@]}")") --timeout 400 --durations=15 > "$log" 2>&1
+      set -- "${DEVICE_WIDE_GPU_TESTS[@]}"
+    fi
+    ZBUF_POISON_RELEASES=1 timeout 150 python3 -m pytest -v -ra -p no:cacheprovider "$@" \
+      --timeout 120 --durations=15 >> "$log" 2>&1
+    grep -E "passed|failed|error|PASSED|FAILED|ERROR|SKIPPED" "$log" | tail -80 ;;
   pool)
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pool_gpu.py 2>&1 | tail -5
     timeout 120 python3 benches/pool_bench.py --device cuda --out "$OUT" 2>&1 | tail -20
@@ -384,6 +385,6 @@ case "${1:-}" in
       --seq-len 4096 --ac "$ac" --steps 30 --warmup 10 --variants "${2:-bench,plain}" \
       --out "$OUT/$1_$ac" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/$1_$ac.log" | tail -20 ;;
   *)
-    echo "usage: $0 tests [FILE...]|tests-a|tests-b|tests-c|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]|onepath 14b|17b|32b PLACEMENTS [VARIANTS]|32b ENGINE [ARGS]|offload14 [ARGS]|fit32b [ENGINE] [MIN] [MAX]|fitcheck 8b|32b MB" >&2
+    echo "usage: $0 tests [FILE...]|pool|17b|8b|8b-cap|14b [ENGINE...]|14b-cap [ENGINE...]|14b-x2|14b-x2-cap|1gpu-memfloor [FRACS]|floor17b|floor8b-sim ENGINE OPTIMIZER FRACS|floor8b-pair OPTIMIZER ZBUF_FRACS FSDP2_FRACS|memfloor-8b ENGINE OPTIMIZER FRACS|1gpu-compile|1gpu-ac|1gpu-plain|8b-ac SPEC|8b-ac-cap SPEC|17b-ac|17b-ac-more|seed14 ENGINE [ARGS]|seed14-twice ENGINE [ARGS]|17b-blocks|profile14|8b-sim ENGINE [ARGS]|fit8b [ENGINE] [MIN] [MAX]|plain14|plain8b [VARIANTS] [AC]|onepath 14b|17b|32b PLACEMENTS [VARIANTS]|32b ENGINE [ARGS]|offload14 [ARGS]|fit32b [ENGINE] [MIN] [MAX]|fitcheck 8b|32b MB" >&2
     exit 2 ;;
 esac
