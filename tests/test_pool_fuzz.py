@@ -75,6 +75,7 @@ class Model:
     recovered: bool = False
     hot: dict[int, int] = field(default_factory=dict)
     admission: dict[int, int] | None = None
+    replanned_since_recovery: bool = False
 
     def pool_blocks(self):
         return [b for b in self.blocks if not b.outside]
@@ -153,14 +154,22 @@ class Model:
 
     def end_recovery(self) -> None:
         self.recovering, self.recovered = False, True
-        self.admission = dict(self.hot)
+        if not self.replanned_since_recovery:
+            self.admission = dict(self.hot)
 
     def set_budget(self, n: int) -> None:
         self.budget = min(n, HARD_CAP)
         self.evict_lru_until(self.budget)
 
     def set_floor(self, n: int) -> None:
-        self.floor = min(n, HARD_CAP)
+        # A new plan's working set ends the recovery's admission (rust/pool/mod.rs, [Note:
+        # one-shot recovery], step 5).
+        floor = min(n, HARD_CAP)
+        if floor != self.floor:
+            self.replanned_since_recovery = self.recovering or self.recovered
+            if self.recovered:
+                self.admission = None
+        self.floor = floor
 
     def pressure(self, retries: int, free: int) -> str:
         prev, self.last_retries = self.last_retries, retries

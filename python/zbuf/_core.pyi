@@ -71,7 +71,8 @@ class PoolCore:
         """Sets the budget (clamped to the hard cap); returns the effective value."""
     def set_floor(self, nbytes: int) -> int:
         """Sets the floor the pressure policy never shrinks the budget below (clamped to the
-        hard cap); returns the effective value."""
+        hard cap); returns the effective value. A new floor after the recovery began ends its
+        hot-set admission."""
     def set_reclaim_hook(self, hook: Any) -> None:
         """`hook(nbytes)` runs (pool unlocked) when the device refuses an acquire even after the
         pool freed its idle blocks; the acquire is then retried once. None removes it."""

@@ -228,7 +228,9 @@ class GatherBufferPool:
         """The pressure policy never shrinks the budget below ``nbytes`` (clamped to the hard
         cap): the working set a memory plan sized the budget to, whose gathers need those bytes
         at once whatever the budget says (rust/pressure.rs, [Note: pressure policy]). Moves
-        nothing now; returns the effective floor."""
+        nothing now; returns the effective floor. A floor that differs from the last, set once
+        the one-shot recovery began, ends the recovery's hot-set admission: a new plan's gathers
+        are pooled within the budget (rust/pool/mod.rs, [Note: one-shot recovery])."""
         return self._core.set_floor(nbytes)
 
     def set_budget_observer(self, observer: Callable[[int], object] | None) -> None:

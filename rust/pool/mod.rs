@@ -62,6 +62,9 @@
 //! 4. when the last retired block is back, readmit: from then on a new pool block is created
 //!    only for a capacity in the hot set, at most as many as the hot set holds; anything else
 //!    is served outside.
+//! 5. a plan that sets a new working set afterwards (a floor that differs, `set_floor`) ends
+//!    the admission: the hot set was the old plan's gathers, and the new plan's would otherwise
+//!    be served outside the pool at every use. The budget and the floor bound the pool again.
 
 pub mod config;
 pub mod error;
@@ -206,6 +209,9 @@ pub struct GatherPool<B: Backend> {
     hot_set: BTreeMap<u64, u64>,
     /// After the recovery: pool blocks that may still be created, per capacity.
     admission: Option<BTreeMap<u64, u64>>,
+    /// A new floor was set once the recovery had begun: the hot set admits nothing (step 5 of
+    /// [Note: one-shot recovery]).
+    replanned_since_recovery: bool,
     /// Explicitly released checkouts whose storage is still alive ([Note: stale holders]).
     stale: StaleHolders,
 }
@@ -235,6 +241,7 @@ impl<B: Backend> GatherPool<B> {
             retired_outstanding: 0,
             hot_set: BTreeMap::new(),
             admission: None,
+            replanned_since_recovery: false,
             stale: StaleHolders::default(),
         })
     }
@@ -699,9 +706,19 @@ impl<B: Backend> GatherPool<B> {
     /// Sets the floor the pressure policy never shrinks the budget below (clamped to the hard
     /// cap): the working set a memory plan sized the budget to (see [`crate::pressure`]).
     /// Returns the effective floor. It moves nothing now: the budget stays where it is.
+    /// A floor that differs from the last one is a new plan's working set: once the one-shot
+    /// recovery has begun, its gathers are admitted by the budget alone, not by the hot set of the
+    /// plan before it ([Note: one-shot recovery], step 5).
     pub fn set_floor(&mut self, nbytes: u64) -> u64 {
-        self.stats.floor_bytes = nbytes.min(self.config.hard_cap_bytes);
-        self.stats.floor_bytes
+        let floor = nbytes.min(self.config.hard_cap_bytes);
+        if floor != self.stats.floor_bytes {
+            self.replanned_since_recovery = self.stats.recovering || self.stats.recovered;
+            if self.stats.recovered {
+                self.admission = None;
+            }
+        }
+        self.stats.floor_bytes = floor;
+        floor
     }
 
     /// Feeds the caching allocator's cumulative retry counter and the device's free bytes
@@ -765,7 +782,9 @@ impl<B: Backend> GatherPool<B> {
     fn end_recovery(&mut self) {
         self.stats.recovering = false;
         self.stats.recovered = true;
-        self.admission = Some(self.hot_set.clone());
+        if !self.replanned_since_recovery {
+            self.admission = Some(self.hot_set.clone());
+        }
         self.log_event(EventKind::RecoveryEnd, 0, 0, 0);
     }
 

@@ -90,6 +90,7 @@ struct Model {
     recovery_triggered: bool,
     hot: BTreeMap<u64, u64>,
     admission: Option<BTreeMap<u64, u64>>,
+    replanned_since_recovery: bool,
 }
 
 impl Model {
@@ -204,7 +205,20 @@ impl Model {
     fn end_recovery(&mut self) {
         self.stats.recovering = false;
         self.stats.recovered = true;
-        self.admission = Some(self.hot.clone());
+        if !self.replanned_since_recovery {
+            self.admission = Some(self.hot.clone());
+        }
+    }
+
+    fn set_floor(&mut self, nbytes: u64) {
+        let floor = nbytes.min(HARD_CAP);
+        if floor != self.floor {
+            self.replanned_since_recovery = self.stats.recovering || self.stats.recovered;
+            if self.stats.recovered {
+                self.admission = None;
+            }
+        }
+        self.floor = floor;
     }
 
     fn pressure(&mut self, retries: u64, free: u64) {
@@ -260,7 +274,7 @@ fn check_invariants(pool: &GatherPool<HostBackend>, model: &Model, recovery_star
         "every byte the backend holds is charged, outside or pending"
     );
     assert!(recovery_starts <= 1, "the recovery is one-shot");
-    if s.recovered {
+    if s.recovered && !model.replanned_since_recovery {
         let mut caps: BTreeMap<u64, u64> = BTreeMap::new();
         for c in leases.iter().filter(|l| !l.outside).map(|l| l.capacity).chain(idle.iter().map(|b| b.capacity)) {
             *caps.entry(c).or_insert(0) += 1;
@@ -463,7 +477,7 @@ fn run(ops: Vec<Op>, initial_budget_units: u64) {
                 model.evict_lru_until(budget);
             }
             Op::SetFloor { units } => {
-                model.floor = (units * ALIGN).min(HARD_CAP);
+                model.set_floor(units * ALIGN);
                 assert_eq!(pool.set_floor(units * ALIGN), model.floor);
             }
             Op::Trim => {

@@ -319,3 +319,40 @@ fn driver_failures_leave_state_unchanged() {
     assert_eq!(p.acquire(256, 2).unwrap_err().kind(), "PoolBackendError");
     assert_eq!(p.stats(), before);
 }
+
+#[test]
+fn a_new_plan_after_the_recovery_is_admitted_by_its_budget() {
+    let mut p = pool(1 << 20);
+    assert_eq!(p.set_floor(2048), 2048);
+    let a = p.acquire(1024, 0).unwrap();
+    assert_eq!(p.observe_pressure(0, 1 << 30), PressureAction::None);
+    assert!(matches!(p.observe_pressure(3, 1 << 30), PressureAction::ShrinkAndRecover { .. }));
+    p.release(a.id, None).unwrap();
+    assert!(p.stats().recovered);
+    let old_plan = p.acquire(4096, 0).unwrap();
+    assert!(old_plan.outside, "the hot set admits only the 1024-byte block");
+    p.release(old_plan.id, None).unwrap();
+    // The same working set planned again changes nothing.
+    p.set_floor(2048);
+    assert!(p.acquire(4096, 0).unwrap().outside);
+    // A new plan's working set: its 4096-byte gathers go back into the pool and stay there.
+    p.set_floor(8192);
+    let new_plan = p.acquire(4096, 0).unwrap();
+    assert!(!new_plan.outside);
+    p.release(new_plan.id, None).unwrap();
+    assert!(p.acquire(4096, 0).unwrap().hit);
+}
+
+#[test]
+fn a_new_plan_during_the_recovery_leaves_no_hot_set_admission_after_it() {
+    let mut p = pool(1 << 20);
+    let a = p.acquire(1024, 0).unwrap();
+    assert_eq!(p.observe_pressure(0, 1 << 30), PressureAction::None);
+    assert!(matches!(p.observe_pressure(3, 1 << 30), PressureAction::ShrinkAndRecover { .. }));
+    assert!(p.stats().recovering);
+    p.set_floor(8192);
+    assert!(p.acquire(4096, 0).unwrap().outside, "a recovery serves everything outside");
+    p.release(a.id, None).unwrap();
+    assert!(p.stats().recovered);
+    assert!(!p.acquire(4096, 0).unwrap().outside);
+}

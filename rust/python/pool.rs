@@ -394,7 +394,8 @@ impl PoolCore {
     }
 
     /// Sets the floor the pressure policy never shrinks the budget below (clamped to the hard
-    /// cap); returns the effective value.
+    /// cap); returns the effective value. A new floor after the recovery began ends its hot-set
+    /// admission.
     fn set_floor(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
         if nbytes.is_none() {
             return Err(invalid_request(py, "set_floor() needs a number of bytes, got None".into()));
