@@ -749,6 +749,7 @@ def test_the_default_offloads_only_where_the_saving_pays_for_the_compile(monkeyp
     assert record["blocks"] == len(taken.frames.offload.offloaded)
     assert 0 < record["saved_ms_per_step"] * 100 < 1e3 * record["first_step_s"]
     assert record["payback_steps"] == 100
+    assert record["levels"] == {"selective": len(taken.frames.levels)}
     assert declined.frames.graphs_compiled < taken.frames.graphs_compiled
     torch.testing.assert_close(declined.losses, taken.losses, rtol=1e-5, atol=0)
 

@@ -445,10 +445,10 @@ class BlockOffload:
         self.link_probe: Optional[LinkSpeed] = None
         """The host link measured each way (producer: the re-planner's probe, the last one;
         consumer: ``report``), None where none ran."""
-        self.declined_for_compile: Optional[dict[str, float]] = None
+        self.declined_for_compile: Optional[dict[str, Any]] = None
         """The default's plan of offloaded blocks the re-plan declined, its frame's compile not
-        paid for by the recompute it saves: blocks, modelled saving a step, the first step's
-        time, the payback horizon ([Note: a re-plan's compile pays for itself] in
+        paid for by the recompute it saves: blocks offloaded, modelled saving a step, the first
+        step's time, the payback horizon, the blocks at each level above 0 ([Note: a re-plan's compile pays for itself] in
         block_replan.py; producer: the re-planner; consumer: ``report``)."""
         self.unlocked_host_bytes = 0
         """Bytes copied through pageable host memory, their arena still being page-locked

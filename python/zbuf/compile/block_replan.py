@@ -195,6 +195,7 @@ are refused (options.py).
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import NamedTuple, Optional
 
@@ -204,7 +205,7 @@ from ..memory import (PlanPhase, PlanPhases, Replan, StepProfile, agree_extremes
                       host_share_bytes, pool_budget)
 from .block_frames import BlockFrames
 from .persist import KeepCandidate
-from .recompute import RecomputeStats
+from .recompute import LEVELS, RecomputeStats
 from .recompute_plan import NO_COPIES, HostLink, RecomputePlan, plan_block_levels, queue_speed
 from .replan import Replanner
 
@@ -434,7 +435,9 @@ class BlockReplanner:
             return True
         frames.offload.declined_for_compile = {
             "blocks": len(plan.offloaded), "saved_ms_per_step": 1e3 * plan.saved_seconds,
-            "first_step_s": micros / 1e6, "payback_steps": steps}
+            "first_step_s": micros / 1e6, "payback_steps": steps,
+            # Offloaded and kept on the device alike, by level: which frame it would compile.
+            "levels": dict(collections.Counter(LEVELS[lv] for lv in plan.levels if lv))}
         return False
 
     def _blocks_kept(self, room_bytes: int, weights_room: int) -> int:
