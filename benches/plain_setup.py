@@ -367,7 +367,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
     # (the re-plan's step set the 14B inside placement's time to the final plan at 1.500x
     # FSDP2's first step).
     phases_by_step: dict[int, dict] = {}
-    # Which requests made torch's allocator retry in step ``trace_step`` (benches/allocator_retries.py).
+    # Which requests made torch's allocator retry in step ``trace_step``
+    # (benches/allocator_retries.py).
     allocator_trace: dict | None = None
     times, losses = [], []
     vocab = cfg.model_config().vocab_size

@@ -448,8 +448,9 @@ class BlockOffload:
         self.declined_for_compile: Optional[dict[str, Any]] = None
         """The default's plan of offloaded blocks the re-plan declined, its frame's compile not
         paid for by the recompute it saves: blocks offloaded, modelled saving a step, the first
-        step's time, the payback horizon, the blocks at each level above 0 ([Note: a re-plan's compile pays for itself] in
-        block_replan.py; producer: the re-planner; consumer: ``report``)."""
+        step's time, the payback horizon, the blocks at each level above 0 ([Note: a re-plan's
+        compile pays for itself] in block_replan.py; producer: the re-planner; consumer:
+        ``report``)."""
         self.unlocked_host_bytes = 0
         """Bytes copied through pageable host memory, their arena still being page-locked
         (producer: ``OffloadedCall.pack``)."""
