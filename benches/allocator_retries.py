@@ -11,12 +11,26 @@ at which allocation.
 
 ``python3 benches/plain_setup.py ... --trace-step N`` records step ``N`` of each variant and puts
 ``retried_requests`` of it in the record (``allocator_trace``).
+
+[Note: the room at a retry]
+Which request retried does not say why it found no room. At qwen3-32b the request was the user's
+fp32 logits, 9.27 GiB, with 24.8 GB of torch's cache free in 22 ranges and none of them large
+enough (benches/results/onepath32b.md); emptying the cache at the step boundary left the same
+retry (15.4 GB free in 12 ranges by the loss), so what splits the room is laid out within the
+step. So each retried request also gets the device's layout just before its releases
+(``layouts_at_retries``): the step's last snapshot (torch's segments, one per mapped range under
+expandable segments, and their live blocks) rewound through the trace's events after that
+moment (an allocation undone frees its range, a completed free undone makes it live again with
+the frames of the allocation that made it, a mapping undone unmaps). It says how much was
+mapped, live and free, the largest free ranges, and the live blocks that split the free room
+(free memory on both sides in the same mapped range), by the site that allocated them (blocks
+older than the trace have no site).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 RELEASES = ("segment_unmap", "segment_free")
 """Trace actions that give cached memory back to the device."""
@@ -64,6 +78,127 @@ def retried_requests(trace: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]
     return found
 
 
+MAPS = {"segment_map": True, "segment_alloc": True, "segment_unmap": False, "segment_free": False}
+"""Trace actions that map device memory into torch's cache (True) or give it back (False)."""
+LARGEST_KEPT = 5
+"""Free ranges reported per layout, largest first."""
+SITES_KEPT = 8
+"""Sites of the live blocks that split the free room reported per layout, most bytes first."""
+BEFORE_THE_TRACE = "before the trace"
+
+
+def _site(frames: Optional[list]) -> str:
+    """The allocating site of a block: its first frame outside torch, or ``BEFORE_THE_TRACE``."""
+    if frames is None:
+        return BEFORE_THE_TRACE
+    kept = _frames({"frames": frames})
+    return kept[0] if kept else "torch"
+
+
+def _without(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """``ranges`` (disjoint ``(start, end)``) less ``[start, end)``."""
+    out = []
+    for a, b in ranges:
+        if b <= start or a >= end:
+            out.append((a, b))
+            continue
+        if a < start:
+            out.append((a, start))
+        if b > end:
+            out.append((end, b))
+    return out
+
+
+def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optional[list]]]
+            ) -> dict[str, Any]:
+    """Mapped, live and free bytes, the largest free ranges and the sites of the live blocks that
+    split the free room ([Note: the room at a retry])."""
+    blocks = sorted((addr, addr + size, frames) for addr, (size, frames) in live.items())
+    merged: list[list[int]] = []  # mapped ranges, touching ones joined (one segment's pages)
+    for start, end in sorted(mapped):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    free: list[int] = []
+    islands: dict[str, list[int]] = {}
+    i = 0
+    for start, end in merged:
+        while i < len(blocks) and blocks[i][0] < start:
+            i += 1
+        inside = []
+        while i < len(blocks) and blocks[i][1] <= end:
+            inside.append(blocks[i])
+            i += 1
+        cursor, gaps = start, []
+        for a, b, _ in inside:
+            gaps.append(a - cursor)
+            cursor = b
+        gaps.append(end - cursor)
+        free += [g for g in gaps if g > 0]
+        for k, (a, b, frames) in enumerate(inside):
+            if gaps[k] > 0 and gaps[k + 1] > 0:
+                site = islands.setdefault(_site(frames), [0, 0])
+                site[0] += b - a
+                site[1] += 1
+    mapped_bytes = sum(b - a for a, b in mapped)
+    live_bytes = sum(size for size, _ in live.values())
+    return {"mapped_bytes": mapped_bytes, "live_bytes": live_bytes, "free_bytes": sum(free),
+            "free_ranges": len(free), "largest_free_bytes": sorted(free)[::-1][:LARGEST_KEPT],
+            "islands": [{"site": site, "bytes": n, "blocks": count} for site, (n, count)
+                        in sorted(islands.items(), key=lambda kv: -kv[1][0])[:SITES_KEPT]]}
+
+
+def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
+                       segments: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The layout just before each run of releases that ``retried_requests`` reports, in its
+    order: ``segments`` (``torch.cuda.memory._snapshot()["segments"]`` of the trace's device,
+    taken after the trace's last entry) rewound through ``trace`` ([Note: the room at a
+    retry])."""
+    # Which allocation made the block each completed free gives back (its frames), by a pass
+    # forward: None where the block is older than the trace.
+    made_by: dict[int, Optional[list]] = {}
+    open_allocs: dict[int, list] = {}
+    starts = []  # where each of retried_requests' runs begins: its first release
+    in_run = False
+    for i, entry in enumerate(trace):
+        action, addr = entry.get("action"), entry.get("addr")
+        if action == "alloc":
+            open_allocs[addr] = entry.get("frames") or []
+            in_run = False
+        elif action == "free_completed":
+            made_by[i] = open_allocs.pop(addr, None)
+        elif action in RELEASES and not in_run:
+            starts.append(i)
+            in_run = True
+    mapped = [(int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
+              for seg in segments]
+    live = {int(blk["address"]): (int(blk["size"]), blk.get("frames") or None)
+            for seg in segments for blk in seg.get("blocks") or []
+            if blk.get("state") in ("active_allocated", "active_pending_free")}
+    # Blocks alive at the end whose allocation is in the trace carry its frames.
+    for addr, frames in open_allocs.items():
+        if addr in live:
+            live[addr] = (live[addr][0], frames)
+    layouts: list[dict[str, Any]] = []
+    i = len(trace)
+    for start in reversed(starts):
+        while i > start:
+            i -= 1
+            entry = trace[i]
+            action, addr, size = entry.get("action"), entry.get("addr"), int(entry.get("size", 0))
+            if action == "alloc":
+                live.pop(addr, None)
+            elif action == "free_completed":
+                live[addr] = (size, made_by.get(i))
+            elif action in MAPS:
+                mapped = _without(mapped, addr, addr + size)
+                if not MAPS[action]:
+                    mapped.append((addr, addr + size))
+        layouts.append(_layout(mapped, live))
+    return layouts[::-1]
+
+
 @contextlib.contextmanager
 def recorded(device, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
     """Record the allocation history of the ``with`` body on CUDA ``device``; afterwards the
@@ -81,5 +216,9 @@ def recorded(device, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
         traces = snapshot.get("device_traces") or []
         trace = traces[device.index] if device.index is not None and device.index < len(traces) \
             else []
+        segments = [seg for seg in snapshot.get("segments") or []
+                    if seg.get("device") == device.index]
         out["entries"] = len(trace)
-        out["retried_requests"] = retried_requests(trace)
+        out["retried_requests"] = [
+            {**found, "layout": layout}
+            for found, layout in zip(retried_requests(trace), layouts_at_retries(trace, segments))]

@@ -55,3 +55,58 @@ def test_a_trace_without_releases_has_no_retries():
              {"action": "segment_map", "size": 8, "stream": 0},
              {"action": "free_completed", "size": 8, "stream": 0}]
     assert retried_requests(trace) == []
+
+
+def test_the_layout_before_a_retry_is_the_last_snapshot_rewound():
+    layouts_at_retries = _module().layouts_at_retries
+    forward = [_frame("/work/benches/plain_setup.py", 180, "forward")]
+    loss = [_frame("/work/benches/plain_setup.py", 195, "_loss")]
+    trace = [
+        {"action": "alloc", "addr": 100, "size": 150, "frames": forward},           # X
+        {"action": "free_completed", "addr": 500, "size": 100},  # a block older than the trace
+        {"action": "alloc", "addr": 700, "size": 50, "frames": forward},            # Y
+        # no 400 bytes in one piece: torch unmaps every free page, maps the request's, serves it
+        {"action": "segment_unmap", "addr": 300, "size": 200},
+        {"action": "free_completed", "addr": 250, "size": 50},  # Z, older than the trace; one run
+        {"action": "segment_unmap", "addr": 500, "size": 200},
+        {"action": "segment_unmap", "addr": 750, "size": 250},
+        {"action": "segment_map", "addr": 1000, "size": 400},
+        {"action": "alloc", "addr": 1000, "size": 400, "frames": loss},
+        {"action": "free_completed", "addr": 100, "size": 150},                     # X
+    ]
+    # The snapshot after the trace: one segment per mapped range, as under expandable segments.
+    segments = [
+        {"address": 0, "total_size": 300, "blocks": [
+            {"address": 0, "size": 100, "state": "active_allocated", "frames": []},  # A, older
+            {"address": 100, "size": 150, "state": "inactive"},
+            {"address": 250, "size": 50, "state": "inactive"}]},
+        {"address": 700, "total_size": 50, "blocks": [
+            {"address": 700, "size": 50, "state": "active_allocated", "frames": forward}]},
+        {"address": 1000, "total_size": 400, "blocks": [
+            {"address": 1000, "size": 400, "state": "active_allocated", "frames": loss}]},
+    ]
+    # Before the run of unmaps: [0, 1000) mapped; A, X, Z and Y live; free [300, 700) and
+    # [750, 1000); Y alone has free memory on both sides.
+    assert layouts_at_retries(trace, segments) == [{
+        "mapped_bytes": 1000, "live_bytes": 350, "free_bytes": 650, "free_ranges": 2,
+        "largest_free_bytes": [400, 250],
+        "islands": [{"site": "/work/benches/plain_setup.py:180 forward", "bytes": 50,
+                     "blocks": 1}]}]
+
+
+def test_each_retry_gets_the_layout_of_its_own_moment():
+    layouts_at_retries = _module().layouts_at_retries
+    site = [_frame("/work/m.py", 1, "f")]
+    trace = [
+        {"action": "alloc", "addr": 0, "size": 10, "frames": site},
+        {"action": "segment_unmap", "addr": 10, "size": 90},
+        {"action": "alloc", "addr": 200, "size": 50, "frames": site},
+        {"action": "free_completed", "addr": 0, "size": 10},
+        {"action": "segment_unmap", "addr": 0, "size": 10},
+    ]
+    segments = [{"address": 200, "total_size": 50, "blocks": [
+        {"address": 200, "size": 50, "state": "active_allocated", "frames": site}]}]
+    first, second = layouts_at_retries(trace, segments)
+    assert (first["mapped_bytes"], first["live_bytes"], first["largest_free_bytes"]) == (
+        150, 10, [90, 50])
+    assert (second["mapped_bytes"], second["live_bytes"], second["free_bytes"]) == (60, 50, 10)
