@@ -425,7 +425,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                "peak_reserved_bytes": _reserved_peak(model, device)
                if device.type == "cuda" else 0,
                "cache_at_failure": _cache_of(device) if device.type == "cuda" else None}
-        del step_loss, opt, model, pool, card
+        # The step's closures hold these cells: emptied, not deleted, so the variant's memory goes.
+        step_loss = opt = model = pool = card = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -474,7 +475,8 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
            "alloc_retries_after_step2": retries[-1] - retries[2] if len(retries) > 3 else 0,
            **steps_so_far(),
            "card": card.capacity_fraction() if card is not None else None}
-    del step_loss, opt, model, pool, card
+    # The step's closures hold these cells: emptied, not deleted, so the variant's memory goes.
+    step_loss = opt = model = pool = card = None
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return out

@@ -201,7 +201,7 @@ def _row(name, budget, fw, bw, stats, seconds) -> dict:
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"## Recompute: per region (zbuf) vs the partitioner's knapsack, CPU, fake tensors",
+    lines = ["## Recompute: per region (zbuf) vs the partitioner's knapsack, CPU, fake tensors",
              "",
              f"qwen3-8b layer shape, {a['layers']} layers, micro-batch {a['micro_batch']} x seq "
              f"{a['seq']}, {a['world']} ranks; torch {result['torch']}; "
