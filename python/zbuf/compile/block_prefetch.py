@@ -238,7 +238,8 @@ class BlockPrefetch:
 
     def __init__(self, reducer, *, prefetch: bool, check_order: bool = False) -> None:
         self.reducer = reducer
-        """The root's ``ReduceOnce`` ([Note: reduce once]): every frame's gradients go through it."""
+        """The root's ``ReduceOnce`` ([Note: reduce once]): every frame's gradients go through
+        it."""
         self.prefetch = prefetch
         """Launch the next block's gathers (forward) and the previous block's (backward) one block
         ahead; False: one block's weights live at a time (``FramePlan``)."""
