@@ -30,7 +30,7 @@ older than the trace have no site).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 RELEASES = ("segment_unmap", "segment_free")
 """Trace actions that give cached memory back to the device."""
@@ -46,35 +46,50 @@ def _frames(entry: Mapping[str, Any]) -> list[str]:
             for f in frames[:FRAMES_KEPT]]
 
 
-def retried_requests(trace: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _release_runs(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, Optional[int]]]:
+    """Each run of cache releases in ``trace``: the index of its first release and of the
+    allocation that ends it (None where none does: a release at the trace's end)."""
+    runs: list[tuple[int, Optional[int]]] = []
+    start: Optional[int] = None
+    for i, entry in enumerate(trace):
+        action = entry.get("action")
+        if action in RELEASES and start is None:
+            start = i
+        elif action == "alloc" and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, None))
+    return runs
+
+
+def retried_requests(trace: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each run of cache releases in ``trace`` (one device's entries of
     ``torch.cuda.memory._snapshot()["device_traces"]``, oldest first) with the allocation after
     it: the request's bytes and stream, what the run released, the bytes allocated beyond the
     trace's start just before the request (allocations less completed frees), and the request's
     own frames (torch's left out). A run that no allocation follows (a release at the trace's
     end: ``empty_cache``) is reported with ``request_bytes`` None."""
-    found: list[dict[str, Any]] = []
+    net_before = []  # bytes allocated beyond the trace's start before each entry
     net = 0
-    released: Optional[dict[str, Any]] = None
     for entry in trace:
+        net_before.append(net)
         action = entry.get("action")
-        size = int(entry.get("size", 0))
-        if action in RELEASES:
-            if released is None:
-                released = {"released_bytes": 0, "releases": 0, "allocated_before_bytes": net,
-                            "time_us": entry.get("time_us")}
-            released["released_bytes"] += size
-            released["releases"] += 1
-        elif action == "alloc":
-            if released is not None:
-                found.append({**released, "request_bytes": size, "stream": entry.get("stream"),
-                              "frames": _frames(entry)})
-                released = None
-            net += size
+        if action == "alloc":
+            net += int(entry.get("size", 0))
         elif action == "free_completed":
-            net -= size
-    if released is not None:
-        found.append({**released, "request_bytes": None, "stream": None, "frames": []})
+            net -= int(entry.get("size", 0))
+    found: list[dict[str, Any]] = []
+    for start, end in _release_runs(trace):
+        released = [int(e.get("size", 0)) for e in trace[start:end]
+                    if e.get("action") in RELEASES]
+        request = trace[end] if end is not None else None
+        found.append({"released_bytes": sum(released), "releases": len(released),
+                      "allocated_before_bytes": net_before[start],
+                      "time_us": trace[start].get("time_us"),
+                      "request_bytes": None if request is None else int(request.get("size", 0)),
+                      "stream": None if request is None else request.get("stream"),
+                      "frames": [] if request is None else _frames(request)})
     return found
 
 
@@ -159,18 +174,12 @@ def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
     # forward: None where the block is older than the trace.
     made_by: dict[int, Optional[list]] = {}
     open_allocs: dict[int, list] = {}
-    starts = []  # where each of retried_requests' runs begins: its first release
-    in_run = False
     for i, entry in enumerate(trace):
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
             open_allocs[addr] = entry.get("frames") or []
-            in_run = False
         elif action == "free_completed":
             made_by[i] = open_allocs.pop(addr, None)
-        elif action in RELEASES and not in_run:
-            starts.append(i)
-            in_run = True
     mapped = [(int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
               for seg in segments]
     live = {int(blk["address"]): (int(blk["size"]), blk.get("frames") or None)
@@ -182,7 +191,7 @@ def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
             live[addr] = (live[addr][0], frames)
     layouts: list[dict[str, Any]] = []
     i = len(trace)
-    for start in reversed(starts):
+    for start, _ in reversed(_release_runs(trace)):
         while i > start:
             i -= 1
             entry = trace[i]
