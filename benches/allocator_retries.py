@@ -22,9 +22,14 @@ step. So each retried request also gets the device's layout just before its rele
 expandable segments, and their live blocks) rewound through the trace's events after that
 moment (an allocation undone frees its range, a completed free undone makes it live again with
 the frames of the allocation that made it, a mapping undone unmaps). It says how much was
-mapped, live and free, the largest free ranges, and the live blocks that split the free room
-(free memory on both sides in the same mapped range), by the site that allocated them (blocks
-older than the trace have no site).
+mapped, live and free, the largest free ranges with the live block on each side of them (or
+the mapped range's end, beyond which torch may map more pages to grow the range), and the live
+blocks that split the free room (free memory on both sides in the same mapped range), by the
+site that allocated them (blocks older than the trace have no site).
+
+At qwen3-32b the first reading gave three free ranges of 6.6-7.6 GB with block outputs between
+them (benches/results/onepath32b.md), not which ranges they bound nor what stood at the mapped
+ends, where a range grows without a retry: so each large range names its two neighbours.
 """
 
 from __future__ import annotations
@@ -96,7 +101,8 @@ def retried_requests(trace: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 MAPS = {"segment_map": True, "segment_alloc": True, "segment_unmap": False, "segment_free": False}
 """Trace actions that map device memory into torch's cache (True) or give it back (False)."""
 LARGEST_KEPT = 5
-"""Free ranges reported per layout, largest first."""
+"""Free ranges reported per layout, largest first, each with the live block below and above it
+(None: the end of its mapped range)."""
 SITES_KEPT = 8
 """Sites of the live blocks that split the free room reported per layout, most bytes first."""
 BEFORE_THE_TRACE = "before the trace"
@@ -135,7 +141,7 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
-    free: list[int] = []
+    free: list[tuple[int, Optional[dict], Optional[dict]]] = []  # bytes, below, above
     islands: dict[str, list[int]] = {}
     i = 0
     for start, end in merged:
@@ -150,7 +156,10 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             gaps.append(a - cursor)
             cursor = b
         gaps.append(end - cursor)
-        free += [g for g in gaps if g > 0]
+        # A neighbour of gap k: the block below it and the one above, None at the mapped ends.
+        sides = [None] + [{"site": _site(frames), "bytes": b - a} for a, b, frames in inside]
+        free += [(g, sides[k], sides[k + 1] if k + 1 < len(sides) else None)
+                 for k, g in enumerate(gaps) if g > 0]
         for k, (a, b, frames) in enumerate(inside):
             if gaps[k] > 0 and gaps[k + 1] > 0:
                 site = islands.setdefault(_site(frames), [0, 0])
@@ -158,8 +167,11 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
                 site[1] += 1
     mapped_bytes = sum(b - a for a, b in mapped)
     live_bytes = sum(size for size, _ in live.values())
-    return {"mapped_bytes": mapped_bytes, "live_bytes": live_bytes, "free_bytes": sum(free),
-            "free_ranges": len(free), "largest_free_bytes": sorted(free)[::-1][:LARGEST_KEPT],
+    largest = sorted(free, key=lambda gap: -gap[0])[:LARGEST_KEPT]
+    return {"mapped_bytes": mapped_bytes, "live_bytes": live_bytes,
+            "free_bytes": sum(g for g, _, _ in free), "free_ranges": len(free),
+            "largest_free": [{"bytes": g, "below": below, "above": above}
+                             for g, below, above in largest],
             "islands": [{"site": site, "bytes": n, "blocks": count} for site, (n, count)
                         in sorted(islands.items(), key=lambda kv: -kv[1][0])[:SITES_KEPT]]}
 

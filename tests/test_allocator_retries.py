@@ -85,11 +85,15 @@ def test_the_layout_before_a_retry_is_the_last_snapshot_rewound():
         {"address": 1000, "total_size": 400, "blocks": [
             {"address": 1000, "size": 400, "state": "active_allocated", "frames": loss}]},
     ]
-    # Before the run of unmaps: [0, 1000) mapped; A, X, Z and Y live; free [300, 700) and
-    # [750, 1000); Y alone has free memory on both sides.
+    # Before the run of unmaps: [0, 1000) mapped; A, X, Z and Y live; free [300, 700) between
+    # Z and Y, and [750, 1000) between Y and the mapped range's end; Y alone has free memory on
+    # both sides.
+    y = {"site": "/work/benches/plain_setup.py:180 forward", "bytes": 50}
     assert layouts_at_retries(trace, segments) == [{
         "mapped_bytes": 1000, "live_bytes": 350, "free_bytes": 650, "free_ranges": 2,
-        "largest_free_bytes": [400, 250],
+        "largest_free": [
+            {"bytes": 400, "below": {"site": "before the trace", "bytes": 50}, "above": y},
+            {"bytes": 250, "below": y, "above": None}],
         "islands": [{"site": "/work/benches/plain_setup.py:180 forward", "bytes": 50,
                      "blocks": 1}]}]
 
@@ -107,6 +111,9 @@ def test_each_retry_gets_the_layout_of_its_own_moment():
     segments = [{"address": 200, "total_size": 50, "blocks": [
         {"address": 200, "size": 50, "state": "active_allocated", "frames": site}]}]
     first, second = layouts_at_retries(trace, segments)
-    assert (first["mapped_bytes"], first["live_bytes"], first["largest_free_bytes"]) == (
-        150, 10, [90, 50])
+    assert (first["mapped_bytes"], first["live_bytes"]) == (150, 10)
+    # [10, 100) above the first block, up to the mapped end; [200, 250) a mapped range alone.
+    assert first["largest_free"] == [
+        {"bytes": 90, "below": {"site": "/work/m.py:1 f", "bytes": 10}, "above": None},
+        {"bytes": 50, "below": None, "above": None}]
     assert (second["mapped_bytes"], second["live_bytes"], second["free_bytes"]) == (60, 50, 10)
