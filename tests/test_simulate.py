@@ -304,6 +304,9 @@ def test_fit_on_cpu_finds_a_micro_batch_and_a_smaller_card_a_smaller_one(tmp_pat
     peaks = {p["micro_batch"]: p["peak_bytes"] for p in found["probes"]}
     assert set(peaks) == {1, 2} and peaks[2] > peaks[1], peaks
     assert all(p["headroom_bytes"] == (16 << 30) - p["peak_bytes"] for p in found["probes"])
+    # Each step's retries (none on CPU); the eager engine has no block frames to report.
+    assert all(p["retries_by_step"] == [0, 0] and p["activations"] is None
+               for p in found["probes"]), found["probes"]
     assert "largest micro-batch that fits: 2" in res.stdout and "headroom" in res.stdout
     # On CPU the peak is the probe process's resident memory, and fit says so (issue 37).
     assert "peak RSS is the probe process's peak resident memory" in res.stdout, res.stdout
@@ -363,6 +366,60 @@ def test_fit_probe_time_limit_ends_the_probe_not_the_search(tmp_path):
                       steps=2).resolve(cuda=False, world=2, bench=False)
     p = fit.probe(cfg, 1, timeout_s=0.5)  # far less than a process start
     assert not p.fits and "no result within 0.5 s" in p.why and p.seconds < 30
+
+
+def test_a_probe_says_where_its_retries_fell_and_what_its_plan_did_with_the_activations():
+    """A fit answer is read with what made it: a probe whose retries stopped in its warm-up
+    fits, one still retrying in its last step does not, and the blocks' levels and offloaded
+    calls say why a smaller micro-batch steps faster per sample (benches/results/fit.md: qwen3-32b
+    at micro-batch 4 took 1.47 s a sample, at 5-7 1.82-1.83 s)."""
+    from zbuf.train.fit import read_probe
+
+    def record(cumulative, levels, offloaded):
+        steps = [{"time_s": 1.0 + i, "alloc_retries": [n, 7]} for i, n in enumerate(cumulative)]
+        return {"per_rank": [{"peak_device_bytes": 70, "alloc_retries_total": cumulative[-1],
+                              "alloc_retries_measured": cumulative[-1] - cumulative[2]}],
+                "warmup_steps": 3, "steps": steps,
+                "schedule": {"blocks": {"levels": levels,
+                                        "activation_offload": {"blocks": offloaded}}}}
+
+    levels = ["recompute"] * 4 + ["selective", "recompute", "selective", "recompute"]
+    settled = read_probe(4, record([0, 1, 2, 2, 2, 2], levels, [4, 6]), 80, 60.0)
+    assert settled.fits and settled.retries_by_step == [0, 1, 1, 0, 0, 0]
+    assert settled.activations == {"recompute": 6, "selective": 2, "keep": 0, "offloaded": 2}
+    assert settled.headroom_bytes == 10 and settled.step_time_s == 5.0
+    still = read_probe(5, record([0, 1, 2, 3, 4, 5], ["recompute"] * 8, []), 80, 60.0)
+    assert not still.fits and still.retries_by_step == [0, 1, 1, 1, 1, 1]
+    assert still.why == "3 allocator retries after warm-up"
+    assert still.activations == {"recompute": 8, "selective": 0, "keep": 0, "offloaded": 0}
+    graph = read_probe(4, {**record([0] * 6, [], []), "schedule": {"graphs": []}}, 80, 1.0)
+    assert graph.activations is None
+
+
+def test_fit_prints_what_the_plan_did_with_the_blocks(tmp_path, capsys, monkeypatch):
+    """The probe's line names the blocks' levels once the plan moved any off level 0, and the
+    record keeps each step's retries."""
+    from zbuf.train import fit
+
+    def probe(cfg, mb, timeout_s):
+        moved = {"recompute": 52, "selective": 12, "keep": 0, "offloaded": 12}
+        as_checkpointed = {"recompute": 64, "selective": 0, "keep": 0, "offloaded": 0}
+        if mb == 1:
+            return fit.Probe(mb, True, "fits", 70, 10, 0, 0, 1.0, 2.0, None, [0, 0], moved)
+        return fit.Probe(mb, False, "1 allocator retries after warm-up", 75, 5, 0, 1, 1.5, 2.0,
+                         None, [0, 1], as_checkpointed)
+
+    monkeypatch.setattr(fit, "probe", probe)
+    out = tmp_path / "fit.json"
+    assert main(["fit", "--simulate-world", "2", "--gpu-memory", "1GiB", "--max-micro-batch",
+                 "2", "--out", str(out)]) == 0
+    lines = {int(line.split(":")[0].split()[-1]): line
+             for line in capsys.readouterr().out.splitlines()
+             if line.startswith("  micro-batch ")}
+    assert lines[1].endswith("  blocks: 52 recompute, 12 selective (12 offloaded)"), lines
+    assert "blocks:" not in lines[2], lines
+    assert [p["retries_by_step"] for p in json.loads(out.read_text())["probes"]] == [[0, 0],
+                                                                                    [0, 1]]
 
 
 @pytest.mark.parametrize("lo, hi", [(1, 1), (1, 8), (3, 16), (4, 5)])

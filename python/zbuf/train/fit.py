@@ -36,10 +36,11 @@ import tempfile
 import time
 from typing import Any, NamedTuple, Optional
 
+from ..compile.recompute import LEVELS
 from .config import TrainConfig, format_bytes
 from .record import FIT_SCHEMA
 
-__all__ = ["Probe", "FitResult", "probe", "verdict", "fit", "FIT_SCHEMA"]
+__all__ = ["Probe", "FitResult", "probe", "read_probe", "verdict", "fit", "FIT_SCHEMA"]
 
 
 
@@ -64,6 +65,15 @@ class Probe(NamedTuple):
     offloaded_bytes: Optional[int] = None
     """Optimizer state the zbuf engine kept in host memory to fit ([Note: offloading when the
     step does not fit] in zbuf/offload_choice.py); None: none moved."""
+    retries_by_step: Optional[list[int]] = None
+    """Rank 0's allocator retries in each step, warm-up included: whether they stopped before
+    the measured steps or were still coming (a card this full at a longer run's step 6)."""
+    activations: Optional[dict[str, int]] = None
+    """What the plan did with the blocks' activations, as its last step ran: block calls at each
+    recompute level (``zbuf.compile.recompute.LEVELS``) and, under ``"offloaded"``, how many
+    of them sent theirs to host memory ([Note: offloaded blocks] in
+    zbuf/compile/block_offload.py); None: not block frames. A micro-batch with the room keeps
+    or offloads what a larger one recomputes, so its step per sample is shorter."""
 
 
 class FitResult(NamedTuple):
@@ -119,18 +129,40 @@ def probe(cfg: TrainConfig, micro_batch: int, timeout_s: float) -> Probe:
             return Probe(micro_batch, False, why, None, None, None, None, None, seconds)
         with open(partial) as f:
             eng = json.load(f)["engines"][0]
+    return read_probe(micro_batch, eng, cfg.gpu_memory, seconds)
+
+
+def read_probe(micro_batch: int, eng: dict[str, Any], card_bytes: int, seconds: float) -> Probe:
+    """The probe of ``micro_batch`` from its run's engine record ``eng`` (a finished run)."""
     rank0 = eng["per_rank"][0]
     peak = rank0["peak_device_bytes"]
     warm = rank0["alloc_retries_total"] - rank0["alloc_retries_measured"]
     measured = rank0["alloc_retries_measured"]
     times = sorted(s["time_s"] for s in eng["steps"][eng["warmup_steps"]:])
     median = times[len(times) // 2] if times else None
-    card = cfg.gpu_memory
-    why = verdict(peak, card, measured)
+    why = verdict(peak, card_bytes, measured)
     offload = (eng.get("step_memory") or {}).get("optimizer_offload") or {}
     moved = offload.get("offloaded_state_bytes") if offload.get("active") else None
-    return Probe(micro_batch, why == "fits", why, peak, card - peak, warm, measured, median,
-                 seconds, moved)
+    totals = [0] + [s["alloc_retries"][0] for s in eng["steps"]]  # each step's, cumulative
+    return Probe(micro_batch, why == "fits", why, peak, card_bytes - peak, warm, measured,
+                 median, seconds, moved, [b - a for a, b in zip(totals, totals[1:])],
+                 _activations(eng))
+
+
+def _replanned(activations: Optional[dict[str, int]]) -> bool:
+    """Whether the plan moved any block call off level 0 (the model's own checkpointing, which
+    under ``--ac off`` recomputes nothing): what the probe's line then shows."""
+    return bool(activations) and any(activations[level] for level in LEVELS[1:])
+
+
+def _activations(eng: dict[str, Any]) -> Optional[dict[str, int]]:
+    """``Probe.activations`` from a block frames run's schedule (None for any other run)."""
+    blocks = (eng.get("schedule") or {}).get("blocks")
+    if not isinstance(blocks, dict) or blocks.get("levels") is None:
+        return None
+    counts = {level: blocks["levels"].count(level) for level in LEVELS}
+    counts["offloaded"] = len((blocks.get("activation_offload") or {}).get("blocks") or [])
+    return counts
 
 
 def verdict(peak_bytes: int, card_bytes: int, retries_measured: int) -> str:
@@ -224,7 +256,12 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
                       f"retries warm-up/measured {retries:>5}  "
                       f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}"
                       + ("" if p.offloaded_bytes is None else
-                         f"  optimizer state offloaded {format_bytes(p.offloaded_bytes)}"),
+                         f"  optimizer state offloaded {format_bytes(p.offloaded_bytes)}")
+                      + ("" if not _replanned(p.activations) else "  blocks: " + ", ".join(
+                          f"{p.activations[level]} {level}" for level in LEVELS
+                          if p.activations[level])
+                         + (f" ({p.activations['offloaded']} offloaded)"
+                            if p.activations["offloaded"] else "")),
                       highlight=False, markup=False, soft_wrap=True)
 
     result = fit(cfg, max_micro_batch=max_micro_batch, timeout_s=timeout_s,
