@@ -66,8 +66,8 @@ class Probe(NamedTuple):
     """Optimizer state the zbuf engine kept in host memory to fit ([Note: offloading when the
     step does not fit] in zbuf/offload_choice.py); None: none moved."""
     retries_by_step: Optional[list[int]] = None
-    """Rank 0's allocator retries in each step, warm-up included: whether they stopped before
-    the measured steps or were still coming (a card this full at a longer run's step 6)."""
+    """Rank 0's allocator retries in each step, warm-up included: whether they stopped within
+    the warm-up or were still coming in the last step (a longer run would retry on)."""
     activations: Optional[dict[str, int]] = None
     """What the plan did with the blocks' activations, as its last step ran: block calls at each
     recompute level (``zbuf.compile.recompute.LEVELS``) and, under ``"offloaded"``, how many
