@@ -30,11 +30,19 @@ site that allocated them (blocks older than the trace have no site).
 At qwen3-32b the first reading gave three free ranges of 6.6-7.6 GB with block outputs between
 them (benches/results/onepath32b.md), not which ranges they bound nor what stood at the mapped
 ends, where a range grows without a retry: so each large range names its two neighbours.
+
+A reading is one question; the next one should not cost a GPU call. So ``recorded`` can also
+keep the history itself (``save_history``: the trace and the segments, each frame list cut to
+the frames outside torch, gzipped), and ``python3 benches/allocator_retries.py HISTORY`` reads
+the retries and their layouts off a kept one on any machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
+import sys
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 RELEASES = ("segment_unmap", "segment_free")
@@ -44,11 +52,14 @@ TORCH_FRAMES = ("/torch/", "/site-packages/torch", "<frozen", "contextlib.py")
 FRAMES_KEPT = 8
 
 
+def _outside_torch(frames: Optional[Sequence[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    return [f for f in frames or []
+            if not any(part in f.get("filename", "") for part in TORCH_FRAMES)][:FRAMES_KEPT]
+
+
 def _frames(entry: Mapping[str, Any]) -> list[str]:
-    frames = [f for f in entry.get("frames") or []
-              if not any(part in f.get("filename", "") for part in TORCH_FRAMES)]
     return [f"{f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}"
-            for f in frames[:FRAMES_KEPT]]
+            for f in _outside_torch(entry.get("frames"))]
 
 
 def _release_runs(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, Optional[int]]]:
@@ -220,10 +231,49 @@ def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
     return layouts[::-1]
 
 
+TRACE_KEYS = ("action", "addr", "size", "stream", "time_us")
+BLOCK_KEYS = ("address", "size", "state")
+
+
+def save_history(path: str, trace: Sequence[Mapping[str, Any]],
+                 segments: Sequence[Mapping[str, Any]]) -> None:
+    """Keep ``trace`` and ``segments`` (as ``layouts_at_retries`` takes them) in ``path``, gzipped
+    JSON: what the readings here use of them, frames cut to those outside torch."""
+    def cut(item: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+        kept = {k: item[k] for k in keys if k in item}
+        if item.get("frames") is not None:
+            kept["frames"] = [{k: f.get(k) for k in ("filename", "line", "name")}
+                              for f in _outside_torch(item["frames"])]
+        return kept
+
+    history = {"trace": [cut(e, TRACE_KEYS) for e in trace],
+               "segments": [{"address": seg["address"], "total_size": seg["total_size"],
+                             "blocks": [cut(b, BLOCK_KEYS) for b in seg.get("blocks") or []]}
+                            for seg in segments]}
+    with gzip.open(path, "wt") as f:
+        json.dump(history, f)
+
+
+def load_history(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The trace and segments ``save_history`` kept in ``path``."""
+    with gzip.open(path, "rt") as f:
+        history = json.load(f)
+    return history["trace"], history["segments"]
+
+
+def read(trace: Sequence[Mapping[str, Any]],
+         segments: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each retried request of ``trace`` with the layout just before it."""
+    return [{**found, "layout": layout}
+            for found, layout in zip(retried_requests(trace), layouts_at_retries(trace, segments))]
+
+
 @contextlib.contextmanager
-def recorded(device, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
+def recorded(device, max_entries: int = 1_000_000,
+             history: Optional[str] = None) -> Iterator[dict[str, Any]]:
     """Record the allocation history of the ``with`` body on CUDA ``device``; afterwards the
-    yielded dict holds ``entries`` (the trace's length) and ``retried_requests`` of it."""
+    yielded dict holds ``entries`` (the trace's length) and ``retried_requests`` of it, each with
+    its layout; ``history``: a path to keep the history in as well (``save_history``)."""
     import torch
 
     out: dict[str, Any] = {}
@@ -240,6 +290,12 @@ def recorded(device, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
         segments = [seg for seg in snapshot.get("segments") or []
                     if seg.get("device") == device.index]
         out["entries"] = len(trace)
-        out["retried_requests"] = [
-            {**found, "layout": layout}
-            for found, layout in zip(retried_requests(trace), layouts_at_retries(trace, segments))]
+        out["retried_requests"] = read(trace, segments)
+        if history is not None:
+            save_history(history, trace, segments)
+            out["history"] = history
+
+
+if __name__ == "__main__":  # python3 benches/allocator_retries.py HISTORY.json.gz
+    json.dump(read(*load_history(sys.argv[1])), sys.stdout, indent=1)
+    print()

@@ -335,7 +335,8 @@ def _reserved_peak(model, device) -> int:
 
 def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
                 user_ac: UserCheckpointing = UserCheckpointing("inside"),
-                profile_dir: str | None = None, trace_step: int | None = None) -> dict:
+                profile_dir: str | None = None, trace_step: int | None = None,
+                out_dir: str | None = None) -> dict:
     from allocator_retries import recorded
     from zbuf.train.compile_phases import PhaseClock
     from zbuf.train.data import rank_batch
@@ -401,8 +402,14 @@ def run_variant(variant: str, cfg, device, dtype, rank: int, world: int,
             batch = batch_of(step)
             clock = PhaseClock() if step < max(cfg.warmup, 1) else None
             traced = step == trace_step and device.type == "cuda"
+            history = None  # the traced step's history kept beside the record, to read again
+            if traced and out_dir is not None:
+                os.makedirs(out_dir, exist_ok=True)
+                history = os.path.join(out_dir, f"allocation_history_{variant.replace('+', '-')}"
+                                                f"_step{step}.json.gz")
             with clock or contextlib.nullcontext(), \
-                    recorded(device) if traced else contextlib.nullcontext() as trace:
+                    recorded(device, history=history) if traced else contextlib.nullcontext() \
+                    as trace:
                 t0 = time.perf_counter()
                 loss = train_step(batch)
                 times.append(time.perf_counter() - t0)
@@ -618,7 +625,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="directory for plain_setup.{json,md}")
     p.add_argument("--trace-step", type=int, default=None, metavar="N",
                    help="record step N's allocation history on CUDA and put the requests that "
-                        "made torch's allocator retry in the record (allocator_trace)")
+                        "made torch's allocator retry in the record (allocator_trace); with "
+                        "--out, keep the history there too (python3 "
+                        "benches/allocator_retries.py FILE reads it again)")
     p.add_argument("--profile-dir", default=None, metavar="DIR",
                    help="profile two extra steps per variant: a trace and a summary of where the "
                         "device's time goes, per variant, in DIR")
@@ -677,7 +686,7 @@ def main() -> None:
     for v in variants:
         user_ac = UserCheckpointing(args.placement, args.attn_dropout, args.preserve_rng_state)
         results.append(run_variant(v, cfg, device, dtype, rank, world, user_ac,
-                                   args.profile_dir, args.trace_step))
+                                   args.profile_dir, args.trace_step, args.out))
         if rank != 0:
             continue
         r = results[-1]

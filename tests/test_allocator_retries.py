@@ -4,7 +4,9 @@ an allocation history (the trace format of ``torch.cuda.memory._snapshot``)."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
 import sys
 
 BENCHES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches")
@@ -117,3 +119,42 @@ def test_each_retry_gets_the_layout_of_its_own_moment():
         {"bytes": 90, "below": {"site": "/work/m.py:1 f", "bytes": 10}, "above": None},
         {"bytes": 50, "below": None, "above": None}]
     assert (second["mapped_bytes"], second["live_bytes"], second["free_bytes"]) == (60, 50, 10)
+
+
+def test_a_kept_history_reads_the_same_on_any_machine(tmp_path):
+    """The history ``recorded`` keeps is read again without a GPU (``python3
+    benches/allocator_retries.py FILE``) to the same retries and layouts, torch's frames left out
+    and the reading's fields kept."""
+    m = _module()
+    inside_torch = _frame("/x/site-packages/torch/nn/functional.py", 1, "cross_entropy")
+    loss = [inside_torch, _frame("/work/benches/plain_setup.py", 195, "_loss")]
+    forward = [_frame("/work/benches/plain_setup.py", 180, "forward")]
+    trace = [
+        {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": forward,
+         "time_us": 1, "compile_context": "N/A", "user_metadata": ""},
+        {"action": "segment_unmap", "addr": 100, "size": 300, "stream": 0, "time_us": 2},
+        {"action": "segment_map", "addr": 400, "size": 500, "stream": 0, "time_us": 3},
+        {"action": "alloc", "addr": 400, "size": 500, "stream": 0, "frames": loss,
+         "time_us": 4},
+    ]
+    segments = [
+        {"address": 0, "total_size": 100, "device": 0, "stream": 0, "segment_type": "large",
+         "blocks": [{"address": 0, "size": 100, "requested_size": 100,
+                     "state": "active_allocated", "frames": forward}]},
+        {"address": 400, "total_size": 500, "device": 0, "stream": 0, "segment_type": "large",
+         "blocks": [{"address": 400, "size": 500, "requested_size": 500,
+                     "state": "active_allocated", "frames": loss}]},
+    ]
+    path = str(tmp_path / "history.json.gz")
+    m.save_history(path, trace, segments)
+    kept_trace, kept_segments = m.load_history(path)
+    assert kept_trace[3]["frames"] == [loss[1]] and "compile_context" not in kept_trace[0]
+    assert m.read(kept_trace, kept_segments) == m.read(trace, segments)
+    out = subprocess.run([sys.executable, os.path.join(BENCHES, "allocator_retries.py"), path],
+                         capture_output=True, text=True, check=True).stdout
+    (found,) = json.loads(out)
+    assert found["request_bytes"] == 500 and found["frames"] == [
+        "/work/benches/plain_setup.py:195 _loss"]
+    assert found["layout"]["largest_free"] == [{
+        "bytes": 300, "below": {"site": "/work/benches/plain_setup.py:180 forward", "bytes": 100},
+        "above": None}]

@@ -302,7 +302,9 @@ case "${1:-}" in
     # Records: onepath_MODEL_PLACEMENT_VARIANT/plain_setup.json in $OUT/onepath_MODEL_records.tgz;
     # PROFILE=1: two extra steps profiled per variant, the summary under .../profile/ and printed.
     # TRACE_STEP=N: step N's allocation history read for the requests torch's allocator retried
-    # at (benches/allocator_retries.py), in the record and printed.
+    # at (benches/allocator_retries.py), in the record and printed; the history itself kept in
+    # the records (allocation_history_VARIANT_stepN.json.gz: read it again on any machine with
+    # python3 benches/allocator_retries.py FILE).
     # zbuf.compile runs with PYTORCH_CUDA_ALLOC_CONF blank: torch's allocator left to zbuf
     limit=290
     # The first process on a fresh machine reads torch's, Triton's and CUDA's libraries from
