@@ -25,7 +25,9 @@ the frames of the allocation that made it, a mapping undone unmaps). It says how
 mapped, live and free, the largest free ranges with the live block on each side of them (or
 the mapped range's end, beyond which torch may map more pages to grow the range), and the live
 blocks that split the free room (free memory on both sides in the same mapped range), by the
-site that allocated them (blocks older than the trace have no site).
+site that allocated them (blocks older than the trace have no site), each site with the
+largest free range there would be were all its blocks elsewhere: whether moving that site's
+allocations would give the request its room.
 
 At qwen3-32b the first reading gave three free ranges of 6.6-7.6 GB with block outputs between
 them (benches/results/onepath32b.md), not which ranges they bound nor what stood at the mapped
@@ -154,6 +156,7 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             merged.append([start, end])
     free: list[tuple[int, Optional[dict], Optional[dict]]] = []  # bytes, below, above
     islands: dict[str, list[int]] = {}
+    ranges: list[tuple[list[int], list[tuple[str, int]]]] = []  # each range's gaps and blocks
     i = 0
     for start, end in merged:
         while i < len(blocks) and blocks[i][0] < start:
@@ -167,6 +170,7 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             gaps.append(a - cursor)
             cursor = b
         gaps.append(end - cursor)
+        ranges.append((gaps, [(_site(frames), b - a) for a, b, frames in inside]))
         # A neighbour of gap k: the block below it and the one above, None at the mapped ends.
         sides = [None] + [{"site": _site(frames), "bytes": b - a} for a, b, frames in inside]
         free += [(g, sides[k], sides[k + 1] if k + 1 < len(sides) else None)
@@ -183,8 +187,26 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             "free_bytes": sum(g for g, _, _ in free), "free_ranges": len(free),
             "largest_free": [{"bytes": g, "below": below, "above": above}
                              for g, below, above in largest],
-            "islands": [{"site": site, "bytes": n, "blocks": count} for site, (n, count)
+            "islands": [{"site": site, "bytes": n, "blocks": count,
+                         "largest_free_without": _largest_without(ranges, site)}
+                        for site, (n, count)
                         in sorted(islands.items(), key=lambda kv: -kv[1][0])[:SITES_KEPT]]}
+
+
+def _largest_without(ranges: Sequence[tuple[list[int], list[tuple[str, int]]]],
+                     site: str) -> int:
+    """The largest free range were every live block of ``site`` free too: what moving that
+    site's allocations out of the way would give the request ([Note: the room at a retry])."""
+    largest = 0
+    for gaps, inside in ranges:
+        run = gaps[0]
+        for k, (owner, size) in enumerate(inside):
+            if owner == site:
+                run += size + gaps[k + 1]
+            else:
+                largest, run = max(largest, run), gaps[k + 1]
+        largest = max(largest, run)
+    return largest
 
 
 def layouts_at_retries(trace: Sequence[Mapping[str, Any]],

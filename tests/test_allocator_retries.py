@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 BENCHES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benches")
 
 
@@ -96,8 +99,9 @@ def test_the_layout_before_a_retry_is_the_last_snapshot_rewound():
         "largest_free": [
             {"bytes": 400, "below": {"site": "before the trace", "bytes": 50}, "above": y},
             {"bytes": 250, "below": y, "above": None}],
+        # Y and X elsewhere, [300, 1000) would be one range: the 400-byte request's room.
         "islands": [{"site": "/work/benches/plain_setup.py:180 forward", "bytes": 50,
-                     "blocks": 1}]}]
+                     "blocks": 1, "largest_free_without": 700}]}]
 
 
 def test_each_retry_gets_the_layout_of_its_own_moment():
@@ -158,3 +162,35 @@ def test_a_kept_history_reads_the_same_on_any_machine(tmp_path):
     assert found["layout"]["largest_free"] == [{
         "bytes": 300, "below": {"site": "/work/benches/plain_setup.py:180 forward", "bytes": 100},
         "above": None}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.sampled_from("abc")),
+                max_size=12),
+       st.integers(0, 40))
+def test_a_layout_accounts_for_every_mapped_byte(spans, tail):
+    """Whatever the live blocks: free and live bytes add up to what is mapped, the largest free
+    range is the largest gap, and moving a site's blocks never gives less room."""
+    layout_of = _module()._layout
+    live, cursor = {}, 0
+    for gap, size, site in spans:  # blocks laid out upward, each after a gap
+        cursor += gap
+        live[cursor] = (size, [_frame(f"/work/{site}.py", 1, "f")])
+        cursor += size
+    mapped_end = cursor + tail
+    layout = layout_of([(0, mapped_end)] if mapped_end else [], live)
+    assert layout["free_bytes"] + layout["live_bytes"] == layout["mapped_bytes"] == mapped_end
+    gaps, cursor = [], 0
+    for addr in sorted(live):
+        gaps.append(addr - cursor)
+        cursor = addr + live[addr][0]
+    gaps.append(mapped_end - cursor)
+    largest = max(gaps, default=0)
+    assert [r["bytes"] for r in layout["largest_free"]][:1] == ([largest] if largest else [])
+    without = {island["site"].split(":")[0]: island["largest_free_without"]
+               for island in layout["islands"]}
+    assert all(largest <= room <= mapped_end for room in without.values())
+    for k, addr in enumerate(sorted(live)):  # an island gone joins the ranges on its two sides
+        size, frames = live[addr]
+        if gaps[k] and gaps[k + 1]:
+            assert without[frames[0]["filename"]] >= gaps[k] + size + gaps[k + 1]
