@@ -26,8 +26,10 @@ mapped, live and free, the largest free ranges with the live block on each side 
 the mapped range's end, beyond which torch may map more pages to grow the range), and the live
 blocks that split the free room (free memory on both sides in the same mapped range), by the
 site that allocated them (blocks older than the trace have no site), each site with the
-largest free range there would be were all its blocks elsewhere: whether moving that site's
-allocations would give the request its room.
+largest free range there would be were all its blocks elsewhere (whether moving that site's
+allocations would give the request its room) and the most it held at once over the trace (what
+memory of its own, a ``torch.cuda.MemPool`` say, would keep from every other allocation all
+step).
 
 At qwen3-32b the first reading gave three free ranges of 6.6-7.6 GB with block outputs between
 them (benches/results/onepath32b.md), not which ranges they bound nor what stood at the mapped
@@ -143,10 +145,11 @@ def _without(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[
     return out
 
 
-def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optional[list]]]
-            ) -> dict[str, Any]:
+def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optional[list]]],
+            held: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
     """Mapped, live and free bytes, the largest free ranges and the sites of the live blocks that
-    split the free room ([Note: the room at a retry])."""
+    split the free room ([Note: the room at a retry]); ``held``: the most each site held at
+    once over the trace, for those sites."""
     blocks = sorted((addr, addr + size, frames) for addr, (size, frames) in live.items())
     merged: list[list[int]] = []  # mapped ranges, touching ones joined (one segment's pages)
     for start, end in sorted(mapped):
@@ -188,7 +191,8 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             "largest_free": [{"bytes": g, "below": below, "above": above}
                              for g, below, above in largest],
             "islands": [{"site": site, "bytes": n, "blocks": count,
-                         "largest_free_without": _largest_without(ranges, site)}
+                         "largest_free_without": _largest_without(ranges, site),
+                         "held_at_most_bytes": (held or {}).get(site)}
                         for site, (n, count)
                         in sorted(islands.items(), key=lambda kv: -kv[1][0])[:SITES_KEPT]]}
 
@@ -217,14 +221,23 @@ def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
     retry])."""
     # Which allocation made the block each completed free gives back (its frames), by a pass
     # forward: None where the block is older than the trace.
+    # On the way, the most each site held at once: what memory of its own would have to hold.
     made_by: dict[int, Optional[list]] = {}
     open_allocs: dict[int, list] = {}
+    holding: dict[str, int] = {}
+    held: dict[str, int] = {}
     for i, entry in enumerate(trace):
-        action, addr = entry.get("action"), entry.get("addr")
+        action, addr, size = entry.get("action"), entry.get("addr"), int(entry.get("size", 0))
         if action == "alloc":
             open_allocs[addr] = entry.get("frames") or []
+            site = _site(open_allocs[addr])
+            holding[site] = holding.get(site, 0) + size
+            held[site] = max(held.get(site, 0), holding[site])
         elif action == "free_completed":
             made_by[i] = open_allocs.pop(addr, None)
+            if made_by[i] is not None:
+                site = _site(made_by[i])
+                holding[site] -= size
     mapped = [(int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
               for seg in segments]
     live = {int(blk["address"]): (int(blk["size"]), blk.get("frames") or None)
@@ -249,7 +262,7 @@ def layouts_at_retries(trace: Sequence[Mapping[str, Any]],
                 mapped = _without(mapped, addr, addr + size)
                 if not MAPS[action]:
                     mapped.append((addr, addr + size))
-        layouts.append(_layout(mapped, live))
+        layouts.append(_layout(mapped, live, held))
     return layouts[::-1]
 
 

@@ -99,9 +99,10 @@ def test_the_layout_before_a_retry_is_the_last_snapshot_rewound():
         "largest_free": [
             {"bytes": 400, "below": {"site": "before the trace", "bytes": 50}, "above": y},
             {"bytes": 250, "below": y, "above": None}],
-        # Y and X elsewhere, [300, 1000) would be one range: the 400-byte request's room.
+        # Y and X elsewhere, [300, 1000) would be one range: the 400-byte request's room; the
+        # forward held X and Y together (200 bytes) before X was freed.
         "islands": [{"site": "/work/benches/plain_setup.py:180 forward", "bytes": 50,
-                     "blocks": 1, "largest_free_without": 700}]}]
+                     "blocks": 1, "largest_free_without": 700, "held_at_most_bytes": 200}]}]
 
 
 def test_each_retry_gets_the_layout_of_its_own_moment():
