@@ -173,16 +173,16 @@ def _layout(mapped: list[tuple[int, int]], live: Mapping[int, tuple[int, Optiona
             gaps.append(a - cursor)
             cursor = b
         gaps.append(end - cursor)
-        ranges.append((gaps, [(_site(frames), b - a) for a, b, frames in inside]))
+        owners = [(_site(frames), b - a) for a, b, frames in inside]
+        ranges.append((gaps, owners))
         # A neighbour of gap k: the block below it and the one above, None at the mapped ends.
-        sides = [None] + [{"site": _site(frames), "bytes": b - a} for a, b, frames in inside]
-        free += [(g, sides[k], sides[k + 1] if k + 1 < len(sides) else None)
-                 for k, g in enumerate(gaps) if g > 0]
-        for k, (a, b, frames) in enumerate(inside):
+        sides = [None] + [{"site": site, "bytes": size} for site, size in owners] + [None]
+        free += [(g, sides[k], sides[k + 1]) for k, g in enumerate(gaps) if g > 0]
+        for k, (site, size) in enumerate(owners):
             if gaps[k] > 0 and gaps[k + 1] > 0:
-                site = islands.setdefault(_site(frames), [0, 0])
-                site[0] += b - a
-                site[1] += 1
+                island = islands.setdefault(site, [0, 0])
+                island[0] += size
+                island[1] += 1
     mapped_bytes = sum(b - a for a, b in mapped)
     live_bytes = sum(size for size, _ in live.values())
     largest = sorted(free, key=lambda gap: -gap[0])[:LARGEST_KEPT]
@@ -296,7 +296,7 @@ def load_history(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     return history["trace"], history["segments"]
 
 
-def read(trace: Sequence[Mapping[str, Any]],
+def retries_and_layouts(trace: Sequence[Mapping[str, Any]],
          segments: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each retried request of ``trace`` with the layout just before it."""
     return [{**found, "layout": layout}
@@ -325,12 +325,12 @@ def recorded(device, max_entries: int = 1_000_000,
         segments = [seg for seg in snapshot.get("segments") or []
                     if seg.get("device") == device.index]
         out["entries"] = len(trace)
-        out["retried_requests"] = read(trace, segments)
+        out["retried_requests"] = retries_and_layouts(trace, segments)
         if history is not None:
             save_history(history, trace, segments)
             out["history"] = history
 
 
 if __name__ == "__main__":  # python3 benches/allocator_retries.py HISTORY.json.gz
-    json.dump(read(*load_history(sys.argv[1])), sys.stdout, indent=1)
+    json.dump(retries_and_layouts(*load_history(sys.argv[1])), sys.stdout, indent=1)
     print()

@@ -154,7 +154,8 @@ def test_a_kept_history_reads_the_same_on_any_machine(tmp_path):
     m.save_history(path, trace, segments)
     kept_trace, kept_segments = m.load_history(path)
     assert kept_trace[3]["frames"] == [loss[1]] and "compile_context" not in kept_trace[0]
-    assert m.read(kept_trace, kept_segments) == m.read(trace, segments)
+    assert m.retries_and_layouts(kept_trace, kept_segments) == m.retries_and_layouts(trace,
+                                                                             segments)
     out = subprocess.run([sys.executable, os.path.join(BENCHES, "allocator_retries.py"), path],
                          capture_output=True, text=True, check=True).stdout
     (found,) = json.loads(out)

@@ -149,10 +149,14 @@ def read_probe(micro_batch: int, eng: dict[str, Any], card_bytes: int, seconds: 
                  _activations(eng))
 
 
-def _replanned(activations: Optional[dict[str, int]]) -> bool:
-    """Whether the plan moved any block call off level 0 (the model's own checkpointing, which
-    under ``--ac off`` recomputes nothing): what the probe's line then shows."""
-    return bool(activations) and any(activations[level] for level in LEVELS[1:])
+def _blocks_moved(activations: Optional[dict[str, int]]) -> str:
+    """The probe line's account of the blocks, once the plan moved any block call off level 0
+    (the model's own checkpointing, which under ``--ac off`` recomputes nothing); else ""."""
+    if not activations or not any(activations[level] for level in LEVELS[1:]):
+        return ""
+    levels = ", ".join(f"{activations[level]} {level}" for level in LEVELS if activations[level])
+    offloaded = activations["offloaded"]
+    return f"  blocks: {levels}" + (f" ({offloaded} offloaded)" if offloaded else "")
 
 
 def _activations(eng: dict[str, Any]) -> Optional[dict[str, int]]:
@@ -257,11 +261,7 @@ def main(cfg: TrainConfig, *, max_micro_batch: int, timeout_s: float, min_micro_
                       f"step {step:>9}  ({p.seconds:.0f} s){'' if p.fits else '  ' + p.why}"
                       + ("" if p.offloaded_bytes is None else
                          f"  optimizer state offloaded {format_bytes(p.offloaded_bytes)}")
-                      + ("" if not _replanned(p.activations) else "  blocks: " + ", ".join(
-                          f"{p.activations[level]} {level}" for level in LEVELS
-                          if p.activations[level])
-                         + (f" ({p.activations['offloaded']} offloaded)"
-                            if p.activations["offloaded"] else "")),
+                      + _blocks_moved(p.activations),
                       highlight=False, markup=False, soft_wrap=True)
 
     result = fit(cfg, max_micro_batch=max_micro_batch, timeout_s=timeout_s,
